@@ -1,0 +1,403 @@
+"""Typed configuration for megalite.
+
+Config flows one way (STYLE.md): command-line flags -> these dataclasses (validated once, with
+errors that name the flag) -> the objects built from them. No module reads flags or environment
+variables on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, asdict
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the offending flag(s) and what would be valid."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of a GPT model (GPT-2 and Llama families).
+
+    Field names follow Megatron-LM's flags (``num_layers`` is ``--num-layers``).
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_attention_heads: int = 4
+    ffn_hidden_size: Optional[int] = None  # default 4*h (GPT-2) / set explicitly for SwiGLU
+    num_query_groups: Optional[int] = None  # GQA: None means = num_attention_heads (MHA)
+    kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
+    seq_length: int = 256
+    max_position_embeddings: Optional[int] = None  # default seq_length
+    vocab_size: int = 8192  # the tokenizer's vocab; padded internally (see padded_vocab_size)
+    make_vocab_size_divisible_by: int = 128
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    activation: str = "gelu"  # gelu | gelu_tanh | silu (silu is used with swiglu)
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: Optional[bool] = None  # None: same as add_bias_linear
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    # Parallel behaviour the layers themselves must know about.
+    sequence_parallel: bool = False
+    # Activation recomputation: None | "full" | "selective"
+    recompute_granularity: Optional[str] = None
+    recompute_method: Optional[str] = None  # "uniform" | "block" (full only)
+    recompute_num_layers: Optional[int] = None
+    params_dtype: str = "float32"  # float32 | bfloat16 | float16
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None and self.num_attention_heads > 0:
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.add_qkv_bias is None:
+            self.add_qkv_bias = self.add_bias_linear
+        if self.swiglu and self.activation == "gelu":
+            self.activation = "silu"
+
+    # ----------------------------------------------------------------------------------------
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (THEORY.md)."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def tie_embeddings(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+    def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
+        t = tensor_model_parallel_size
+        positive = ["num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                    "seq_length", "vocab_size", "num_query_groups", "make_vocab_size_divisible_by"]
+        for name in positive:
+            if getattr(self, name) is None or getattr(self, name) <= 0:
+                raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
+            raise ConfigError(
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({self.num_attention_heads}) (or set --kv-channels)")
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ConfigError(
+                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ConfigError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--num-query-groups ({self.num_query_groups})")
+        if self.num_attention_heads % t != 0:
+            raise ConfigError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--tensor-model-parallel-size ({t})")
+        if self.num_query_groups % t != 0:
+            raise ConfigError(
+                f"--num-query-groups ({self.num_query_groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({t})")
+        if self.ffn_hidden_size % t != 0:
+            raise ConfigError(
+                f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
+                f"--tensor-model-parallel-size ({t})")
+        if self.sequence_parallel and t == 1:
+            # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
+            # it is an error rather than a silent no-op (docs/tensor_parallel.md).
+            raise ConfigError("--sequence-parallel requires --tensor-model-parallel-size > 1")
+        if self.sequence_parallel and self.seq_length % t != 0:
+            raise ConfigError(
+                f"--seq-length ({self.seq_length}) must be divisible by "
+                f"--tensor-model-parallel-size ({t}) with --sequence-parallel")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ConfigError(f"--position-embedding-type must be learned_absolute or rope, got "
+                              f"{self.position_embedding_type!r}")
+        if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
+            raise ConfigError(f"rope needs an even head dim, got {self.kv_channels}")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+        if self.activation not in ("gelu", "gelu_tanh", "silu", "relu"):
+            raise ConfigError(f"activation must be gelu, gelu_tanh, silu or relu, got {self.activation!r}")
+        if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
+            raise ConfigError(
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.max_position_embeddings})")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(f"--recompute-granularity must be full or selective, got "
+                              f"{self.recompute_granularity!r}")
+        if self.recompute_granularity == "full":
+            if self.recompute_method not in (None, "uniform", "block"):
+                raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        if self.params_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"params dtype must be float32, bfloat16 or float16, got {self.params_dtype!r}")
+        return self
+
+    def num_parameters(self, include_embeddings: bool = True) -> int:
+        """Parameter count Ψ of the full (unsharded, unpadded) model."""
+        h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        d = self.kv_channels
+        q = self.num_attention_heads * d
+        kv = 2 * self.num_query_groups * d
+        bias = self.add_bias_linear
+        qkv_bias = self.add_qkv_bias
+        norm = 2 * h if self.normalization == "LayerNorm" else h
+        attn = h * (q + kv) + (q + kv if qkv_bias else 0) + q * h + (h if bias else 0)
+        fc1_out = 2 * f if self.swiglu else f
+        mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
+        per_layer = attn + mlp + 2 * norm
+        total = L * per_layer + norm
+        if include_embeddings:
+            total += self.vocab_size * h
+            if self.position_embedding_type == "learned_absolute":
+                total += self.max_position_embeddings * h
+            if self.untie_embeddings_and_output_weights:
+                total += self.vocab_size * h
+        return total
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
+    device: Optional[str] = None  # None: cuda when available, else cpu
+    distributed_timeout_minutes: float = 10.0
+
+    def validate(self, world_size: int = 1) -> "ParallelConfig":
+        t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if t < 1 or p < 1:
+            raise ConfigError(
+                f"--tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size ({p}) "
+                f"must be >= 1")
+        if world_size % (t * p) != 0:
+            raise ConfigError(
+                f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
+                f"x --pipeline-model-parallel-size ({p}) = {t * p}")
+        if self.sequence_parallel and t == 1:
+            raise ConfigError("--sequence-parallel requires --tensor-model-parallel-size > 1")
+        if self.distributed_backend not in (None, "gloo", "nccl"):
+            raise ConfigError(f"--distributed-backend must be gloo or nccl, got {self.distributed_backend!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        return self
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class OptimizerConfig:
+    optimizer: str = "adam"  # AdamW with decoupled weight decay
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | WSD
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    lr_decay_iters: Optional[int] = None  # default train_iters
+    lr_wsd_decay_iters: Optional[int] = None  # WSD: length of the final decay phase
+    lr_wsd_decay_style: str = "linear"
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0  # 0 disables clipping
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    # Mixed precision (fp32 master weights and Adam states in both 16-bit modes)
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: Optional[float] = None  # static scale; None = dynamic (fp16)
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    # Data parallelism / ZeRO (issue: distributed optimizer)
+    zero_stage: int = 0  # 0 DDP, 1 optimizer states, 2 + grads, 3 + params
+    use_distributed_optimizer: bool = False  # Megatron's spelling of zero_stage >= 1
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    ddp_bucket_size: Optional[int] = None  # elements per bucket; None = one bucket per ~40M elems
+    zero3_prefetch_depth: int = 1
+
+    def validate(self) -> "OptimizerConfig":
+        if self.optimizer not in ("adam", "adamw", "sgd"):
+            raise ConfigError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.bf16 and self.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive: choose one")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD", "inverse-square-root"):
+            raise ConfigError(f"--lr-decay-style must be constant, linear, cosine or WSD, got "
+                              f"{self.lr_decay_style!r}")
+        if self.lr < 0 or self.min_lr < 0:
+            raise ConfigError(f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be >= 0")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
+        if self.lr_warmup_iters < 0:
+            raise ConfigError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"--clip-grad must be >= 0 (0 disables), got {self.clip_grad}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(f"--adam-beta1/--adam-beta2 must be in [0, 1), got "
+                              f"{self.adam_beta1}, {self.adam_beta2}")
+        if self.use_distributed_optimizer and self.zero_stage == 0:
+            self.zero_stage = 1
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.overlap_param_gather and self.zero_stage == 0:
+            raise ConfigError("--overlap-param-gather needs the distributed optimizer "
+                              "(--use-distributed-optimizer or --zero-stage 1/2/3)")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
+            raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got "
+                              f"{self.ddp_bucket_size}")
+        if self.zero3_prefetch_depth < 0:
+            raise ConfigError(f"--zero3-prefetch-depth must be >= 0, got {self.zero3_prefetch_depth}")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        return self
+
+    @property
+    def params_dtype(self) -> str:
+        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
+
+
+@dataclass
+class DataConfig:
+    data_path: Optional[list] = None  # None: the built-in corpus (Python stdlib sources)
+    split: str = "969,30,1"
+    tokenizer_type: Optional[str] = None  # None: byte-level BPE trained on the corpus
+    tokenizer_model: Optional[str] = None
+    vocab_size: int = 8192  # for the trained tokenizer
+    dataset_text_field: str = "text"
+    num_workers: int = 0
+    eod_mask_loss: bool = False
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None
+
+    def validate(self) -> "DataConfig":
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            weights = [float(x) for x in parts if x.strip() != ""]
+        except ValueError:
+            raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, got {self.split!r}")
+        if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"--split must be up to three non-negative numbers with a positive "
+                              f"sum, like 969,30,1; got {self.split!r}")
+        if self.num_workers < 0:
+            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.vocab_size is not None and self.vocab_size < 260:
+            raise ConfigError(f"--vocab-size must be at least 260 for a byte-level BPE tokenizer, "
+                              f"got {self.vocab_size}")
+        return self
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = 4
+    global_batch_size: Optional[int] = None  # default micro * dp
+    train_iters: int = 500
+    eval_interval: int = 100
+    eval_iters: int = 10
+    skip_train: bool = False
+    seed: int = 1234
+    # pipeline schedule
+    pipeline_schedule: Optional[str] = None  # 1f1b | interleaved | zb-h1 (None: 1f1b or interleaved)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    timing_log_level: int = 0
+    exit_interval: Optional[int] = None
+
+    def validate(self, data_parallel_size: int = 1) -> "TrainingConfig":
+        if self.micro_batch_size <= 0:
+            raise ConfigError(f"--micro-batch-size must be positive, got {self.micro_batch_size}")
+        if self.global_batch_size is None:
+            self.global_batch_size = self.micro_batch_size * data_parallel_size
+        if self.global_batch_size <= 0 or self.global_batch_size % (
+                self.micro_batch_size * data_parallel_size) != 0:
+            raise ConfigError(
+                f"--global-batch-size ({self.global_batch_size}) must be a positive multiple of "
+                f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size "
+                f"({data_parallel_size}) = {self.micro_batch_size * data_parallel_size}")
+        if self.train_iters < 0:
+            raise ConfigError(f"--train-iters must be >= 0, got {self.train_iters}")
+        if self.eval_interval <= 0 or self.eval_iters < 0:
+            raise ConfigError(f"--eval-interval must be > 0 and --eval-iters >= 0, got "
+                              f"{self.eval_interval}, {self.eval_iters}")
+        if self.pipeline_schedule not in (None, "1f1b", "interleaved", "zb-h1"):
+            raise ConfigError(f"--pipeline-schedule must be 1f1b, interleaved or zb-h1, got "
+                              f"{self.pipeline_schedule!r}")
+        return self
+
+    def num_micro_batches(self, data_parallel_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    exit_on_missing_checkpoint: bool = False
+    use_checkpoint_args: bool = False
+
+    def validate(self) -> "CheckpointConfig":
+        if self.save_interval is not None and self.save_interval <= 0:
+            raise ConfigError(f"--save-interval must be positive, got {self.save_interval}")
+        return self
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    wandb_project: Optional[str] = None
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    log_throughput: bool = True
+    metrics_file: Optional[str] = None
+
+    def validate(self) -> "LoggingConfig":
+        if self.log_interval <= 0:
+            raise ConfigError(f"--log-interval must be positive, got {self.log_interval}")
+        return self
+
+
+@dataclass
+class MegaliteConfig:
+    """Everything pretrain.py needs, built by megalite.arguments from the command line."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,1 @@
+"""Data parallelism: gradient finalization, grad buffers and buckets, ZeRO sharding."""

@@ -1,0 +1,62 @@
+"""The gradient reductions that must happen after backward and before the optimizer step.
+
+1. Sequence-parallel parameters (norms, row-parallel biases, position embeddings under SP) saw
+   only this rank's sequence shard: all-reduce their gradients over the TP group.
+2. Tied embeddings split across pipeline stages: the first stage's input embedding and the last
+   stage's output layer are two copies of one weight; sum their gradients over the embedding group.
+3. Data parallelism (plain path): sum gradients over the DP group. The loss is already normalised by
+   the global batch's token count (DESIGN.md contract 4), so a SUM, not a mean, is right. The ZeRO
+   optimizer replaces this step with its own bucketed reduce-scatter / all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+import torch
+import torch.nn as nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megalite import collectives as C
+from megalite.parallel_state import ParallelState
+
+
+def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+    g = getattr(p, "main_grad", None)
+    return g if g is not None else p.grad
+
+
+def _all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
+    if not grads or C.group_size(group) == 1:
+        return
+    flat = _flatten_dense_tensors(grads)
+    C.all_reduce(flat, group=group, tag=tag)
+    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def allreduce_sequence_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
+    grads = [g for m in models for p in m.parameters()
+             if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
+    _all_reduce_coalesced(grads, ps.tp_group, "tp_sp_grad_all_reduce")
+
+
+def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
+    if ps.pp_size == 1 or not ps.in_embedding_group:
+        return
+    grads = [g for m in models for p in m.parameters()
+             if getattr(p, "shared_embedding", False) and (g := _grad_of(p)) is not None]
+    _all_reduce_coalesced(grads, ps.embedding_group, "embedding_grad_all_reduce")
+
+
+def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
+    grads = [g for m in models for p in m.parameters() if (g := _grad_of(p)) is not None]
+    _all_reduce_coalesced(grads, ps.dp_group, "dp_grad_all_reduce")
+
+
+def finalize_model_grads(models, ps: ParallelState, data_parallel: bool = True) -> None:
+    models = models if isinstance(models, (list, tuple)) else [models]
+    allreduce_sequence_parallel_grads(models, ps)
+    allreduce_embedding_grads(models, ps)
+    if data_parallel:
+        allreduce_data_parallel_grads(models, ps)

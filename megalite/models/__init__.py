@@ -1,0 +1,1 @@
+from megalite.models.gpt import GPTModel  # noqa: F401

@@ -1,0 +1,188 @@
+"""GPTModel: embedding -> transformer layers -> final norm -> output layer (-> loss).
+
+One class covers both families through :class:`ModelConfig`: GPT-2 (learned absolute positions,
+LayerNorm, GeLU, biases, tied embeddings) and Llama (RoPE, RMSNorm, SwiGLU, no biases, GQA, untied
+output layer).
+
+Public forward takes ``input_ids [b, s]`` (DESIGN.md contract 2) and returns
+  * per-token losses ``[b, s]`` (fp32) when ``labels`` are given and this is the last stage;
+  * full logits ``[b, s, V]`` (real vocab, gathered over TP) when no labels are given;
+  * hidden states ``[s, b, h]`` (``[s/t, b, h]`` under SP) on a stage that is not the last.
+
+Stage-aware: ``pre_process`` (owns the embedding), ``post_process`` (owns final norm, output layer
+and loss) and ``layer_range`` (global layer numbers [start, end)) let the pipeline cut the model.
+Layers are kept in a ModuleDict keyed by their *global* number, so parameter names (and hence the
+initialization seeds and checkpoint keys) are the same in every layout.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from megalite import collectives as C
+from megalite.config import ModelConfig
+from megalite.models.init import initialize_parameters
+from megalite.models.norms import build_norm
+from megalite.models.transformer import TransformerLayer
+from megalite.parallel_state import ParallelState, get_parallel_state
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    dtype_from_name,
+)
+from megalite.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
+
+EMBEDDING_WEIGHT_NAME = "embedding.word_embeddings.weight"
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel) + learned absolute position embeddings, then dropout."""
+
+    def __init__(self, config: ModelConfig, padded_vocab: int, tp_group, device=None):
+        super().__init__()
+        dtype = dtype_from_name(config.params_dtype)
+        self.sequence_parallel = config.sequence_parallel and C.group_size(tp_group) > 1
+        self.tp_group = tp_group
+        self.word_embeddings = VocabParallelEmbedding(
+            padded_vocab, config.hidden_size, tp_group=tp_group,
+            sequence_parallel=self.sequence_parallel, init_std=config.init_method_std,
+            params_dtype=dtype, device=device)
+        self.position_embeddings = None
+        if config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size, dtype=dtype, device=device)
+            self.position_embeddings.weight.init_method = ("normal", config.init_method_std)
+            # Under SP each rank adds the positions of its own sequence shard: partial gradient.
+            self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+        self.dropout = config.hidden_dropout
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        x = self.word_embeddings(input_ids)  # [s(/t), b, h]
+        if self.position_embeddings is not None:
+            s_local = x.shape[0]
+            if position_ids is None:
+                start = C.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0
+                pos = self.position_embeddings.weight[start:start + s_local].unsqueeze(1)
+            else:
+                pos = self.position_embeddings(position_ids.t())
+                if self.sequence_parallel:
+                    pos = pos.chunk(C.group_size(self.tp_group), 0)[C.group_rank(self.tp_group)]
+            x = x + pos
+        if self.training and self.dropout > 0:
+            if self.sequence_parallel:
+                with get_rng_tracker().fork():
+                    x = nn.functional.dropout(x, self.dropout, True)
+            else:
+                x = nn.functional.dropout(x, self.dropout, True)
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_range: Optional[Tuple[int, int]] = None, seed: Optional[int] = 1234,
+                 device=None):
+        super().__init__()
+        ps = parallel_state or get_parallel_state()
+        self.parallel_state = ps
+        self.config = config.validate(ps.tp_size)
+        self.tp_group = ps.tp_group
+        self.tp_size = C.group_size(ps.tp_group)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
+        self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
+        self.layer_range = layer_range or (0, config.num_layers)
+        device = device if device is not None else ps.device
+        dtype = dtype_from_name(config.params_dtype)
+
+        if pre_process:
+            self.embedding = Embedding(config, self.padded_vocab_size, ps.tp_group, device)
+        start, end = self.layer_range
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, i, ps.tp_group, device) for i in range(start, end)})
+        if post_process:
+            self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)
+            share = config.tie_embeddings and pre_process
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
+                tp_group=ps.tp_group, sequence_parallel=self.sequence_parallel,
+                init_std=config.init_method_std, params_dtype=dtype, device=device,
+                skip_weight_param_allocation=share)
+            if not share:
+                self.output_layer.weight.init_method = ("normal_vocab", config.init_method_std)
+                if config.tie_embeddings:
+                    # A separate copy of the tied embedding on the last pipeline stage: it starts
+                    # equal (same seed name) and its gradient is summed with the first stage's
+                    # over the embedding group every step (finalize_model_grads).
+                    self.output_layer.weight.init_seed_name = EMBEDDING_WEIGHT_NAME
+                    self.output_layer.weight.shared_embedding = True
+        if pre_process and post_process is False and config.tie_embeddings:
+            self.embedding.word_embeddings.weight.shared_embedding = ps.pp_size > 1
+        self._input_tensor: Optional[torch.Tensor] = None
+        if seed is not None:
+            initialize_parameters(self, seed, ps.tp_rank, self.tp_size, config)
+
+    # -------------------------------------------------------------------------------------------
+    def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
+        """Hidden states received from the previous pipeline stage."""
+        self._input_tensor = tensor
+
+    def _output_weight(self) -> torch.Tensor:
+        if self.output_layer.weight is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        layers = list(self.layers.values())
+        if cfg.recompute_granularity != "full" or not self.training:
+            for layer in layers:
+                x = layer(x)
+            return x
+        n = cfg.recompute_num_layers or 1
+        if cfg.recompute_method == "block":
+            # Recompute the first n layers of this stage, keep activations for the rest.
+            for i, layer in enumerate(layers):
+                x = checkpoint(layer, x.device, x) if i < n else layer(x)
+            return x
+        # uniform: checkpoint chunks of n layers, storing only each chunk's input
+        for i in range(0, len(layers), n):
+            chunk = layers[i:i + n]
+
+            def run(h, chunk=chunk):
+                for layer in chunk:
+                    h = layer(h)
+                return h
+
+            x = checkpoint(run, x.device, x)
+        return x
+
+    def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            x = self.embedding(input_ids, position_ids)
+        else:
+            x = decoder_input if decoder_input is not None else self._input_tensor
+            if x is None:
+                raise ValueError("a non-first pipeline stage needs its input hidden states")
+        x = self._run_layers(x)
+        if not self.post_process:
+            return x
+        x = self.final_layernorm(x)
+        logits = self.output_layer(x, self._output_weight())  # [s, b, Vp/t]
+        if labels is not None:
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group,
+                                                vocab_size=self.config.vocab_size)
+            return loss.t()  # [b, s]
+        logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
+        return logits[..., : self.config.vocab_size].transpose(0, 1).contiguous()

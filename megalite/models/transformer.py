@@ -1,0 +1,160 @@
+"""A transformer layer that reads like the math:
+
+    x = x + dropout(attention(norm(x)))
+    x = x + dropout(mlp(norm(x)))
+
+on sequence-first activations ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism). The
+parallel layers hide only the f/g collectives (tensor_parallel/mappings.py): attention heads and
+query groups are split across TP ranks by the column-parallel QKV projection, and the
+row-parallel output projection sums the partial results.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite import collectives as C
+from megalite.config import ModelConfig
+from megalite.models.norms import build_norm
+from megalite.models.rotary import RotaryEmbedding, apply_rotary
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, dtype_from_name
+from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
+from megalite.tensor_parallel.utils import divide
+
+
+def _activation(name: str):
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu
+    if name == "relu":
+        return F.relu
+    raise ValueError(f"unknown activation {name!r}")
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head / grouped-query attention with heads split across TP ranks.
+
+    The fused QKV weight is laid out per query group: for each group, its q heads then its one k
+    head then its one v head. Splitting that along the output dimension gives each TP rank whole
+    groups, so no communication is needed inside attention.
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None):
+        super().__init__()
+        self.config = config
+        tp = C.group_size(tp_group)
+        dtype = dtype_from_name(config.params_dtype)
+        d = config.kv_channels
+        self.head_dim = d
+        self.num_heads_local = divide(config.num_attention_heads, tp, "--num-attention-heads")
+        self.num_groups_local = divide(config.num_query_groups, tp, "--num-query-groups")
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
+        sp = config.sequence_parallel
+        out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_out, bias=config.add_qkv_bias, tp_group=tp_group,
+            sequence_parallel=sp, init_std=config.init_method_std, params_dtype=dtype, device=device)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * d, config.hidden_size, bias=config.add_bias_linear,
+            input_is_parallel=True, tp_group=tp_group, sequence_parallel=sp, init_std=out_std,
+            params_dtype=dtype, device=device)
+        self.rotary = (RotaryEmbedding(d, config.rotary_base)
+                       if config.position_embedding_type == "rope" else None)
+        self.selective_recompute = config.recompute_granularity == "selective"
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
+        if self.heads_per_group > 1:
+            k = k.repeat_interleave(self.heads_per_group, dim=1)
+            v = v.repeat_interleave(self.heads_per_group, dim=1)
+        p = self.config.attention_dropout if self.training else 0.0
+        # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
+        with get_rng_tracker().fork():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
+        s, b = qkv.shape[0], qkv.shape[1]
+        d, g, hpg = self.head_dim, self.num_groups_local, self.heads_per_group
+        qkv = qkv.view(s, b, g, (hpg + 2) * d)
+        q, k, v = qkv.split([hpg * d, d, d], dim=-1)
+        q = q.reshape(s, b, g * hpg, d)
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, x.device, q.dtype)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+        # [s, b, n, d] -> [b, n, s, d] for SDPA
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        if self.selective_recompute and self.training:
+            ctx = checkpoint(self.core_attention, x.device, q, k, v)
+        else:
+            ctx = self.core_attention(q, k, v)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * d)
+        return self.linear_proj(ctx)
+
+
+class MLP(nn.Module):
+    """h -> ffn (column-parallel) -> activation -> h (row-parallel). SwiGLU fuses gate and up into
+    one column-parallel weight with stride 2, so each rank holds matching gate/up slices."""
+
+    def __init__(self, config: ModelConfig, tp_group=None, device=None):
+        super().__init__()
+        dtype = dtype_from_name(config.params_dtype)
+        sp = config.sequence_parallel
+        self.swiglu = config.swiglu
+        fc1_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, fc1_out, bias=config.add_bias_linear, tp_group=tp_group,
+            sequence_parallel=sp, init_std=config.init_method_std,
+            stride=2 if config.swiglu else 1, params_dtype=dtype, device=device)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+            input_is_parallel=True, tp_group=tp_group, sequence_parallel=sp, init_std=out_std,
+            params_dtype=dtype, device=device)
+        self.act = _activation(config.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None):
+        super().__init__()
+        dtype = dtype_from_name(config.params_dtype)
+        sp = config.sequence_parallel and C.group_size(tp_group) > 1
+        self.layer_number = layer_number  # global, 0-based
+        self.hidden_dropout = config.hidden_dropout
+        self.sequence_parallel = sp
+        self.input_layernorm = build_norm(config, sp, dtype, device)
+        self.self_attention = SelfAttention(config, layer_number, tp_group, device)
+        self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
+        self.mlp = MLP(config, tp_group, device)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout == 0.0:
+            return x
+        if self.sequence_parallel:  # each rank holds a different sequence shard
+            with get_rng_tracker().fork():
+                return F.dropout(x, self.hidden_dropout, True)
+        return F.dropout(x, self.hidden_dropout, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x)))
+        x = x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        return x

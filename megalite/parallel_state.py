@@ -1,0 +1,235 @@
+"""Process groups for tensor, pipeline, data and model parallelism.
+
+Ranks are laid out tp (fastest-varying) -> dp -> pp, as Megatron-LM's default (DESIGN.md
+contract 6), so the ranks of one TP group are neighbours and land on one node:
+
+    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+A :class:`ParallelState` is an object you pass (STYLE.md); :func:`get_parallel_state` returns the
+module-level default that :func:`initialize_model_parallel` sets, for convenience. Without
+``torch.distributed`` every size is 1 and every group is ``None`` (DESIGN.md contract 7), and the
+parallel code paths reduce to plain local computation.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalite.config import ConfigError
+
+
+# ------------------------------------------------------------------------------------------------
+# Device and backend: the only place megalite asks whether CUDA exists (DESIGN.md contract 1).
+# ------------------------------------------------------------------------------------------------
+def default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def resolve_device(device_type: Optional[str], local_rank: int = 0) -> torch.device:
+    device_type = device_type or default_device_type()
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda was given but no CUDA device is available; use --device cpu")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    if device_type != "cpu":
+        raise ConfigError(f"--device must be cpu or cuda, got {device_type!r}")
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (timers need it on GPU; a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on the device; on CPU, the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+    except Exception:  # pragma: no cover - non-POSIX
+        return 0
+
+
+@dataclass
+class ParallelState:
+    """Who this rank is in each parallel dimension, and the groups to talk to the others."""
+
+    rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    tp_group: Optional[dist.ProcessGroup] = None
+    pp_group: Optional[dist.ProcessGroup] = None
+    dp_group: Optional[dist.ProcessGroup] = None
+    mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: everything but data parallelism
+    embedding_group: Optional[dist.ProcessGroup] = None  # first + last pipeline stage
+    tp_ranks: List[int] = field(default_factory=lambda: [0])
+    pp_ranks: List[int] = field(default_factory=lambda: [0])
+    dp_ranks: List[int] = field(default_factory=lambda: [0])
+    embedding_ranks: List[int] = field(default_factory=lambda: [0])
+    # Virtual pipeline (interleaved) bookkeeping, set by the pipeline code.
+    vpp_size: Optional[int] = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    backend: Optional[str] = None
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_pipeline_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_pipeline_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_next_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
+
+    @property
+    def pp_prev_rank(self) -> int:
+        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+    def describe(self) -> str:
+        return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
+                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
+
+
+_DEFAULT = ParallelState()
+
+
+def get_parallel_state() -> ParallelState:
+    """The module-level default (a single-process state until initialize_model_parallel runs)."""
+    return _DEFAULT
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    global _DEFAULT
+    _DEFAULT = state
+
+
+def rank_grid(world_size: int, tp: int, pp: int):
+    """The rank lists of every TP, DP, PP group, in the tp -> dp -> pp order (pure function)."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size "
+                          f"({pp}) must be >= 1")
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
+            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
+    dp = world_size // (tp * pp)
+
+    def rank_of(t: int, d: int, p: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    tp_groups = [[rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    dp_groups = [[rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_groups = [[rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    mp_groups = [[rank_of(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    return dp, tp_groups, dp_groups, pp_groups, mp_groups
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    backend: Optional[str] = None,
+    device: Optional[str] = None,
+    timeout_minutes: float = 10.0,
+    rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    init_method: Optional[str] = None,
+    set_default: bool = True,
+) -> ParallelState:
+    """Initialise torch.distributed (if needed) and build every process group.
+
+    Rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) unless given explicitly (tests). With world size 1 and no
+    process group already initialised, no ``torch.distributed`` is needed at all.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if rank is None:
+        rank = int(os.environ.get("RANK", "0"))
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    dp, tp_groups, dp_groups, pp_groups, mp_groups = rank_grid(world_size, tp, pp)
+
+    dev = resolve_device(device, local_rank)
+    backend = backend or default_backend(dev.type)
+    if backend == "nccl" and dev.type != "cuda":
+        raise ConfigError("--distributed-backend nccl needs --device cuda; use gloo on CPU")
+
+    if world_size == 1 and not dist.is_initialized():
+        state = ParallelState(device=dev, backend=None)
+        if set_default:
+            set_parallel_state(state)
+        return state
+
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        if init_method is not None:
+            kwargs["init_method"] = init_method
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev
+        dist.init_process_group(**kwargs)
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    state = ParallelState(rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
+                          device=dev, backend=backend)
+
+    # Every rank must create every group, in the same order (a torch.distributed rule).
+    def make(groups, attr_group, attr_ranks):
+        for ranks in groups:
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if rank in ranks:
+                setattr(state, attr_group, group)
+                setattr(state, attr_ranks, list(ranks))
+
+    make(tp_groups, "tp_group", "tp_ranks")
+    make(dp_groups, "dp_group", "dp_ranks")
+    make(pp_groups, "pp_group", "pp_ranks")
+    make(mp_groups, "mp_group", "_mp_ranks")
+    # Embedding group: first and last stage of each pipeline (tied input/output embeddings).
+    embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
+    make(embedding_groups, "embedding_group", "embedding_ranks")
+
+    state.tp_rank = state.tp_ranks.index(rank)
+    state.dp_rank = state.dp_ranks.index(rank)
+    state.pp_rank = state.pp_ranks.index(rank)
+    if set_default:
+        set_parallel_state(state)
+    return state
+
+
+def destroy_model_parallel() -> None:
+    set_parallel_state(ParallelState())
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,276 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Shapes are sequence-first ``[s, b, h]`` (DESIGN.md contract 2). With sequence parallelism (SP) the
+activations between blocks are sharded along ``s``; the column-parallel layer all-gathers them on
+the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
+arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
+
+The weight gradient of the linear layers is computed by its own step. Normally it runs inside the
+backward pass; inside :meth:`WeightGradStore.capture` it is queued instead, so a zero-bubble
+pipeline schedule can run the input-gradient half ("B") now and the weight-gradient half ("W")
+later (Qi et al., arXiv:2401.10241).
+
+Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
+from a generator seeded by the parameter's full name, so the full model does not depend on the
+layout (DESIGN.md contract 3). Each parameter records how to do that in ``param.init_method``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite import collectives as C
+from megalite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_first_dim,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_first_dim,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from megalite.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+# ------------------------------------------------------------------------- deferred weight grads
+class WeightGradStore:
+    """Queue of deferred weight-gradient computations (the "W" of zero-bubble pipelining).
+
+    ``with WeightGradStore.capture() as queue:`` runs a backward whose linear layers append a
+    closure per weight to ``queue`` instead of computing the weight gradient; calling each closure
+    later computes that gradient and accumulates it where the gradient lives (``main_grad`` when a
+    gradient buffer owns the parameter, else ``.grad``).
+    """
+
+    _queue: Optional[List[Callable[[], None]]] = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def capture(cls):
+        previous, cls._queue = cls._queue, []
+        try:
+            yield cls._queue
+        finally:
+            cls._queue = previous
+
+    @classmethod
+    def is_capturing(cls) -> bool:
+        return cls._queue is not None
+
+    @classmethod
+    def put(cls, fn: Callable[[], None]) -> None:
+        assert cls._queue is not None
+        cls._queue.append(fn)
+
+
+def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add a deferred weight gradient to the parameter's gradient storage."""
+    target = getattr(param, "main_grad", None)
+    if target is not None:
+        target.add_(grad.to(target.dtype))
+    elif param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad.to(param.grad.dtype))
+    hook = getattr(param, "deferred_grad_hook", None)
+    if hook is not None:  # lets a gradient buffer learn that this parameter is ready
+        hook(param)
+
+
+def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
+    go = grad_output.reshape(-1, grad_output.shape[-1])
+    x = total_input.reshape(-1, total_input.shape[-1])
+    return go.t().matmul(x)
+
+
+class LinearWithDeferrableWeightGrad(torch.autograd.Function):
+    """y = x W^T + b, with the TP/SP collectives of the input gradient folded in.
+
+    forward:  SP: all-gather x along s first (g-bar).  Output is local to this rank's columns.
+    backward: dgrad = dy W; SP: reduce-scatter it along s; plain TP column layer: all-reduce it
+              (that is the f operator's backward); wgrad = dy^T x (SP: x re-gathered first, since
+              only the local shard was saved — trading one all-gather for s/t memory).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, allreduce_dgrad):
+        ctx.group = group
+        ctx.sequence_parallel = sequence_parallel
+        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.has_bias = bias is not None
+        ctx.weight = weight
+        total_input = gather_first_dim(x, group) if sequence_parallel else x
+        ctx.save_for_backward(x, weight)
+        return F.linear(total_input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        total_input = gather_first_dim(x, group) if ctx.sequence_parallel else x
+        grad_input = grad_output.matmul(weight)
+        if ctx.sequence_parallel:
+            grad_input = reduce_scatter_first_dim(grad_input, group)
+        elif ctx.allreduce_dgrad and C.group_size(group) > 1:
+            grad_input = grad_input.contiguous()
+            C.all_reduce(grad_input, group=group, tag="tp_all_reduce")
+        grad_bias = None
+        if ctx.has_bias:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+        if WeightGradStore.is_capturing():
+            param = ctx.weight
+            WeightGradStore.put(lambda: accumulate_weight_grad(param, _weight_grad(grad_output, total_input)))
+            grad_weight = None
+        else:
+            grad_weight = _weight_grad(grad_output, total_input)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def linear_with_tp(x, weight, bias, group, sequence_parallel=False, allreduce_dgrad=False):
+    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, group, sequence_parallel,
+                                                allreduce_dgrad)
+
+
+# ----------------------------------------------------------------------------------- the layers
+class ColumnParallelLinear(nn.Module):
+    """Y = X A with A split by columns: rank r holds A_r (output features [r*o/t, (r+1)*o/t)).
+
+    Input: ``[s, b, h]`` replicated, or ``[s/t, b, h]`` under SP. Output: ``[s, b, o/t]``, or the
+    full ``[s, b, o]`` with ``gather_output``. ``stride`` > 1 keeps fused blocks (SwiGLU's gate and
+    up) split consistently (see tensor_parallel/utils.py).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
+                 gather_output: bool = False, tp_group=None, sequence_parallel: bool = False,
+                 init_std: float = 0.02, stride: int = 1, params_dtype=torch.float32,
+                 device=None, skip_weight_param_allocation: bool = False):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = C.group_size(tp_group)
+        self.input_size = input_size
+        self.output_size = output_size
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output size")
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        if skip_weight_param_allocation:
+            self.weight = None  # the caller passes the weight to forward (tied output layer)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
+                                                   dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
+            self.weight.init_method = ("normal", init_std)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype,
+                                                 device=device))
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            self.bias.init_method = ("zeros",)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        out = linear_with_tp(x, weight, self.bias, self.tp_group,
+                             sequence_parallel=self.sequence_parallel,
+                             allreduce_dgrad=self.tp_size > 1 and not self.sequence_parallel)
+        if self.gather_output:
+            out = gather_from_tensor_model_parallel_region(out, self.tp_group)
+        return out
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A with A split by rows: rank r holds A_r (input features [r*i/t, (r+1)*i/t)).
+
+    Input: ``[s, b, i/t]`` (``input_is_parallel``) or full ``[s, b, i]`` (then scattered first).
+    The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s``
+    under SP; the bias is added after the sum, once.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
+                 input_is_parallel: bool = True, tp_group=None, sequence_parallel: bool = False,
+                 init_std: float = 0.02, params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = C.group_size(tp_group)
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        if self.sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence parallelism needs input_is_parallel")
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
+        self.weight.init_method = ("normal", init_std)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.bias, False)
+            self.bias.init_method = ("zeros",)
+            # Under SP the bias is added to a sequence shard, so each rank sees only part of its
+            # gradient: it must be all-reduced over TP like the norms' (finalize_model_grads).
+            self.bias.sequence_parallel = self.sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            from megalite.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+
+            x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
+        partial = linear_with_tp(x, self.weight, None, self.tp_group)
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
+        else:
+            out = reduce_from_tensor_model_parallel_region(partial, self.tp_group)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocab split across TP ranks (THEORY.md, vocab-parallel).
+
+    Rank r owns ids [r*Vp/t, (r+1)*Vp/t). Ids outside the range are looked up at row 0 and their
+    output zeroed, then the partial embeddings are all-reduced — or reduce-scattered along the
+    sequence when the next block runs sequence-parallel. Input ids ``[b, s]``, output ``[s, b, h]``.
+    """
+
+    def __init__(self, padded_vocab_size: int, embedding_dim: int, *, tp_group=None,
+                 sequence_parallel: bool = False, init_std: float = 0.02,
+                 params_dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_size = C.group_size(tp_group)
+        self.tp_rank = C.group_rank(tp_group)
+        self.padded_vocab_size = padded_vocab_size
+        self.vocab_per_partition = divide(padded_vocab_size, self.tp_size, "padded vocab size")
+        self.vocab_start = self.tp_rank * self.vocab_per_partition
+        self.vocab_end = self.vocab_start + self.vocab_per_partition
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
+        self.weight = nn.Parameter(torch.empty(self.vocab_per_partition, embedding_dim,
+                                               dtype=params_dtype, device=device))
+        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
+        self.weight.init_method = ("normal_vocab", init_std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.t()  # [s, b]: sequence-first from here on
+        if self.tp_size > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+            local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight)
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            out = F.embedding(ids, self.weight)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)

@@ -1,0 +1,197 @@
+"""Device-agnostic RNG tracking and activation recomputation.
+
+Dropout has to be *different* across TP ranks where each rank holds different activations (inside
+attention, on its own heads) and *identical* where ranks hold the same activations (replicated
+regions). Megatron-LM keeps a second RNG state, seeded per TP rank, and "forks" into it for the
+former; we do the same on whatever device the model runs (CPU generator or CUDA generator), with
+no bare ``torch.cuda`` calls outside a device check (DESIGN.md contract 1).
+
+Recomputation (``full``: a whole transformer layer; ``selective``: core attention only, Korthikanti
+et al. §5) drops activations in forward and recomputes them in backward. The recomputed forward
+must draw the same dropout masks, so the RNG states (default and tracked) are saved before the
+forward and replayed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional
+
+import torch
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Offset of the TP-rank-specific seed from the base seed (same constant idea as Megatron's 2718).
+_TP_SEED_OFFSET = 2718
+
+
+def _get_state(device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return torch.get_rng_state()
+
+
+def _set_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Named RNG states that can be forked into for a region of code."""
+
+    def __init__(self) -> None:
+        self.states: Dict[str, torch.Tensor] = {}
+        self.device = torch.device("cpu")
+
+    def reset(self) -> None:
+        self.states = {}
+
+    def add(self, name: str, seed: int, device: torch.device) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state {name!r} already exists")
+        self.device = device
+        saved = _get_state(device)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        self.states[name] = _get_state(device)
+        _set_state(device, saved)
+
+    def get_states(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_states(self, states: Dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        """Run a region with the named state; the default state is untouched by it."""
+        if name not in self.states:
+            # Not seeded (e.g. a notebook without model_parallel_seed): use the default stream.
+            yield
+            return
+        saved = _get_state(self.device)
+        _set_state(self.device, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_state(self.device)
+            _set_state(self.device, saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0,
+                        device: Optional[torch.device] = None) -> None:
+    """Seed the default stream (same on every TP rank) and the TP-rank-specific stream.
+
+    Pipeline stages get different default seeds (their layers are different layers).
+    """
+    device = device or torch.device("cpu")
+    base = seed + 100 * pp_rank
+    torch.manual_seed(base)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(base)
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, base + _TP_SEED_OFFSET + tp_rank, device)
+
+
+def get_all_rng_states(device: torch.device) -> dict:
+    """Every RNG state megalite uses, for checkpoints (plain tensors, weights_only-loadable)."""
+    import random as _random
+
+    import numpy as np
+
+    py_state = _random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "torch_cpu": torch.get_rng_state(),
+        "device": _get_state(device) if device.type == "cuda" else None,
+        "tracker": _TRACKER.get_states(),
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])],
+    }
+
+
+def set_all_rng_states(states: dict, device: torch.device) -> None:
+    import random as _random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch_cpu"])
+    if device.type == "cuda" and states.get("device") is not None:
+        torch.cuda.set_rng_state(states["device"], device)
+    _TRACKER.set_states(states["tracker"])
+    _TRACKER.device = device
+    py = states["python"]
+    _random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = states["numpy"]
+    np.random.set_state((npst[0], npst[1].numpy(), npst[2], npst[3], npst[4]))
+
+
+# --------------------------------------------------------------------------- recomputation
+class _CheckpointFunction(torch.autograd.Function):
+    """Run ``fn`` without saving activations; recompute it (same RNG draws) in backward."""
+
+    @staticmethod
+    def forward(ctx, fn, device, *args):
+        ctx.fn = fn
+        ctx.device = device
+        ctx.cpu_state = torch.get_rng_state()
+        ctx.device_state = _get_state(device) if device.type == "cuda" else None
+        ctx.tracker_states = _TRACKER.get_states()
+        with torch.no_grad():
+            outputs = fn(*args)
+        tensor_inputs = [a if torch.is_tensor(a) else None for a in args]
+        ctx.non_tensor_inputs = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*[t for t in tensor_inputs if t is not None])
+        ctx.tensor_mask = [t is not None for t in tensor_inputs]
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        inputs = []
+        for is_tensor, other in zip(ctx.tensor_mask, ctx.non_tensor_inputs):
+            if is_tensor:
+                t = next(saved)
+                detached = t.detach()
+                detached.requires_grad_(t.requires_grad)
+                inputs.append(detached)
+            else:
+                inputs.append(other)
+        # Replay the forward under the RNG states it originally saw, then restore the present ones.
+        now_cpu = torch.get_rng_state()
+        now_device = _get_state(ctx.device) if ctx.device.type == "cuda" else None
+        now_tracker = _TRACKER.get_states()
+        torch.set_rng_state(ctx.cpu_state)
+        if ctx.device_state is not None:
+            _set_state(ctx.device, ctx.device_state)
+        _TRACKER.set_states(ctx.tracker_states)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.fn(*inputs)
+        finally:
+            torch.set_rng_state(now_cpu)
+            if now_device is not None:
+                _set_state(ctx.device, now_device)
+            _TRACKER.set_states(now_tracker)
+        if torch.is_tensor(outputs):
+            outputs = (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
+        return (None, None) + input_grads
+
+
+def checkpoint(fn, device: torch.device, *args):
+    """Recompute ``fn(*args)`` in backward instead of storing its activations."""
+    return _CheckpointFunction.apply(fn, device, *args)

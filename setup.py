@@ -1,0 +1,26 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Megatron-style model-parallel GPT pretraining (TP, SP, PP, DP/ZeRO) that runs on CPU and GPU",
+    packages=find_packages(include=["megalite", "megalite.*"]),
+    python_requires=">=3.9",
+    # torch is constrained, never left open: an unpinned torch can pull a multi-GB CUDA build.
+    # The README's commands pin the exact CPU build the suite is tested with.
+    install_requires=[
+        "torch>=2.4,<=2.14.1",
+        "transformers>=4.40",
+        "datasets>=2.18",
+        "tokenizers>=0.15",
+        "safetensors>=0.4",
+        "wandb>=0.16",
+        "numpy>=1.24",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5"],
+        "plot": ["matplotlib>=3.5"],
+        "tensorboard": ["tensorboard>=2.10"],
+    },
+)
