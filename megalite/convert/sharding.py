@@ -1,0 +1,90 @@
+"""Full (unsharded) state dict -> one rank's tensor-parallel slices.
+
+A *full* megalite state dict holds every parameter at its tp=1 shape under its global name
+(``layers.{i}.mlp.linear_fc1.weight``), with vocab-sized tensors padded to
+``cfg.padded_vocab_size(1)`` rows. A model built for tp=t needs the vocab padded to
+``cfg.padded_vocab_size(t)`` instead (THEORY.md, vocab-parallel embedding: V is padded to a
+multiple of make_vocab_size_divisible_by * t), so vocab tensors are re-padded here before slicing.
+The slicing itself is :func:`megalite.tensor_parallel.utils.shard_tensor` with the parameter's own
+``partition_dim`` / ``partition_stride``: the one definition of "rank r's slice" that
+initialization and checkpoints also use.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from megalite.models.init import full_shape
+from megalite.tensor_parallel.utils import shard_tensor
+
+EMBEDDING_WEIGHT_NAME = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT_NAME = "output_layer.weight"
+VOCAB_PARAMETER_NAMES = (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
+
+
+def pad_vocab(tensor: torch.Tensor, vocab_size: int, padded_rows: int) -> torch.Tensor:
+    """Keep the first ``vocab_size`` rows and append zero rows up to ``padded_rows``.
+
+    Padded ids are never produced by the tokenizer and are masked out of the loss, so their rows
+    are zeros by convention (megalite.models.init draws only the real rows).
+    """
+    if tensor.shape[0] < vocab_size:
+        raise ValueError(f"vocab tensor has {tensor.shape[0]} rows, fewer than the vocab size "
+                         f"{vocab_size}")
+    real = tensor[:vocab_size]
+    if padded_rows == vocab_size:
+        return real
+    pad = real.new_zeros((padded_rows - vocab_size,) + tuple(real.shape[1:]))
+    return torch.cat([real, pad], dim=0)
+
+
+@torch.no_grad()
+def load_full_state_dict_into(model: nn.Module, full_sd: Mapping[str, torch.Tensor],
+                              tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
+    """Copy this rank's slice of every parameter ``model`` owns from a full state dict.
+
+    ``model`` is a :class:`megalite.models.GPTModel` (any TP size, any pipeline stage: keys for
+    layers the stage does not own are ignored; a parameter the model owns but ``full_sd`` lacks is
+    an error). A tied output layer on the last pipeline stage is filled from the word embedding.
+    ``tp_rank`` / ``tp_size`` default to the model's own parallel state.
+    """
+    cfg = model.config
+    ps = getattr(model, "parallel_state", None)
+    tp_rank = tp_rank if tp_rank is not None else (ps.tp_rank if ps is not None else 0)
+    tp_size = tp_size if tp_size is not None else (ps.tp_size if ps is not None else 1)
+    missing = []
+    for name, param in model.named_parameters():
+        src = full_sd.get(name)
+        if src is None and name == OUTPUT_WEIGHT_NAME and cfg.tie_embeddings:
+            src = full_sd.get(EMBEDDING_WEIGHT_NAME)
+        if src is None:
+            missing.append(name)
+            continue
+        shape = full_shape(param, tp_size)
+        if name in VOCAB_PARAMETER_NAMES:
+            src = pad_vocab(src, cfg.vocab_size, shape[0])
+        if list(src.shape) != shape:
+            raise ValueError(f"full state dict tensor {name} has shape {tuple(src.shape)}, "
+                             f"the model expects {tuple(shape)} before TP sharding")
+        if getattr(param, "tensor_model_parallel", False):
+            src = shard_tensor(src, param.partition_dim, tp_rank, tp_size,
+                               getattr(param, "partition_stride", 1))
+        param.copy_(src.to(device=param.device, dtype=param.dtype))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise ValueError(f"full state dict is missing {len(missing)} parameter(s) the model owns: "
+                         f"{shown}")
+
+
+def full_state_dict(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The full state dict of a single-process model (tp=1, one pipeline stage), detached."""
+    whole = tuple(getattr(model, "layer_range", (0, model.config.num_layers))) == (
+        0, model.config.num_layers)
+    if getattr(model, "tp_size", 1) != 1 or not whole or not (
+            getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
+        raise ValueError("expected a single-process GPTModel (tensor- and pipeline-parallel size "
+                         "1); gather a sharded model into a full state dict first")
+    return {k: v.detach() for k, v in model.state_dict().items()}
