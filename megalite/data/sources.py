@@ -1,0 +1,317 @@
+"""Where text comes from: ``--data-path`` entries, the built-in corpus, and on-the-fly tokenization.
+
+A ``--data-path`` entry is, checked in this order:
+
+1. ``indexed`` — PREFIX with PREFIX.bin and PREFIX.idx on disk (Megatron's preprocessed format);
+2. ``local``  — an existing file or directory: .txt/.text, .json/.jsonl (optionally .gz/.bz2/.xz/
+   .zst), .parquet, .arrow, .csv, or a folder of such files, or a folder written by
+   ``Dataset.save_to_disk``; read with ``datasets.load_dataset``;
+3. ``hub``    — anything else is a Hugging Face dataset name (its "train" split). Offline or
+   unknown, that is one ConfigError line naming --data-path.
+
+Text files are read one document per paragraph (blank-line separated, ``sample_by="paragraph"``):
+a line per document would put an EOD every few dozen tokens, a file per document would leave a
+single-file corpus nothing to split into train/valid/test.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+import sysconfig
+from typing import Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from megalite.config import ConfigError, DataConfig
+from megalite.data import indexed_dataset
+from megalite.data.gpt_dataset import ArrayDocumentStore
+
+# Bump when the tokenized layout or the corpus recipe changes, so stale caches are not reused.
+CACHE_VERSION = "1"
+
+_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
+             ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+_COMPRESSION = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
+
+def cache_root(data_cfg: Optional[DataConfig] = None, cache_dir: Optional[str] = None) -> str:
+    root = cache_dir or (data_cfg.data_cache_path if data_cfg is not None else None)
+    return os.path.abspath(os.path.expanduser(root or "~/.cache/megalite"))
+
+
+def hf_cache_dir(cache_dir: Optional[str]) -> Optional[str]:
+    """Where ``datasets`` keeps its cache: under cache_dir when one is given, else its default."""
+    return os.path.join(os.path.abspath(cache_dir), "hf_datasets") if cache_dir else None
+
+
+def _fingerprint(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(repr(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# classification
+
+
+def _builder_for(path: str) -> Optional[str]:
+    p = path.lower()
+    for c in _COMPRESSION:
+        if p.endswith(c):
+            p = p[: -len(c)]
+    return _BUILDERS.get(os.path.splitext(p)[1])
+
+
+def _looks_local(path: str) -> bool:
+    """A string that cannot be a hub name (``name`` or ``org/name``) is meant as a local path."""
+    return (path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or "\\" in path
+            or _builder_for(path) is not None or path.endswith((".bin", ".idx")))
+
+
+def classify_data_path(path: str) -> str:
+    """'indexed', 'local' or 'hub' (see the module docstring); missing local paths raise."""
+    if indexed_dataset.exists(path):
+        return "indexed"
+    if os.path.exists(path):
+        return "local"
+    for partial in (indexed_dataset.data_file_path(path), indexed_dataset.index_file_path(path)):
+        if os.path.isfile(partial):
+            other = ".idx" if partial.endswith(".bin") else ".bin"
+            raise ConfigError(f"--data-path: {partial} exists but {path}{other} does not; an "
+                              f"indexed dataset needs both PREFIX.bin and PREFIX.idx")
+    if _looks_local(os.path.expanduser(path)):
+        raise ConfigError(f"--data-path: {path} does not exist; give an existing file or folder "
+                          f"(txt, json/jsonl, parquet, arrow), a PREFIX with PREFIX.bin/PREFIX.idx, "
+                          f"or a Hugging Face dataset name")
+    return "hub"
+
+
+# ---------------------------------------------------------------------------------------------
+# loading text
+
+
+def _local_files(path: str) -> Tuple[str, List[str]]:
+    if os.path.isfile(path):
+        builder = _builder_for(path)
+        if builder is None:
+            raise ConfigError(f"--data-path: {path} has an unsupported extension; valid: "
+                              f"{', '.join(sorted(_BUILDERS))} (optionally compressed), or a "
+                              f"PREFIX of .bin/.idx")
+        return builder, [path]
+    files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True)
+                   if os.path.isfile(f) and _builder_for(f) is not None)
+    builders = {_builder_for(f) for f in files}
+    if not files:
+        raise ConfigError(f"--data-path: folder {path} has no data files; valid extensions: "
+                          f"{', '.join(sorted(_BUILDERS))}")
+    if len(builders) > 1:
+        raise ConfigError(f"--data-path: folder {path} mixes formats {sorted(builders)}; give one "
+                          f"format per entry (a blend can combine folders)")
+    return builders.pop(), files
+
+
+def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int = 0):
+    """A ``datasets.Dataset`` for a local or hub ``--data-path`` entry (not for indexed data)."""
+    import datasets
+
+    kind = classify_data_path(path)
+    num_proc = num_proc if num_proc and num_proc > 1 else None
+    if kind == "local":
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "state.json")):
+            ds = datasets.load_from_disk(path)  # a Dataset.save_to_disk folder
+            return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
+        builder, files = _local_files(path)
+        kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        try:
+            return datasets.load_dataset(builder, data_files=files, split="train",
+                                         cache_dir=hf_cache_dir(cache_dir), num_proc=num_proc,
+                                         **kwargs)
+        except Exception as e:  # parse errors of user files: name the file, keep one line
+            raise ConfigError(f"--data-path: cannot read {path} as {builder}: "
+                              f"{_one_line(e)}") from e
+    if kind == "indexed":
+        raise ValueError(f"{path} is an indexed dataset; it has no text to load")
+    try:
+        return datasets.load_dataset(path, split="train", cache_dir=hf_cache_dir(cache_dir),
+                                     num_proc=num_proc)
+    except Exception as e:
+        raise ConfigError(f"--data-path: {path!r} is not a local file/folder or PREFIX.bin/.idx, "
+                          f"and loading it as a Hugging Face dataset failed (offline or no such "
+                          f"dataset): {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return f"{type(e).__name__}: {msg[:300]}"
+
+
+def text_column(ds, text_field: str, where: str) -> str:
+    if text_field not in ds.column_names:
+        raise ConfigError(f"--dataset-text-field: column {text_field!r} not found in {where}; "
+                          f"available columns: {', '.join(ds.column_names) or '(none)'}")
+    return text_field
+
+
+# ---------------------------------------------------------------------------------------------
+# the built-in corpus: the running interpreter's standard library sources
+
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_files() -> List[str]:
+    """The standard library's .py files, test suites and installed packages excluded, sorted."""
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS)
+        out.extend(os.path.join(d, f) for f in sorted(files) if f.endswith(".py"))
+    return sorted(out)
+
+
+def builtin_corpus_fingerprint(files: Optional[List[str]] = None) -> str:
+    """Keyed by interpreter version and each file's path and size (cheap; content hashing of tens
+    of MB would cost more than the cache saves on small vocabularies)."""
+    files = stdlib_files() if files is None else files
+    return _fingerprint("stdlib", CACHE_VERSION, sys.version,
+                        [(f, os.path.getsize(f)) for f in files])
+
+
+def _read_files(files, fingerprint):  # fingerprint is in gen_kwargs only to key datasets' cache
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            yield {"text": fh.read(), "path": os.path.relpath(f, sysconfig.get_paths()["stdlib"])}
+
+
+def builtin_corpus(cache_dir: Optional[str] = None):
+    """The built-in corpus as a ``datasets.Dataset`` with a "text" column (one file per row)."""
+    import datasets
+
+    files = stdlib_files()
+    fp = builtin_corpus_fingerprint(files)
+    root = cache_root(None, cache_dir)
+    return datasets.Dataset.from_generator(
+        _read_files, gen_kwargs={"files": files, "fingerprint": fp},
+        cache_dir=os.path.join(root, "hf_datasets"))
+
+
+def text_datasets(data_cfg: DataConfig, cache_dir: Optional[str] = None):
+    """[(name, Dataset)] of every text source the config names (built-in corpus when none)."""
+    if data_cfg.data_path is None:
+        return [("builtin:stdlib", builtin_corpus(cache_root(data_cfg, cache_dir)))]
+    from megalite.data.gpt_dataset import parse_blend
+
+    paths, _ = parse_blend(data_cfg.data_path)
+    out = []
+    for p in paths:
+        if classify_data_path(p) == "indexed":
+            raise ConfigError(f"--tokenizer-type is required with preprocessed data {p} "
+                              f"(.bin/.idx is already tokenized): pass the --tokenizer-type and "
+                              f"--tokenizer-model it was preprocessed with")
+        out.append((p, load_text_dataset(p, _user_cache(data_cfg, cache_dir),
+                                         data_cfg.num_workers)))
+    return out
+
+
+def _user_cache(data_cfg: DataConfig, cache_dir: Optional[str]) -> Optional[str]:
+    """User data goes to datasets' own cache unless a cache dir was given explicitly."""
+    return cache_dir or data_cfg.data_cache_path
+
+
+def iter_texts(ds, text_field: str, max_chars: int) -> Iterator[str]:
+    """Up to ``max_chars`` characters of text, documents taken at an even stride over the whole
+    dataset (deterministic, and representative when the data is sorted by topic or file)."""
+    n = len(ds)
+    if n == 0:
+        return
+    total = 0
+    # Estimate the stride from the first rows' sizes; stride 1 when the whole set fits.
+    head = ds.select(range(min(n, 64)))[text_field]
+    avg = max(1.0, sum(len(t or "") for t in head) / max(1, len(head)))
+    stride = max(1, int(avg * n / max_chars))
+    for start in range(0, n, stride * 1024):
+        rows = ds.select(range(start, min(n, start + stride * 1024), stride))[text_field]
+        for t in rows:
+            if t:
+                yield t
+                total += len(t)
+                if total >= max_chars:
+                    return
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenization on the fly
+
+
+def _tokenize_batch(batch, tokenizer, text_field, append_eod):
+    ids = tokenizer.encode_batch([t or "" for t in batch[text_field]])
+    out = []
+    for t, x in zip(batch[text_field], ids):
+        if t:  # an empty document would otherwise become a lone EOD
+            x = list(x) + [tokenizer.eod] if append_eod else list(x)
+        else:
+            x = []
+        out.append(np.asarray(x, dtype=np.int32))
+    return {"input_ids": out}
+
+
+def tokenize_dataset(ds, tokenizer, text_field: str, num_proc: int = 0, append_eod: bool = True,
+                     where: str = "dataset", desc: Optional[str] = None):
+    """``ds.map`` to an "input_ids" column; cached by ``datasets`` under a fingerprint of
+    (source, tokenizer, field, eod) so a second run reads the cache instead of re-tokenizing."""
+    import datasets
+
+    text_column(ds, text_field, where)
+    fp = _fingerprint(CACHE_VERSION, ds._fingerprint, tokenizer.fingerprint, text_field,
+                      append_eod, tokenizer.eod)
+    return ds.map(
+        _tokenize_batch, batched=True, batch_size=256,
+        fn_kwargs={"tokenizer": tokenizer, "text_field": text_field, "append_eod": append_eod},
+        remove_columns=ds.column_names, num_proc=num_proc if num_proc > 1 else None,
+        features=datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))}),
+        new_fingerprint=fp, desc=desc or f"tokenizing {where}")
+
+
+def store_from_tokenized(tokenized, name: str) -> ArrayDocumentStore:
+    """Flatten the arrow "input_ids" list column into (tokens, offsets) numpy arrays."""
+    import pyarrow as pa
+
+    col = tokenized.data.column("input_ids")
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(arr, pa.ChunkedArray):  # zero chunks
+        arr = pa.array([], type=pa.list_(pa.int32()))
+    lengths = arr.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    tokens = arr.flatten().to_numpy(zero_copy_only=False)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return ArrayDocumentStore(tokens, offsets, name=name)
+
+
+def load_document_store(path: str, data_cfg: DataConfig, tokenizer,
+                        cache_dir: Optional[str] = None):
+    """A document store for one ``--data-path`` entry (the built-in corpus for path None)."""
+    if path is None:
+        ds, name = builtin_corpus(cache_root(data_cfg, cache_dir)), "the built-in corpus"
+        text_field = "text"
+    elif classify_data_path(path) == "indexed":
+        store = indexed_dataset.IndexedDataset(path)
+        store.name = path
+        if store.num_tokens and tokenizer is not None:
+            # Token ids beyond the vocabulary mean the data was preprocessed with another tokenizer.
+            hi = int(store._bin.max()) if store.num_tokens <= 50_000_000 else None
+            if hi is not None and hi >= tokenizer.vocab_size:
+                raise ConfigError(f"--data-path: {path} holds token id {hi} but the tokenizer has "
+                                  f"{tokenizer.vocab_size} ids; use the --tokenizer-type/"
+                                  f"--tokenizer-model the data was preprocessed with")
+        return store
+    else:
+        ds, name = load_text_dataset(path, _user_cache(data_cfg, cache_dir),
+                                     data_cfg.num_workers), path
+        text_field = data_cfg.dataset_text_field
+    tokenized = tokenize_dataset(ds, tokenizer, text_field, data_cfg.num_workers, where=name)
+    return store_from_tokenized(tokenized, name)
