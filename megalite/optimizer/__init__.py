@@ -1,0 +1,28 @@
+"""Optimizers (AdamW with fp32 masters; the ZeRO distributed optimizer), loss scaling, clipping, LR.
+
+:func:`build_optimizer` is the one seam the training loop uses: ``--zero-stage >= 1`` (or
+``--use-distributed-optimizer``) dispatches to ``megalite.optimizer.distrib_optimizer.
+DistributedOptimizer(model_chunks, opt_cfg, ps)``, which keeps the interface documented in
+``megalite/optimizer/optimizer.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from megalite.config import ConfigError
+from megalite.optimizer.lr_scheduler import OptimizerParamScheduler  # noqa: F401
+from megalite.optimizer.optimizer import MixedPrecisionOptimizer
+
+
+def build_optimizer(model_chunks, opt_cfg, ps):
+    """The optimizer for this rank's model chunks (plain DP or ZeRO, by ``opt_cfg.zero_stage``)."""
+    if opt_cfg.zero_stage >= 1 or opt_cfg.use_distributed_optimizer:
+        if importlib.util.find_spec("megalite.optimizer.distrib_optimizer") is None:
+            raise ConfigError(
+                f"--zero-stage {opt_cfg.zero_stage} / --use-distributed-optimizer: the distributed "
+                f"optimizer is not available in this build; use --zero-stage 0")
+        from megalite.optimizer.distrib_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(model_chunks, opt_cfg, ps)
+    return MixedPrecisionOptimizer(model_chunks, opt_cfg, ps)

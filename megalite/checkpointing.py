@@ -1,0 +1,318 @@
+"""Sharded, atomic, resumable checkpoints (docs/checkpoints.md).
+
+Layout (Megatron-LM's, so its habits carry over):
+
+    DIR/latest_checkpointed_iteration.txt          "1000"  (written last, atomically)
+    DIR/tokenizer/                                 the run's tokenizer (save_pretrained), once
+    DIR/iter_0001000/args.json                     the MegaliteConfig of the run that saved
+    DIR/iter_0001000/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt
+    DIR/iter_0001000/mp_rank_{tp:02d}_{pp:03d}/distrib_optim_dp{d:03d}.pt   (ZeRO, see below)
+
+``model_optim_rng.pt`` holds only tensors and primitive containers, loaded with
+``torch.load(weights_only=True)`` (DESIGN.md contract 9): the model chunk(s) under ``"model"``
+(or ``"model0"``, ``"model1"``, ... with virtual pipeline stages), ``"optimizer"`` and
+``"opt_param_scheduler"`` (unless --no-save-optim), ``"rng_state"``, ``"iteration"``,
+``"consumed_samples"`` and the layout it was saved with.
+
+Atomicity: every rank writes into ``DIR/iter_X.tmp-<run id>/``; after a barrier rank 0 renames it
+to ``iter_X`` and only then replaces ``latest_checkpointed_iteration.txt`` (temp file +
+os.replace). A process killed mid-save leaves a ``.tmp-`` directory that nothing reads, and the
+tracker still names the previous, complete checkpoint (DESIGN.md contract 8).
+
+ZeRO seam: an optimizer whose ``sharded_state_dict_per_dp_rank`` is true has its
+``state_dict()`` saved by *every* DP rank to ``distrib_optim_dp{d:03d}.pt`` next to the model file
+(and loaded back from the same name); otherwise DP rank 0 saves it inside model_optim_rng.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megalite import collectives as C
+from megalite.arguments import (
+    CHECKPOINT_ARGS_FIELDS,
+    config_from_dict,
+    config_to_json,
+    model_shape_differences,
+)
+from megalite.config import ConfigError, MegaliteConfig
+from megalite.tensor_parallel.random import get_all_rng_states
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 1
+RESHARD_HINT = ("reshard it first with `python tools/checkpoint/convert.py reshard "
+                "--load DIR --save NEWDIR --target-tensor-model-parallel-size T "
+                "--target-pipeline-model-parallel-size P`")
+
+# Test seam: called as hook(stage, path) at points of a save ("shard_written", "before_rename");
+# a fault-injection test sets it to raise or os._exit() to prove saves are atomic.
+fault_hook: Optional[Callable[[str, str], None]] = None
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used as asked; the message says which file and why."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int) -> str:
+    return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def distrib_optim_name(dp_rank: int) -> str:
+    return f"distrib_optim_dp{dp_rank:03d}.pt"
+
+
+def _barrier(ps) -> None:
+    if dist.is_initialized() and ps.world_size > 1:
+        dist.barrier()
+
+
+def new_run_id(ps) -> int:
+    """An id shared by all ranks of this run (names the temp directories of its saves)."""
+    t = torch.tensor([int.from_bytes(os.urandom(4), "little") if ps.rank == 0 else 0],
+                     dtype=torch.int64)
+    if dist.is_initialized() and ps.world_size > 1:
+        C.broadcast(t, src=0, group=dist.group.WORLD, tag="checkpoint_run_id")
+    return int(t.item())
+
+
+def _chunk_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Save
+# ------------------------------------------------------------------------------------------------
+def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
+                    consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> str:
+    """Write iteration ``iteration`` atomically; returns the final directory. Collective."""
+    final = iteration_dir(save_dir, iteration)
+    tmp = f"{final}.tmp-{run_id:08x}"
+    shard = os.path.join(tmp, shard_dir_name(ps.tp_rank, ps.pp_rank))
+    save_optim = not cfg.checkpoint.no_save_optim
+    per_dp = bool(getattr(optimizer, "sharded_state_dict_per_dp_rank", False))
+
+    if ps.rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    _barrier(ps)
+    if ps.dp_rank == 0:
+        state = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": int(iteration),
+            "consumed_samples": int(consumed_samples),
+            "tensor_model_parallel_size": ps.tp_size,
+            "pipeline_model_parallel_size": ps.pp_size,
+            "num_model_chunks": len(model_chunks),
+            "rng_state": get_all_rng_states(ps.device),
+        }
+        for i, chunk in enumerate(model_chunks):
+            state[_chunk_key(i, len(model_chunks))] = chunk.state_dict()
+        if save_optim:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+            if not per_dp:
+                state["optimizer"] = optimizer.state_dict()
+        os.makedirs(shard, exist_ok=True)
+        torch.save(state, os.path.join(shard, MODEL_FILE))
+    if save_optim and per_dp:
+        os.makedirs(shard, exist_ok=True)
+        torch.save(optimizer.state_dict(), os.path.join(shard, distrib_optim_name(ps.dp_rank)))
+    if fault_hook is not None:
+        fault_hook("shard_written", tmp)
+    if ps.rank == 0:
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            f.write(config_to_json(cfg))
+    _barrier(ps)  # every shard is on disk before the directory becomes visible
+    if ps.rank == 0:
+        if fault_hook is not None:
+            fault_hook("before_rename", tmp)
+        old = None
+        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap it out
+            old = f"{final}.old-{run_id:08x}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        tracker_tmp = os.path.join(save_dir, f".{TRACKER_FILE}.tmp-{run_id:08x}")
+        with open(tracker_tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker_tmp, os.path.join(save_dir, TRACKER_FILE))
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier(ps)
+    return final
+
+
+def save_tokenizer(save_dir: str, tokenizer, ps) -> None:
+    """Once per run, rank 0: tools/generate.py decodes with the run's own tokenizer."""
+    if ps.rank != 0 or tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
+        return
+    target = os.path.join(save_dir, "tokenizer")
+    tmp = f"{target}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.rename(tmp, target)
+
+
+# ------------------------------------------------------------------------------------------------
+# Load
+# ------------------------------------------------------------------------------------------------
+def read_tracker(load_dir: str) -> Optional[int]:
+    """The latest complete iteration in ``load_dir``, or None if there is no tracker file."""
+    path = os.path.join(load_dir, TRACKER_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"--load {load_dir}: {TRACKER_FILE} is corrupt (holds {text!r}, "
+                              f"expected an iteration number)")
+
+
+def read_checkpoint_config(load_dir: str, iteration: Optional[int] = None) -> MegaliteConfig:
+    """The MegaliteConfig saved with a checkpoint (args.json)."""
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            raise CheckpointError(f"--load {load_dir}: no {TRACKER_FILE} there (not a megalite "
+                                  f"checkpoint directory, or no save has completed)")
+    path = os.path.join(iteration_dir(load_dir, iteration), "args.json")
+    try:
+        with open(path) as f:
+            return config_from_dict(json.load(f))
+    except FileNotFoundError:
+        raise CheckpointError(f"--load {load_dir}: {path} is missing (incomplete checkpoint)")
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"--load {load_dir}: {path} is corrupt ({e})")
+
+
+def apply_checkpoint_args(cfg: MegaliteConfig) -> MegaliteConfig:
+    """--use-checkpoint-args: take the model-shape flags from the checkpoint's args.json."""
+    saved = read_checkpoint_config(cfg.checkpoint.load)
+    for name in CHECKPOINT_ARGS_FIELDS:
+        setattr(cfg.model, name, getattr(saved.model, name))
+    return cfg
+
+
+def _load_file(path: str, what: str):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{what}: {path} is missing (incomplete checkpoint)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle, disallowed global, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{what}: {path} is corrupt or truncated ({msg[:200]})")
+
+
+def _agree_on_errors(ps, error: Optional[BaseException]) -> None:
+    """If any rank failed to load, every rank raises (so none waits forever in a collective)."""
+    flag = torch.tensor([1.0 if error is not None else 0.0])
+    if dist.is_initialized() and ps.world_size > 1:
+        C.all_reduce(flag, group=dist.group.WORLD, op=C.ReduceOp.MAX, tag="checkpoint_error_flag")
+    if flag.item() > 0:
+        if error is not None:
+            raise error
+        raise CheckpointError("loading the checkpoint failed on another rank (see its message)")
+
+
+def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
+                    ) -> Tuple[int, int, Optional[dict]]:
+    """Restore from ``cfg.checkpoint.load``. Collective.
+
+    Returns (iteration, consumed_samples, rng_state or None). The RNG state is returned, not set,
+    so the caller can restore it right before the first training step, after everything that
+    might draw random numbers during start-up (DESIGN: bit-exact resume).
+    """
+    ck = cfg.checkpoint
+    load_dir = ck.load
+    what = f"--load {load_dir}"
+    iteration = None
+    error = None
+    try:
+        if not os.path.isdir(load_dir):
+            raise CheckpointError(f"{what}: no such directory")
+        iteration = read_tracker(load_dir)
+    except CheckpointError as e:
+        error = e
+    _agree_on_errors(ps, error)
+    if iteration is None:
+        if ck.exit_on_missing_checkpoint:
+            raise CheckpointError(f"{what}: no {TRACKER_FILE} (no completed checkpoint) and "
+                                  f"--exit-on-missing-checkpoint was given")
+        if ck.load != ck.save:
+            raise CheckpointError(f"{what}: no {TRACKER_FILE} there (not a megalite checkpoint "
+                                  f"directory, or no save has completed)")
+        return 0, 0, None  # --save X --load X on a first run: start from scratch
+
+    it_dir = iteration_dir(load_dir, iteration)
+    try:
+        if not os.path.isdir(it_dir):
+            raise CheckpointError(f"{what}: {TRACKER_FILE} names iteration {iteration} but "
+                                  f"{it_dir} does not exist")
+        saved_cfg = read_checkpoint_config(load_dir, iteration)
+        sp = saved_cfg.parallel
+        if (sp.tensor_model_parallel_size != ps.tp_size
+                or sp.pipeline_model_parallel_size != ps.pp_size):
+            raise CheckpointError(
+                f"{what}: saved with tensor-model-parallel-size {sp.tensor_model_parallel_size} "
+                f"and pipeline-model-parallel-size {sp.pipeline_model_parallel_size}, this run "
+                f"uses {ps.tp_size} and {ps.pp_size}; {RESHARD_HINT}")
+        diffs = model_shape_differences(saved_cfg.model, cfg.model)
+        if diffs:
+            raise CheckpointError(
+                f"{what}: the checkpoint has a different model shape: {'; '.join(diffs)} "
+                f"(pass the checkpoint's values or --use-checkpoint-args)")
+        shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
+        state = _load_file(os.path.join(shard, MODEL_FILE), what)
+        saved_chunks = state.get("num_model_chunks", 1)
+        if saved_chunks != len(model_chunks):
+            raise CheckpointError(
+                f"{what}: saved with {saved_chunks} virtual pipeline stage(s) per rank, this run "
+                f"has {len(model_chunks)}; match --num-layers-per-virtual-pipeline-stage or "
+                f"{RESHARD_HINT}")
+        for i, chunk in enumerate(model_chunks):
+            key = _chunk_key(i, len(model_chunks))
+            missing, unexpected = chunk.load_state_dict(state[key], strict=False)
+            if missing or unexpected:
+                raise CheckpointError(f"{what}: model weights do not match this model (missing "
+                                      f"{list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
+        if hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()
+        load_optim = not (ck.finetune or ck.no_load_optim)
+        if load_optim:
+            if "opt_param_scheduler" not in state:
+                raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
+                                      f"--no-save-optim); pass --no-load-optim or --finetune")
+            if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):
+                opt_sd = _load_file(os.path.join(shard, distrib_optim_name(ps.dp_rank)), what)
+            else:
+                if "optimizer" not in state:
+                    raise CheckpointError(
+                        f"{what}: the optimizer state was saved per data-parallel rank (ZeRO); "
+                        f"load with the same --zero-stage / --use-distributed-optimizer")
+                opt_sd = state["optimizer"]
+            try:
+                optimizer.load_state_dict(opt_sd)
+            except (ValueError, KeyError, RuntimeError) as e:
+                raise CheckpointError(f"{what}: optimizer state does not fit this optimizer ({e}); "
+                                      f"pass --no-load-optim to start the optimizer afresh")
+            scheduler.load_state_dict(state["opt_param_scheduler"])
+    except CheckpointError as e:
+        error = e
+    _agree_on_errors(ps, error)
+
+    if ck.finetune:
+        return 0, 0, None
+    rng = None if ck.no_load_rng else state.get("rng_state")
+    return int(state["iteration"]), int(state["consumed_samples"]), rng

@@ -1,0 +1,244 @@
+"""Console lines, metrics.jsonl, W&B and TensorBoard; throughput, TFLOP/s, MFU and memory.
+
+One :class:`MetricsLogger` per run. Only the writer rank (global rank 0) writes anything; the
+training loop all-reduces the loss first so that rank 0 has it even though only the last pipeline
+stage computes it. Other parts of megalite log through the module-level :func:`log_metrics`
+(pipeline bubble statistics, memory accounting, ...), which is a no-op on non-writer ranks and
+before a run starts.
+
+Record shapes in ``metrics.jsonl`` (one JSON object per line, docs/logging.md):
+  * training  ``{"split": "train", "iteration", "lm_loss", "lr", "grad_norm", "loss_scale",
+    "tokens_per_sec", "tflops_per_device", "mfu", "peak_memory_bytes", "consumed_samples", ...}``
+  * validation ``{"split": "valid", "iteration", "lm_loss", "ppl"}``
+  * anything passed to :func:`log_metrics` ``{"iteration": step, **metrics}``
+
+W&B works on its own (no TensorBoard needed), honours ``WANDB_MODE=offline`` through wandb itself,
+and receives the config as the run config; megalite never reads or prints the API key.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, Optional
+
+import torch
+
+from megalite.config import MegaliteConfig, ModelConfig
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs and MFU (THEORY.md "FLOPs and MFU")
+# ------------------------------------------------------------------------------------------------
+
+
+def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
+    """Model FLOPs (forward + backward, no recompute) for one sequence of ``cfg.seq_length``.
+
+    THEORY.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for GPT-2 shapes (per token
+    6·(12Lh² + Vh) + 12·L·s·h). We count the matmuls from the actual shapes, which reduces to that
+    formula for MHA + 4h GeLU MLP and is right for GQA (smaller K/V projections) and SwiGLU (three
+    h x f matrices): per token per layer, forward = 2·(h·(q + 2·kv) + q·h + h·f·(2 if SwiGLU else
+    1) + f·h) + 4·s·q (scores and values, full s as in the formula); backward = 2 x forward;
+    plus the logits 6·h·V.
+    """
+    h, L, s, f = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
+    d = cfg.kv_channels
+    q = cfg.num_attention_heads * d
+    kv = cfg.num_query_groups * d
+    V = vocab_size if vocab_size is not None else cfg.vocab_size
+    fc1 = 2 * f if cfg.swiglu else f
+    fwd_layer = 2 * (h * (q + 2 * kv) + q * h + h * fc1 + f * h) + 4 * s * q
+    per_token = 3 * (L * fwd_layer + 2 * h * V)
+    return float(per_token * s)
+
+
+# Dense peak FLOP/s per device for 16-bit matmuls (vendor datasheets); fp32 training on these GPUs
+# uses TF32 tensor cores, whose dense peak is half the 16-bit one.
+_GPU_PEAK_BF16 = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "A10G": 125e12, "A10": 125e12, "L40S": 362e12, "L40": 181e12,
+    "L4": 121e12, "V100": 125e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
+    "B200": 2250e12, "B100": 1750e12, "MI300X": 1307e12, "MI250X": 383e12,
+}
+_CPU_PEAK_CACHE: Dict[int, float] = {}
+
+
+def measure_cpu_matmul_flops(n: int = 512, seconds: float = 0.3) -> float:
+    """Achievable fp32 matmul FLOP/s on this CPU with torch's current thread count (cached).
+
+    CPUs have no datasheet number that torch reaches, so MFU on CPU is relative to what a large
+    fp32 matmul achieves here, measured once per process.
+    """
+    threads = torch.get_num_threads()
+    if threads in _CPU_PEAK_CACHE:
+        return _CPU_PEAK_CACHE[threads]
+    a, b = torch.randn(n, n, generator=torch.Generator().manual_seed(0)), torch.randn(n, n)
+    torch.mm(a, b)  # warm-up
+    reps, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        reps += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            break
+    _CPU_PEAK_CACHE[threads] = 2.0 * n ** 3 * reps / elapsed
+    return _CPU_PEAK_CACHE[threads]
+
+
+def peak_flops_per_device(device: torch.device, params_dtype: str = "bfloat16") -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key in sorted(_GPU_PEAK_BF16, key=len, reverse=True):
+            if key in name:
+                peak = _GPU_PEAK_BF16[key]
+                return peak / 2 if params_dtype == "float32" else peak
+        return float("nan")  # unknown GPU: MFU is reported as NaN rather than guessed
+    return measure_cpu_matmul_flops()
+
+
+# ------------------------------------------------------------------------------------------------
+# Writers
+# ------------------------------------------------------------------------------------------------
+class _JsonlWriter:
+    def __init__(self, path: str):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.f = open(path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record, default=_json_default) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _json_default(o):
+    if torch.is_tensor(o):
+        return o.item() if o.numel() == 1 else o.tolist()
+    return str(o)
+
+
+def _finite_or_none(x):
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+class MetricsLogger:
+    """Console + metrics.jsonl + W&B + TensorBoard for one run; only ``is_writer`` writes."""
+
+    def __init__(self, cfg: MegaliteConfig, is_writer: bool, stream=None):
+        self.cfg = cfg
+        self.is_writer = is_writer
+        self.stream = stream or sys.stdout
+        self.jsonl = None
+        self.wandb_run = None
+        self.tb = None
+        if not is_writer:
+            return
+        lc = cfg.logging
+        path = lc.metrics_file or os.path.join(cfg.checkpoint.save or ".", "metrics.jsonl")
+        self.jsonl = _JsonlWriter(path)
+        self.metrics_path = path
+        if lc.wandb_project:
+            import wandb
+
+            save_dir = lc.wandb_save_dir or (os.path.join(cfg.checkpoint.save, "wandb")
+                                             if cfg.checkpoint.save else None)
+            if save_dir:
+                os.makedirs(save_dir, exist_ok=True)
+            # wandb reads WANDB_MODE / WANDB_API_KEY itself; megalite never touches the key.
+            self.wandb_run = wandb.init(project=lc.wandb_project, name=lc.wandb_exp_name,
+                                        dir=save_dir, config=cfg.to_dict())
+        if lc.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=lc.tensorboard_dir)
+
+    # ------------------------------------------------------------------------------------------
+    def print(self, line: str) -> None:
+        if self.is_writer:
+            print(line, file=self.stream, flush=True)
+
+    def log(self, metrics: dict, step: int, split: Optional[str] = None) -> None:
+        """Write one record to every sink. ``split`` prefixes the W&B / TensorBoard names."""
+        if not self.is_writer:
+            return
+        record = {"split": split} if split else {}
+        record["iteration"] = int(step)
+        record.update(metrics)
+        self.jsonl.write(record)
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and v is not None and math.isfinite(float(v))}
+        prefix = f"{split}/" if split else ""
+        if self.wandb_run is not None:
+            self.wandb_run.log({prefix + k: v for k, v in scalars.items()}, step=int(step))
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(prefix + k, v, int(step))
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+_ACTIVE: Optional[MetricsLogger] = None
+
+
+def set_active_logger(logger: Optional[MetricsLogger]) -> None:
+    global _ACTIVE
+    _ACTIVE = logger
+
+
+def get_active_logger() -> Optional[MetricsLogger]:
+    return _ACTIVE
+
+
+def log_metrics(metrics: dict, step: int, split: Optional[str] = None) -> None:
+    """Log arbitrary scalars at ``step`` from anywhere in megalite (no-op off the writer rank)."""
+    if _ACTIVE is not None:
+        _ACTIVE.log(metrics, step, split)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Megatron-style console line
+# ------------------------------------------------------------------------------------------------
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
+
+
+def training_log_line(rec: dict, train_iters: int, eta_seconds: float) -> str:
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    parts = [f"[{now}] iteration {rec['iteration']:8d}/{train_iters:8d}",
+             f"consumed samples: {rec['consumed_samples']:10d}",
+             f"elapsed time per iteration (ms): {rec['iteration_time_ms']:.1f}",
+             f"learning rate: {rec['lr']:.3E}",
+             f"global batch size: {rec['global_batch_size']:5d}",
+             f"lm loss: {rec['lm_loss']:.6E}" if rec.get("lm_loss") is not None else "lm loss: nan",
+             f"loss scale: {rec['loss_scale']:.1f}"]
+    if rec.get("grad_norm") is not None:
+        parts.append(f"grad norm: {rec['grad_norm']:.3f}")
+    if rec.get("tokens_per_sec") is not None:
+        parts.append(f"tokens/s: {rec['tokens_per_sec']:.0f}")
+        parts.append(f"TFLOP/s/device: {rec['tflops_per_device']:.3f}")
+        mfu = rec.get("mfu")
+        parts.append(f"MFU: {100 * mfu:.1f}%" if mfu is not None else "MFU: n/a")
+    parts.append(f"peak mem: {rec['peak_memory_bytes'] / 2 ** 30:.2f} GiB")
+    parts.append(f"skipped: {rec.get('skipped_iterations', 0)}")
+    parts.append(f"ETA {format_eta(eta_seconds)}")
+    return " | ".join(parts)

@@ -1,0 +1,55 @@
+"""Gradient clipping by the global L2 norm of the *full* model, whatever the parallel layout.
+
+Each parameter's gradient must be counted exactly once over the model-parallel group (tp x pp):
+  * a TP-sharded parameter (``tensor_model_parallel=True``) contributes its shard on every TP rank;
+  * a replicated parameter (norms, row-parallel biases, position embeddings) is identical on every
+    TP rank after finalize_model_grads, so only TP rank 0 counts it;
+  * the tied-embedding copy on the last pipeline stage (``shared_embedding=True``) duplicates the
+    first stage's, so only the first stage counts it.
+The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
+hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
+rank computes the same norm. The result equals ``torch.nn.utils.clip_grad_norm_`` on the
+single-device model (tests/test_optimizer.py).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Sequence
+
+import torch
+
+from megalite import collectives as C
+
+
+def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) -> bool:
+    """Whether this rank's copy of ``param`` is the one that counts in the global norm."""
+    if getattr(param, "shared_embedding", False) and not is_first_pp_stage:
+        return False
+    if getattr(param, "tensor_model_parallel", False):
+        return True
+    return tp_rank == 0
+
+
+def global_grad_norm(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ps,
+                     group="mp") -> float:
+    """sqrt(sum of squares over the whole model); ``params`` carry the parallel attributes."""
+    device = grads[0].device if grads else ps.device
+    sq = torch.zeros(1, dtype=torch.float32, device=device)
+    for p, g in zip(params, grads):
+        if g is not None and counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
+            sq += g.detach().float().pow(2).sum()
+    grp = ps.mp_group if group == "mp" else group
+    C.all_reduce(sq, group=grp, tag="grad_norm_all_reduce")
+    return float(sq.sqrt().item())
+
+
+@torch.no_grad()
+def clip_grads_by_norm(grads: Iterable[torch.Tensor], total_norm: float, max_norm: float) -> None:
+    """Scale grads by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does."""
+    if max_norm <= 0:
+        return
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        grads: List[torch.Tensor] = [g for g in grads if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)

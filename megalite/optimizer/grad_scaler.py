@@ -1,0 +1,110 @@
+"""Loss scaling for fp16 training (Micikevicius et al. 2018; Megatron-LM's DynamicGradScaler idea).
+
+fp16 has a narrow exponent range: small gradients underflow to zero. The loss is multiplied by a
+scale S before backward and the gradients divided by S before the update. The dynamic scaler
+starts high; when any rank sees an inf/NaN gradient the step is skipped and, after ``hysteresis``
+such overflows, S is halved (never below ``min_scale``); after ``window`` clean steps in a row S is
+doubled. bf16 and fp32 need no scaling (bf16 has fp32's exponent range).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ConstantGradScaler:
+    """A static loss scale (``--loss-scale``): never changes, overflowing steps are still skipped."""
+
+    dynamic = False
+
+    def __init__(self, scale: float):
+        self._scale = float(scale)
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def update(self, found_inf: bool) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._scale = float(sd["scale"])
+
+
+class DynamicGradScaler:
+    dynamic = True
+
+    def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 1000, hysteresis: int = 2):
+        if not (min_scale > 0 and initial_scale >= min_scale):
+            raise ValueError("need 0 < min_scale <= initial_scale")
+        self._scale = float(initial_scale)
+        self.min_scale = float(min_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self._growth_tracker = 0
+        self._hysteresis_tracker = self.hysteresis
+
+    @property
+    def scale(self) -> float:
+        return self._scale
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            # An overflow breaks the run of clean steps; only after `hysteresis` overflows (not
+            # necessarily consecutive, as in Megatron) is the scale actually reduced.
+            self._growth_tracker = 0
+            self._hysteresis_tracker -= 1
+            if self._hysteresis_tracker <= 0:
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._growth_tracker = 0
+                self._hysteresis_tracker = self.hysteresis
+                self._scale *= self.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"scale": self._scale, "growth_tracker": self._growth_tracker,
+                "hysteresis_tracker": self._hysteresis_tracker}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._scale = float(sd["scale"])
+        self._growth_tracker = int(sd["growth_tracker"])
+        self._hysteresis_tracker = int(sd["hysteresis_tracker"])
+
+
+def build_grad_scaler(opt_cfg):
+    """None for bf16/fp32; a constant or dynamic scaler for fp16."""
+    if not opt_cfg.fp16:
+        return None
+    if opt_cfg.loss_scale is not None:
+        return ConstantGradScaler(opt_cfg.loss_scale)
+    return DynamicGradScaler(opt_cfg.initial_loss_scale, opt_cfg.min_loss_scale,
+                             growth_interval=opt_cfg.loss_scale_window,
+                             hysteresis=opt_cfg.hysteresis)
+
+
+def found_inf_anywhere(grads, group=None) -> bool:
+    """True if any gradient on any rank of ``group`` (None: the world) holds an inf or NaN.
+
+    Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag.
+    """
+    from megalite import collectives as C
+    import torch.distributed as dist
+
+    flag = torch.zeros(1, dtype=torch.float32,
+                       device=grads[0].device if grads else torch.device("cpu"))
+    for g in grads:
+        if not torch.isfinite(g).all():
+            flag.fill_(1.0)
+            break
+    if dist.is_initialized():
+        C.all_reduce(flag, group=group if group is not None else dist.group.WORLD, op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
+    return bool(flag.item() > 0)

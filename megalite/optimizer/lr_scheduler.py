@@ -1,0 +1,108 @@
+"""Learning-rate schedule: linear warmup, then constant / linear / cosine / WSD / inverse sqrt decay.
+
+The schedule is a pure function of the iteration (``get_lr(step)``), so resuming from a checkpoint
+only needs the step count. Iteration k (0-based) trains with ``get_lr(k)``:
+
+  warmup  (k < W):          lr = max_lr * (k + 1) / W          (never 0: the first step moves)
+  decay   (W <= k < D):     r = (k - W) / (D - W)
+      constant              max_lr
+      linear                min_lr + (max_lr - min_lr) * (1 - r)
+      cosine                min_lr + (max_lr - min_lr) * 0.5 * (1 + cos(pi r))
+      WSD                   max_lr until D - Dwsd, then decays to min_lr over the last Dwsd steps
+                            (linear, cosine, exponential or 1 - sqrt; Hu et al. 2024, MiniCPM)
+      inverse-square-root   max_lr * sqrt(W) / sqrt(max(k, W)), floored at min_lr
+  after   (k >= D):         min_lr (constant stays at max_lr)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+
+class OptimizerParamScheduler:
+    def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int,
+                 decay_steps: int, decay_style: str = "cosine",
+                 wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "linear"):
+        if decay_style not in ("constant", "linear", "cosine", "WSD", "inverse-square-root"):
+            raise ValueError(f"unknown lr decay style {decay_style!r}")
+        self.optimizer = optimizer
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_steps = int(warmup_steps)
+        self.decay_steps = max(int(decay_steps), self.warmup_steps)
+        self.decay_style = decay_style
+        self.wsd_decay_steps = wsd_decay_steps
+        self.wsd_decay_style = wsd_decay_style
+        self.num_steps = 0
+        self._apply(self.get_lr(0))
+
+    @classmethod
+    def from_config(cls, optimizer, opt_cfg, train_iters: int) -> "OptimizerParamScheduler":
+        decay = opt_cfg.lr_decay_iters or train_iters
+        warmup = opt_cfg.lr_warmup_iters or 0
+        if opt_cfg.lr_warmup_fraction is not None:
+            warmup = int(opt_cfg.lr_warmup_fraction * decay)
+        return cls(optimizer, opt_cfg.lr, opt_cfg.min_lr, warmup, decay, opt_cfg.lr_decay_style,
+                   opt_cfg.lr_wsd_decay_iters, opt_cfg.lr_wsd_decay_style)
+
+    def get_lr(self, step: int) -> float:
+        W, D = self.warmup_steps, self.decay_steps
+        if W > 0 and step < W:
+            return self.max_lr * (step + 1) / W
+        if self.decay_style == "constant":
+            return self.max_lr
+        if self.decay_style == "inverse-square-root":
+            w = max(W, 1)
+            return max(self.min_lr, self.max_lr * math.sqrt(w) / math.sqrt(max(step, w)))
+        if step >= D:
+            return self.min_lr
+        delta = self.max_lr - self.min_lr
+        if self.decay_style == "WSD":
+            wsd = min(self.wsd_decay_steps or 0, D - W)
+            start = D - wsd
+            if step < start:
+                return self.max_lr
+            r = (step - start) / max(wsd, 1)
+            if self.wsd_decay_style == "linear":
+                coeff = 1.0 - r
+            elif self.wsd_decay_style == "cosine":
+                coeff = 0.5 * (math.cos(math.pi * r) + 1.0)
+            elif self.wsd_decay_style == "exponential":
+                coeff = 2.0 * math.pow(0.5, r) - 1.0
+            else:  # minus_sqrt
+                coeff = 1.0 - math.sqrt(r)
+            return self.min_lr + coeff * delta
+        r = (step - W) / max(D - W, 1)
+        if self.decay_style == "linear":
+            coeff = 1.0 - r
+        else:  # cosine
+            coeff = 0.5 * (math.cos(math.pi * r) + 1.0)
+        return self.min_lr + coeff * delta
+
+    def _apply(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    @property
+    def current_lr(self) -> float:
+        return self.get_lr(self.num_steps)
+
+    def step(self, increment: int = 1) -> float:
+        """Advance to the next iteration and set its learning rate on the optimizer."""
+        self.num_steps += increment
+        lr = self.get_lr(self.num_steps)
+        self._apply(lr)
+        return lr
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
+                "warmup_steps": self.warmup_steps, "decay_steps": self.decay_steps,
+                "decay_style": self.decay_style, "wsd_decay_steps": self.wsd_decay_steps,
+                "wsd_decay_style": self.wsd_decay_style}
+
+    def load_state_dict(self, sd: dict) -> None:
+        # The schedule's shape comes from this run's flags (so a resumed run may change it, as in
+        # Megatron with --override-opt-param-scheduler); only the position is restored.
+        self.num_steps = int(sd["num_steps"])
+        self._apply(self.get_lr(self.num_steps))

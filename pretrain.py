@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""Pretrain a GPT model: ``python pretrain.py [flags]`` or ``torchrun --nproc-per-node N pretrain.py``.
+
+Flags follow Megatron-LM (``python pretrain.py --help``). Any bad input ends with one line on
+stderr and a non-zero exit (2 for configuration, 1 for a failed run), never a traceback or a hang
+(DESIGN.md contract 8).
+"""
+
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain.py"
+    from megalite.config import ConfigError
+
+    try:
+        from megalite.arguments import parse_args
+
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+    from megalite.parallel_state import destroy_model_parallel
+    from megalite.training import TrainingError, pretrain
+
+    try:
+        pretrain(cfg)
+    except ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (TrainingError, FileNotFoundError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        destroy_model_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
