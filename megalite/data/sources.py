@@ -128,12 +128,17 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
         builder, files = _local_files(path)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
-            return datasets.load_dataset(builder, data_files=files, split="train",
-                                         cache_dir=hf_cache_dir(cache_dir), num_proc=num_proc,
-                                         **kwargs)
+            ds = datasets.load_dataset(builder, data_files=files, split="train",
+                                       cache_dir=hf_cache_dir(cache_dir), num_proc=num_proc,
+                                       **kwargs)
         except Exception as e:  # parse errors of user files: name the file, keep one line
             raise ConfigError(f"--data-path: cannot read {path} as {builder}: "
                               f"{_one_line(e)}") from e
+        if builder == "text":
+            # datasets splits paragraphs on "\n\n" literally; the blank lines around a paragraph
+            # are separators, not content.
+            ds = ds.map(_strip_paragraphs, batched=True, desc="paragraphs")
+        return ds
     if kind == "indexed":
         raise ValueError(f"{path} is an indexed dataset; it has no text to load")
     try:
@@ -143,6 +148,10 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
         raise ConfigError(f"--data-path: {path!r} is not a local file/folder or PREFIX.bin/.idx, "
                           f"and loading it as a Hugging Face dataset failed (offline or no such "
                           f"dataset): {_one_line(e)}") from e
+
+
+def _strip_paragraphs(batch):
+    return {"text": [t.strip("\n") for t in batch["text"]]}
 
 
 def _one_line(e: BaseException) -> str:
