@@ -1,0 +1,392 @@
+"""DistributedDataParallel: contiguous grad buffers, bucketed and overlapped DP reduction.
+
+Wrap each model chunk: ``ddp = DistributedDataParallel(chunk, opt_cfg, ps)``. The forward passes
+through. During backward a hook on every parameter's gradient accumulator moves ``.grad`` into
+``param.main_grad`` (a view of the contiguous grad buffer, fp32 for 16-bit params), frees ``.grad``
+and marks the parameter ready; when every parameter of a bucket is ready the bucket's collective
+can be issued asynchronously while backward continues (``overlap_grad_reduce``):
+
+* stage 0: all-reduce the bucket (every rank keeps the full reduced gradient);
+* stage 1: reduce-scatter it in place (rank r keeps shard r; THEORY.md: all-reduce =
+  reduce-scatter + all-gather, and ZeRO-1 only needs the first half for the gradients);
+* stage 2: reduce-scatter it on *every* micro-batch, add the shard into a persistent accumulator and
+  release the full-size storage, so only 1/N of the gradients lives between micro-batches.
+
+Stages 0/1 reduce only on the last micro-batch: inside ``no_sync()`` the buckets just accumulate.
+Without overlap, every bucket is reduced in :meth:`finish_grad_sync`. The loss is already divided by
+the global batch's token count (DESIGN.md contract 4), so the reduction is a SUM.
+
+Deferred weight gradients (zero-bubble "W", tensor_parallel/layers.py): the linear layers' backward
+returns no weight gradient while ``WeightGradStore`` captures; the gradient arrives later through
+``accumulate_weight_grad``, which adds into ``main_grad`` and calls ``param.deferred_grad_hook`` —
+that is when the parameter is marked ready. The tied embedding weight gets one contribution in B
+(the lookup) and one in W (the output layer), so while capturing it is marked ready only by W.
+
+Order of reductions (finalize, :func:`finalize_model_grads_ddp`). Sequence-parallel gradients need
+a TP all-reduce and split tied embeddings an embedding-group all-reduce, besides the DP reduction.
+All three are sums, and sums commute, so megalite does DP *first* — it has to, because with overlap
+the DP reduction starts in the middle of backward — and then the TP / embedding all-reduces on the
+DP-reduced values this rank holds: the full gradient in stage 0, only this rank's shard in stages
+1/2. That is correct because the shards line up across the ranks of those groups (identical layouts
+on all TP ranks; the shared embedding has a bucket of its own on both stages, see
+param_and_grad_buffer.py), and it moves 1/N of the bytes a pre-DP all-reduce would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.nn as nn
+
+from megalite import collectives as C
+from megalite.config import ConfigError, OptimizerConfig
+from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    WeightGradStore,
+)
+
+# Megatron's default: one bucket per ~40M elements.
+DEFAULT_BUCKET_SIZE = 40_000_000
+
+
+def _queue_end_of_backward(fn: Callable[[], None]) -> bool:
+    """Run ``fn`` when the current backward pass finishes; False when no backward is running."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+        return True
+    except RuntimeError:
+        return False
+
+
+class DistributedDataParallel(nn.Module):
+    def __init__(self, module: nn.Module, config: OptimizerConfig, parallel_state: ParallelState,
+                 *, bucket_size: Optional[int] = None):
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.ps = parallel_state
+        self.zero_stage = config.zero_stage
+        if self.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"--zero-stage {self.zero_stage}: DistributedDataParallel implements "
+                              f"stages 0, 1 and 2 (gradient and optimizer-state sharding)")
+        if config.overlap_param_gather and self.zero_stage == 0:
+            raise ConfigError("--overlap-param-gather needs the distributed optimizer "
+                              "(--use-distributed-optimizer or --zero-stage 1/2)")
+        size = bucket_size if bucket_size is not None else config.ddp_bucket_size
+        if size is not None and size <= 0:
+            raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got {size}")
+        self.bucket_size = size if size is not None else DEFAULT_BUCKET_SIZE
+        self.dp_group = parallel_state.dp_group
+        self.dp_size = C.group_size(self.dp_group)
+        self.overlap_grad_reduce = config.overlap_grad_reduce
+        self.overlap_param_gather = config.overlap_param_gather
+        self._sync_enabled = True
+        self._synced = False
+        self._drain_queued = False
+        # (kind, index or name, time): filled only when record_events is True (overlap tests).
+        self.record_events = False
+        self.events: List[tuple] = []
+
+        # One buffer per parameter dtype; names are the module's own (no "module." prefix).
+        seen = set()
+        by_dtype: Dict[torch.dtype, list] = {}
+        for name, p in module.named_parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            by_dtype.setdefault(p.dtype, []).append((name, p))
+        self.grad_buffers: List[ParamAndGradBuffer] = []
+        for dtype, named in by_dtype.items():
+            grad_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+            self.grad_buffers.append(ParamAndGradBuffer(
+                named, grad_dtype=grad_dtype, dp_group=self.dp_group, zero_stage=self.zero_stage,
+                bucket_size=self.bucket_size))
+        self.param_to_buffer: Dict[nn.Parameter, ParamAndGradBuffer] = {
+            p: buf for buf in self.grad_buffers for p in buf.slots}
+        self.param_names: Dict[nn.Parameter, str] = {
+            p: slot.name for buf in self.grad_buffers for p, slot in buf.slots.items()}
+
+        # Parameters whose gradient may arrive late through accumulate_weight_grad: the linear
+        # layers' weights and, for a tied output layer, the embedding weight it borrows.
+        self._deferrable = set()
+        for m in module.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                if m.weight is not None:
+                    self._deferrable.add(m.weight)
+        if getattr(module, "output_layer", None) is not None and module.output_layer.weight is None:
+            self._deferrable.add(module.embedding.word_embeddings.weight)
+
+        self._hook_handles = []
+        for p in self.param_to_buffer:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+            p.deferred_grad_hook = self._deferred_grad_hook
+        # Parameter all-gathers issued at the end of a step are waited on by the first module
+        # that uses the bucket's params in the next forward (overlap_param_gather).
+        for m in module.modules():
+            if any(True for _ in m.parameters(recurse=False)):
+                self._hook_handles.append(m.register_forward_pre_hook(self._param_gather_pre_hook))
+
+    # ------------------------------------------------------------------------------ nn.Module
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        # Pass unknown attributes (config, set_input_tensor, ...) through to the wrapped chunk.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        self.finish_param_sync()
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+    @property
+    def buckets(self) -> List[Bucket]:
+        return [b for buf in self.grad_buffers for b in buf.buckets]
+
+    # ----------------------------------------------------------------------------- grad hooks
+    def _record(self, kind: str, what) -> None:
+        if self.record_events:
+            self.events.append((kind, what, time.perf_counter()))
+
+    def _grad_hook(self, p: nn.Parameter) -> None:
+        if p.grad is None:
+            return  # deferred weight gradient: it arrives through _deferred_grad_hook
+        buf = self.param_to_buffer[p]
+        bucket = buf.param_to_bucket[p]
+        if buf.zero_stage == 2:
+            self._complete_stage2(bucket)  # fold an in-flight reduction before reusing storage
+            buf.ensure_grad_storage(bucket)
+        p.main_grad.add_(p.grad.view_as(p.main_grad))
+        p.grad = None
+        self._synced = False
+        self._record("hook", self.param_names[p])
+        if WeightGradStore.is_capturing() and p in self._deferrable:
+            return  # more of this gradient comes with the deferred W pass
+        self._mark_ready(buf, bucket, p)
+
+    def _deferred_grad_hook(self, p: nn.Parameter) -> None:
+        buf = self.param_to_buffer[p]
+        bucket = buf.param_to_bucket[p]
+        if p.grad is not None:  # stage 2 with the storage released: the grad went to .grad
+            self._complete_stage2(bucket)
+            buf.ensure_grad_storage(bucket)
+            p.main_grad.add_(p.grad.view_as(p.main_grad))
+            p.grad = None
+        self._synced = False
+        self._record("hook", self.param_names[p])
+        self._mark_ready(buf, bucket, p)
+
+    def _mark_ready(self, buf: ParamAndGradBuffer, bucket: Bucket, p: nn.Parameter) -> None:
+        bucket.ready.add(p)
+        if len(bucket.ready) < len(bucket.params):
+            return
+        bucket.ready.clear()
+        if buf.zero_stage == 2:
+            # ZeRO-2: reduce every micro-batch so only the shard outlives it.
+            self._launch(buf, bucket)
+            if not self.overlap_grad_reduce:
+                self._complete_stage2(bucket)
+            elif not self._drain_queued:
+                self._drain_queued = _queue_end_of_backward(self._drain_stage2)
+                if not self._drain_queued:  # outside backward (a deferred W): finish now
+                    self._complete_stage2(bucket)
+        elif self._sync_enabled and self.overlap_grad_reduce and not bucket.launched:
+            self._launch(buf, bucket)
+
+    # ---------------------------------------------------------------------------- collectives
+    def _launch(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        self._record("launch", bucket.index)
+        async_op = self.overlap_grad_reduce
+        if buf.zero_stage == 0:
+            bucket.grad_handle = C.all_reduce(bucket.grad_data, group=self.dp_group,
+                                              async_op=async_op, tag="dp_grad_all_reduce")
+        elif buf.zero_stage == 1:
+            # In place: rank r's shard of the bucket receives the sum.
+            bucket.grad_handle = C.reduce_scatter_tensor(
+                buf.grad_shard(bucket), bucket.grad_data, group=self.dp_group, async_op=async_op,
+                tag="dp_grad_reduce_scatter")
+        else:
+            bucket.pending_out = torch.empty(bucket.shard_numel, dtype=buf.grad_dtype,
+                                             device=buf.device)
+            bucket.grad_handle = C.reduce_scatter_tensor(
+                bucket.pending_out, bucket.grad_data, group=self.dp_group, async_op=async_op,
+                tag="dp_grad_reduce_scatter")
+        bucket.launched = True
+
+    def _complete_stage2(self, bucket: Bucket) -> None:
+        if bucket.pending_out is None:
+            return
+        if bucket.grad_handle is not None:
+            bucket.grad_handle.wait()
+            bucket.grad_handle = None
+        buf = self._buffer_of(bucket)
+        bucket.grad_shard_acc.add_(bucket.pending_out)
+        bucket.pending_out = None
+        buf.release_grad_storage(bucket)
+
+    def _drain_stage2(self) -> None:
+        self._drain_queued = False
+        for b in self.buckets:
+            self._complete_stage2(b)
+
+    def _buffer_of(self, bucket: Bucket) -> ParamAndGradBuffer:
+        return self.param_to_buffer[bucket.params[0]]
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: stages 0/1 skip the DP reduction until the last micro-batch.
+
+        Stage 2 reduces every micro-batch regardless — keeping only the shard between micro-batches
+        is what ZeRO-2 trades the extra communication for.
+        """
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def start_grad_sync(self) -> None:
+        """Issue the reduction of every bucket not yet issued in this iteration."""
+        for buf in self.grad_buffers:
+            for b in buf.buckets:
+                if buf.zero_stage == 2:
+                    if b.pending_out is None and b.grad_data is not None:
+                        self._launch(buf, b)  # partial buckets (unused params, captured B)
+                elif not b.launched:
+                    self._launch(buf, b)
+
+    def finish_grad_sync(self) -> None:
+        """Wait until every bucket's gradients are reduced over the DP group."""
+        if self._synced:
+            return
+        self.start_grad_sync()
+        for buf in self.grad_buffers:
+            for b in buf.buckets:
+                if buf.zero_stage == 2:
+                    self._complete_stage2(b)
+                elif b.grad_handle is not None:
+                    b.grad_handle.wait()
+                    b.grad_handle = None
+                b.launched = False
+                b.ready.clear()
+        self._synced = True
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the gradients for a new iteration (waits for anything still in flight)."""
+        for buf in self.grad_buffers:
+            for b in buf.buckets:
+                if b.grad_handle is not None:
+                    b.grad_handle.wait()
+                    b.grad_handle = None
+                b.pending_out = None
+            buf.zero_grad()
+        for p in self.param_to_buffer:
+            p.grad = None
+        self._synced = False
+
+    # ------------------------------------------------------------------------ param all-gather
+    def start_param_sync(self, overlap: Optional[bool] = None) -> None:
+        """All-gather every bucket's params from their owners' shards (stages 1/2).
+
+        With overlap the gathers stay in flight and the forward pre-hooks wait for them.
+        """
+        if self.zero_stage == 0:
+            return
+        overlap = self.overlap_param_gather if overlap is None else overlap
+        for buf in self.grad_buffers:
+            for b in buf.buckets:
+                lo = b.shard_start - b.offset
+                shard = b.param_data[lo:lo + b.shard_numel]
+                self._record("param_gather", b.index)
+                b.param_handle = C.all_gather_into_tensor(
+                    b.param_data, shard, group=self.dp_group, async_op=overlap,
+                    tag="dp_param_all_gather")
+                if not overlap:
+                    b.param_handle = None
+
+    def finish_param_sync(self) -> None:
+        for b in self.buckets:
+            if b.param_handle is not None:
+                b.param_handle.wait()
+                b.param_handle = None
+
+    def _param_gather_pre_hook(self, module: nn.Module, args) -> None:
+        for p in module.parameters(recurse=False):
+            buf = self.param_to_buffer.get(p)
+            if buf is None:
+                continue
+            b = buf.param_to_bucket[p]
+            if b.param_handle is not None:
+                b.param_handle.wait()
+                b.param_handle = None
+                self._record("param_wait", b.index)
+
+    # ------------------------------------------------------------------------ finalize helpers
+    def valid_grad_slices(self, predicate: Callable[[nn.Parameter], bool]) -> List[torch.Tensor]:
+        out = []
+        for buf in self.grad_buffers:
+            for p in buf.slots:
+                if predicate(p):
+                    g = buf.valid_grad_slice(p)
+                    if g is not None:
+                        out.append(g)
+        return out
+
+
+def _all_reduce_slices(slices: List[torch.Tensor], group, tag: str) -> None:
+    if not slices or C.group_size(group) == 1:
+        return
+    flat = torch.cat([s.reshape(-1) for s in slices])
+    C.all_reduce(flat, group=group, tag=tag)
+    offset = 0
+    for s in slices:
+        s.copy_(flat[offset:offset + s.numel()].view_as(s))
+        offset += s.numel()
+
+
+def finalize_model_grads_ddp(chunks: Iterable[DistributedDataParallel], ps: ParallelState) -> None:
+    """DP reduction of every chunk, then TP (sequence-parallel) and embedding-group all-reduces on
+    the DP-reduced slices this rank holds (the order is explained in the module docstring)."""
+    chunks = list(chunks)
+    for c in chunks:
+        c.finish_grad_sync()
+    if C.group_size(ps.tp_group) > 1:
+        sp = [s for c in chunks for s in c.valid_grad_slices(
+            lambda p: getattr(p, "sequence_parallel", False))]
+        _all_reduce_slices(sp, ps.tp_group, "tp_sp_grad_all_reduce")
+    if ps.pp_size > 1 and ps.in_embedding_group:
+        emb = [s for c in chunks for s in c.valid_grad_slices(
+            lambda p: getattr(p, "shared_embedding", False))]
+        _all_reduce_slices(emb, ps.embedding_group, "embedding_grad_all_reduce")
+
+
+def wrap_chunks(chunks: List[nn.Module], config: OptimizerConfig, ps: ParallelState):
+    """(ddp_chunks, no_sync_func, finalize_fn) for the training loop and the schedules."""
+    ddp_chunks = [c if isinstance(c, DistributedDataParallel)
+                  else DistributedDataParallel(c, config, ps) for c in chunks]
+
+    @contextlib.contextmanager
+    def no_sync():
+        with contextlib.ExitStack() as stack:
+            for c in ddp_chunks:
+                stack.enter_context(c.no_sync())
+            yield
+
+    def finalize(_chunks=None) -> None:
+        finalize_model_grads_ddp(ddp_chunks, ps)
+
+    return ddp_chunks, no_sync, finalize

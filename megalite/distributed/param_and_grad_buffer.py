@@ -1,0 +1,217 @@
+"""Contiguous parameter and gradient buffers, split into buckets for data-parallel reduction.
+
+Why contiguous buffers: one collective per bucket instead of one per parameter (latency), a shard of
+a bucket is a plain slice (ZeRO-1/2 shard = ``bucket[r*B/N:(r+1)*B/N]``), and the optimizer can step
+flat tensors. Every parameter's ``.data`` becomes a view into the *param buffer*, and its gradient
+accumulates into ``param.main_grad``, a view into the *grad buffer* (fp32 when the parameters are
+bf16/fp16, so accumulation over micro-batches does not lose precision — Megatron's layout, THEORY.md
+"6 + 12/N").
+
+Layout rules (and why):
+
+* Parameters are laid out in *reverse registration order*, which is roughly the order backward
+  produces their gradients, so the first bucket fills first and its reduction can start while
+  backward still runs (overlap_grad_reduce).
+* A parameter is never split across buckets; a bucket closes once it holds >= ``bucket_size``
+  elements.
+* Each bucket is padded to a multiple of the data-parallel size N, so it splits into N equal shards
+  (reduce-scatter and all-gather need equal shards). Padding elements hold zeros forever: their
+  gradient is 0, so Adam leaves them at 0.
+* A parameter flagged ``shared_embedding`` (the two copies of a tied embedding on the first and last
+  pipeline stage) gets a bucket of its own. Both copies have the same shape, so their buckets — and
+  hence the DP shards of them — line up on both stages, and the embedding-group all-reduce can run
+  on the DP-reduced shard (see ddp.py, "order of reductions").
+* All TP ranks build identical layouts (TP shards have equal shapes), so the same holds for the
+  tensor-parallel all-reduce of sequence-parallel gradients.
+
+Stage 2 keeps no full-size grad buffer between micro-batches: a bucket's full gradient storage is
+allocated when its first gradient arrives, reduce-scattered as soon as the bucket is complete, added
+into a persistent fp32 shard accumulator (B/N elements) and released.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megalite import collectives as C
+
+
+@dataclass
+class ParamSlot:
+    """Where one parameter lives in its buffer: elements [start, end)."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class Bucket:
+    """A contiguous range [offset, offset + numel) of the buffers, reduced by one collective."""
+
+    def __init__(self, index: int, slots: List[ParamSlot], offset: int, numel: int,
+                 dp_size: int, dp_rank: int):
+        self.index = index
+        self.slots = slots
+        self.params = [s.param for s in slots]
+        self.offset = offset
+        self.numel = numel  # padded: a multiple of dp_size
+        self.shard_numel = numel // dp_size
+        # Buffer coordinates of this rank's shard.
+        self.shard_start = offset + dp_rank * self.shard_numel
+        self.shard_end = self.shard_start + self.shard_numel
+        self.param_data: Optional[torch.Tensor] = None  # view of the param buffer
+        self.grad_data: Optional[torch.Tensor] = None  # full grad storage (None: released, stage 2)
+        self.grad_shard_acc: Optional[torch.Tensor] = None  # stage 2: persistent shard accumulator
+        self.ready: set = set()
+        self.launched = False  # grad collective issued in this iteration (stages 0/1)
+        self.grad_handle = None
+        self.pending_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output
+        self.param_handle = None  # async all-gather of params (overlap_param_gather)
+
+    @property
+    def padding(self) -> int:
+        return self.numel - sum(s.numel for s in self.slots)
+
+
+class ParamAndGradBuffer:
+    """The param and grad buffers of one group of same-dtype parameters of one model chunk."""
+
+    def __init__(self, named_params: List[Tuple[str, torch.nn.Parameter]], *, grad_dtype: torch.dtype,
+                 dp_group, zero_stage: int, bucket_size: Optional[int]):
+        assert named_params, "a buffer needs at least one parameter"
+        self.dp_group = dp_group
+        self.dp_size = C.group_size(dp_group)
+        self.dp_rank = C.group_rank(dp_group)
+        self.zero_stage = zero_stage
+        self.param_dtype = named_params[0][1].dtype
+        self.grad_dtype = grad_dtype
+        self.device = named_params[0][1].device
+        N = self.dp_size
+
+        # ---- layout: reverse registration order, whole params, padded buckets --------------------
+        groups: List[List[Tuple[str, torch.nn.Parameter]]] = []
+        current: List[Tuple[str, torch.nn.Parameter]] = []
+        current_numel = 0
+        limit = bucket_size if bucket_size is not None else math.inf
+        for name, p in reversed(named_params):
+            if getattr(p, "shared_embedding", False):
+                if current:
+                    groups.append(current)
+                    current, current_numel = [], 0
+                groups.append([(name, p)])
+                continue
+            current.append((name, p))
+            current_numel += p.numel()
+            if current_numel >= limit:
+                groups.append(current)
+                current, current_numel = [], 0
+        if current:
+            groups.append(current)
+
+        self.buckets: List[Bucket] = []
+        self.slots: Dict[torch.nn.Parameter, ParamSlot] = {}
+        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        offset = 0
+        for i, group in enumerate(groups):
+            start = offset
+            slots = []
+            for name, p in group:
+                slot = ParamSlot(name, p, offset, offset + p.numel())
+                slots.append(slot)
+                self.slots[p] = slot
+                offset += p.numel()
+            numel = int(math.ceil((offset - start) / N) * N)
+            offset = start + numel
+            bucket = Bucket(i, slots, start, numel, N, self.dp_rank)
+            self.buckets.append(bucket)
+            for s in slots:
+                self.param_to_bucket[s.param] = bucket
+        self.numel = offset
+        self.numel_unpadded = sum(p.numel() for _, p in named_params)
+
+        # ---- param buffer: every param becomes a view of it --------------------------------------
+        self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
+        for slot in self.slots.values():
+            p = slot.param
+            view = self.param_data[slot.start:slot.end].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+        for b in self.buckets:
+            b.param_data = self.param_data[b.offset:b.offset + b.numel]
+
+        # ---- grad buffer --------------------------------------------------------------------------
+        if zero_stage < 2:
+            # Stages 0/1: one persistent full-size buffer; main_grad is a fixed view of it.
+            self.grad_data: Optional[torch.Tensor] = torch.zeros(self.numel, dtype=grad_dtype,
+                                                                 device=self.device)
+            for b in self.buckets:
+                b.grad_data = self.grad_data[b.offset:b.offset + b.numel]
+            for slot in self.slots.values():
+                slot.param.main_grad = self.grad_data[slot.start:slot.end].view_as(slot.param)
+        else:
+            # Stage 2: only the shard accumulators persist (THEORY.md: grads 4Ψ/N bytes).
+            self.grad_data = None
+            for b in self.buckets:
+                b.grad_shard_acc = torch.zeros(b.shard_numel, dtype=grad_dtype, device=self.device)
+            for slot in self.slots.values():
+                slot.param.main_grad = None
+
+    # ----------------------------------------------------------------------------- grad storage
+    def ensure_grad_storage(self, bucket: Bucket) -> None:
+        """Stage 2: allocate a bucket's full-size gradient storage on first use in a micro-batch."""
+        if bucket.grad_data is not None:
+            return
+        bucket.grad_data = torch.zeros(bucket.numel, dtype=self.grad_dtype, device=self.device)
+        for slot in bucket.slots:
+            lo = slot.start - bucket.offset
+            slot.param.main_grad = bucket.grad_data[lo:lo + slot.numel].view_as(slot.param)
+
+    def release_grad_storage(self, bucket: Bucket) -> None:
+        """Stage 2: drop the full-size storage once its shard has been folded in."""
+        bucket.grad_data = None
+        for slot in bucket.slots:
+            slot.param.main_grad = None
+
+    def grad_shard(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's DP-reduced gradient shard of a bucket (stage 0: the whole bucket)."""
+        if self.zero_stage == 0:
+            return bucket.grad_data
+        if self.zero_stage == 1:
+            lo = bucket.shard_start - bucket.offset
+            return bucket.grad_data[lo:lo + bucket.shard_numel]
+        return bucket.grad_shard_acc
+
+    def shard_range(self, bucket: Bucket) -> Tuple[int, int]:
+        """Buffer coordinates of the range this rank's optimizer owns (stage 0: all of it)."""
+        if self.zero_stage == 0:
+            return bucket.offset, bucket.offset + bucket.numel
+        return bucket.shard_start, bucket.shard_end
+
+    def valid_grad_slice(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """The part of ``param``'s DP-reduced gradient this rank holds (a view), or None."""
+        bucket = self.param_to_bucket[param]
+        slot = self.slots[param]
+        lo, hi = self.shard_range(bucket)
+        a, b = max(slot.start, lo), min(slot.end, hi)
+        if a >= b:
+            return None
+        return self.grad_shard(bucket)[a - lo:b - lo]
+
+    def zero_grad(self) -> None:
+        if self.grad_data is not None:
+            self.grad_data.zero_()
+        for b in self.buckets:
+            b.ready.clear()
+            b.launched = False
+            if self.zero_stage == 2:
+                b.grad_shard_acc.zero_()
+                self.release_grad_storage(b)

@@ -1,0 +1,158 @@
+"""Per-rank model-state memory: measured from tensor storages, next to THEORY.md's formula.
+
+"Model states" are ZeRO's term (Rajbhandari et al. 2020): parameters, gradients, fp32 master
+parameters and optimizer states — not activations. They are measured from the storages of the
+tensors that hold them (deduplicated by storage pointer, so views into one contiguous buffer count
+once and fp32 masters that *are* the params do not count twice), never from RSS, so the figure is
+exact and comparable with the formula.
+
+Theory (THEORY.md "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP size:
+
+* ZeRO paper, 16-bit params and grads, K = 12:  stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N,
+  stage 2 2Ψ + 14Ψ/N. Pure fp32 (THEORY.md, K = 8): 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N.
+* megalite's layout (what is measured): params are 16-bit or fp32, gradients are accumulated in
+  fp32 (``main_grad``), fp32 masters exist only for 16-bit params. Per parameter:
+
+  ========  =====================  ==========================  ===========================
+  stage     fp32                   bf16/fp16                   note
+  ========  =====================  ==========================  ===========================
+  0         4 + 4 + 8 = 16         2 + 4 + 4 + 8 = 18          DDP: everything replicated
+  1         4 + 4 + 8/N            2 + 4 + 12/N                Megatron's "6 + 12/N"
+  2         4 + (4 + 8)/N          2 + (4 + 12)/N              ZeRO-2 with fp32 grad shards
+  ========  =====================  ==========================  ===========================
+
+  In fp32 this is exactly the THEORY.md fp32 accounting; in 16 bits it is Megatron's variant
+  (fp32 gradients: +2Ψ over the paper in stages 0/1, +2Ψ/N in stage 2).
+
+Ψ counted with bucket padding (each bucket padded to a multiple of N) makes measured == theory
+exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.nn as nn
+
+_CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr())
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> Dict[tuple, int]:
+    out = {}
+    for t in tensors:
+        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        s = t.untyped_storage()
+        out[_storage_key(t)] = s.nbytes()
+    return out
+
+
+def _chunks(model_chunks) -> List[nn.Module]:
+    return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+
+
+def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
+    """Bytes this rank holds for params, grads, masters and optimizer states (deduplicated)."""
+    chunks = _chunks(model_chunks)
+    params = [p for c in chunks for p in c.parameters()]
+    grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+    for c in chunks:
+        for buf in getattr(c, "grad_buffers", []):
+            if buf.grad_data is not None:
+                grads.append(buf.grad_data)
+            for b in buf.buckets:
+                grads.extend(t for t in (b.grad_data, b.grad_shard_acc, b.pending_out)
+                             if t is not None)
+        grads.extend(g for p in c.parameters()
+                     if (g := getattr(p, "main_grad", None)) is not None)
+    masters: List[torch.Tensor] = []
+    states: List[torch.Tensor] = []
+    if optimizer is not None:
+        if hasattr(optimizer, "model_state_tensors"):
+            tensors = optimizer.model_state_tensors()
+            masters, states = tensors["master_params"], tensors["optimizer_states"]
+        else:  # a plain optimizer: masters and a torch optimizer's per-param state
+            masters = [m for m in getattr(optimizer, "masters", [])]
+            inner = getattr(optimizer, "inner", optimizer)
+            for st in getattr(inner, "state", {}).values():
+                states.extend(v for k, v in st.items()
+                              if isinstance(v, torch.Tensor) and k != "step")
+    seen: Dict[tuple, int] = {}
+    out = {}
+    for name, tensors in zip(_CATEGORIES, (params, grads, masters, states)):
+        found = _storages(tensors)
+        out[name + "_bytes"] = sum(n for k, n in found.items() if k not in seen)
+        seen.update(found)
+    out["total_bytes"] = sum(out[c + "_bytes"] for c in _CATEGORIES)
+    return out
+
+
+def theoretical_model_state_bytes(num_params: int, dp_size: int, zero_stage: int,
+                                  params_dtype: str = "float32") -> Dict[str, float]:
+    """THEORY.md's per-rank bytes for megalite's layout, plus the ZeRO paper's total."""
+    psi, n = float(num_params), float(dp_size)
+    p16 = params_dtype in ("bfloat16", "float16")
+    param_b = 2 if p16 else 4
+    shard = 1.0 / n if zero_stage >= 1 else 1.0
+    theory = {
+        "params_bytes": param_b * psi,
+        "grads_bytes": 4 * psi * (1.0 / n if zero_stage >= 2 else 1.0),
+        "master_params_bytes": (4 * psi * shard) if p16 else 0.0,
+        "optimizer_states_bytes": 8 * psi * shard,
+    }
+    theory["total_bytes"] = sum(theory[c + "_bytes"] for c in _CATEGORIES)
+    # The ZeRO paper's accounting (16-bit grads) for reference: K = 12 (16-bit) or 8 (fp32).
+    k = 12 if p16 else 8
+    if zero_stage == 0:
+        paper = (param_b + param_b + k) * psi
+    elif zero_stage == 1:
+        paper = (param_b + param_b) * psi + k * psi / n
+    else:
+        paper = param_b * psi + (param_b + k) * psi / n
+    theory["zero_paper_total_bytes"] = paper
+    return theory
+
+
+def padded_num_params(model_chunks) -> int:
+    """Ψ including bucket padding (the size of the contiguous buffers); plain count otherwise."""
+    total = 0
+    for c in _chunks(model_chunks):
+        bufs = getattr(c, "grad_buffers", None)
+        if bufs:
+            total += sum(b.numel for b in bufs)
+        else:
+            total += sum(p.numel() for p in c.parameters())
+    return total
+
+
+def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = None,
+                  dp_size: Optional[int] = None, params_dtype: Optional[str] = None) -> Dict:
+    """Measured and theoretical model-state bytes, flat, ready for log_metrics at iteration 1."""
+    chunks = _chunks(model_chunks)
+    first = chunks[0]
+    if zero_stage is None:
+        zero_stage = getattr(first, "zero_stage", 0)
+    if dp_size is None:
+        dp_size = getattr(first, "dp_size", 1)
+    if params_dtype is None:
+        dtype = next(first.parameters()).dtype
+        params_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+    measured = model_state_bytes(chunks, optimizer)
+    psi_padded = padded_num_params(chunks)
+    psi = sum(p.numel() for c in chunks for p in c.parameters())
+    theory = theoretical_model_state_bytes(psi_padded, dp_size, zero_stage, params_dtype)
+    report = {"zero_stage": zero_stage, "dp_size": dp_size, "num_params_local": psi,
+              "num_params_local_padded": psi_padded}
+    for k, v in measured.items():
+        report["mem_" + k] = v
+    for k, v in theory.items():
+        report["mem_theory_" + k] = v
+    report["mem_theory_unpadded_total_bytes"] = theoretical_model_state_bytes(
+        psi, dp_size, zero_stage, params_dtype)["total_bytes"]
+    return report
