@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
 
     g = p.add_argument_group("batch")
-    g.add_argument("--micro-batch-size", type=int, default=8)
+    g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro-batch size x data-parallel size")
 

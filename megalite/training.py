@@ -50,7 +50,11 @@ from megalite.parallel_state import (
 )
 from megalite.pipeline_parallel.partition import build_model_chunks
 from megalite.pipeline_parallel.schedules import get_forward_backward_func
-from megalite.tensor_parallel.random import model_parallel_seed, set_all_rng_states
+from megalite.tensor_parallel.random import (
+    get_all_rng_states,
+    model_parallel_seed,
+    set_all_rng_states,
+)
 
 
 def world_group():
@@ -216,6 +220,10 @@ class Trainer:
     def evaluate(self) -> Tuple[float, float]:
         cfg, ps = self.cfg, self.ps
         tr = cfg.training
+        # Evaluation must not perturb training randomness (a DataLoader iterator draws a seed from
+        # the global generator): otherwise --eval-interval would change the training run, and a
+        # resumed run would differ from an uninterrupted one.
+        rng = get_all_rng_states(ps.device)
         for c in self.chunks:
             c.eval()
         it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
@@ -234,6 +242,7 @@ class Trainer:
             total, ntok = total + s, ntok + k
         for c in self.chunks:
             c.train()
+        set_all_rng_states(rng, ps.device)
         loss = total / max(ntok, 1.0)
         return loss, math.exp(min(loss, 50.0))
 
