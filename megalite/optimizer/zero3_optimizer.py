@@ -1,0 +1,240 @@
+"""AdamW on ZeRO-3 shards (the optimizer half of megalite.distributed.zero3).
+
+Each rank updates only its 1/N slice of every unit's flat buffer (THEORY.md, ZeRO stage 3:
+16Ψ/N bytes): the fp32 master shard (in fp32 training the gathered shard itself), the fp32
+gradient shard the backward reduce-scattered into, and the two Adam moments. A shard straddles
+parameter boundaries, so what depends on the parameter — weight decay only on matrices (the
+second, no-decay group holds biases and norm weights, as Megatron and GPT-2), counting in the
+gradient norm, the sequence-parallel TP all-reduce — is applied through per-element runs
+(``unit.segments``: a run-length form of a per-element mask, which costs no memory).
+
+Interface (the one training.py uses, see megalite/optimizer/optimizer.py):
+
+    opt = Zero3Optimizer(zero3_model, opt_cfg, ps)
+    opt.zero_grad(); loss = opt.scale_loss(loss); updated, grad_norm, _ = opt.step()
+    opt.get_loss_scale(); opt.param_groups (the LR scheduler writes group["lr"])
+    opt.state_dict() / load_state_dict(sd)        this DP rank's shards (same DP size to load)
+    opt.gather_full_state() / load_full_state(f)  consolidated by parameter name (any DP size)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megalite import collectives as C
+from megalite.distributed.zero3 import Zero3Model
+from megalite.optimizer.clip_grads import counts_for_norm
+from megalite.optimizer.grad_scaler import build_grad_scaler
+
+DECAY, NO_DECAY = 0, 1
+_SHARD_FORMAT = "megalite-zero3-shard/1"
+_FULL_FORMAT = "megalite-zero3-full/1"
+
+
+class Zero3Optimizer:
+    sharded_state_dict_per_dp_rank = True
+
+    def __init__(self, model: Zero3Model, opt_cfg, ps):
+        if not isinstance(model, Zero3Model):
+            raise TypeError("Zero3Optimizer needs the Zero3Model from shard_model_zero3")
+        self.model = model
+        self.cfg = opt_cfg
+        self.ps = ps
+        self.param_groups = [
+            {"name": "decay", "lr": opt_cfg.lr, "weight_decay": opt_cfg.weight_decay},
+            {"name": "no_decay", "lr": opt_cfg.lr, "weight_decay": 0.0},
+        ]
+        self.step_count = 0
+        self.exp_avg = [torch.zeros_like(u.main) for u in model.units]
+        self.exp_avg_sq = [torch.zeros_like(u.main) for u in model.units]
+        # Per-unit runs [(start, end, group)] and the runs that count in the gradient norm.
+        self.runs: List[List[Tuple[int, int, int]]] = []
+        self.norm_runs: List[List[Tuple[int, int]]] = []
+        for u in model.units:
+            runs, norm = [], []
+            for s in u.segments:
+                p = u.params[s.param_index]
+                runs.append((s.start, s.end, DECAY if len(u.shapes[s.param_index]) > 1 else NO_DECAY))
+                # Each element counted once over tp x dp: DP shards are disjoint; a TP-sharded
+                # parameter counts on every TP rank, a replicated one on TP rank 0 only.
+                if counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
+                    norm.append((s.start, s.end))
+            self.runs.append(runs)
+            self.norm_runs.append(norm)
+        self.grad_scaler = build_grad_scaler(opt_cfg)
+
+    # ------------------------------------------------------------------------------ interface
+    def get_loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_shards()
+
+    def reload_model_params(self) -> None:
+        """The masters live in the model's units (shared), so there is nothing to copy."""
+
+    def _grads(self) -> List[torch.Tensor]:
+        return [u.grad for u in self.model.units]
+
+    def _found_inf(self, grads) -> bool:
+        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+        if any(not torch.isfinite(g).all() for g in grads):
+            flag.fill_(1.0)
+        # Every rank must agree to skip, or the shards would diverge: MAX over the world.
+        if torch.distributed.is_initialized():
+            C.all_reduce(flag, group=None, op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
+        return bool(flag.item() > 0)
+
+    def grad_norm(self) -> float:
+        """sqrt(Σ g²) of the full model: local shard squares summed over DP, then over TP."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.model.units[0].grad.device)
+        for u, runs in zip(self.model.units, self.norm_runs):
+            for a, b in runs:
+                sq += u.grad[a:b].pow(2).sum()
+        C.all_reduce(sq, group=self.ps.dp_group, tag="grad_norm_all_reduce")
+        C.all_reduce(sq, group=self.ps.mp_group, tag="grad_norm_all_reduce")
+        return float(sq.sqrt().item())
+
+    @torch.no_grad()
+    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+        self.model.finalize_grads()
+        grads = self._grads()
+        if self.grad_scaler is not None:
+            inv = 1.0 / self.grad_scaler.scale
+            for g in grads:
+                g.mul_(inv)
+            found_inf = self._found_inf(grads)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                self.zero_grad()
+                return False, None, None
+        norm = self.grad_norm()
+        clip = self.cfg.clip_grad
+        if clip > 0:
+            coef = clip / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        self.step_count += 1
+        self._adamw(grads)
+        for u in self.model.units:
+            if u.shard is not u.main:
+                u.shard.copy_(u.main)  # round the fp32 masters into the 16-bit gather source
+        return True, norm, None
+
+    def _adamw(self, grads: List[torch.Tensor]) -> None:
+        """torch.optim.AdamW's update (decoupled decay first), on whole shards; decay and lr per
+        run, since a shard straddles parameters of both groups."""
+        b1, b2, eps = self.cfg.adam_beta1, self.cfg.adam_beta2, self.cfg.adam_eps
+        t = self.step_count
+        bc1 = 1.0 - b1 ** t
+        bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+        groups = self.param_groups
+        same_lr = groups[DECAY]["lr"] == groups[NO_DECAY]["lr"]
+        for u, g, m, v, runs in zip(self.model.units, grads, self.exp_avg, self.exp_avg_sq,
+                                    self.runs):
+            p = u.main
+            for a, b, gi in runs:
+                lr, wd = groups[gi]["lr"], groups[gi]["weight_decay"]
+                if wd != 0.0:
+                    p[a:b].mul_(1.0 - lr * wd)
+            m.lerp_(g, 1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            if same_lr:
+                p.addcdiv_(m, denom, value=-groups[DECAY]["lr"] / bc1)
+            else:
+                for a, b, gi in runs:
+                    p[a:b].addcdiv_(m[a:b], denom[a:b], value=-groups[gi]["lr"] / bc1)
+
+    # ---------------------------------------------------------------------- per-rank checkpoint
+    def state_dict(self) -> dict:
+        units = {}
+        for u, m, v in zip(self.model.units, self.exp_avg, self.exp_avg_sq):
+            units[u.name] = {"numel": u.numel, "main": u.main, "exp_avg": m, "exp_avg_sq": v}
+        return {
+            "format": _SHARD_FORMAT,
+            "dp_size": self.model.units[0].dp_size if self.model.units else 1,
+            "dp_rank": self.model.units[0].dp_rank if self.model.units else 0,
+            "step": self.step_count,
+            "param_groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
+                             for g in self.param_groups],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+            "units": units,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("format") != _SHARD_FORMAT:
+            raise ValueError(f"not a ZeRO-3 per-rank optimizer state (format {sd.get('format')!r})")
+        dp = self.model.units[0].dp_size
+        if sd["dp_size"] != dp or sd["dp_rank"] != self.model.units[0].dp_rank:
+            raise ValueError(f"ZeRO-3 optimizer state was saved by DP rank {sd['dp_rank']} of "
+                             f"{sd['dp_size']}, this is rank {self.model.units[0].dp_rank} of "
+                             f"{dp}: reshard with gather_full_state()/load_full_state()")
+        for u, m, v in zip(self.model.units, self.exp_avg, self.exp_avg_sq):
+            s = sd["units"][u.name]
+            if s["numel"] != u.numel:
+                raise ValueError(f"ZeRO-3 unit {u.name}: saved {s['numel']} elements, model has "
+                                 f"{u.numel} (different model config?)")
+            u.main.copy_(s["main"])
+            m.copy_(s["exp_avg"])
+            v.copy_(s["exp_avg_sq"])
+            if u.shard is not u.main:
+                u.shard.copy_(u.main)
+        self._load_common(sd)
+
+    def _load_common(self, sd: dict) -> None:
+        self.step_count = int(sd["step"])
+        for g, s in zip(self.param_groups, sd["param_groups"]):
+            g["lr"], g["weight_decay"] = s["lr"], s["weight_decay"]
+        if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(sd["grad_scaler"])
+
+    # ------------------------------------------------------------------- consolidated full state
+    @torch.no_grad()
+    def gather_full_state(self) -> dict:
+        """Model weights and optimizer states of the whole model (this TP rank's shapes) by
+        megalite parameter name. Collective over DP; every DP rank gets the same dict."""
+        model, master, exp_avg, exp_avg_sq = {}, {}, {}, {}
+        zm = self.model
+        for u, m, v in zip(zm.units, self.exp_avg, self.exp_avg_sq):
+            master.update(zm.split_flat(u, zm.gather_flat(u, u.main)))
+            exp_avg.update(zm.split_flat(u, zm.gather_flat(u, m)))
+            exp_avg_sq.update(zm.split_flat(u, zm.gather_flat(u, v)))
+        model = {k: t.to(zm.compute_dtype) for k, t in master.items()}
+        return {
+            "format": _FULL_FORMAT,
+            "model": model,
+            "optimizer": {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+            "step": self.step_count,
+            "param_groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
+                             for g in self.param_groups],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+        }
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict) -> None:
+        """Reshard a consolidated state (from any DP size) onto this rank's shards."""
+        if full.get("format") != _FULL_FORMAT:
+            raise ValueError(f"not a ZeRO-3 full state (format {full.get('format')!r})")
+        zm = self.model
+        opt = full["optimizer"]
+        for u, m, v in zip(zm.units, self.exp_avg, self.exp_avg_sq):
+            u.main.copy_(zm.local_shard_of(u, opt["master"]))
+            m.copy_(zm.local_shard_of(u, opt["exp_avg"]))
+            v.copy_(zm.local_shard_of(u, opt["exp_avg_sq"]))
+            if u.shard is not u.main:
+                u.shard.copy_(u.main)
+        self._load_common(full)
+
+    def state_bytes(self) -> Dict[str, int]:
+        """Bytes of the optimizer-owned tensors (the Adam moments) on this rank."""
+        return {"exp_avg": sum(t.numel() * t.element_size() for t in self.exp_avg),
+                "exp_avg_sq": sum(t.numel() * t.element_size() for t in self.exp_avg_sq)}
