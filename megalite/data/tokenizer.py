@@ -31,8 +31,8 @@ EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("ByteLevelBPETokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "NullTokenizer")
 # BPE training reads at most this much text, sampled at an even stride over the corpus: merges
-# learnt from 16 MB of text are near those from the full corpus, and training stays a few seconds.
-BPE_TRAIN_MAX_CHARS = 16_000_000
+# learnt from 4 MB of text are near those from the whole corpus, and training stays seconds.
+BPE_TRAIN_MAX_CHARS = 4_000_000
 
 
 class Tokenizer:
@@ -114,8 +114,13 @@ def load_gpt2_bpe(vocab_file: str, merge_file: str) -> Tokenizer:
         if not os.path.isfile(f):
             raise ConfigError(f"{flag}: {f} does not exist; GPT2BPETokenizer needs GPT-2's "
                               f"vocab.json and merges.txt")
-    hf = GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file, eos_token=EOD_TOKEN,
-                           bos_token=EOD_TOKEN, unk_token=EOD_TOKEN)
+    import inspect
+
+    # transformers 5 names the files vocab/merges; 4.x named them vocab_file/merges_file.
+    v5 = "merges" in inspect.signature(GPT2TokenizerFast.__init__).parameters
+    files = {"vocab": vocab_file, "merges": merge_file} if v5 else {
+        "vocab_file": vocab_file, "merges_file": merge_file}
+    hf = GPT2TokenizerFast(**files, eos_token=EOD_TOKEN, bos_token=EOD_TOKEN, unk_token=EOD_TOKEN)
     eod = hf.convert_tokens_to_ids(EOD_TOKEN)
     if eod is None or eod == hf.unk_token_id and EOD_TOKEN not in hf.get_vocab():
         raise ConfigError(f"--vocab-file: {vocab_file} has no {EOD_TOKEN} entry for EOD")
