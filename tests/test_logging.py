@@ -1,0 +1,138 @@
+"""metrics.jsonl, W&B (offline) and TensorBoard receive what the run logs; FLOPs follow THEORY.md."""
+
+import glob
+import json
+import os
+import struct
+
+import pytest
+
+from pretrain_utils import flags, read_metrics, run_main
+
+from megalite.config import ModelConfig
+from megalite.logging import model_flops_per_sequence
+
+REQUIRED = {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device",
+            "mfu", "peak_memory_bytes", "consumed_samples", "loss_scale"}
+
+
+def read_wandb_records(path):
+    """Records of an offline .wandb file (W&B's LevelDB-style log of protobuf records)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", "not a W&B run file"
+    pos, block, buf, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # block trailer too short for a header: skip to the next block
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            pos += left
+            continue
+        payload = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind == 2:  # first fragment
+            buf = payload
+            continue
+        if kind == 3:  # middle fragment
+            buf += payload
+            continue
+        rec = pb.Record()
+        rec.ParseFromString(buf + payload if kind == 4 else payload)
+        out.append(rec)
+    return out
+
+
+def test_metrics_wandb_offline_and_tensorboard(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    save = tmp_path / "ck"
+    argv = [f for f in flags(train_iters=6, eval_interval=3, save=save,
+                             wandb_project="megalite-test", wandb_exp_name="tiny",
+                             wandb_save_dir=tmp_path / "wb", tensorboard_dir=tmp_path / "tb")
+            if f != "--no-log-throughput"] + ["--fp16", "--initial-loss-scale", "1024"]
+    assert run_main(argv) == 0
+    # metrics.jsonl defaults to --save and holds every logged iteration with the required fields
+    train = read_metrics(str(save / "metrics.jsonl"))
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5, 6]
+    for r in train:
+        missing = REQUIRED - set(r)
+        assert not missing, missing
+        assert r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 and r["loss_scale"] > 0
+    valid = read_metrics(str(save / "metrics.jsonl"), split="valid")
+    assert [r["iteration"] for r in valid] == [3, 6]
+    assert all(r["ppl"] == pytest.approx(2.718281828 ** r["lm_loss"], rel=1e-6) for r in valid)
+
+    # W&B: the offline run holds the same losses and the config
+    files = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(files) == 1, files
+    history, config = {}, {}
+    for rec in read_wandb_records(files[0]):
+        kind = rec.WhichOneof("record_type")
+        if kind == "history":
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                   for i in rec.history.item}
+            history[row["_step"]] = row
+        elif kind == "run":
+            config.update({i.key: json.loads(i.value_json) for i in rec.run.config.update})
+    for r in train:
+        assert history[r["iteration"]]["train/lm_loss"] == pytest.approx(r["lm_loss"], rel=1e-12)
+        assert "train/tokens_per_sec" in history[r["iteration"]]
+    assert history[3]["valid/lm_loss"] == pytest.approx(valid[0]["lm_loss"])
+    model_cfg = config["model"]["value"] if "value" in config.get("model", {}) else config["model"]
+    assert model_cfg["hidden_size"] == 32
+
+    # TensorBoard: an event file with the training loss
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "tb"))
+    ev.Reload()
+    steps = [e.step for e in ev.Scalars("train/lm_loss")]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_log_interval_averages_and_metrics_file_flag(tmp_path):
+    path = tmp_path / "sub" / "m.jsonl"
+    assert run_main(flags(train_iters=4, log_interval=2, metrics_file=path)) == 0
+    train = read_metrics(str(path))
+    assert [r["iteration"] for r in train] == [2, 4]
+    assert not os.path.exists("metrics.jsonl") or os.path.getmtime("metrics.jsonl") < \
+        os.path.getmtime(path)
+
+
+def test_model_flops_match_theory_for_gpt2_shapes():
+    """THEORY.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per iteration of B sequences."""
+    cfg = ModelConfig(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=256,
+                      vocab_size=8192)
+    L, h, s, V = 6, 384, 256, 8192
+    theory = 72 * L * s * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    assert model_flops_per_sequence(cfg) == pytest.approx(theory, rel=1e-12)
+    # GQA shrinks the K/V projections, SwiGLU adds a third MLP matrix
+    gqa = ModelConfig(num_layers=6, hidden_size=384, num_attention_heads=6, num_query_groups=2,
+                      seq_length=256, vocab_size=8192)
+    assert model_flops_per_sequence(gqa) < theory
+    swiglu = ModelConfig(num_layers=6, hidden_size=384, num_attention_heads=6, swiglu=True,
+                         ffn_hidden_size=1024, seq_length=256, vocab_size=8192)
+    per_token_mlp = 3 * 2 * 3 * 384 * 1024  # three h x f matrices, fwd + bwd
+    assert model_flops_per_sequence(swiglu) > per_token_mlp * L * s
+
+
+def test_log_metrics_seam_writes_for_other_components(tmp_path):
+    from megalite.config import MegaliteConfig
+    from megalite.logging import MetricsLogger, log_metrics, set_active_logger
+
+    cfg = MegaliteConfig()
+    cfg.logging.metrics_file = str(tmp_path / "m.jsonl")
+    logger = MetricsLogger(cfg, is_writer=True)
+    set_active_logger(logger)
+    try:
+        log_metrics({"bubble_fraction": 0.25}, step=7, split="pipeline")
+    finally:
+        set_active_logger(None)
+        logger.close()
+    log_metrics({"ignored": 1.0}, step=8)  # no active logger: a no-op, not an error
+    (rec,) = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
+    assert rec == {"split": "pipeline", "iteration": 7, "bubble_fraction": 0.25}
