@@ -74,7 +74,21 @@ def build_tool_tokenizer(args):
     return tk.build_tokenizer(cfg, args.cache_dir)
 
 
+# The loaders name the training flags; here the same values came from this tool's flags.
+_FLAG_NAMES = {"--data-path": "--input", "--dataset-text-field": "--json-keys"}
+
+
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except ConfigError as e:
+        msg = str(e)
+        for train_flag, tool_flag in _FLAG_NAMES.items():
+            msg = msg.replace(train_flag, tool_flag)
+        raise ConfigError(msg) from e
+
+
+def _main(argv=None) -> int:
     args = get_args(argv)
     from tqdm import tqdm
 
