@@ -224,8 +224,8 @@ class DistributedOptimizer:
         """L2 norm of the full model's gradient, each element counted once over the world.
 
         Stages 1/2: the DP ranks hold disjoint shards, so the squares are summed over DP and then
-        over model parallelism (clip_grads.counts_for_norm's TP/replicated/shared-embedding rule)
-        — one SUM over the world. Stage 0: DP replicas are equal, so only over model parallelism.
+        over model parallelism (clip_grads.counts_for_norm's TP/replicated/shared-embedding rule).
+        Stage 0: DP replicas are equal, so only over model parallelism.
         """
         views = [s.grad[seg.lo:seg.hi] for s in self.shards for seg in s.segments
                  if seg.counts_for_norm]
@@ -235,8 +235,9 @@ class DistributedOptimizer:
             sq = torch.stack(norms).double().pow(2).sum().float().reshape(1)
         else:
             sq = torch.zeros(1, dtype=torch.float32, device=device)
-        group = _world_group() if self.zero_stage >= 1 else self.ps.mp_group
-        C.all_reduce(sq, group=group, tag="grad_norm_all_reduce")
+        if self.zero_stage >= 1:
+            C.all_reduce(sq, group=self.dp_group, tag="grad_norm_all_reduce")
+        C.all_reduce(sq, group=self.ps.mp_group, tag="grad_norm_all_reduce")
         return float(sq.sqrt().item())
 
     def _adamw(self, grads: List[torch.Tensor]) -> None:
