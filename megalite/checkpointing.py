@@ -47,9 +47,8 @@ from megalite.tensor_parallel.random import get_all_rng_states
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 1
-RESHARD_HINT = ("reshard it first with `python tools/checkpoint/convert.py reshard "
-                "--load DIR --save NEWDIR --target-tensor-model-parallel-size T "
-                "--target-pipeline-model-parallel-size P`")
+RESHARD_HINT = ("reshard it to this layout first with "
+                "`python tools/checkpoint/convert.py reshard` (docs/checkpoints.md)")
 
 # Test seam: called as hook(stage, path) at points of a save ("shard_written", "before_rename");
 # a fault-injection test sets it to raise or os._exit() to prove saves are atomic.
