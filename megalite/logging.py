@@ -105,16 +105,23 @@ def peak_flops_per_device(device: torch.device, params_dtype: str = "bfloat16") 
 # Writers
 # ------------------------------------------------------------------------------------------------
 class _JsonlWriter:
+    """Appends JSON lines; the file is created on the first record (a run that fails at start-up
+    leaves no empty metrics file behind). Line-buffered so readers see each record at once."""
+
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self.f = open(path, "a", buffering=1)
+        self.f = None
 
     def write(self, record: dict) -> None:
+        if self.f is None:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self.f = open(self.path, "a", buffering=1)
         self.f.write(json.dumps(record, default=_json_default) + "\n")
 
     def close(self) -> None:
-        self.f.close()
+        if self.f is not None:
+            self.f.close()
+            self.f = None
 
 
 def _json_default(o):

@@ -89,7 +89,8 @@ def _error_line(capsys, rc):
     return lines[0]
 
 
-def test_unusable_checkpoints_fail_in_one_line(tmp_path, capsys):
+def test_unusable_checkpoints_fail_in_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     ck = tmp_path / "ck"
     assert run_main(flags(train_iters=2, save=ck)) == 0
     capsys.readouterr()

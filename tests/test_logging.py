@@ -94,13 +94,14 @@ def test_metrics_wandb_offline_and_tensorboard(tmp_path, monkeypatch):
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
-def test_log_interval_averages_and_metrics_file_flag(tmp_path):
+def test_log_interval_and_metrics_file_locations(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "sub" / "m.jsonl"
     assert run_main(flags(train_iters=4, log_interval=2, metrics_file=path)) == 0
-    train = read_metrics(str(path))
-    assert [r["iteration"] for r in train] == [2, 4]
-    assert not os.path.exists("metrics.jsonl") or os.path.getmtime("metrics.jsonl") < \
-        os.path.getmtime(path)
+    assert [r["iteration"] for r in read_metrics(str(path))] == [2, 4]
+    assert not os.path.exists("metrics.jsonl")  # --metrics-file overrides the default
+    assert run_main(flags(train_iters=2)) == 0  # no --save: the working directory
+    assert [r["iteration"] for r in read_metrics("metrics.jsonl")] == [1, 2]
 
 
 def test_model_flops_match_theory_for_gpt2_shapes():

@@ -44,9 +44,11 @@ def _one_error_line(capsys, rc):
     (["--fp16", "--bf16"], "--bf16 and --fp16"),
     (["--num-attention-heads", "5"], "--num-attention-heads"),
     (["--load", "/nonexistent/megalite_ck"], "no such directory"),
-    (["--zero-stage", "1", "--train-iters", "1"], "--zero-stage"),
+    (["--overlap-param-gather", "--train-iters", "1"], "--overlap-param-gather"),
+    (["--ddp-bucket-size", "0", "--train-iters", "1"], "--ddp-bucket-size"),
 ])
-def test_bad_flags_fail_in_one_line(capsys, extra, expect):
+def test_bad_flags_fail_in_one_line(capsys, tmp_path, monkeypatch, extra, expect):
+    monkeypatch.chdir(tmp_path)
     base = [f for f in flags(train_iters=2)]
     # later flags win in argparse, so the overrides can simply be appended
     rc = run_main(base + extra)
@@ -54,7 +56,8 @@ def test_bad_flags_fail_in_one_line(capsys, extra, expect):
     assert expect in line, line
 
 
-def test_data_errors_fail_in_one_line(capsys, tmp_path):
+def test_data_errors_fail_in_one_line(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     no_field = tmp_path / "nofield.jsonl"
     no_field.write_text('{"content": "def f(): pass"}\n' * 4)
     base = [f for f in flags(train_iters=2) if f != "--mock-data"]
