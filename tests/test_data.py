@@ -1,7 +1,6 @@
 """GPT packing, splits, blends, the pretraining sampler (layout independence, resume), get_batch."""
 
 import numpy as np
-import pytest
 import torch
 
 from megalite.config import DataConfig

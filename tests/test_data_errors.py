@@ -1,7 +1,6 @@
 """Every data error is one ConfigError line naming the flag (and file) and what would be valid."""
 
 import json
-import os
 
 import numpy as np
 import pytest

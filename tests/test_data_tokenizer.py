@@ -1,4 +1,4 @@
-"""Tokenizers: the built-in corpus + trained BPE (cached), HF / GPT-2 / null kinds, save_pretrained."""
+"""Tokenizers: built-in corpus + trained BPE (cached), HF / GPT-2 / null kinds, save_pretrained."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""Megatron MMIDIDX .bin/.idx: round trip, byte layout (docs/data.md), corruption, megatron oracle."""
+"""Megatron MMIDIDX .bin/.idx: round trip, byte layout (docs/data.md), corruption, oracle."""
 
 import os
 import struct

@@ -66,7 +66,7 @@ def build_tool_tokenizer(args):
                      dataset_text_field=args.json_keys[0], num_workers=args.workers)
     if args.tokenizer_type == "ByteLevelBPETokenizer":
         out = args.output_prefix + "_tokenizer"
-        tok = tk.trained_bpe(cfg, args.cache_dir, save_dir=None)
+        tok = tk.trained_bpe(cfg, args.cache_dir)
         tok.save_pretrained(out)
         print(f"trained BPE tokenizer ({tok.vocab_size} ids) saved to {out}; train with "
               f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {out}")

@@ -24,7 +24,8 @@ from megalite.config import ConfigError
 
 
 class ArrayDocumentStore:
-    """Documents as one flat token array plus offsets (document d is tokens[offsets[d]:offsets[d+1]])."""
+    """Documents as one flat token array plus offsets: document d is
+    ``tokens[offsets[d]:offsets[d+1]]``."""
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, name: str = "") -> None:
         self.tokens = tokens
@@ -117,7 +118,7 @@ class GPTDataset:
 
 
 class MockGPTDataset:
-    """``--mock-data``: uniformly random tokens, a deterministic function of (seed, split, index)."""
+    """``--mock-data``: uniformly random tokens, a function of (seed, split, index) alone."""
 
     def __init__(self, vocab_size: int, seq_length: int, num_samples: int, seed: int,
                  split_id: int = 0) -> None:

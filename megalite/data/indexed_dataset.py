@@ -129,7 +129,8 @@ class IndexedDatasetBuilder:
         """Append every document of another indexed dataset (same dtype) to this one."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"{prefix}: dtype {other.dtype} differs from the builder's {self.dtype}")
+            raise ValueError(f"{prefix}: dtype {other.dtype} differs from the builder's "
+                             f"{self.dtype}")
         base = len(self.sequence_lengths)
         self.sequence_lengths.extend(int(n) for n in other.sequence_lengths)
         self.document_indices.extend(int(d) + base for d in other.document_indices[1:])

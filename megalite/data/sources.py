@@ -86,7 +86,7 @@ def classify_data_path(path: str) -> str:
                               f"indexed dataset needs both PREFIX.bin and PREFIX.idx")
     if _looks_local(os.path.expanduser(path)):
         raise ConfigError(f"--data-path: {path} does not exist; give an existing file or folder "
-                          f"(txt, json/jsonl, parquet, arrow), a PREFIX with PREFIX.bin/PREFIX.idx, "
+                          f"(txt, json/jsonl, parquet, arrow), a PREFIX with PREFIX.bin/.idx, "
                           f"or a Hugging Face dataset name")
     return "hub"
 

@@ -43,13 +43,14 @@ class Tokenizer:
         self.eod = int(eod)
         self.kind = kind
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        spec = backend.to_str() if backend is not None else repr(sorted(hf_tokenizer.get_vocab().items()))
+        spec = (backend.to_str() if backend is not None
+                else repr(sorted(hf_tokenizer.get_vocab().items())))
         # Keys caches of data tokenized with this tokenizer.
         self.fingerprint = hashlib.sha256(spec.encode()).hexdigest()[:16]
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added special tokens included (the model's embedding rows before padding)."""
+        """Number of ids, added special tokens included (embedding rows before padding)."""
         return len(self.hf)
 
     def encode(self, text: str) -> List[int]:
@@ -151,29 +152,29 @@ def load_hf_tokenizer(name_or_dir: Optional[str], cache_dir: Optional[str] = Non
 # the trained BPE, cached
 
 
-def _bpe_cache_key(data_cfg: DataConfig, cache_dir: Optional[str]) -> str:
+def _bpe_cache_key(data_cfg: DataConfig, sets) -> str:
     from megalite.data import sources
 
     if data_cfg.data_path is None:
         corpus = ("builtin", sources.builtin_corpus_fingerprint())
     else:
         # Keyed by the datasets' own fingerprints: they change when the files do.
-        corpus = tuple((name, ds._fingerprint, data_cfg.dataset_text_field)
-                       for name, ds in sources.text_datasets(data_cfg, cache_dir))
+        corpus = tuple((name, ds._fingerprint, data_cfg.dataset_text_field) for name, ds in sets)
     return sources._fingerprint("bpe", sources.CACHE_VERSION, corpus, data_cfg.vocab_size,
                                 BPE_TRAIN_MAX_CHARS)
 
 
-def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None,
-                save_dir: Optional[str] = None) -> Tokenizer:
+def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokenizer:
     """Load the cached BPE for this corpus and vocab size, or train and cache it."""
     from transformers import AutoTokenizer
 
     from megalite.data import sources
 
     root = sources.cache_root(data_cfg, cache_dir)
-    key = _bpe_cache_key(data_cfg, cache_dir)
-    target = save_dir or os.path.join(root, "tokenizers", f"bpe-{data_cfg.vocab_size}-{key}")
+    # The built-in corpus is keyed by its files alone, so a cache hit skips loading it.
+    sets = None if data_cfg.data_path is None else sources.text_datasets(data_cfg, cache_dir)
+    key = _bpe_cache_key(data_cfg, sets)
+    target = os.path.join(root, "tokenizers", f"bpe-{data_cfg.vocab_size}-{key}")
     meta_file = os.path.join(target, "megalite_tokenizer.json")
     if os.path.isfile(meta_file):
         with open(meta_file) as f:
@@ -183,12 +184,13 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None,
             return Tokenizer(hf, hf.convert_tokens_to_ids(EOD_TOKEN), "ByteLevelBPETokenizer")
 
     field = data_cfg.dataset_text_field if data_cfg.data_path is not None else "text"
-    sets = sources.text_datasets(data_cfg, cache_dir)
+    sets = sets or sources.text_datasets(data_cfg, cache_dir)
+    for name, ds in sets:
+        sources.text_column(ds, field, name)
     budget = BPE_TRAIN_MAX_CHARS // len(sets)
 
     def texts():
         for name, ds in sets:
-            sources.text_column(ds, field, name)
             yield from sources.iter_texts(ds, field, budget)
 
     tok = train_bpe(texts(), data_cfg.vocab_size)
