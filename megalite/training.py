@@ -76,12 +76,17 @@ def wrap_model_for_data_parallel(model_chunks: List[torch.nn.Module], cfg: Megal
                                  ) -> Tuple[List[torch.nn.Module], Optional[Callable], Callable]:
     """Apply data parallelism. Returns (chunks, no_sync_func, finalize_model_grads_func).
 
-    Plain path: gradients accumulate locally over the micro-batches and are summed over the DP
-    group once, after the last backward, by finalize_model_grads (which also all-reduces SP norm
-    grads over TP and tied-embedding grads over the embedding group). ``no_sync_func`` is None
-    because nothing communicates during backward. The ZeRO work replaces this function (bucketed
-    reduce-scatter overlapped with backward, no_sync for all but the last micro-batch).
+    Stages 0-2: each chunk is wrapped in megalite.distributed.DistributedDataParallel (contiguous
+    fp32 grad buffers, bucketed all-reduce / reduce-scatter, overlapped with backward under
+    --overlap-grad-reduce); ``no_sync_func`` defers the DP reduction to the last micro-batch and
+    the finalize function waits for it, then all-reduces SP grads over TP and tied-embedding grads
+    over the embedding group (docs/data_parallel.md). Stage 3 keeps the plain path here:
+    parameter sharding is megalite/distributed/zero3.py's.
     """
+    if cfg.optimizer.zero_stage <= 2:
+        from megalite.distributed.ddp import wrap_chunks
+
+        return wrap_chunks(model_chunks, cfg.optimizer, ps)
 
     def finalize(chunks):
         finalize_model_grads(chunks, ps, data_parallel=True)
@@ -329,12 +334,14 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
         checkpointing.save_tokenizer(ck.save, tokenizer, ps)
 
     n_params = cfg.model.num_parameters()
-    logger.print(f" megalite: {ps.describe().split(':')[0]} of {ps.world_size} | tp {ps.tp_size} "
+    summary = {"train_losses": {}, "valid": {}, "iteration": iteration}
+    logger.print(f" megalite: world size {ps.world_size} | tp {ps.tp_size} "
                  f"pp {ps.pp_size} dp {ps.dp_size} | device {ps.device} | "
                  f"{n_params / 1e6:.2f}M parameters | vocab {cfg.model.vocab_size} | "
                  f"{cfg.optimizer.params_dtype}")
     if ps.rank == 0 and not tr.skip_train and train_ds is not None:
         ent, ntok = unigram_entropy(train_ds)
+        summary["unigram_entropy"] = ent
         logger.print(f" unigram entropy of the training tokens: {ent:.4f} nats "
                      f"(perplexity {math.exp(ent):.1f}, over {ntok} tokens): a model that ignores "
                      f"context cannot reach a lower loss")
@@ -346,7 +353,6 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
     peak = peak_flops_per_device(ps.device, cfg.optimizer.params_dtype) \
         if cfg.logging.log_throughput and ps.rank == 0 else float("nan")
     m = tr.num_micro_batches(ps.dp_size)
-    summary = {"train_losses": {}, "valid": {}, "iteration": iteration}
 
     def do_eval(it: int) -> None:
         if tr.eval_iters <= 0 or valid_ds is None:
@@ -389,6 +395,10 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
         iteration += 1
         consumed += gbs
         times.append(dt)
+        if iteration == 1:  # model-state bytes vs THEORY.md's ZeRO formula (megalite/memory.py)
+            from megalite.memory import memory_report
+
+            logger.log(memory_report(chunks, optimizer), iteration, split="memory")
         if not math.isfinite(loss) or (updated and grad_norm is not None
                                        and not math.isfinite(grad_norm)):
             if not cfg.optimizer.fp16:
@@ -441,5 +451,10 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
     summary["iteration"] = iteration
     summary["skipped_iterations"] = total_skipped
     summary["wall_time_s"] = time.time() - t_start
-    logger.print(f" done: {iteration} iterations in {summary['wall_time_s']:.1f} s")
+    done = f" done: {iteration} iterations in {summary['wall_time_s']:.1f} s"
+    if summary["valid"] and "unigram_entropy" in summary:
+        last = summary["valid"][max(summary["valid"])]
+        done += (f" | final validation loss {last:.4f} nats vs unigram entropy "
+                 f"{summary['unigram_entropy']:.4f} nats")
+    logger.print(done)
     return summary

@@ -93,3 +93,12 @@ def test_help_groups_flags():
                   "checkpoints:", "data:", "logging and evaluation:"):
         assert group in proc.stdout
     assert "--tensor-model-parallel-size" in proc.stdout
+
+
+def test_divergence_aborts_with_one_line(capsys, tmp_path, monkeypatch):
+    """fp32: a NaN/inf loss stops the run with a message instead of training on garbage."""
+    monkeypatch.chdir(tmp_path)
+    rc = run_main(flags("--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0",
+                        "--clip-grad", "0", train_iters=6))
+    line = _one_error_line(capsys, rc)
+    assert rc == 1 and "diverged" in line and "--lr" in line
