@@ -225,6 +225,27 @@ def _agree_on_errors(ps, error: Optional[BaseException]) -> None:
         raise CheckpointError("loading the checkpoint failed on another rank (see its message)")
 
 
+def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> dict:
+    """This DP rank's ZeRO optimizer shard; if it was saved at another DP size (or bucket layout),
+    every DP rank's file merged into the unsharded state, which the optimizer's load_state_dict
+    re-splits for this layout (docs/data_parallel.md, "resharding")."""
+    own = os.path.join(shard, distrib_optim_name(ps.dp_rank))
+    fits = getattr(optimizer, "shard_fits", None)
+    if os.path.exists(own):
+        sd = _load_file(own, what)
+        if fits is None or fits(sd):
+            return sd
+    elif fits is None:
+        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_rank)} (saved with fewer "
+                              f"data-parallel ranks); resume with the same data-parallel size")
+    import glob
+
+    from megalite.optimizer.distrib_optimizer import merge_shard_state_dicts
+
+    files = sorted(glob.glob(os.path.join(shard, "distrib_optim_dp*.pt")))
+    return merge_shard_state_dicts([_load_file(f, what) for f in files])
+
+
 def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                     ) -> Tuple[int, int, Optional[dict]]:
     """Restore from ``cfg.checkpoint.load``. Collective.
@@ -294,7 +315,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                 raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
                                       f"--no-save-optim); pass --no-load-optim or --finetune")
             if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):
-                opt_sd = _load_file(os.path.join(shard, distrib_optim_name(ps.dp_rank)), what)
+                opt_sd = _load_dp_sharded_optimizer_state(shard, optimizer, ps, what)
             else:
                 if "optimizer" not in state:
                     raise CheckpointError(

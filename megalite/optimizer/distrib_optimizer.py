@@ -101,6 +101,10 @@ class DistributedOptimizer:
 
     def __init__(self, model_chunks, config: OptimizerConfig, ps: ParallelState, **unused):
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        if config.zero_stage not in (0, 1, 2):
+            raise ConfigError(f"--zero-stage {config.zero_stage}: DistributedOptimizer implements "
+                              f"stages 0-2; stage 3 (parameter sharding) is "
+                              f"megalite.distributed.zero3")
         for c in chunks:
             if not isinstance(c, DistributedDataParallel):
                 raise ConfigError(
@@ -313,8 +317,17 @@ class DistributedOptimizer:
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
             "layout": [list(x) for x in self._layout()],
             "shards": [{"master": s.master.detach().clone(), "exp_avg": s.exp_avg.clone(),
-                        "exp_avg_sq": s.exp_avg_sq.clone()} for s in self.shards],
+                        "exp_avg_sq": s.exp_avg_sq.clone(),
+                        # enough to rebuild the unsharded state from all DP ranks' files
+                        "segments": [[g.name, g.lo, g.hi, g.plo, g.phi, list(g.param.shape)]
+                                     for g in s.segments]} for s in self.shards],
         }
+
+    def shard_fits(self, sd: dict) -> bool:
+        """Whether a per-DP-rank state dict was saved with this DP size and bucket layout."""
+        return (sd.get("format") == "megalite.zero.shard/v1" and sd.get("dp_size") == self.dp_size
+                and sd.get("dp_rank") == self.dp_rank
+                and [tuple(x) for x in sd.get("layout", [])] == self._layout())
 
     def _load_common(self, sd: dict) -> None:
         self.step_count = int(sd["step"])
@@ -328,8 +341,7 @@ class DistributedOptimizer:
     def load_state_dict(self, sd: dict) -> None:
         if sd.get("format") == FULL_STATE_FORMAT:
             return self.load_full_optimizer_state(sd)
-        layout = [tuple(x) for x in sd.get("layout", [])]
-        if sd.get("dp_size") != self.dp_size or layout != self._layout():
+        if not self.shard_fits(sd):
             raise ValueError(
                 f"optimizer shard was saved with DP size {sd.get('dp_size')} and a different "
                 f"bucket layout; this run has DP size {self.dp_size}. Load the unsharded state "
@@ -410,3 +422,48 @@ class DistributedOptimizer:
                 s.exp_avg[seg.lo:seg.hi].copy_(entry["exp_avg"].reshape(-1)[seg.plo:seg.phi])
                 s.exp_avg_sq[seg.lo:seg.hi].copy_(entry["exp_avg_sq"].reshape(-1)[seg.plo:seg.phi])
                 s.master[seg.lo:seg.hi].copy_(entry["param"].reshape(-1)[seg.plo:seg.phi])
+
+
+def merge_shard_state_dicts(shard_state_dicts: List[dict]) -> dict:
+    """The unsharded state (as gather_full_optimizer_state returns) from *all* DP ranks' shards.
+
+    For resuming at a different DP size or bucket layout: the checkpoint loader reads every
+    ``distrib_optim_dp*.pt`` of one (TP, PP) rank and hands the result to
+    :meth:`DistributedOptimizer.load_full_optimizer_state` (through ``load_state_dict``), which
+    re-splits it. No communication: each rank merges the files itself.
+    """
+    if not shard_state_dicts:
+        raise ValueError("no optimizer shards to merge")
+    sds = sorted(shard_state_dicts, key=lambda sd: sd["dp_rank"])
+    n = sds[0]["dp_size"]
+    if [sd["dp_rank"] for sd in sds] != list(range(n)):
+        raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} found, "
+                         f"expected all of 0..{n - 1}")
+    if sds[0].get("zero_stage") == 0:
+        sds = sds[:1]  # stage 0: every DP rank holds the whole state
+    params: Dict[str, Dict[str, torch.Tensor]] = {}
+    covered: Dict[str, int] = {}
+    for sd in sds:
+        for shard in sd["shards"]:
+            for name, lo, hi, plo, phi, shape in shard["segments"]:
+                if name not in params:
+                    numel = math.prod(shape)
+                    params[name] = {k: torch.zeros(numel, dtype=torch.float32)
+                                    for k in ("param", "exp_avg", "exp_avg_sq")}
+                    params[name]["_shape"] = shape
+                    covered[name] = 0
+                for kind, key in (("master", "param"), ("exp_avg", "exp_avg"),
+                                  ("exp_avg_sq", "exp_avg_sq")):
+                    params[name][key][plo:phi].copy_(shard[kind][lo:hi].float())
+                covered[name] += phi - plo
+    for name, entry in params.items():
+        shape = entry.pop("_shape")
+        if covered[name] != math.prod(shape):
+            raise ValueError(f"optimizer shards cover {covered[name]} of {math.prod(shape)} "
+                             f"elements of {name}")
+        for k in list(entry):
+            entry[k] = entry[k].view(shape)
+    first = sds[0]
+    return {"format": FULL_STATE_FORMAT, "step": first["step"],
+            "param_groups": first["param_groups"], "grad_scaler": first["grad_scaler"],
+            "params": params}

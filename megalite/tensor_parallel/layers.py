@@ -75,6 +75,7 @@ class WeightGradStore:
         cls._queue.append(fn)
 
 
+@torch.no_grad()  # the W closure runs outside backward; accumulation must not be recorded
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add a deferred weight gradient to the parameter's gradient storage."""
     target = getattr(param, "main_grad", None)
