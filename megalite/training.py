@@ -183,10 +183,9 @@ class Trainer:
         return n.clamp_min(1.0).squeeze(0)
 
     def _data_iterator(self, batches):
-        # One iterator per model chunk (virtual pipeline stages each walk all micro-batches).
-        if len(self.chunks) == 1:
-            return iter(batches)
-        return [iter(batches) for _ in self.chunks]
+        # One iterator per rank (the schedule contract's recommended form): the schedule takes the
+        # m micro-batches in order on every pipeline rank and hands each chunk the one it runs.
+        return iter(batches)
 
     def _reduce_loss(self, stats_list) -> Tuple[float, float]:
         """(sum of token losses, token count) over the whole global batch, on every rank.
@@ -214,7 +213,7 @@ class Trainer:
             num_microbatches=len(batches), seq_length=cfg.model.seq_length,
             micro_batch_size=tr.micro_batch_size, parallel_state=ps, forward_only=False,
             grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
-            finalize_model_grads_func=self.finalize_fn)
+            finalize_model_grads_func=self.finalize_fn, timing_log_level=tr.timing_log_level)
         updated, grad_norm, num_zeros = self.optimizer.step()
         if updated:
             self.scheduler.step()
