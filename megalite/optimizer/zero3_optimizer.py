@@ -86,9 +86,11 @@ class Zero3Optimizer:
         flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         if any(not torch.isfinite(g).all() for g in grads):
             flag.fill_(1.0)
-        # Every rank must agree to skip, or the shards would diverge: MAX over the world.
+        # Every rank must agree to skip, or the shards would diverge: MAX over the world
+        # (megalite.collectives reads group None as "no peers", so name the world explicitly).
         if torch.distributed.is_initialized():
-            C.all_reduce(flag, group=None, op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
+            C.all_reduce(flag, group=torch.distributed.group.WORLD, op=C.ReduceOp.MAX,
+                         tag="found_inf_all_reduce")
         return bool(flag.item() > 0)
 
     def grad_norm(self) -> float:
