@@ -200,11 +200,13 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokeni
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "megalite_tokenizer.json"), "w") as f:
         json.dump({"key": key, "vocab_size": data_cfg.vocab_size, "eod_token": EOD_TOKEN}, f)
-    if os.path.isdir(target):
-        shutil.rmtree(target, ignore_errors=True)
+    if os.path.isdir(target) and not os.path.isfile(meta_file):
+        shutil.rmtree(target, ignore_errors=True)  # a stale, incomplete folder
     try:
         os.replace(tmp, target)
-    except OSError:  # another process won the race: use its copy
+    except OSError:
+        # Another rank trained the same tokenizer first (same key, same result): keep its copy
+        # rather than replacing a folder someone may be reading.
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
 
