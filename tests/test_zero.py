@@ -426,3 +426,75 @@ def test_bad_config_is_a_clear_error():
     ddp = DistributedDataParallel(model, OptimizerConfig(zero_stage=1), ParallelState())
     with pytest.raises(ConfigError, match="--zero-stage"):
         DistributedOptimizer([ddp], OptimizerConfig(zero_stage=2), ParallelState())
+
+
+# ------------------------------------------------------------------------------ pp=2 x dp=2
+def _pipeline_available() -> bool:
+    from megalite.pipeline_parallel import schedules
+
+    try:
+        schedules.get_forward_backward_func(2)
+        return True
+    except (NotImplementedError, Exception):
+        return False
+
+
+def _pp2_dp2_worker(rank, world_size):
+    from megalite.pipeline_parallel.partition import build_model_chunks
+    from megalite.pipeline_parallel.schedules import get_forward_backward_func
+
+    cfg = parity_config()
+    ref_losses, ref_params = reference_run(cfg, opt_config(), ITERS)
+    ps = initialize_model_parallel(1, 2, backend="gloo", device="cpu", set_default=False)
+    world = torch.distributed.group.WORLD
+    for schedule, stage in (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)):
+        where = f"pp=2 dp=2 {schedule} stage={stage}"
+        ocfg = opt_config(zero_stage=stage, overlap_grad_reduce=True, overlap_param_gather=True,
+                          ddp_bucket_size=BUCKET)
+        chunks, no_sync, finalize = wrap_chunks(build_model_chunks(cfg, ps, seed=SEED), ocfg, ps)
+        opt = DistributedOptimizer(chunks, ocfg, ps)
+        fb = get_forward_backward_func(2, None, schedule)
+        local, m = GLOBAL_BATCH // ps.dp_size, 2
+        mbs = local // m
+        losses = []
+        for it in range(ITERS):
+            tokens, labels = global_batch(it)
+            ntok = labels.numel()
+            r = ps.dp_rank * local
+            batches = iter([(tokens[r + i:r + i + mbs], labels[r + i:r + i + mbs])
+                            for i in range(0, local, mbs)])
+
+            def forward_step(data_iterator, module):
+                t, lab = next(data_iterator)
+                out = module(t, labels=lab)
+
+                def loss_func(o):
+                    return o.sum() / ntok, {"lm_loss_sum": o.detach().sum()}
+
+                return out, loss_func
+
+            opt.zero_grad()
+            stats = fb(forward_step_func=forward_step, data_iterator=batches, model=chunks,
+                       num_microbatches=m, seq_length=SEQ, micro_batch_size=mbs,
+                       parallel_state=ps, grad_scale_func=opt.scale_loss, no_sync_func=no_sync,
+                       finalize_model_grads_func=finalize)
+            opt.step()
+            s = torch.zeros(1)
+            for st in stats:
+                s += st["lm_loss_sum"]
+            C.all_reduce(s, group=world)  # only the last stage has losses
+            losses.append(s.item() / ntok)
+        assert_losses_close(losses, ref_losses, 1e-4, where)
+        for c in chunks:
+            c.finish_param_sync()
+        got = full_params(chunks[0].module, None)
+        if "output_layer.weight" in got:  # the last stage's copy of the tied embedding
+            emb = got.pop("output_layer.weight")
+            assert rel_close(emb, ref_params["embedding.word_embeddings.weight"]) <= 1e-5, where
+        assert_params_close(got, {k: ref_params[k] for k in got}, 1e-5, where)
+    return True
+
+
+@pytest.mark.skipif(not _pipeline_available(), reason="pipeline schedules (pp > 1) not available")
+def test_pp2_dp2_zero_stages_match_single_process():
+    assert all(run_distributed(_pp2_dp2_worker, 4))

@@ -69,7 +69,7 @@ class DistributedDataParallel(nn.Module):
                  *, bucket_size: Optional[int] = None):
         super().__init__()
         self.module = module
-        self.config = config
+        self.ddp_config = config  # (``config`` passes through to the chunk's ModelConfig)
         self.ps = parallel_state
         self.zero_stage = config.zero_stage
         if self.zero_stage not in (0, 1, 2):
