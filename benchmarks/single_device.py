@@ -114,7 +114,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     cfg, ml, hf = build_models(args)
     g = torch.Generator().manual_seed(args.seed)
-    ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
+    ids = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
+                        generator=g)
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
     # Same weights, same data: the first losses must agree (a check that the comparison is fair).

@@ -19,4 +19,8 @@ from megalite.convert.hf import (  # noqa: F401
     model_family,
     to_hf,
 )
-from megalite.convert.sharding import full_state_dict, load_full_state_dict_into, pad_vocab  # noqa: F401
+from megalite.convert.sharding import (  # noqa: F401
+    full_state_dict,
+    load_full_state_dict_into,
+    pad_vocab,
+)

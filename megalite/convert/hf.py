@@ -88,18 +88,20 @@ def model_family(cfg: ModelConfig) -> str:
         return "llama"
     raise ConfigError(
         f"no Hugging Face architecture holds this model (position embedding "
-        f"{cfg.position_embedding_type}, {cfg.normalization}, swiglu={cfg.swiglu}): GPT2LMHeadModel "
-        f"needs learned_absolute + LayerNorm + no SwiGLU, LlamaForCausalLM rope + RMSNorm + SwiGLU")
+        f"{cfg.position_embedding_type}, {cfg.normalization}, swiglu={cfg.swiglu}): "
+        f"GPT2LMHeadModel needs learned_absolute + LayerNorm + no SwiGLU, LlamaForCausalLM "
+        f"rope + RMSNorm + SwiGLU")
 
 
-# ============================================================================================ config
+# ========================================================================================= config
 def _rope_theta(hf_config) -> float:
     """RoPE base. transformers >= 5 keeps it in ``rope_parameters``; older versions in
     ``rope_theta`` with scaling variants in ``rope_scaling``. Only the plain (unscaled) RoPE of
     Su et al. is what megalite/models/rotary.py computes."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    rope_type = (params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+                 or "default")
     if rope_type != "default":
         raise ConfigError(f"Llama rope type {rope_type!r} is not supported: megalite implements "
                           f"only the default (unscaled) rotary embedding")
@@ -325,7 +327,8 @@ def hf_non_layer_keys(cfg: ModelConfig) -> List[str]:
 # ===================================================================== fused QKV: group layout
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Separate q [a*d, ...], k [g*d, ...], v [g*d, ...] (weights or biases, rows = heads in order)
-    -> megalite's fused [g * (a/g + 2) * d, ...]: per group, its a/g q heads, its k head, its v head.
+    -> megalite's fused [g * (a/g + 2) * d, ...]: per group, its a/g q heads, its k head, its v
+    head.
     """
     g, d = cfg.num_query_groups, cfg.kv_channels
     hpg = cfg.num_attention_heads // g
@@ -364,7 +367,8 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
     out: Dict[str, torch.Tensor] = {}
     if family == "gpt2":
         h = cfg.hidden_size
-        c_attn_w = _get(hf_tensors, p + "attn.c_attn.weight", where).t()  # Conv1D [h, 3h] -> [3h, h]
+        # Conv1D stores [h, 3h]; nn.Linear's layout is [3h, h]
+        c_attn_w = _get(hf_tensors, p + "attn.c_attn.weight", where).t()
         c_attn_b = _get(hf_tensors, p + "attn.c_attn.bias", where)
         out[out_p + "self_attention.linear_qkv.weight"] = fuse_qkv(*c_attn_w.split(h, 0), cfg)
         out[out_p + "self_attention.linear_qkv.bias"] = fuse_qkv(*c_attn_b.split(h, 0), cfg)

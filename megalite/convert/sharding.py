@@ -74,7 +74,8 @@ def load_full_state_dict_into(model: nn.Module, full_sd: Mapping[str, torch.Tens
                                getattr(param, "partition_stride", 1))
         param.copy_(src.to(device=param.device, dtype=param.dtype))
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
         raise ValueError(f"full state dict is missing {len(missing)} parameter(s) the model owns: "
                          f"{shown}")
 
