@@ -19,7 +19,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5"],
+        # megatron-core is the oracle for the .bin/.idx byte layout (CPU-only use, no CUDA needed)
+        "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5", "megatron-core==0.16.1"],
         "plot": ["matplotlib>=3.5"],
         "tensorboard": ["tensorboard>=2.10"],
     },
