@@ -1,0 +1,840 @@
+"""Checkpoint conversion: Hugging Face -> megalite, megalite -> Hugging Face, and resharding a megalite
+checkpoint to another TP / PP / virtual-PP / DP layout (the library behind
+tools/checkpoint/convert.py; docs/checkpoints.md, "Conversion and resharding").
+
+Everything goes through one *canonical* form: full (TP-unsharded) tensors under the layout-free
+parameter names of GPTModel (layers are keyed by their global number, models/gpt.py), vocab
+tensors unpadded, and for the optimizer the same per name (optimizer_state.py). A source is read
+and a target written in that form, so any layout converts to any other.
+
+Streaming. Conversion runs one *layer* at a time: the source shard files of the stage holding the
+layer are opened with ``torch.load(mmap=True, weights_only=True)`` (nothing is read until a tensor
+is touched), that layer's tensors are copied out and the files closed again (which unmaps them),
+so source memory stays near one layer whatever the model size. The target is built stage by stage:
+one pipeline stage's TP files are complete in memory, written, and dropped before the next stage.
+Peak host memory is therefore about one layer plus one target stage (docs give a measurement).
+
+Atomicity (DESIGN.md contract 8). Output goes to ``OUT.tmp-<pid>-<rand>/`` and is renamed to OUT
+only when complete; on any error the temporary directory is removed, so OUT is never left
+half-written, and an existing non-empty OUT is refused rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import types
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from megalite import checkpointing as ckpt
+from megalite.arguments import config_to_json
+from megalite.config import ConfigError, MegaliteConfig, ModelConfig
+from megalite.convert.hf import (
+    _IGNORED_HF_SUFFIXES,
+    _hf_family,
+    convert_layer_hf_to_megalite,
+    convert_layer_megalite_to_hf,
+    convert_non_layer_hf_to_megalite,
+    convert_non_layer_megalite_to_hf,
+    hf_config_to_model_config,
+    hf_layer_keys,
+    hf_non_layer_keys,
+    megalite_layer_keys,
+    megalite_non_layer_keys,
+    model_config_to_hf_config,
+    SUPPORTED_ARCHITECTURES,
+)
+from megalite.convert.layout import (
+    Chunk,
+    Layout,
+    ParamSpec,
+    canonical_name,
+    chunk_key,
+    chunk_specs,
+    chunks_of,
+    layer_of,
+    layout_of_config,
+    rank_param_order,
+)
+from megalite.convert.optimizer_state import (
+    OptimCommon,
+    OptimizerStateError,
+    PlainIndex,
+    build_plain,
+    build_zero,
+    check_plain,
+    check_zero,
+    plain_common,
+    read_plain,
+    read_zero,
+    zero_buckets,
+    zero_common,
+)
+from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
+                    "spiece.model")
+Log = Callable[[str], None]
+
+
+class ConversionError(ConfigError):
+    """Conversion cannot proceed; the one-line message names the file or flag and why."""
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+# ============================================================================== atomic output
+@contextmanager
+def atomic_output(path: str, flag: str = "--save") -> Iterator[str]:
+    """Yield a temporary directory that becomes ``path`` only if the block completes."""
+    path = os.path.abspath(path.rstrip("/") or path)
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ConversionError(f"{flag} {path}: already exists and is not empty; choose a new "
+                              f"directory (conversion never overwrites)")
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(3).hex()}"
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        if os.path.isdir(path):
+            os.rmdir(path)  # empty (checked above)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose storage is exactly its data (torch.save and safetensors write whole
+    storages; a view of a bigger tensor would bloat the file or be refused)."""
+    t = t.contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
+        t = t.clone()
+    return t
+
+
+# ========================================================================== target checks
+def check_target_layout(cfg: MegaliteConfig, layout: Layout, dp: Optional[int] = None) -> None:
+    """Raise ConfigError (one line naming the flag) if the model cannot take ``layout``."""
+    if layout.tp < 1 or layout.pp < 1:
+        raise ConversionError(f"--tensor-model-parallel-size ({layout.tp}) and "
+                              f"--pipeline-model-parallel-size ({layout.pp}) must be >= 1")
+    if dp is not None and dp < 1:
+        raise ConversionError(f"--data-parallel-size must be >= 1, got {dp}")
+    m = cfg.model
+    if layout.tp == 1:  # sequence parallelism needs TP; a tp=1 target simply does not use it
+        m.sequence_parallel = cfg.parallel.sequence_parallel = False
+    m.validate(layout.tp)  # heads, query groups, ffn % t: messages name the flags
+    layout.ranges(m.num_layers)  # layers % (p * v), p <= layers
+    tr = cfg.training
+    if dp is not None and tr.global_batch_size and tr.micro_batch_size:
+        if tr.global_batch_size % (tr.micro_batch_size * dp) != 0:
+            raise ConversionError(
+                f"--data-parallel-size {dp}: the checkpoint's global batch size "
+                f"({tr.global_batch_size}) is not a multiple of micro-batch size "
+                f"({tr.micro_batch_size}) x {dp}; resume with a different --global-batch-size or "
+                f"choose another data-parallel size")
+
+
+def _set_layout(cfg: MegaliteConfig, layout: Layout) -> None:
+    """Record the new layout in args.json's parallel fields."""
+    L = cfg.model.num_layers
+    cfg.parallel.tensor_model_parallel_size = layout.tp
+    cfg.parallel.pipeline_model_parallel_size = layout.pp
+    v = layout.num_chunks(L)
+    cfg.parallel.virtual_pipeline_model_parallel_size = v if v > 1 else None
+    cfg.training.num_layers_per_virtual_pipeline_stage = layout.layers_per_virtual_stage
+    cfg.training.decoder_first_pipeline_num_layers = layout.decoder_first
+    cfg.training.decoder_last_pipeline_num_layers = layout.decoder_last
+    if v == 1 and cfg.training.pipeline_schedule == "interleaved":
+        cfg.training.pipeline_schedule = None
+
+
+def _groups(specs: Sequence[ParamSpec], location: Callable[[str], tuple]
+            ) -> List[List[ParamSpec]]:
+    """Consecutive parameters read together: one transformer layer, or the non-layer tensors of
+    one source stage. This is the unit of streaming."""
+    out: List[List[ParamSpec]] = []
+    key = None
+    for s in specs:
+        k = (layer_of(s.name), location(s.name))
+        if out and k == key:
+            out[-1].append(s)
+        else:
+            out.append([s])
+            key = k
+    return out
+
+
+# ========================================================================= megalite source
+class MegaliteSource:
+    """A megalite checkpoint opened for streaming reads of canonical tensors."""
+
+    def __init__(self, load_dir: str, iteration: Optional[int] = None, flag: str = "--load"):
+        self.dir = os.path.abspath(load_dir)
+        self.what = f"{flag} {load_dir}"
+        if not os.path.isdir(self.dir):
+            raise ConversionError(f"{self.what}: no such directory")
+        if iteration is None:
+            iteration = ckpt.read_tracker(self.dir)
+            if iteration is None:
+                raise ConversionError(f"{self.what}: no {ckpt.TRACKER_FILE} (not a megalite "
+                                      f"checkpoint directory, or no save has completed)")
+        self.iteration = int(iteration)
+        self.it_dir = ckpt.iteration_dir(self.dir, self.iteration)
+        if not os.path.isdir(self.it_dir):
+            raise ConversionError(f"{self.what}: iteration {self.iteration} is missing "
+                                  f"({self.it_dir} does not exist)")
+        self.cfg = ckpt.read_checkpoint_config(self.dir, self.iteration)
+        self.model_cfg = self.cfg.model
+        self.layout = layout_of_config(self.cfg)
+        try:
+            self.chunks = chunks_of(self.layout, self.model_cfg.num_layers)
+        except ConfigError as e:
+            raise ConversionError(f"{self.what}: args.json describes an impossible layout ({e})")
+        self.num_chunks = len(self.chunks[0])
+        for r in range(self.layout.pp):
+            for t in range(self.layout.tp):
+                path = self._path(t, r)
+                if not os.path.isfile(path):
+                    raise ConversionError(f"{self.what}: {path} is missing (args.json says "
+                                          f"{self.layout.describe()}; incomplete checkpoint?)")
+        self._loc: Dict[int, Tuple[int, int]] = {}
+        for r, rank_chunks in enumerate(self.chunks):
+            for ch in rank_chunks:
+                for i in range(*ch.layer_range):
+                    self._loc[i] = (r, ch.index)
+        head = self._open(0, 0)
+        saved = (head.get("tensor_model_parallel_size"), head.get("pipeline_model_parallel_size"),
+                 head.get("num_model_chunks", 1))
+        if saved != (self.layout.tp, self.layout.pp, self.num_chunks):
+            raise ConversionError(
+                f"{self.what}: the shard files were saved with tp={saved[0]} pp={saved[1]} and "
+                f"{saved[2]} chunk(s) per rank, args.json says {self.layout.describe()} and "
+                f"{self.num_chunks}")
+        self.consumed_samples = int(head.get("consumed_samples", 0))
+        self.scheduler = head.get("opt_param_scheduler")
+        # Which optimizer format the checkpoint holds (optimizer_state.py).
+        self.optim_kind: Optional[str] = None
+        self.dp_size = 1
+        self.optim_common: Optional[OptimCommon] = None
+        if "opt_param_scheduler" in head:
+            if "optimizer" in head:
+                self.optim_kind = "plain"
+                self.optim_common = plain_common(head["optimizer"])
+            elif os.path.isfile(self._dp_path(0, 0, 0)):
+                self.optim_kind = "zero"
+                while os.path.isfile(self._dp_path(0, 0, self.dp_size)):
+                    self.dp_size += 1
+                dp0 = self._load(self._dp_path(0, 0, 0))
+                self.optim_common = zero_common(dp0) if "step" in dp0 else OptimCommon(
+                    step=int(dp0.get("step", 0)))
+                self.zero_stage = int(dp0.get("zero_stage", self.cfg.optimizer.zero_stage))
+                del dp0
+        del head
+        self._checked: set = set()
+        self._plain_index = [None] * self.layout.pp
+        self._zero_buckets = [None] * self.layout.pp
+
+    # ------------------------------------------------------------------------------ files
+    def _path(self, t: int, r: int) -> str:
+        return os.path.join(self.it_dir, ckpt.shard_dir_name(t, r), ckpt.MODEL_FILE)
+
+    def _dp_path(self, t: int, r: int, d: int) -> str:
+        return os.path.join(self.it_dir, ckpt.shard_dir_name(t, r), ckpt.distrib_optim_name(d))
+
+    def _load(self, path: str) -> dict:
+        if not os.path.isfile(path):
+            raise ConversionError(f"{self.what}: {path} is missing (incomplete checkpoint)")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # truncated zip, bad pickle, disallowed global, ...
+            msg = " ".join(str(e).split())[:200] or type(e).__name__
+            raise ConversionError(f"{self.what}: {path} is corrupt or truncated ({msg})")
+
+    def _open(self, t: int, r: int) -> dict:
+        return self._load(self._path(t, r))
+
+    def rng_state(self, t: int, r: int):
+        """The RNG state of source rank (t mod T, r mod P): see docs (resharding cannot
+        reproduce dropout masks of another layout anyway; this keeps every stream well defined)."""
+        sd = self._open(t % self.layout.tp, r % self.layout.pp)
+        state = sd.get("rng_state")
+        return copy.deepcopy(state) if state is not None else None
+
+    # ------------------------------------------------------------------------- locations
+    def location(self, name: str) -> Tuple[int, int]:
+        """(pp rank, chunk index) of the source chunk holding canonical parameter ``name``."""
+        i = layer_of(name)
+        if i is not None:
+            if i not in self._loc:
+                raise ConversionError(f"{self.what}: no layer {i} in this checkpoint")
+            return self._loc[i]
+        if name.startswith("embedding."):
+            return 0, 0
+        return self.layout.pp - 1, self.num_chunks - 1
+
+    def _index(self, r: int) -> PlainIndex:
+        if self._plain_index[r] is None:
+            self._plain_index[r] = PlainIndex.build(
+                rank_param_order(self.model_cfg, self.chunks[r], self.layout.pp))
+        return self._plain_index[r]
+
+    def _buckets(self, r: int):
+        if self._zero_buckets[r] is None:
+            self._zero_buckets[r] = zero_buckets(
+                self.model_cfg, self.chunks[r], self.layout.pp, self.layout.tp, self.dp_size,
+                self.cfg.optimizer.ddp_bucket_size)
+        return self._zero_buckets[r]
+
+    # ------------------------------------------------------------------------------ reads
+    def read(self, names: Sequence[str], with_optim: bool = False
+             ) -> Dict[str, Dict[str, Optional[torch.Tensor]]]:
+        """Canonical tensors of ``names`` (all on one source chunk): ``{name: {"weight": ...,
+        "param"/"exp_avg"/"exp_avg_sq": ... or None}}``; every tensor is a fresh copy."""
+        if not names:
+            return {}
+        r, c = self.location(names[0])
+        assert all(self.location(n) == (r, c) for n in names), names
+        specs = {s.name: s for s in chunk_specs(self.model_cfg, self.chunks[r][c], self.layout.pp)}
+        key = chunk_key(c, self.num_chunks)
+        per_t: Dict[str, Dict[str, List[torch.Tensor]]] = {n: {} for n in names}
+        for t in range(self.layout.tp):
+            sd = self._open(t, r)
+            where = f"{self.what}: {self._path(t, r)}"
+            model_sd = sd.get(key)
+            if model_sd is None:
+                raise ConversionError(f"{where} has no {key!r} entry")
+            for n in names:
+                if n not in specs or n not in model_sd:
+                    raise ConversionError(f"{where} has no tensor {n} (chunk {key})")
+                w = model_sd[n]
+                expect = specs[n].local_shape(self.model_cfg, self.layout.tp)
+                if tuple(w.shape) != expect:
+                    raise ConversionError(f"{where}: {n} has shape {tuple(w.shape)}, args.json "
+                                          f"implies {expect}")
+                per_t[n].setdefault("weight", []).append(w)
+            if with_optim:
+                self._read_optim(sd, t, r, c, names, specs, per_t)
+            # the state dict goes out of scope with this iteration: its file is unmapped once
+            # the tensors copied out below are the only survivors
+            del sd, model_sd
+        out: Dict[str, Dict[str, Optional[torch.Tensor]]] = {}
+        for n in names:
+            out[n] = {}
+            for k, shards in per_t[n].items():
+                # a state that some TP rank lacks (never stepped) is absent as a whole
+                out[n][k] = (None if any(x is None for x in shards)
+                             else specs[n].unshard(shards, self.model_cfg))
+        return out
+
+    def _read_optim(self, sd, t, r, c, names, specs, per_t) -> None:
+        where = f"{self.what}: tp rank {t}, pp rank {r}"
+        if self.optim_kind is None:
+            raise ConversionError(f"{self.what}: the checkpoint has no optimizer state (saved "
+                                  f"with --no-save-optim); pass --no-optim")
+        if self.optim_kind == "plain":
+            opt_sd, index = sd["optimizer"], self._index(r)
+            if (t, r) not in self._checked:
+                check_plain(opt_sd, index, where)
+                self._checked.add((t, r))
+            for n in names:
+                for k, v in read_plain(opt_sd, index, n).items():
+                    per_t[n].setdefault(k, []).append(v)
+            return
+        buckets = self._buckets(r)
+        sds = [self._load(self._dp_path(t, r, d)) for d in range(self.dp_size)]
+        if (t, r) not in self._checked:
+            for d, dsd in enumerate(sds):
+                check_zero(dsd, buckets, f"{self.what}: {self._dp_path(t, r, d)}")
+            self._checked.add((t, r))
+        for n in names:
+            shape = specs[n].local_shape(self.model_cfg, self.layout.tp)
+            got = read_zero(sds, buckets, self.zero_stage, n, c, self.num_chunks, shape)
+            for k, v in got.items():
+                per_t[n].setdefault(k, []).append(v)
+        del sds
+
+
+# ======================================================================== target writing
+def _stage_header(iteration: int, consumed: int, layout: Layout, num_chunks: int) -> dict:
+    return {"checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": int(iteration),
+            "consumed_samples": int(consumed), "tensor_model_parallel_size": layout.tp,
+            "pipeline_model_parallel_size": layout.pp, "num_model_chunks": num_chunks}
+
+
+def _fresh_scheduler_state(cfg: MegaliteConfig) -> dict:
+    from megalite.optimizer.lr_scheduler import OptimizerParamScheduler
+
+    holder = types.SimpleNamespace(param_groups=[{}])
+    return OptimizerParamScheduler.from_config(holder, cfg.optimizer,
+                                               cfg.training.train_iters).state_dict()
+
+
+def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
+                  read_group: Callable[[List[ParamSpec], bool], Dict[str, Dict[str, torch.Tensor]]],
+                  *, consumed: int = 0, optim: Optional[str] = None,
+                  common: Optional[OptimCommon] = None, scheduler: Optional[dict] = None,
+                  dp: int = 1, rng: Optional[Callable[[int, int], object]] = None,
+                  weight_dtype: Optional[torch.dtype] = None, log: Log = _quiet) -> None:
+    """Write iteration ``iteration`` of ``layout`` into ``tmp``, one pipeline stage at a time.
+
+    ``read_group(specs, with_optim)`` returns canonical tensors for a group of parameters (one
+    layer, or the non-layer tensors); ``optim`` is None (no optimizer state), "plain", "zero" or
+    "fresh" (an empty plain state, so a plain --load of an imported model works).
+    """
+    m = cfg.model
+    chunks = chunks_of(layout, m.num_layers)
+    v = len(chunks[0])
+    it_dir = ckpt.iteration_dir(tmp, iteration)
+    with_optim = optim in ("plain", "zero")
+    mixed = m.params_dtype != "float32"
+    for r in range(layout.pp):
+        files = [_stage_header(iteration, consumed, layout, v) for _ in range(layout.tp)]
+        local: List[Dict[str, Dict[str, torch.Tensor]]] = [{} for _ in range(layout.tp)]
+        for c, ch in enumerate(chunks[r]):
+            key = chunk_key(c, v)
+            for f in files:
+                f[key] = {}
+            specs = chunk_specs(m, ch, layout.pp)
+            for group in _groups(specs, lambda n: layer_of(n) is None and n.split(".")[0]):
+                full = read_group(group, with_optim)
+                for s in group:
+                    src = full[canonical_name(s.name, m)]
+                    w = src["weight"]
+                    if tuple(w.shape) != s.full_shape(m):
+                        raise ConversionError(f"{s.name}: source tensor has shape "
+                                              f"{tuple(w.shape)}, the model needs "
+                                              f"{s.full_shape(m)}")
+                    if weight_dtype is not None:
+                        w = w.to(weight_dtype)
+                    for t in range(layout.tp):
+                        files[t][key][s.name] = _own_storage(s.shard(w, m, t, layout.tp))
+                        if with_optim:
+                            local[t][s.name] = {
+                                k: (_own_storage(s.shard(x, m, t, layout.tp)) if x is not None
+                                    else None)
+                                for k, x in src.items() if k != "weight"}
+                            if local[t][s.name].get("param") is None:
+                                # fp32 models have no separate master: the weight is the master
+                                local[t][s.name]["param"] = files[t][key][s.name].float()
+                del full
+        zero_files = None
+        if optim is not None:
+            order = rank_param_order(m, chunks[r], layout.pp)
+            for t in range(layout.tp):
+                def get(name, kind, t=t):
+                    return local[t].get(name, {}).get(kind)
+
+                if optim in ("plain", "fresh"):
+                    files[t]["optimizer"] = build_plain(
+                        PlainIndex.build(order), get, common or OptimCommon(), cfg.optimizer,
+                        mixed=mixed and optim == "plain")
+                files[t]["opt_param_scheduler"] = (scheduler if scheduler is not None
+                                                   else _fresh_scheduler_state(cfg))
+            if optim == "zero":
+                buckets = zero_buckets(m, chunks[r], layout.pp, layout.tp, dp,
+                                       cfg.optimizer.ddp_bucket_size)
+                zero_files = [build_zero(buckets, lambda n, k, t=t: local[t].get(n, {}).get(k),
+                                         common, cfg.optimizer, dp, cfg.optimizer.zero_stage)
+                              for t in range(layout.tp)]
+        for t in range(layout.tp):
+            if rng is not None:
+                state = rng(t, r)
+                if state is not None:
+                    files[t]["rng_state"] = state
+            shard = os.path.join(it_dir, ckpt.shard_dir_name(t, r))
+            os.makedirs(shard, exist_ok=True)
+            torch.save(files[t], os.path.join(shard, ckpt.MODEL_FILE))
+            if zero_files is not None:
+                for d, zsd in enumerate(zero_files[t]):
+                    torch.save(zsd, os.path.join(shard, ckpt.distrib_optim_name(d)))
+        log(f" wrote pipeline stage {r + 1}/{layout.pp} ({layout.tp} tensor-parallel file(s))")
+        del files, local, zero_files
+
+
+def _finish_checkpoint(tmp: str, cfg: MegaliteConfig, iteration: int,
+                       tokenizer_src: Optional[str]) -> None:
+    with open(os.path.join(ckpt.iteration_dir(tmp, iteration), "args.json"), "w") as f:
+        f.write(config_to_json(cfg))
+    if tokenizer_src is not None:
+        shutil.copytree(tokenizer_src, os.path.join(tmp, "tokenizer"))
+    with open(os.path.join(tmp, ckpt.TRACKER_FILE), "w") as f:
+        f.write(str(iteration))
+
+
+# ================================================================================= reshard
+def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size: Optional[int]
+            = None, no_optim: bool = False, iteration: Optional[int] = None,
+            zero_stage: Optional[int] = None, log: Log = _quiet) -> str:
+    """Rewrite checkpoint ``load_dir`` for ``layout``: weights and (unless ``no_optim``) the
+    optimizer (Adam moments, fp32 masters, step, grad scaler), LR-scheduler position, RNG state,
+    iteration and consumed samples. Returns the output directory."""
+    src = MegaliteSource(load_dir, iteration)
+    cfg = copy.deepcopy(src.cfg)
+    if zero_stage is not None:
+        cfg.optimizer.zero_stage = zero_stage
+        cfg.optimizer.use_distributed_optimizer = zero_stage >= 1
+    target_zero = cfg.optimizer.zero_stage >= 1 or cfg.optimizer.use_distributed_optimizer
+    if target_zero and cfg.optimizer.zero_stage == 3 and not no_optim:
+        raise ConversionError("--zero-stage 3 optimizer state cannot be written offline; reshard "
+                              "with --no-optim, or to --zero-stage 0/1/2")
+    dp = data_parallel_size
+    if dp is None:
+        dp = src.dp_size if src.optim_kind == "zero" else 1
+    check_target_layout(cfg, layout, dp)
+    optim = None
+    if not no_optim:
+        if src.optim_kind is None:
+            raise ConversionError(f"--load {load_dir}: the checkpoint has no optimizer state "
+                                  f"(saved with --no-save-optim); pass --no-optim")
+        optim = "zero" if target_zero else "plain"
+        if target_zero and cfg.optimizer.zero_stage == 0:
+            cfg.optimizer.zero_stage = 1
+    _set_layout(cfg, layout)
+    if no_optim:
+        cfg.checkpoint.no_save_optim = True
+    tok = os.path.join(src.dir, "tokenizer")
+    log(f" resharding {load_dir} (iteration {src.iteration}, {src.layout.describe()}) -> "
+        f"{layout.describe()}" + (f" dp={dp}" if optim == "zero" else "") +
+        ("" if optim else " without optimizer state"))
+
+    def read_group(group: List[ParamSpec], with_optim: bool):
+        by_loc: Dict[Tuple[int, int], List[str]] = {}
+        for s in group:
+            name = canonical_name(s.name, cfg.model)
+            names = by_loc.setdefault(src.location(name), [])
+            if name not in names:
+                names.append(name)
+        out = {}
+        for names in by_loc.values():
+            out.update(src.read(names, with_optim))
+        return out
+
+    with atomic_output(save_dir) as tmp:
+        _write_stages(tmp, cfg, layout, src.iteration, read_group,
+                      consumed=src.consumed_samples, optim=optim, common=src.optim_common,
+                      scheduler=src.scheduler, dp=dp, rng=src.rng_state, log=log)
+        _finish_checkpoint(tmp, cfg, src.iteration, tok if os.path.isdir(tok) else None)
+    return os.path.abspath(save_dir)
+
+
+# ============================================================================ Hugging Face in
+class HFSource:
+    """A local Hugging Face GPT2LMHeadModel / LlamaForCausalLM directory, read tensor by tensor."""
+
+    def __init__(self, hf_dir: str, **config_overrides):
+        self.dir = os.path.abspath(hf_dir)
+        self.what = f"--hf-dir {hf_dir}"
+        if not os.path.isdir(self.dir):
+            raise ConversionError(f"{self.what}: no such directory")
+        cfg_path = os.path.join(self.dir, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ConversionError(f"{self.what}: no config.json (not a Hugging Face model "
+                                  f"directory)")
+        try:
+            with open(cfg_path) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConversionError(f"{self.what}: config.json is not valid JSON ({e})")
+        # Checked before AutoConfig, whose error for an unknown model_type is long and vague.
+        archs = raw.get("architectures") or [raw.get("model_type")]
+        if raw.get("model_type") not in ("gpt2", "llama") or any(
+                a not in SUPPORTED_ARCHITECTURES for a in archs if a):
+            bad = next((a for a in archs if a not in SUPPORTED_ARCHITECTURES), archs[0])
+            raise ConversionError(f"{self.what}: unsupported Hugging Face architecture {bad!r} "
+                                  f"(model_type {raw.get('model_type')!r}); megalite converts "
+                                  f"{' and '.join(SUPPORTED_ARCHITECTURES)}")
+        from transformers import AutoConfig
+
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.dir, local_files_only=True)
+        except Exception as e:
+            raise ConversionError(f"{self.what}: config.json cannot be read by transformers "
+                                  f"({' '.join(str(e).split())[:200]})")
+        self.family = _hf_family(self.hf_config)
+        self.model_cfg = hf_config_to_model_config(self.hf_config, **config_overrides)
+        self.key_file = self._index_weights()
+        self._alias: Dict[str, str] = {}
+        if self.family == "gpt2" and not any(k.startswith("transformer.") for k in self.key_file):
+            # GPT2Model checkpoints (e.g. the original "gpt2" upload) lack the LM-head prefix
+            self._alias = {"transformer." + k: k for k in self.key_file
+                           if not k.startswith("lm_head.")}
+        self.used: set = set()
+
+    def _index_weights(self) -> Dict[str, str]:
+        """tensor name -> file, from an index (sharded checkpoints) or the single file."""
+        d = self.dir
+        for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+            index = os.path.join(d, index_name)
+            if os.path.isfile(index):
+                try:
+                    with open(index) as f:
+                        weight_map = json.load(f)["weight_map"]
+                except (OSError, json.JSONDecodeError, KeyError) as e:
+                    raise ConversionError(f"{self.what}: {index_name} is not a valid index ({e})")
+                for fname in sorted(set(weight_map.values())):
+                    if not os.path.isfile(os.path.join(d, fname)):
+                        raise ConversionError(f"{self.what}: {fname} is missing (named by "
+                                              f"{index_name})")
+                return {k: os.path.join(d, v) for k, v in weight_map.items()}
+        for fname in ("model.safetensors", "pytorch_model.bin"):
+            path = os.path.join(d, fname)
+            if os.path.isfile(path):
+                return {k: path for k in self._keys_of(path)}
+        raise ConversionError(f"{self.what}: no weights (model.safetensors, "
+                              f"model.safetensors.index.json, pytorch_model.bin or "
+                              f"pytorch_model.bin.index.json)")
+
+    def _keys_of(self, path: str) -> List[str]:
+        if path.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            try:
+                with safe_open(path, framework="pt") as f:
+                    return list(f.keys())
+            except Exception as e:
+                raise ConversionError(f"{self.what}: {os.path.basename(path)} is not a readable "
+                                      f"safetensors file ({' '.join(str(e).split())[:150]})")
+        return list(self._load_bin(path).keys())
+
+    def _load_bin(self, path: str) -> dict:
+        # weights_only: a checkpoint never executes code on load (DESIGN.md contract 9)
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            try:  # legacy (pre-zip) torch files cannot be memory-mapped
+                return torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ConversionError(f"{self.what}: {os.path.basename(path)} cannot be loaded "
+                                      f"({' '.join(str(e).split())[:150]})")
+        except Exception as e:
+            raise ConversionError(f"{self.what}: {os.path.basename(path)} cannot be loaded "
+                                  f"({' '.join(str(e).split())[:150]})")
+
+    def get(self, keys: Sequence[str], where: str) -> Dict[str, torch.Tensor]:
+        """Copies of the named tensors (HF LM-head names), reading only those."""
+        by_file: Dict[str, List[Tuple[str, str]]] = {}
+        for k in keys:
+            stored = self._alias.get(k, k)
+            if stored not in self.key_file:
+                raise ConversionError(f"{self.what}: tensor {k} ({where}) is missing from the "
+                                      f"weights; config.json and the weights disagree")
+            by_file.setdefault(self.key_file[stored], []).append((k, stored))
+        out = {}
+        for path, pairs in by_file.items():
+            if path.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt") as f:
+                    for k, stored in pairs:
+                        out[k] = f.get_tensor(stored)
+            else:
+                sd = self._load_bin(path)
+                for k, stored in pairs:
+                    out[k] = sd[stored].clone()
+                del sd
+            self.used.update(stored for _, stored in pairs)
+        return out
+
+    def unused(self) -> List[str]:
+        m = self.model_cfg
+        skip = {"lm_head.weight"} if m.tie_embeddings else set()
+        return [k for k in self.key_file if k not in self.used and k not in skip
+                and not k.endswith(_IGNORED_HF_SUFFIXES)]
+
+    def read_layer(self, i: int) -> Dict[str, torch.Tensor]:
+        where = f"layer {i}"
+        hf = self.get(hf_layer_keys(i, self.model_cfg), where)
+        try:
+            return convert_layer_hf_to_megalite(i, hf, self.model_cfg)
+        except (RuntimeError, ValueError) as e:
+            raise ConversionError(f"{self.what}: {where} tensors do not fit config.json "
+                                  f"({' '.join(str(e).split())[:150]})")
+
+    def read_non_layer(self) -> Dict[str, torch.Tensor]:
+        hf = self.get(hf_non_layer_keys(self.model_cfg), "embeddings / final norm / lm_head")
+        try:
+            out = convert_non_layer_hf_to_megalite(hf, self.model_cfg)
+        except (RuntimeError, ValueError) as e:
+            raise ConversionError(f"{self.what}: embedding or output tensors do not fit "
+                                  f"config.json ({' '.join(str(e).split())[:150]})")
+        # canonical vocab tensors are unpadded
+        return {k: (v[: self.model_cfg.vocab_size].clone() if k in (
+            EMBEDDING_WEIGHT_NAME, "output_layer.weight") else v) for k, v in out.items()}
+
+    def has_tokenizer(self) -> bool:
+        return any(os.path.isfile(os.path.join(self.dir, f)) for f in _TOKENIZER_FILES)
+
+
+def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
+                   seq_length: Optional[int] = None, params_dtype: Optional[str] = None,
+                   make_vocab_size_divisible_by: Optional[int] = None, log: Log = _quiet) -> str:
+    """Import an HF model as a megalite checkpoint at iteration 0 (fresh optimizer state)."""
+    overrides = {}
+    if seq_length is not None:
+        overrides["seq_length"] = seq_length
+    if params_dtype is not None:
+        overrides["params_dtype"] = params_dtype
+    if make_vocab_size_divisible_by is not None:
+        overrides["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
+    src = HFSource(hf_dir, **overrides)
+    m = src.model_cfg
+    cfg = MegaliteConfig(model=m)
+    check_target_layout(cfg, layout)
+    _set_layout(cfg, layout)
+    if src.has_tokenizer():
+        cfg.data.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.data.tokenizer_model = os.path.join(os.path.abspath(save_dir), "tokenizer")
+    log(f" importing {hf_dir} ({src.hf_config.architectures or [src.family]}, "
+        f"{m.num_layers} layers, hidden {m.hidden_size}) -> {layout.describe()}")
+    non_layer: Dict[str, torch.Tensor] = {}
+
+    def read_group(group: List[ParamSpec], with_optim: bool):
+        out = {}
+        i = layer_of(group[0].name)
+        if i is not None:
+            tensors = src.read_layer(i)
+        else:
+            if not non_layer:
+                non_layer.update(src.read_non_layer())
+            tensors = non_layer
+        for s in group:
+            name = canonical_name(s.name, m)
+            if name not in tensors:
+                raise ConversionError(f"{src.what}: no tensor maps to {name}")
+            out[name] = {"weight": tensors[name]}
+        return out
+
+    dtype = _DTYPES[m.params_dtype]
+    with atomic_output(save_dir) as tmp:
+        _write_stages(tmp, cfg, layout, 0, read_group, optim="fresh", weight_dtype=dtype, log=log)
+        unused = src.unused()
+        if unused:
+            raise ConversionError(f"{src.what}: {len(unused)} tensor(s) in the weights map to "
+                                  f"nothing in a {m.num_layers}-layer model (config.json and "
+                                  f"weights disagree?): {', '.join(unused[:3])}")
+        _finish_checkpoint(tmp, cfg, 0, None)
+        if src.has_tokenizer():
+            _save_hf_tokenizer(src, os.path.join(tmp, "tokenizer"), m, log)
+    return os.path.abspath(save_dir)
+
+
+def _save_hf_tokenizer(src: HFSource, target: str, m: ModelConfig, log: Log) -> None:
+    """The HF tokenizer, re-saved with save_pretrained as pretrain.py saves its own
+    (checkpointing.save_tokenizer), so ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model
+    OUT/tokenizer`` and tools/generate.py find it."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(src.dir, local_files_only=True)
+    except Exception as e:
+        raise ConversionError(f"{src.what}: the tokenizer files there cannot be loaded "
+                              f"({' '.join(str(e).split())[:200]})")
+    tok.save_pretrained(target)
+    if len(tok) != m.vocab_size:
+        log(f" note: the tokenizer has {len(tok)} ids but the model's vocab_size is "
+            f"{m.vocab_size}; pretrain.py sizes the embedding from the tokenizer, so training "
+            f"from this checkpoint needs a tokenizer of {m.vocab_size} ids")
+
+
+# =========================================================================== Hugging Face out
+class _SafetensorsShards:
+    """HF's sharded safetensors layout (``model-0000k-of-0000n.safetensors`` + index), written a
+    shard at a time so memory holds at most one shard; a single shard is ``model.safetensors``."""
+
+    def __init__(self, out_dir: str, max_bytes: int):
+        self.dir, self.max_bytes = out_dir, max_bytes
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: List[Tuple[str, List[str]]] = []
+        self.total = 0
+
+    def add(self, tensors: Dict[str, torch.Tensor]) -> None:
+        for k, t in tensors.items():
+            t = _own_storage(t.detach().cpu())
+            n = t.numel() * t.element_size()
+            if self.pending and self.pending_bytes + n > self.max_bytes:
+                self._flush()
+            self.pending[k] = t
+            self.pending_bytes += n
+            self.total += n
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, os.path.join(self.dir, name), metadata={"format": "pt"})
+        self.files.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        if n == 1:
+            os.rename(os.path.join(self.dir, self.files[0][0]),
+                      os.path.join(self.dir, "model.safetensors"))
+            return
+        weight_map = {}
+        for k, (name, keys) in enumerate(self.files):
+            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(os.path.join(self.dir, name), os.path.join(self.dir, final))
+            weight_map.update({key: final for key in keys})
+        with open(os.path.join(self.dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f,
+                      indent=2, sort_keys=True)
+
+
+def megalite_to_hf(load_dir: str, save_dir: str, *, iteration: Optional[int] = None,
+                   max_shard_bytes: int = 2 << 30, log: Log = _quiet) -> str:
+    """Export any megalite checkpoint (any TP/PP/VPP; optimizer files are not read) as a directory
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
+    src = MegaliteSource(load_dir, iteration)
+    m = src.model_cfg
+    tok_dir = os.path.join(src.dir, "tokenizer")
+    tokenizer = None
+    if os.path.isdir(tok_dir):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+        except Exception as e:
+            raise ConversionError(f"--load {load_dir}: tokenizer/ cannot be loaded "
+                                  f"({' '.join(str(e).split())[:200]})")
+    hf_overrides = {}
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, attr, None) if tokenizer is not None else None
+        if value is not None:
+            hf_overrides[attr] = value
+    hf_config = model_config_to_hf_config(m, **hf_overrides)  # ConfigError if no HF class fits
+    log(f" exporting {load_dir} (iteration {src.iteration}, {src.layout.describe()}) as "
+        f"{hf_config.architectures[0]}")
+    with atomic_output(save_dir) as tmp:
+        shards = _SafetensorsShards(tmp, max_shard_bytes)
+        by_loc: Dict[Tuple[int, int], List[str]] = {}
+        for name in megalite_non_layer_keys(m):
+            by_loc.setdefault(src.location(name), []).append(name)
+        non_layer = {}
+        for names in by_loc.values():
+            non_layer.update({n: v["weight"] for n, v in src.read(names).items()})
+        shards.add(convert_non_layer_megalite_to_hf(non_layer, m))
+        del non_layer
+        for i in range(m.num_layers):
+            full = {n: v["weight"] for n, v in src.read(megalite_layer_keys(i, m)).items()}
+            shards.add(convert_layer_megalite_to_hf(i, full, m))
+            del full
+        shards.finish()
+        hf_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return os.path.abspath(save_dir)

@@ -1,0 +1,207 @@
+"""What a checkpoint of a given TP/PP/VPP layout holds, computed without building a real model.
+
+A megalite checkpoint stores, per (tp rank, pp rank), the ``state_dict`` of each model chunk and
+the state of the optimizer that stepped those chunks. To read or write one offline the converter
+needs, for every chunk: which parameters it has (in registration order: the optimizers key their
+state by that order), each parameter's TP split (``partition_dim`` / ``partition_stride``,
+tensor_parallel/utils.py), whether it is a vocab tensor (padded to ``padded_vocab_size(t)``), its
+dtype and whether it is a ``shared_embedding`` copy (the tied embedding on the first and last
+pipeline stage; it gets a ZeRO bucket of its own).
+
+All of that is read off a ``GPTModel`` built on the ``meta`` device at tp=1 (no memory, no process
+group): the stage cuts come from ``pipeline_parallel.partition.virtual_layer_ranges``, the same
+function training uses, so the converter and the trainer cannot disagree on which layer is where.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megalite.config import ConfigError, MegaliteConfig, ModelConfig
+from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, pad_vocab
+from megalite.pipeline_parallel.partition import virtual_layer_ranges
+from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A TP x PP (x virtual stages) cut of a model; DP does not change what a shard holds."""
+
+    tp: int
+    pp: int
+    layers_per_virtual_stage: Optional[int] = None
+    decoder_first: Optional[int] = None  # uneven first/last stage (--decoder-first/last-...)
+    decoder_last: Optional[int] = None
+
+    def ranges(self, num_layers: int) -> List[List[Tuple[int, int]]]:
+        """``ranges[pp_rank][chunk]`` = global layer range; raises ConfigError if impossible."""
+        return virtual_layer_ranges(num_layers, self.pp, self.layers_per_virtual_stage,
+                                    self.decoder_first, self.decoder_last)
+
+    def num_chunks(self, num_layers: int) -> int:
+        return len(self.ranges(num_layers)[0])
+
+    def describe(self) -> str:
+        v = f" vpp-layers={self.layers_per_virtual_stage}" if self.layers_per_virtual_stage else ""
+        return f"tp={self.tp} pp={self.pp}{v}"
+
+
+def layout_of_config(cfg: MegaliteConfig) -> Layout:
+    """The layout a checkpoint's args.json says it was saved with."""
+    par, tr = cfg.parallel, cfg.training
+    per = tr.num_layers_per_virtual_pipeline_stage
+    v = par.virtual_pipeline_model_parallel_size
+    if per is None and v and v > 1:
+        per = cfg.model.num_layers // (par.pipeline_model_parallel_size * v)
+    return Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, per,
+                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    pp_rank: int
+    index: int  # chunk index on its pipeline rank (virtual stage index * p + pp_rank)
+    layer_range: Tuple[int, int]
+    pre: bool  # owns the embedding
+    post: bool  # owns the final norm and output layer
+
+
+def chunk_key(index: int, num_chunks: int) -> str:
+    """The key of a chunk's state dict in model_optim_rng.pt (checkpointing._chunk_key)."""
+    return "model" if num_chunks == 1 else f"model{index}"
+
+
+def chunks_of(layout: Layout, num_layers: int) -> List[List[Chunk]]:
+    ranges = layout.ranges(num_layers)
+    p, v = layout.pp, len(ranges[0])
+    return [[Chunk(r, c, ranges[r][c], pre=(r == 0 and c == 0), post=(r == p - 1 and c == v - 1))
+             for c in range(v)] for r in range(p)]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of a chunk, independent of the TP size (shapes are per TP size, below)."""
+
+    name: str
+    shape: Tuple[int, ...]  # at tp=1; vocab tensors at padded_vocab_size(1) rows
+    dtype: torch.dtype
+    tp_split: bool
+    dim: int
+    stride: int
+    is_vocab: bool
+    shared_embedding: bool
+
+    @property
+    def decay(self) -> bool:
+        # Weight decay on matrices only, in both optimizers (optimizer.py, distrib_optimizer.py).
+        return len(self.shape) > 1
+
+    def full_shape(self, cfg: ModelConfig) -> Tuple[int, ...]:
+        """The canonical full shape: vocab tensors unpadded (``cfg.vocab_size`` rows)."""
+        if self.is_vocab:
+            return (cfg.vocab_size,) + self.shape[1:]
+        return self.shape
+
+    def local_shape(self, cfg: ModelConfig, tp: int) -> Tuple[int, ...]:
+        shape = list(self.shape)
+        if self.is_vocab:
+            shape[0] = cfg.padded_vocab_size(tp)
+        if self.tp_split:
+            shape[self.dim] //= tp
+        return tuple(shape)
+
+    def numel(self, cfg: ModelConfig, tp: int) -> int:
+        n = 1
+        for s in self.local_shape(cfg, tp):
+            n *= s
+        return n
+
+    # -------------------------------------------------------------------- full <-> TP shards
+    def unshard(self, shards: List[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+        """TP shards (rank order) -> the canonical full tensor (a fresh tensor, vocab unpadded)."""
+        full = unshard_tensors(shards, self.dim, self.stride) if self.tp_split else shards[0]
+        if self.is_vocab:
+            full = full[: cfg.vocab_size]
+        return full.clone()
+
+    def shard(self, full: torch.Tensor, cfg: ModelConfig, rank: int, tp: int) -> torch.Tensor:
+        """Canonical full tensor -> TP rank ``rank``'s slice (own storage: saved files hold only
+        their slice, since torch.save writes a view's whole storage)."""
+        if self.is_vocab:
+            full = pad_vocab(full, cfg.vocab_size, cfg.padded_vocab_size(tp))
+        out = shard_tensor(full, self.dim, rank, tp, self.stride) if self.tp_split else full
+        return out.clone() if out.data_ptr() == full.data_ptr() or not out.is_contiguous() else out
+
+
+def _tied(cfg: ModelConfig) -> bool:
+    return cfg.tie_embeddings
+
+
+@lru_cache(maxsize=256)
+def _chunk_specs_cached(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, int],
+                        shared: bool) -> Tuple[ParamSpec, ...]:
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    cfg = ModelConfig(**dict(cfg_key))
+    cfg.sequence_parallel = False
+    model = GPTModel(cfg, ParallelState(), pre_process=pre, post_process=post,
+                     layer_range=layer_range, seed=None, device="meta")
+    names = [n for n, _ in model.named_parameters()]
+    if list(model.state_dict().keys()) != names:
+        # The converter copies parameters only; a buffer in the state dict would be lost.
+        raise ConfigError("GPTModel's state dict holds entries that are not parameters; "
+                          "the checkpoint converter does not know how to reshard them")
+    specs = []
+    for name, p in model.named_parameters():
+        specs.append(ParamSpec(
+            name=name, shape=tuple(p.shape), dtype=p.dtype,
+            tp_split=bool(getattr(p, "tensor_model_parallel", False)),
+            dim=int(getattr(p, "partition_dim", 0)), stride=int(getattr(p, "partition_stride", 1)),
+            is_vocab=name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME),
+            # build_model_chunks flags both copies of a tied embedding when pp > 1
+            shared_embedding=shared and name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)))
+    return tuple(specs)
+
+
+def chunk_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
+    """The parameters of ``chunk`` in registration order (= state_dict order)."""
+    d = cfg.to_dict()
+    d["sequence_parallel"] = False
+    key = tuple(sorted(d.items()))
+    return _chunk_specs_cached(key, chunk.pre, chunk.post, tuple(chunk.layer_range),
+                               _tied(cfg) and pp > 1)
+
+
+def layer_of(name: str) -> Optional[int]:
+    """Global layer number of a parameter name, None outside the transformer layers."""
+    if name.startswith("layers."):
+        return int(name.split(".", 2)[1])
+    return None
+
+
+def canonical_name(name: str, cfg: ModelConfig) -> str:
+    """The name a parameter's value is stored under in the full model: the last stage's copy of a
+    tied embedding *is* the word embedding (finalize_model_grads keeps the two copies equal)."""
+    if name == OUTPUT_WEIGHT_NAME and cfg.tie_embeddings:
+        return EMBEDDING_WEIGHT_NAME
+    return name
+
+
+def rank_param_order(cfg: ModelConfig, chunks: List[Chunk], pp: int) -> List[ParamSpec]:
+    """This rank's parameters in optimizer.model_parameters order (chunk by chunk, each once)."""
+    out, seen = [], set()
+    for ch in chunks:
+        for s in chunk_specs(cfg, ch, pp):
+            if s.name not in seen:
+                seen.add(s.name)
+                out.append(s)
+    return out
+
+
+def specs_by_name(cfg: ModelConfig, chunks: List[Chunk], pp: int) -> Dict[str, ParamSpec]:
+    return {s.name: s for s in rank_param_order(cfg, chunks, pp)}
