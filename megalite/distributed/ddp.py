@@ -170,7 +170,8 @@ class DistributedDataParallel(nn.Module):
         if buf.zero_stage == 2:
             self._complete_stage2(bucket)  # fold an in-flight reduction before reusing storage
             buf.ensure_grad_storage(bucket)
-        p.main_grad.add_(p.grad.view_as(p.main_grad))
+        if p.grad.data_ptr() != p.main_grad.data_ptr():  # (.grad may alias main_grad already)
+            p.main_grad.add_(p.grad.view_as(p.main_grad))
         p.grad = None
         self._synced = False
         self._record("hook", self.param_names[p])
