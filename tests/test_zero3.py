@@ -144,15 +144,16 @@ def _dp2_worker(rank, world_size):
     expect = model.expected_step_bytes(num_microbatches=2)
     for tag, nbytes in expect.items():
         assert sent.get(tag, 0) == ITERS * nbytes, (tag, sent.get(tag), ITERS * nbytes)
-    # 3Ψ accounting on padded Ψ: fwd Ψ + ... the tied unit is gathered twice in forward (its
-    # two uses) and once in backward (kept full after the head's forward).
+    # 3Ψ accounting on padded Ψ: the tied unit is gathered twice in forward (its two uses) and
+    # not in backward (kept full after the head's forward; the embedding's backward reads no
+    # weights); every layer once in forward and once in backward; everything reduce-scattered.
     padded = sum(u.padded for u in model.units)
     ring = (n - 1) / n * 4
     assert expect["zero3_reduce_scatter"] == 2 * int(padded * ring)
     tied = model.units[0]
     assert tied.name == "embedding+output" and len(tied.uses) == 2
     assert expect["zero3_all_gather_fwd"] == 2 * int(ring * (padded + tied.padded))
-    assert expect["zero3_all_gather_bwd"] == 2 * int(ring * padded)
+    assert expect["zero3_all_gather_bwd"] == 2 * int(ring * (padded - tied.padded))
     # Memory between iterations: 16 bytes per local element (shard = master, grad, m, v) exactly,
     # i.e. 16Ψ/N up to padding (< N elements per unit).
     shard_elems = model.shard_elements()

@@ -24,7 +24,9 @@ The life of a unit in one micro-batch (docs/zero3.md draws it):
                      pre-backward hook on the output
   pre-backward       (a hook on the output's gradient) re-gather (normally already prefetched),
                      point ``param.grad`` at views of a zeroed flat gradient buffer, prefetch the
-                     previous ``depth`` units
+                     previous ``depth`` units. The embedding's backward reads no weights (it
+                     scatter-adds gradient rows), so it is not re-gathered: params get their full
+                     shape as zero-stride views of one element, just for autograd's bookkeeping
   post-backward      (post-accumulate-grad hooks: every parameter's gradient has landed)
                      async reduce-scatter of the flat gradient — it overlaps the previous unit's
                      backward — summed into the fp32 gradient shard (micro-batches accumulate
@@ -86,6 +88,10 @@ class Use:
     first: nn.Module
     last: nn.Module
     owned: List[int] = field(default_factory=list)  # indices into unit.params
+    # The embedding lookup's backward is a scatter-add of the output gradient into the looked-up
+    # rows: it never reads the weights, so its backward needs no all-gather (only the gradient
+    # buffer). This saves the largest unit's backward gather (vocab x hidden).
+    backward_reads_params: bool = True
 
 
 class ShardedUnit:
@@ -141,6 +147,7 @@ class ShardedUnit:
         self.done: set = set()  # indices of params whose gradient landed in this backward
         self.uses: List[Use] = []
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
+        self._one = torch.zeros(1, dtype=compute_dtype, device=device)
         self._set_placeholders()
 
     # ---------------------------------------------------------------------------------- storage
@@ -163,6 +170,13 @@ class ShardedUnit:
     def _set_placeholders(self) -> None:
         for p in self.params:
             p.data = self._placeholder
+
+    def set_shape_only(self) -> None:
+        """Params with their full shapes but no memory (zero-stride views of one element): enough
+        for autograd to accumulate into param.grad when the backward reads no parameter values."""
+        if self.state == SHARDED:
+            for p, shape in zip(self.params, self.shapes):
+                p.data = self._one.expand(shape)
 
     def _set_views(self) -> None:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
@@ -188,12 +202,11 @@ class ShardedUnit:
             self._set_views()
 
     def reshard(self) -> None:
-        if self.state == SHARDED:
-            return
-        self.wait_gather()
+        if self.state != SHARDED:
+            self.wait_gather()
+            self._free(self.full)
+            self.state = SHARDED
         self._set_placeholders()
-        self._free(self.full)
-        self.state = SHARDED
 
     # ---------------------------------------------------------------------------- gradients
     def prepare_grads(self) -> None:
@@ -274,7 +287,8 @@ class Zero3Model(nn.Module):
             unit = ShardedUnit(name, all_named, self.ps, dtype, device)
             k = 0
             for first, last, nps in groups:
-                use = Use(unit, -1, first, last, list(range(k, k + len(nps))))
+                use = Use(unit, -1, first, last, list(range(k, k + len(nps))),
+                          backward_reads_params=first is not getattr(model, "embedding", None))
                 k += len(nps)
                 unit.uses.append(use)
             self.units.append(unit)
@@ -354,8 +368,11 @@ class Zero3Model(nn.Module):
         kind = "fwd" if step > 0 else "bwd"
         for d in range(1, self.prefetch_depth + 1):
             j = use.index + step * d
-            if 0 <= j < len(self.uses) and self.uses[j].unit is not use.unit:
-                self._gather(self.uses[j].unit, kind, async_op=True)
+            if not 0 <= j < len(self.uses) or self.uses[j].unit is use.unit:
+                continue
+            if step < 0 and not self.uses[j].backward_reads_params:
+                continue  # nothing to gather for a backward that reads no weights
+            self._gather(self.uses[j].unit, kind, async_op=True)
 
     def _ensure_full(self, use: Use, kind: str, step: int) -> None:
         unit = use.unit
@@ -417,7 +434,12 @@ class Zero3Model(nn.Module):
                                "pipeline schedule): the unit's full parameters would have to live "
                                "until the W pass; use --zero-stage 1/2 or another schedule")
         self.phase = BACKWARD
-        self._ensure_full(use, "bwd", step=-1)
+        if use.backward_reads_params:
+            self._ensure_full(use, "bwd", step=-1)
+        else:
+            use.unit.set_shape_only()
+            if self.overlap:
+                self._prefetch(use, -1)
         use.unit.prepare_grads()
         self._event("bwd_begin", use.unit)
         return None
@@ -574,19 +596,18 @@ class Zero3Model(nn.Module):
 
     def expected_step_bytes(self, num_microbatches: int = 1) -> Dict[str, int]:
         """The collectives' bytes per step predicted by the schedule (THEORY.md: 3Ψ, ring factor
-        (N−1)/N on padded sizes): each forward use gathers; each backward use gathers, except the
-        first one in backward when it is the last forward use (still full); one reduce-scatter
-        per unit per micro-batch."""
+        (N−1)/N on padded sizes): each forward use gathers; each backward use that reads the
+        parameters gathers, except the first one in backward when it is the last forward use
+        (still full); one reduce-scatter per unit per micro-batch."""
         n = self.units[0].dp_size if self.units else 1
         if n == 1:
             return {}
         fwd = bwd = rs = 0
         for unit in self.units:
             b = unit.full_bytes() * (n - 1) // n
-            uses = len(unit.uses)
-            kept = 1 if unit.uses[-1].index == len(self.uses) - 1 else 0
-            fwd += uses * b
-            bwd += (uses - kept) * b
+            last = len(self.uses) - 1
+            fwd += len(unit.uses) * b
+            bwd += b * sum(1 for use in unit.uses if use.backward_reads_params and use.index != last)
             rs += b
         m = num_microbatches
         return {"zero3_all_gather_fwd": m * fwd, "zero3_all_gather_bwd": m * bwd,
