@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pretrain a GPT model: ``python pretrain.py [flags]`` or ``torchrun --nproc-per-node N pretrain.py``.
+"""Pretrain a GPT model: ``python pretrain.py [flags]``, or under ``torchrun --nproc-per-node N``.
 
 Flags follow Megatron-LM (``python pretrain.py --help``). Any bad input ends with one line on
 stderr and a non-zero exit (2 for configuration, 1 for a failed run), never a traceback or a hang

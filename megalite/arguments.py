@@ -57,7 +57,7 @@ def flag_of(field_name: str) -> str:
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error over several lines and exits 2; we want one line (contract 8)."""
+    """argparse prints usage + error on several lines; we want one line (DESIGN.md contract 8)."""
 
     def error(self, message: str):  # noqa: D102 - argparse API
         raise ConfigError(message)

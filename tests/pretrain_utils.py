@@ -1,4 +1,4 @@
-"""Helpers shared by the pretrain/checkpoint/logging tests: tiny flags, running main, reading logs."""
+"""Shared by the pretrain/checkpoint/logging tests: tiny flags, running main, reading logs."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def test_resume_is_bit_exact(tmp_path):
     ref, got = train_losses(full), train_losses(part)
     assert sorted(got) == list(range(1, 11))
     for it in range(6, 11):
-        assert got[it] == ref[it], f"iteration {it}: resumed {got[it]!r} != uninterrupted {ref[it]!r}"
+        assert got[it] == ref[it], f"iteration {it}: resumed {got[it]!r} != full {ref[it]!r}"
     # grad norms and learning rates continue identically as well
     gref = {r["iteration"]: (r["grad_norm"], r["lr"]) for r in read_metrics(full)}
     ggot = {r["iteration"]: (r["grad_norm"], r["lr"]) for r in read_metrics(part)}

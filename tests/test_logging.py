@@ -1,4 +1,4 @@
-"""metrics.jsonl, W&B (offline) and TensorBoard receive what the run logs; FLOPs follow THEORY.md."""
+"""metrics.jsonl, W&B (offline) and TensorBoard get what the run logs; FLOPs follow THEORY.md."""
 
 import glob
 import json

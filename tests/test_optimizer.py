@@ -1,4 +1,4 @@
-"""Optimizer pieces: loss scaler, global-norm clipping, weight-decay groups, LR schedules, fp16/bf16."""
+"""Optimizer: loss scaler, global-norm clipping, weight-decay groups, LR schedules, fp16/bf16."""
 
 import math
 

@@ -1,7 +1,5 @@
 """pretrain.py end to end: parallel layouts equal one process; bad input fails in one line."""
 
-import os
-
 import pytest
 
 from pretrain_utils import flags, read_metrics, run_cli, run_main, train_losses

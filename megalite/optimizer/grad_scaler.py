@@ -13,7 +13,7 @@ import torch
 
 
 class ConstantGradScaler:
-    """A static loss scale (``--loss-scale``): never changes, overflowing steps are still skipped."""
+    """A static loss scale (``--loss-scale``): fixed; overflowing steps are skipped."""
 
     dynamic = False
 
@@ -106,5 +106,6 @@ def found_inf_anywhere(grads, group=None) -> bool:
             flag.fill_(1.0)
             break
     if dist.is_initialized():
-        C.all_reduce(flag, group=group if group is not None else dist.group.WORLD, op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
+        C.all_reduce(flag, group=group if group is not None else dist.group.WORLD,
+                     op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
     return bool(flag.item() > 0)

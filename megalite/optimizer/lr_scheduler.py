@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warmup, then constant / linear / cosine / WSD / inverse sqrt decay.
+"""Learning-rate schedule: linear warmup, then constant/linear/cosine/WSD/inverse-sqrt decay.
 
 The schedule is a pure function of the iteration (``get_lr(step)``), so resuming from a checkpoint
 only needs the step count. Iteration k (0-based) trains with ``get_lr(k)``:
