@@ -1,0 +1,146 @@
+"""What each pipeline stage actually did during one step: F, B and W ops with start/end times.
+
+The bubble is *measured* here (DESIGN.md contract 10): for stage g the idle fraction is
+1 - busy_g / T_step, where busy_g is the time spent inside its F, B and W ops and T_step the span
+from the (barrier-aligned) step start to the last op's end on any stage. THEORY.md gives the
+textbook values it is compared with: (p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) for interleaved
+(the (p-1)/(v*m)-of-ideal formula written as a fraction of the step), and an idle time of
+(p-1)(T_F+T_B-T_W) for ZB-H1.
+
+Timestamps are ``time.perf_counter()`` seconds relative to the step start of each rank. The start
+is taken right after a barrier over the pipeline group, and perf_counter is CLOCK_MONOTONIC on
+Linux, so stages on one host share a time base; across hosts the barrier alignment is what holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch.distributed as dist
+
+
+@dataclass
+class OpEvent:
+    kind: str  # "F", "B" (input grad; full backward outside ZB) or "W" (deferred weight grads)
+    chunk: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class StageTimeline:
+    """One rank's record of one step."""
+
+    schedule: str
+    pp_rank: int
+    pp_size: int
+    num_microbatches: int
+    num_chunks: int = 1
+    events: List[OpEvent] = field(default_factory=list)
+    end: float = 0.0  # this stage's last op end
+    peak_in_flight: int = 0  # max micro-batches with forward done and backward pending
+
+    def record(self, kind: str, chunk: int, mb: int, start: float, end: float) -> None:
+        self.events.append(OpEvent(kind, chunk, mb, start, end))
+        self.end = max(self.end, end)
+
+    @property
+    def busy(self) -> float:
+        return sum(e.end - e.start for e in self.events)
+
+    def mean_duration(self, kind: str) -> float:
+        d = [e.end - e.start for e in self.events if e.kind == kind]
+        return sum(d) / len(d) if d else 0.0
+
+    def order(self) -> List[str]:
+        """Executed ops as strings like 'F1' (1-based micro-batch; chunk suffix when interleaved)."""
+        if self.num_chunks == 1:
+            return [f"{e.kind}{e.microbatch + 1}" for e in self.events]
+        return [f"{e.kind}{e.microbatch + 1}.{e.chunk}" for e in self.events]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["events"] = [asdict(e) for e in self.events]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StageTimeline":
+        d = dict(d)
+        events = [OpEvent(**e) for e in d.pop("events")]
+        tl = cls(**d)
+        tl.events = events
+        return tl
+
+
+def gather_timelines(timeline: StageTimeline, parallel_state) -> List[StageTimeline]:
+    """Every stage's timeline of this pipeline, on every rank of the pipeline group."""
+    group = parallel_state.pp_group
+    if group is None or parallel_state.pp_size == 1:
+        return [timeline]
+    out: List[Optional[dict]] = [None] * parallel_state.pp_size
+    dist.all_gather_object(out, timeline.to_dict(), group=group)
+    return [StageTimeline.from_dict(d) for d in out]
+
+
+def bubble_stats(timelines: Sequence[StageTimeline]) -> Dict[str, object]:
+    """Measured idle fractions: per stage and overall (idle time / (p * step time))."""
+    step = max(t.end for t in timelines) if timelines else 0.0
+    per_stage = [(1.0 - t.busy / step) if step > 0 else 0.0 for t in timelines]
+    return {
+        "step_time": step,
+        "bubble_per_stage": per_stage,
+        "bubble_fraction": sum(per_stage) / len(per_stage) if per_stage else 0.0,
+        "t_f": _mean([t.mean_duration("F") for t in timelines]),
+        "t_b": _mean([t.mean_duration("B") for t in timelines]),
+        "t_w": _mean([t.mean_duration("W") for t in timelines]),
+        "peak_in_flight": [t.peak_in_flight for t in timelines],
+    }
+
+
+def _mean(xs):
+    xs = [x for x in xs if x > 0]
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def theory_bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 0.0, t_b: float = 0.0,
+                  t_w: float = 0.0, step_time: float = 0.0) -> float:
+    """THEORY.md's bubble as a fraction of the step."""
+    if p == 1:
+        return 0.0
+    if schedule == "1f1b":
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zb-h1":
+        # idle time (p-1)(T_F + T_B - T_W) on each stage (Qi et al. 2024), over the step
+        return max(0.0, (p - 1) * (t_f + t_b - t_w)) / step_time if step_time > 0 else 0.0
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+
+
+def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
+    """chrome://tracing / Perfetto JSON: one process row per stage, complete ('X') events in us."""
+    events = []
+    for t in timelines:
+        events.append({"name": "process_name", "ph": "M", "pid": t.pp_rank,
+                       "args": {"name": f"stage {t.pp_rank}"}})
+        for e in t.events:
+            label = f"{e.kind}{e.microbatch + 1}" + (f".{e.chunk}" if t.num_chunks > 1 else "")
+            events.append({"name": label, "cat": e.kind, "ph": "X", "pid": t.pp_rank, "tid": 0,
+                           "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
+                           "args": {"chunk": e.chunk, "microbatch": e.microbatch}})
+    meta = {"schedule": timelines[0].schedule if timelines else None,
+            "num_microbatches": timelines[0].num_microbatches if timelines else None,
+            "num_chunks": timelines[0].num_chunks if timelines else None,
+            "stats": bubble_stats(timelines)}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "megalite": meta}
+
+
+def write_chrome_trace(timelines: Sequence[StageTimeline], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(chrome_trace(timelines), f)

@@ -1,0 +1,110 @@
+"""Draw a pipeline schedule from a real run: one row per stage, F/B/W coloured, idle left blank.
+
+    python tools/plot_pipeline.py TRACE_OR_METRICS -o schedule.png [--title TEXT]
+
+Input is either a Chrome trace written by megalite.pipeline_parallel.timeline.write_chrome_trace
+(``{"traceEvents": [...]}``), or a metrics.jsonl whose last line carrying ``pipeline_timeline``
+(the list of per-stage StageTimeline dicts that the training loop logs at --timing-log-level >= 1)
+is drawn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.pipeline_parallel.timeline import (  # noqa: E402
+    COLORS, StageTimeline, chrome_trace)
+
+
+def load(path: str) -> dict:
+    """Return a chrome-trace dict from either accepted input."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict) and "traceEvents" in data:
+            return data
+        if isinstance(data, list):  # a bare list of StageTimeline dicts
+            return chrome_trace([StageTimeline.from_dict(d) for d in data])
+    except json.JSONDecodeError:
+        pass
+    found = None
+    for line in text.splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and rec.get("pipeline_timeline"):
+                found = rec["pipeline_timeline"]
+    if found is None:
+        raise SystemExit(f"{path}: neither a Chrome trace ('traceEvents') nor a metrics.jsonl with "
+                         f"a 'pipeline_timeline' entry (run with --timing-log-level 1)")
+    return chrome_trace([StageTimeline.from_dict(d) for d in found])
+
+
+def plot(trace: dict, out: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    if not xs:
+        raise SystemExit("the trace has no F/B/W events to draw")
+    stages = sorted({e["pid"] for e in xs})
+    end_ms = max(e["ts"] + e["dur"] for e in xs) / 1e3
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(xs) / len(stages) * 0.45)),
+                                    0.6 * len(stages) + 1.4))
+    for e in xs:
+        row = stages.index(e["pid"])
+        start, dur = e["ts"] / 1e3, e["dur"] / 1e3
+        ax.barh(row, dur, left=start, height=0.8, color=COLORS.get(e["cat"], "grey"),
+                edgecolor="black", linewidth=0.4)
+        if dur > end_ms / 120:
+            ax.text(start + dur / 2, row, e["name"].split(".")[0][1:], ha="center", va="center",
+                    fontsize=6, color="white")
+    ax.set_yticks(range(len(stages)))
+    ax.set_yticklabels([f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end_ms)
+    ax.set_xlabel("time since step start (ms)")
+    meta = trace.get("megalite", {})
+    stats = meta.get("stats") or {}
+    heading = title or f"{meta.get('schedule', 'pipeline')} schedule"
+    if stats:
+        heading += (f"  (m={meta.get('num_microbatches')}, measured bubble "
+                    f"{100 * stats['bubble_fraction']:.1f}%)")
+    ax.set_title(heading, fontsize=10)
+    kinds = sorted({e["cat"] for e in xs}, key="FBW".index)
+    names = {"F": "F forward", "B": "B backward (input grad)" if "W" in kinds else "B backward",
+             "W": "W weight grad"}
+    ax.legend(handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(stages) < 3 else -0.2),
+              ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("input", help="Chrome trace JSON or metrics.jsonl")
+    ap.add_argument("-o", "--output", default="schedule.png")
+    ap.add_argument("--title", default="")
+    args = ap.parse_args(argv)
+    if not os.path.exists(args.input):
+        raise SystemExit(f"{args.input}: no such file")
+    plot(load(args.input), args.output, args.title)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
