@@ -63,12 +63,29 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Short metavars (INT, FLOAT, STR) and every default shown, so --help fits on a screen."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=44, width=100)
+
+    def _get_default_metavar_for_optional(self, action):
+        return {int: "INT", float: "FLOAT"}.get(action.type, "STR")
+
+    def _format_action(self, action):
+        shown = action.default not in (None, False, argparse.SUPPRESS)
+        if action.option_strings and shown and "%(default)" not in (action.help or ""):
+            action.help = ((action.help + " ") if action.help else "") + "(default: %(default)s)"
+        return super()._format_action(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _OneLineParser(
         prog="pretrain.py",
+        usage="[torchrun ...] %(prog)s [flags]   (flags by group below; spellings as Megatron-LM)",
         description="Pretrain a GPT model with tensor, sequence, pipeline and data parallelism. "
                     "Launch several processes with torchrun; flags follow Megatron-LM.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )
 
