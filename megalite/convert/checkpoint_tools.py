@@ -385,7 +385,8 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                   *, consumed: int = 0, optim: Optional[str] = None,
                   common: Optional[OptimCommon] = None, scheduler: Optional[dict] = None,
                   dp: int = 1, rng: Optional[Callable[[int, int], object]] = None,
-                  weight_dtype: Optional[torch.dtype] = None, log: Log = _quiet) -> None:
+                  weight_dtype: Optional[torch.dtype] = None, what: str = "source",
+                  log: Log = _quiet) -> None:
     """Write iteration ``iteration`` of ``layout`` into ``tmp``, one pipeline stage at a time.
 
     ``read_group(specs, with_optim)`` returns canonical tensors for a group of parameters (one
@@ -412,7 +413,7 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                     src = full[canonical_name(s.name, m)]
                     w = src["weight"]
                     if tuple(w.shape) != s.full_shape(m):
-                        raise ConversionError(f"{s.name}: source tensor has shape "
+                        raise ConversionError(f"{what}: {s.name} has shape "
                                               f"{tuple(w.shape)}, the model needs "
                                               f"{s.full_shape(m)}")
                     if weight_dtype is not None:
@@ -523,7 +524,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
     with atomic_output(save_dir) as tmp:
         _write_stages(tmp, cfg, layout, src.iteration, read_group,
                       consumed=src.consumed_samples, optim=optim, common=src.optim_common,
-                      scheduler=src.scheduler, dp=dp, rng=src.rng_state, log=log)
+                      scheduler=src.scheduler, dp=dp, rng=src.rng_state, what=src.what, log=log)
         _finish_checkpoint(tmp, cfg, src.iteration, tok if os.path.isdir(tok) else None)
     return os.path.abspath(save_dir)
 
@@ -547,10 +548,11 @@ class HFSource:
         except (OSError, json.JSONDecodeError) as e:
             raise ConversionError(f"{self.what}: config.json is not valid JSON ({e})")
         # Checked before AutoConfig, whose error for an unknown model_type is long and vague.
-        archs = raw.get("architectures") or [raw.get("model_type")]
-        if raw.get("model_type") not in ("gpt2", "llama") or any(
-                a not in SUPPORTED_ARCHITECTURES for a in archs if a):
-            bad = next((a for a in archs if a not in SUPPORTED_ARCHITECTURES), archs[0])
+        # GPT2Model (no LM head) is accepted: its keys lack only the "transformer." prefix.
+        ok = SUPPORTED_ARCHITECTURES + ("GPT2Model",)
+        archs = raw.get("architectures") or []
+        if raw.get("model_type") not in ("gpt2", "llama") or any(a not in ok for a in archs):
+            bad = next((a for a in archs if a not in ok), raw.get("model_type"))
             raise ConversionError(f"{self.what}: unsupported Hugging Face architecture {bad!r} "
                                   f"(model_type {raw.get('model_type')!r}); megalite converts "
                                   f"{' and '.join(SUPPORTED_ARCHITECTURES)}")
@@ -717,7 +719,8 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
 
     dtype = _DTYPES[m.params_dtype]
     with atomic_output(save_dir) as tmp:
-        _write_stages(tmp, cfg, layout, 0, read_group, optim="fresh", weight_dtype=dtype, log=log)
+        _write_stages(tmp, cfg, layout, 0, read_group, optim="fresh", weight_dtype=dtype,
+                      what=f"{src.what} (config.json and weights disagree)", log=log)
         unused = src.unused()
         if unused:
             raise ConversionError(f"{src.what}: {len(unused)} tensor(s) in the weights map to "
