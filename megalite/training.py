@@ -87,6 +87,10 @@ def wrap_model_for_data_parallel(model_chunks: List[torch.nn.Module], cfg: Megal
         from megalite.distributed.ddp import wrap_chunks
 
         return wrap_chunks(model_chunks, cfg.optimizer, ps)
+    if cfg.optimizer.zero_stage == 3:  # parameter sharding (docs/zero3.md)
+        from megalite.distributed.zero3 import wrap_chunks_zero3
+
+        return wrap_chunks_zero3(model_chunks, cfg, ps)
 
     def finalize(chunks):
         finalize_model_grads(chunks, ps, data_parallel=True)

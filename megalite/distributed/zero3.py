@@ -252,6 +252,12 @@ class Zero3Model(nn.Module):
         self.module = model
         self.ps = ps
         self.opt_cfg = opt_cfg
+        self.zero_stage = 3
+        self.dp_size = C.group_size(ps.dp_group)
+        # Set when a checkpoint's model file came from another DP rank (checkpointing saves the
+        # model from DP rank 0 only): this rank's weights then come from its per-DP-rank
+        # optimizer file (which carries the fp32 masters) and forward refuses to run until then.
+        self.weights_pending = False
         # Prefetch is stage 3's default (the `depth` next units' all-gathers in flight while one
         # computes); --zero3-prefetch-depth 0 turns it off and makes every collective blocking.
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)
@@ -391,6 +397,11 @@ class Zero3Model(nn.Module):
         if self.phase == BACKWARD:
             raise RuntimeError("ZeRO-3: a new forward started before the previous backward ended "
                                "(pipelined schedules are not supported with --zero-stage 3)")
+        if self.weights_pending:
+            raise RuntimeError("ZeRO-3: the checkpoint's model file holds another DP rank's shards; "
+                               "this rank's weights come with its optimizer state (do not combine "
+                               "--zero-stage 3 checkpoints with --finetune / --no-load-optim; "
+                               "export a full state with Zero3Optimizer.gather_full_state)")
         self.phase = FORWARD
         self._grads_finalized = False if torch.is_grad_enabled() else self._grads_finalized
         out = self.module(*args, **kwargs)
@@ -573,22 +584,35 @@ class Zero3Model(nn.Module):
             unit.main.copy_(self.local_shard_of(unit, state))
             if unit.shard is not unit.main:
                 unit.shard.copy_(unit.main)
+        self.weights_pending = False
 
     def state_dict(self, *args, **kwargs):
-        """This DP rank's flat shards (the optimizer's state_dict carries the fp32 masters)."""
-        return {f"{u.name}.shard": u.shard for u in self.units}
+        """This DP rank's flat shards, tagged with the rank that saved them (the optimizer's
+        per-rank state_dict carries the fp32 masters as well)."""
+        sd = {"zero3.dp_rank": torch.tensor(C.group_rank(self.ps.dp_group)),
+              "zero3.dp_size": torch.tensor(self.dp_size)}
+        sd.update({f"{u.name}.shard": u.shard for u in self.units})
+        return sd
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
+        """Load shards saved by this same DP rank. Shards of another rank (the training loop
+        saves the model from DP rank 0 only) are not this rank's: the weights then wait for the
+        optimizer's per-rank state (``weights_pending``)."""
+        rank, size = int(state_dict["zero3.dp_rank"]), int(state_dict["zero3.dp_size"])
+        if (rank, size) != (C.group_rank(self.ps.dp_group), self.dp_size):
+            self.weights_pending = True
+            return nn.modules.module._IncompatibleKeys([], [])
         for u in self.units:
             t = state_dict[f"{u.name}.shard"]
             if t.numel() != u.shard_size:
                 raise ValueError(f"ZeRO-3 shard {u.name} has {t.numel()} elements, expected "
-                                 f"{u.shard_size}: saved at another DP size? use "
-                                 f"load_full_state_dict")
+                                 f"{u.shard_size} (different model config?)")
             u.shard.copy_(t)
             if u.shard is not u.main:
                 u.main.copy_(u.shard.float())
+        self.weights_pending = False
+        return nn.modules.module._IncompatibleKeys([], [])
 
     # ---------------------------------------------------------------------------- accounting
     def shard_elements(self) -> int:
@@ -617,3 +641,21 @@ class Zero3Model(nn.Module):
 def shard_model_zero3(model: nn.Module, ps: ParallelState, opt_cfg: OptimizerConfig) -> Zero3Model:
     """Shard a GPTModel's parameters for ZeRO stage 3 (one unit per layer, embedding, head)."""
     return Zero3Model(model, ps, opt_cfg)
+
+
+def wrap_chunks_zero3(model_chunks, cfg, ps: ParallelState):
+    """The training loop's data-parallel seam for --zero-stage 3 (megalite.training.
+    wrap_model_for_data_parallel): (chunks, no_sync_func, finalize_model_grads_func)."""
+    if len(model_chunks) != 1:
+        raise ConfigError("--zero-stage 3 needs one model chunk per rank (no virtual pipeline)")
+    if getattr(cfg.training, "pipeline_schedule", None) == "zb-h1":
+        raise ConfigError("--zero-stage 3 does not support --pipeline-schedule zb-h1 (deferred "
+                          "weight gradients); use --zero-stage 1/2")
+    model = shard_model_zero3(model_chunks[0], ps, cfg.optimizer)
+
+    def finalize(chunks):
+        for chunk in chunks:
+            chunk.finalize_grads()
+
+    # no_sync is None: each micro-batch's gradient is reduce-scattered into the fp32 shard.
+    return [model], None, finalize

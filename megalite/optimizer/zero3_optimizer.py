@@ -190,6 +190,7 @@ class Zero3Optimizer:
             v.copy_(s["exp_avg_sq"])
             if u.shard is not u.main:
                 u.shard.copy_(u.main)
+        self.model.weights_pending = False
         self._load_common(sd)
 
     def _load_common(self, sd: dict) -> None:
@@ -234,7 +235,14 @@ class Zero3Optimizer:
             v.copy_(zm.local_shard_of(u, opt["exp_avg_sq"]))
             if u.shard is not u.main:
                 u.shard.copy_(u.main)
+        self.model.weights_pending = False
         self._load_common(full)
+
+    def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
+        """For megalite.memory: fp32 masters and Adam moments (the 16-bit shards and the fp32
+        gradient shards are the model's: ``unit.shard``, ``unit.grad``)."""
+        return {"master_params": [u.main for u in self.model.units],
+                "optimizer_states": list(self.exp_avg) + list(self.exp_avg_sq)}
 
     def state_bytes(self) -> Dict[str, int]:
         """Bytes of the optimizer-owned tensors (the Adam moments) on this rank."""
