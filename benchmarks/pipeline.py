@@ -1,0 +1,269 @@
+"""Pipeline schedules, measured: bubble vs THEORY.md, ZB-H1 vs 1F1B, megalite vs torch.distributed.pipelining.
+
+    python benchmarks/pipeline.py --pp 2 [--micro-batches 2,4,8,16] [--trace-dir docs/img]
+
+Spawns --pp CPU processes (gloo, one thread each; refuses more processes than CPUs, since then the
+"idle" time of a stage would be time it waited for a core, not for its neighbour). For each schedule
+and m it runs warm-up + timed steps of a compute-bound GPT (default 8 layers, hidden 512, seq 256)
+and reports:
+  * step time (slowest rank, median over timed steps);
+  * measured bubble (idle / step time, from the recorded F/B/W timeline) next to the theory:
+    1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)(T_F+T_B-T_W)/step with the
+    measured mean op times T_F, T_B, T_W;
+  * ZB-H1 step time / 1F1B step time;
+  * torch.distributed.pipelining Schedule1F1B and ScheduleInterleaved1F1B on the same model
+    (the same GPTModel chunks wrapped as stage modules) and processes: megalite / torch time.
+Results go to stdout as a table and, with --json, to a file; --trace-dir writes one Chrome trace
+per schedule (largest m that is <= 8) for tools/plot_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _model_config(args):
+    from megalite.config import ModelConfig
+
+    return ModelConfig(num_layers=args.layers, hidden_size=args.hidden,
+                       num_attention_heads=args.heads, seq_length=args.seq,
+                       vocab_size=args.vocab, make_vocab_size_divisible_by=128,
+                       hidden_dropout=0.0, attention_dropout=0.0,
+                       untie_embeddings_and_output_weights=True)
+
+
+def _batches(args, m, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, args.vocab, (m * args.mbs, args.seq + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _time_megalite(args, ps, schedule, m):
+    import torch
+    import torch.distributed as dist
+
+    from megalite.pipeline_parallel.partition import build_model_chunks
+    from megalite.pipeline_parallel.schedules import get_forward_backward_func
+    from megalite.pipeline_parallel.timeline import bubble_stats, gather_timelines
+
+    per_v = args.layers // (ps.pp_size * args.vpp) if schedule == "interleaved" else None
+    chunks = build_model_chunks(_model_config(args), ps, seed=1,
+                                num_layers_per_virtual_pipeline_stage=per_v)
+    fb = get_forward_backward_func(ps.pp_size, ps.vpp_size, schedule)
+    tokens, labels = _batches(args, m, 0)
+    ntok = labels.numel()
+
+    def forward_step(it, model):
+        tok, lab = next(it)
+        out = model(tok, labels=lab)
+        return out, lambda t: (t.sum() / ntok, {"loss_sum": t.sum().detach()})
+
+    times, stats = [], None
+    for step in range(args.warmup + args.iters):
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        mbs = [(tokens[j * args.mbs:(j + 1) * args.mbs], labels[j * args.mbs:(j + 1) * args.mbs])
+               for j in range(m)]
+        dist.barrier(group=ps.pp_group)
+        t = time.perf_counter()
+        fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=chunks,
+           num_microbatches=m, seq_length=args.seq, micro_batch_size=args.mbs,
+           parallel_state=ps, timing_log_level=1)
+        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ps.pp_group)
+        if step >= args.warmup:
+            times.append(dt.item())
+            tls = gather_timelines(fb.last_timeline(), ps)
+            s = bubble_stats(tls)
+            if stats is None or dt.item() <= min(times):
+                stats, best_tls = s, tls
+    return statistics.median(times), stats, best_tls
+
+
+def _time_torch_pipelining(args, ps, schedule, m):
+    """The same GPTModel chunks, driven by torch.distributed.pipelining."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
+                                              ScheduleInterleaved1F1B)
+
+    from megalite.pipeline_parallel.partition import build_model_chunks
+
+    per_v = args.layers // (ps.pp_size * args.vpp) if schedule == "interleaved" else None
+    chunks = build_model_chunks(_model_config(args), ps, seed=1,
+                                num_layers_per_virtual_pipeline_stage=per_v)
+
+    class StageModule(nn.Module):
+        def __init__(self, chunk):
+            super().__init__()
+            self.chunk = chunk
+
+        def forward(self, x):
+            if self.chunk.pre_process:
+                return self.chunk(x)
+            self.chunk.set_input_tensor(x)
+            return self.chunk()  # hidden [s, b, h], or logits [b, s, V] on the last stage
+
+    p, r, v = ps.pp_size, ps.pp_rank, len(chunks)
+    stages = [PipelineStage(StageModule(c), c_idx * p + r, p * v, torch.device("cpu"),
+                            group=ps.pp_group) for c_idx, c in enumerate(chunks)]
+    vocab = args.vocab
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
+
+    if schedule == "interleaved":
+        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    else:
+        sched = Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+    tokens, labels = _batches(args, m, 0)
+    times = []
+    for step in range(args.warmup + args.iters):
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        dist.barrier(group=ps.pp_group)
+        t = time.perf_counter()
+        if r == 0:
+            sched.step(tokens, target=labels if p == 1 else None)
+        elif r == p - 1:
+            sched.step(target=labels, losses=[])
+        else:
+            sched.step()
+        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ps.pp_group)
+        if step >= args.warmup:
+            times.append(dt.item())
+    return statistics.median(times)
+
+
+def _worker(rank, world, port, args, queue):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    import torch
+
+    torch.set_num_threads(1)
+    from megalite.parallel_state import initialize_model_parallel
+    from megalite.pipeline_parallel.timeline import theory_bubble, write_chrome_trace
+
+    ps = initialize_model_parallel(1, world, backend="gloo", device="cpu")
+    rows = []
+    try:
+        for m in args.micro_batches:
+            for schedule in ("1f1b", "interleaved", "zb-h1"):
+                if schedule == "interleaved" and (m % world or args.layers % (world * args.vpp)):
+                    continue
+                step, st, tls = _time_megalite(args, ps, schedule, m)
+                v = args.vpp if schedule == "interleaved" else 1
+                row = {"schedule": schedule, "m": m, "p": world, "v": v, "step_s": step,
+                       "bubble": st["bubble_fraction"],
+                       "theory": theory_bubble(schedule, world, m, v, st["t_f"], st["t_b"],
+                                               st["t_w"], st["step_time"]),
+                       "t_f": st["t_f"], "t_b": st["t_b"], "t_w": st["t_w"],
+                       "peak_in_flight_stage0": st["peak_in_flight"][0]}
+                if schedule in ("1f1b", "interleaved") and not args.no_torch_pipelining:
+                    row["torch_step_s"] = _time_torch_pipelining(args, ps, schedule, m)
+                rows.append(row)
+                if rank == 0 and args.trace_dir and m == args.trace_m:
+                    os.makedirs(args.trace_dir, exist_ok=True)
+                    write_chrome_trace(tls, os.path.join(
+                        args.trace_dir, f"pipeline_{schedule}_p{world}_m{m}.trace.json"))
+                if rank == 0:
+                    print(json.dumps(row), flush=True)
+        queue.put((rank, rows, None))
+    except BaseException as e:  # report to the parent instead of hanging it
+        import traceback
+
+        queue.put((rank, None, traceback.format_exc()))
+        raise e
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--vpp", type=int, default=2, help="chunks per rank for interleaved")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--mbs", type=int, default=1, help="micro-batch size")
+    ap.add_argument("--micro-batches", default="2,4,8,16")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--no-torch-pipelining", action="store_true")
+    ap.add_argument("--trace-dir", default=None)
+    ap.add_argument("--trace-m", type=int, default=8, help="m whose traces --trace-dir keeps")
+    ap.add_argument("--json", default=None, help="write the result rows here")
+    args = ap.parse_args(argv)
+    args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
+    cpus = os.cpu_count() or 1
+    if args.pp < 2:
+        raise SystemExit("--pp must be >= 2 to measure a pipeline")
+    if args.pp > cpus:
+        raise SystemExit(f"--pp {args.pp} needs {args.pp} processes but this machine has {cpus} "
+                         f"CPUs: stages would wait for cores, not for each other; use --pp <= {cpus}")
+    if args.layers % args.pp:
+        raise SystemExit(f"--layers ({args.layers}) must be divisible by --pp ({args.pp})")
+    if any(m < args.pp for m in args.micro_batches):
+        raise SystemExit(f"every --micro-batches value must be >= --pp ({args.pp})")
+
+    import torch.multiprocessing as mp
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_utils import free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, args.pp, port, args, queue))
+             for r in range(args.pp)]
+    for pr in procs:
+        pr.start()
+    results = {}
+    for _ in procs:
+        rank, rows, err = queue.get()
+        if err:
+            for pr in procs:
+                pr.kill()
+            raise SystemExit(f"rank {rank} failed:\n{err}")
+        results[rank] = rows
+    for pr in procs:
+        pr.join()
+    rows = results[0]
+    base = {r["m"]: r["step_s"] for r in rows if r["schedule"] == "1f1b"}
+    print(f"\np={args.pp}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
+          f"micro-batch {args.mbs}, {cpus} CPUs (1 thread per stage)")
+    print("| schedule | m | step (s) | measured bubble | theory | vs 1F1B | torch.pipelining (s) "
+          "| megalite / torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        torch_s = r.get("torch_step_s")
+        name = r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else "")
+        t_col = "-" if torch_s is None else f"{torch_s:.3f}"
+        ratio = "-" if torch_s is None else f"{r['step_s'] / torch_s:.3f}"
+        print(f"| {name} | {r['m']} | {r['step_s']:.3f} | {100 * r['bubble']:.1f}% | "
+              f"{100 * r['theory']:.1f}% | {r['step_s'] / base[r['m']]:.3f} | {t_col} | "
+              f"{ratio} |")
+    zb = [r for r in rows if r["schedule"] == "zb-h1"]
+    if zb:
+        print("ZB-H1 measured op times (s): " + ", ".join(
+            f"m={r['m']}: T_F {r['t_f']:.3f} T_B {r['t_b']:.3f} T_W {r['t_w']:.3f}" for r in zb))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cpus": cpus, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
