@@ -327,8 +327,10 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
         iteration, consumed, rng_state = checkpointing.load_checkpoint(
             cfg, chunks, optimizer, scheduler, ps)
         if iteration or ck.finetune:
-            logger.print(f" loaded checkpoint {ck.load} at iteration {iteration} "
-                         f"({'weights only' if ck.finetune else 'full state'})")
+            what = ("weights only" if ck.finetune else
+                    "weights, data position" + ("" if ck.no_load_optim else ", optimizer")
+                    + ("" if ck.no_load_rng else ", RNG"))
+            logger.print(f" loaded checkpoint {ck.load} at iteration {iteration} ({what})")
     run_id = checkpointing.new_run_id(ps)
     if ck.save and ps.rank == 0:
         import os
