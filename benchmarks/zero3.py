@@ -215,7 +215,8 @@ def _table(r) -> str:
     rows = [
         "| per rank (dp=%d) | megalite ZeRO-3 | FSDP2 | ratio |" % r["setup"]["dp"],
         "| --- | --- | --- | --- |",
-        f"| peak memory in a step (MiB) | {m['peak_bytes'] * mib:.1f} | {f['peak_bytes'] * mib:.1f} "
+        f"| peak memory in a step (MiB) | {m['peak_bytes'] * mib:.1f} | "
+        f"{f['peak_bytes'] * mib:.1f} "
         f"| {q['peak_memory']:.3f} |",
         f"| model state after a step (MiB) | {m['state_bytes'] * mib:.1f} | "
         f"{f['state_bytes'] * mib:.1f} | {q['state_memory']:.3f} |",

@@ -171,7 +171,8 @@ def _dp2_worker(rank, world_size):
     trace = model.trace
 
     def first(what, unit, kind=""):
-        return next(t for w, u, k, t in trace if w == what and u == unit and (not kind or k == kind))
+        return next(t for w, u, k, t in trace
+                    if w == what and u == unit and (not kind or k == kind))
 
     names = [u.name for u in model.units]
     for a, b in zip(names[1:-1], names[2:]):
@@ -219,7 +220,8 @@ def _dp2_worker(rank, world_size):
     # 5. bf16: gathered in 16 bits, fp32 masters; close to the fp32 reference.
     bcfg = tiny_config("gpt2", num_layers=3, params_dtype="bfloat16")
     model, opt = _build(bcfg, ps, bf16=True)
-    assert model.units[1].shard.dtype == torch.bfloat16 and model.units[1].main.dtype == torch.float32
+    assert model.units[1].shard.dtype == torch.bfloat16
+    assert model.units[1].main.dtype == torch.float32
     got = _train(model, opt, ps, 5)
     for (l, _), (r, _) in zip(got, ref):
         assert abs(l - r) <= 2e-2 * r, (l, r)

@@ -10,18 +10,18 @@ embedding weight, so the embedding and the head are *one* unit with two forward 
 embedding at the start, the head at the end): the shared weight then lives in exactly one flat
 buffer and its two gradient contributions meet before a single reduce-scatter (documented in
 docs/zero3.md). A unit's parameters are concatenated, in ``named_parameters`` order, into one flat
-buffer padded to a multiple of N; rank r owns elements [r*S, (r+1)*S) with S = padded/N. Outside its
-use a rank holds only that shard (plus, in the optimizer's view, the fp32 master — the shard itself
-in fp32 — the fp32 gradient shard and the Adam moments), and each ``param.data`` is a size-0
-placeholder.
+buffer padded to a multiple of N; rank r owns elements [r*S, (r+1)*S) with S = padded/N. Outside
+its use a rank holds only that shard (plus, in the optimizer's view, the fp32 master (the shard
+itself in fp32), the fp32 gradient shard and the Adam moments), and each ``param.data`` is a
+size-0 placeholder.
 
 The life of a unit in one micro-batch (docs/zero3.md draws it):
 
   forward pre-hook   all-gather the flat buffer (or wait for the prefetch); params become views of
                      it; issue the prefetch of the next ``depth`` units (async all-gather)
-  forward hook       free the gathered storage (``untyped_storage().resize_(0)``) — except after the
-                     last use in forward, which backward needs at once (FSDP's choice); register the
-                     pre-backward hook on the output
+  forward hook       free the gathered storage (``untyped_storage().resize_(0)``), except after
+                     the last use in forward, which backward needs at once (FSDP's choice);
+                     register the pre-backward hook on the output
   pre-backward       (a hook on the output's gradient) re-gather (normally already prefetched),
                      point ``param.grad`` at views of a zeroed flat gradient buffer, prefetch the
                      previous ``depth`` units. The embedding's backward reads no weights (it
@@ -133,7 +133,8 @@ class ShardedUnit:
             # params are already fp32, K = 8), so no second copy exists.
             self.main = flat[lo:hi].clone()
             del flat
-            self.shard = self.main if compute_dtype == torch.float32 else self.main.to(compute_dtype)
+            self.shard = (self.main if compute_dtype == torch.float32
+                          else self.main.to(compute_dtype))
         self.grad = torch.zeros(self.shard_size, dtype=torch.float32, device=device)
         # The full buffers exist as tensor objects for the unit's whole life, with storage only
         # while gathered: the views autograd saves in forward alias this storage.
@@ -398,7 +399,8 @@ class Zero3Model(nn.Module):
             raise RuntimeError("ZeRO-3: a new forward started before the previous backward ended "
                                "(pipelined schedules are not supported with --zero-stage 3)")
         if self.weights_pending:
-            raise RuntimeError("ZeRO-3: the checkpoint's model file holds another DP rank's shards; "
+            raise RuntimeError("ZeRO-3: the checkpoint's model file holds another DP rank's "
+                               "shards; "
                                "this rank's weights come with its optimizer state (do not combine "
                                "--zero-stage 3 checkpoints with --finetune / --no-load-optim; "
                                "export a full state with Zero3Optimizer.gather_full_state)")
@@ -631,7 +633,8 @@ class Zero3Model(nn.Module):
             b = unit.full_bytes() * (n - 1) // n
             last = len(self.uses) - 1
             fwd += len(unit.uses) * b
-            bwd += b * sum(1 for use in unit.uses if use.backward_reads_params and use.index != last)
+            bwd += b * sum(1 for use in unit.uses
+                           if use.backward_reads_params and use.index != last)
             rs += b
         m = num_microbatches
         return {"zero3_all_gather_fwd": m * fwd, "zero3_all_gather_bwd": m * bwd,

@@ -57,7 +57,8 @@ class Zero3Optimizer:
             runs, norm = [], []
             for s in u.segments:
                 p = u.params[s.param_index]
-                runs.append((s.start, s.end, DECAY if len(u.shapes[s.param_index]) > 1 else NO_DECAY))
+                group = DECAY if len(u.shapes[s.param_index]) > 1 else NO_DECAY
+                runs.append((s.start, s.end, group))
                 # Each element counted once over tp x dp: DP shards are disjoint; a TP-sharded
                 # parameter counts on every TP rank, a replicated one on TP rank 0 only.
                 if counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
