@@ -415,3 +415,67 @@ def test_help_shows_an_example_for_each_command(capsys):
         assert "example:" in out and f"convert.py {cmd} " in out
     rc, err = _cli(capsys, "reshard", "--load", "x")
     assert rc == 2 and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ streaming memory
+_MEASURE = r"""
+import json, os, shutil, sys, tempfile
+sys.path.insert(0, {root!r})
+from megalite.convert import checkpoint_tools as ct
+from megalite.convert.layout import Layout
+
+def kb(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+
+def run(src, dst, pp):
+    if {cmd!r} == "reshard":
+        ct.reshard(src, dst, Layout({tp}, pp))
+    else:
+        ct.megalite_to_hf(src, dst, max_shard_bytes={shard})
+
+w = tempfile.mkdtemp()
+run({tiny!r}, os.path.join(w, "x"), 2)  # warm-up: imports and caches are not what is measured
+shutil.rmtree(w)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset VmHWM (peak RSS) to the current RSS
+base = kb("VmRSS")
+run({src!r}, {dst!r}, {pp})
+print(json.dumps({{"growth": (kb("VmHWM") - base) * 1024}}))
+"""
+
+
+def _peak_growth(tmp_path, cmd, src, dst, tiny, tp=1, pp=1, shard=2 << 30) -> int:
+    code = _MEASURE.format(root=ROOT, cmd=cmd, tp=tp, pp=pp, shard=shard, tiny=str(tiny),
+                           src=str(src), dst=str(dst))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])["growth"]
+
+
+def _dir_bytes(d) -> int:
+    return sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(d) for f in fs)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_streaming_peak_memory_is_one_stage_not_the_model(tmp_path):
+    """48 layers: resharding to pp=8 and exporting in small shards grow the peak RSS by a fraction
+    of the checkpoint, where loading it whole would take all of it (docs: measured figures)."""
+    from pretrain_utils import flags, run_main
+
+    assert run_main(flags(train_iters=1, save=tmp_path / "tiny", eval_iters=0)) == 0
+    assert run_main(flags("--num-layers", "48", "--hidden-size", "128", train_iters=1,
+                          save=tmp_path / "big", eval_iters=0)) == 0
+    size = _dir_bytes(tmp_path / "big" / "iter_0000001")  # weights + Adam moments
+    assert size > 80e6
+    growth = _peak_growth(tmp_path, "reshard", tmp_path / "big", tmp_path / "pp8",
+                          tmp_path / "tiny", tp=1, pp=8)
+    print(f"reshard to pp=8: peak RSS growth {growth / 2**20:.1f} MiB, checkpoint "
+          f"{size / 2**20:.1f} MiB")
+    assert growth < 0.3 * size, (growth, size)  # one stage (1/8) + one layer + slack
+    growth = _peak_growth(tmp_path, "export", tmp_path / "big", tmp_path / "hf",
+                          tmp_path / "tiny", shard=4 << 20)
+    print(f"export in 4 MiB shards: peak RSS growth {growth / 2**20:.1f} MiB")
+    assert growth < 0.2 * size, (growth, size)  # one 4 MB output shard + one layer + slack
