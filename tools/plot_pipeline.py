@@ -62,7 +62,7 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     stages = sorted({e["pid"] for e in xs})
     end_ms = max(e["ts"] + e["dur"] for e in xs) / 1e3
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(xs) / len(stages) * 0.45)),
-                                    0.6 * len(stages) + 1.4))
+                                    0.6 * len(stages) + 1.2))
     for e in xs:
         row = stages.index(e["pid"])
         start, dur = e["ts"] / 1e3, e["dur"] / 1e3
@@ -87,10 +87,9 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     names = {"F": "F forward", "B": "B backward (input grad)" if "W" in kinds else "B backward",
              "W": "W weight grad"}
     ax.legend(handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(stages) < 3 else -0.2),
-              ncol=3, fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(out, dpi=130)
+              loc="upper center", bbox_to_anchor=(0.5, -0.55 / (len(stages) ** 0.5)), ncol=3,
+              fontsize=8, frameon=False)
+    fig.savefig(out, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -356,14 +356,16 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
         return kw
 
     sent_outputs: List[torch.Tensor] = []  # freed once the batch carrying them has completed
-    pending = p2p.post(**recvs_of(0))
+    pending = [p2p.post(**recvs_of(0))]  # batches in flight; waited before the next unit
     received: dict = {}
     unit_sends: dict = {}
 
     def wait_pending() -> dict:
-        nonlocal pending
-        got = pending.wait() if pending is not None else {}
-        pending = None
+        got = {}
+        for batch in pending:
+            if batch is not None:
+                got.update(batch.wait())
+        pending.clear()
         for t in sent_outputs:
             _free_output_data(t)
         sent_outputs.clear()
@@ -394,6 +396,9 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
                         out = loss
                 chunk.set_input_tensor(None)
                 if not last_vstage(op.chunk):
+                    # sent with the unit's batch: after the B when F opens an (F, B) unit. Posting
+                    # it earlier in a batch of its own would help gloo but can deadlock NCCL,
+                    # whose p2p batches run one after another on one stream (docs).
                     unit_sends["send_next"] = out
                 if not forward_only:
                     inputs[key], outputs[key] = inp, out
@@ -418,7 +423,7 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
             if op.kind != "W" and units[unit_of[i]][-1] == i:
                 # the unit's sends and the next unit's receives, as one batch; W ops that follow
                 # run while it is in flight
-                pending = p2p.post(**unit_sends, **recvs_of(unit_of[i] + 1))
+                pending.append(p2p.post(**unit_sends, **recvs_of(unit_of[i] + 1)))
                 if "send_next" in unit_sends and not forward_only:
                     sent_outputs.append(unit_sends["send_next"])
                 unit_sends = {}
