@@ -1,5 +1,5 @@
-"""Checkpoint conversion: Hugging Face -> megalite, megalite -> Hugging Face, and resharding a megalite
-checkpoint to another TP / PP / virtual-PP / DP layout (the library behind
+"""Checkpoint conversion: Hugging Face -> megalite, megalite -> Hugging Face, and resharding a
+megalite checkpoint to another TP / PP / virtual-PP / DP layout (the library behind
 tools/checkpoint/convert.py; docs/checkpoints.md, "Conversion and resharding").
 
 Everything goes through one *canonical* form: full (TP-unsharded) tensors under the layout-free
@@ -50,7 +50,6 @@ from megalite.convert.hf import (
     SUPPORTED_ARCHITECTURES,
 )
 from megalite.convert.layout import (
-    Chunk,
     Layout,
     ParamSpec,
     canonical_name,
@@ -63,7 +62,6 @@ from megalite.convert.layout import (
 )
 from megalite.convert.optimizer_state import (
     OptimCommon,
-    OptimizerStateError,
     PlainIndex,
     build_plain,
     build_zero,
@@ -236,8 +234,7 @@ class MegaliteSource:
                 while os.path.isfile(self._dp_path(0, 0, self.dp_size)):
                     self.dp_size += 1
                 dp0 = self._load(self._dp_path(0, 0, 0))
-                self.optim_common = zero_common(dp0) if "step" in dp0 else OptimCommon(
-                    step=int(dp0.get("step", 0)))
+                self.optim_common = zero_common(dp0)
                 self.zero_stage = int(dp0.get("zero_stage", self.cfg.optimizer.zero_stage))
                 del dp0
         del head

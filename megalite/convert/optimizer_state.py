@@ -1,4 +1,4 @@
-"""Optimizer state in checkpoints, translated to and from one canonical form: state by parameter name.
+"""Optimizer state in checkpoints, translated to and from one canonical form: by parameter name.
 
 The two on-disk formats (the facts this module reads and writes):
 
