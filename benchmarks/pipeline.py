@@ -1,11 +1,12 @@
-"""Pipeline schedules, measured: bubble vs THEORY.md, ZB-H1 vs 1F1B, megalite vs torch.distributed.pipelining.
+"""Pipeline schedules measured: bubble vs THEORY.md, ZB-H1 vs 1F1B, megalite vs torch pipelining.
 
     python benchmarks/pipeline.py --pp 2 [--micro-batches 2,4,8,16] [--trace-dir docs/img]
 
 Spawns --pp CPU processes (gloo, one thread each; refuses more processes than CPUs, since then the
 "idle" time of a stage would be time it waited for a core, not for its neighbour). For each schedule
 and m it runs warm-up + timed steps of a compute-bound GPT (default 8 layers, hidden 512, seq 256)
-and reports:
+and reports (the variants of one m run round-robin, one step each in turn, so that load from other
+jobs on a shared machine hits all of them alike):
   * step time (slowest rank, median over timed steps);
   * measured bubble (idle / step time, from the recorded F/B/W timeline) next to the theory:
     1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)(T_F+T_B-T_W)/step with the
@@ -48,13 +49,10 @@ def _batches(args, m, seed):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def _time_megalite(args, ps, schedule, m):
-    import torch
-    import torch.distributed as dist
-
+def _megalite_runner(args, ps, schedule, m):
+    """A closure running one megalite step (timeline recorded), and the chunks it trains."""
     from megalite.pipeline_parallel.partition import build_model_chunks
     from megalite.pipeline_parallel.schedules import get_forward_backward_func
-    from megalite.pipeline_parallel.timeline import bubble_stats, gather_timelines
 
     per_v = args.layers // (ps.pp_size * args.vpp) if schedule == "interleaved" else None
     chunks = build_model_chunks(_model_config(args), ps, seed=1,
@@ -68,32 +66,20 @@ def _time_megalite(args, ps, schedule, m):
         out = model(tok, labels=lab)
         return out, lambda t: (t.sum() / ntok, {"loss_sum": t.sum().detach()})
 
-    times, stats = [], None
-    for step in range(args.warmup + args.iters):
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
+    def step():
         mbs = [(tokens[j * args.mbs:(j + 1) * args.mbs], labels[j * args.mbs:(j + 1) * args.mbs])
                for j in range(m)]
-        dist.barrier(group=ps.pp_group)
-        t = time.perf_counter()
         fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=chunks,
            num_microbatches=m, seq_length=args.seq, micro_batch_size=args.mbs,
            parallel_state=ps, timing_log_level=1)
-        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ps.pp_group)
-        if step >= args.warmup:
-            times.append(dt.item())
-            tls = gather_timelines(fb.last_timeline(), ps)
-            s = bubble_stats(tls)
-            if stats is None or dt.item() <= min(times):
-                stats, best_tls = s, tls
-    return statistics.median(times), stats, best_tls
+        return fb.last_timeline()
+
+    return step, chunks
 
 
-def _time_torch_pipelining(args, ps, schedule, m):
+def _torch_pipelining_runner(args, ps, schedule, m):
     """The same GPTModel chunks, driven by torch.distributed.pipelining."""
     import torch
-    import torch.distributed as dist
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
@@ -129,23 +115,60 @@ def _time_torch_pipelining(args, ps, schedule, m):
     else:
         sched = Schedule1F1B(stages[0], m, loss_fn=loss_fn)
     tokens, labels = _batches(args, m, 0)
-    times = []
-    for step in range(args.warmup + args.iters):
-        for c in chunks:
-            c.zero_grad(set_to_none=True)
-        dist.barrier(group=ps.pp_group)
-        t = time.perf_counter()
+
+    def step():
         if r == 0:
-            sched.step(tokens, target=labels if p == 1 else None)
+            sched.step(tokens)
         elif r == p - 1:
             sched.step(target=labels, losses=[])
         else:
             sched.step()
-        dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ps.pp_group)
-        if step >= args.warmup:
-            times.append(dt.item())
-    return statistics.median(times)
+        return None
+
+    return step, chunks
+
+
+def _measure(args, ps, m):
+    """Round-robin over the variants, so that load from other jobs hits all of them alike."""
+    import torch
+    import torch.distributed as dist
+
+    from megalite.pipeline_parallel.timeline import bubble_stats, gather_timelines
+
+    p = ps.pp_size
+    variants = {}
+    for schedule in ("1f1b", "interleaved", "zb-h1"):
+        if schedule == "interleaved" and (m % p or args.layers % (p * args.vpp)):
+            continue
+        variants[schedule] = _megalite_runner(args, ps, schedule, m)
+        if schedule != "zb-h1" and not args.no_torch_pipelining:
+            variants["torch " + schedule] = _torch_pipelining_runner(args, ps, schedule, m)
+    times = {k: [] for k in variants}
+    timelines = {k: [] for k in variants}
+    for it in range(args.warmup + args.iters):
+        for name, (step, chunks) in variants.items():
+            for c in chunks:
+                c.zero_grad(set_to_none=True)
+            dist.barrier(group=ps.pp_group)
+            t = time.perf_counter()
+            tl = step()
+            dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ps.pp_group)
+            if it >= args.warmup:
+                times[name].append(dt.item())
+                if tl is not None:
+                    timelines[name].append(gather_timelines(tl, ps))
+    out = {}
+    for name in variants:
+        med = statistics.median(times[name])
+        entry = {"step_s": med, "steps_s": times[name]}
+        if timelines[name]:
+            # the timeline of the step closest to the median step time
+            i = min(range(len(times[name])), key=lambda j: abs(times[name][j] - med))
+            entry["stats"] = bubble_stats(timelines[name][i])
+            entry["timelines"] = timelines[name][i]
+        out[name] = entry
+    return out
 
 
 def _worker(rank, world, port, args, queue):
@@ -161,23 +184,25 @@ def _worker(rank, world, port, args, queue):
     rows = []
     try:
         for m in args.micro_batches:
+            res = _measure(args, ps, m)
             for schedule in ("1f1b", "interleaved", "zb-h1"):
-                if schedule == "interleaved" and (m % world or args.layers % (world * args.vpp)):
+                if schedule not in res:
                     continue
-                step, st, tls = _time_megalite(args, ps, schedule, m)
+                st = res[schedule]["stats"]
                 v = args.vpp if schedule == "interleaved" else 1
-                row = {"schedule": schedule, "m": m, "p": world, "v": v, "step_s": step,
+                row = {"schedule": schedule, "m": m, "p": world, "v": v,
+                       "step_s": res[schedule]["step_s"], "steps_s": res[schedule]["steps_s"],
                        "bubble": st["bubble_fraction"],
                        "theory": theory_bubble(schedule, world, m, v, st["t_f"], st["t_b"],
                                                st["t_w"], st["step_time"]),
                        "t_f": st["t_f"], "t_b": st["t_b"], "t_w": st["t_w"],
                        "peak_in_flight_stage0": st["peak_in_flight"][0]}
-                if schedule in ("1f1b", "interleaved") and not args.no_torch_pipelining:
-                    row["torch_step_s"] = _time_torch_pipelining(args, ps, schedule, m)
+                if "torch " + schedule in res:
+                    row["torch_step_s"] = res["torch " + schedule]["step_s"]
                 rows.append(row)
                 if rank == 0 and args.trace_dir and m == args.trace_m:
                     os.makedirs(args.trace_dir, exist_ok=True)
-                    write_chrome_trace(tls, os.path.join(
+                    write_chrome_trace(res[schedule]["timelines"], os.path.join(
                         args.trace_dir, f"pipeline_{schedule}_p{world}_m{m}.trace.json"))
                 if rank == 0:
                     print(json.dumps(row), flush=True)
@@ -201,7 +226,7 @@ def main(argv=None):
     ap.add_argument("--mbs", type=int, default=1, help="micro-batch size")
     ap.add_argument("--micro-batches", default="2,4,8,16")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-torch-pipelining", action="store_true")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--trace-m", type=int, default=8, help="m whose traces --trace-dir keeps")
@@ -213,7 +238,8 @@ def main(argv=None):
         raise SystemExit("--pp must be >= 2 to measure a pipeline")
     if args.pp > cpus:
         raise SystemExit(f"--pp {args.pp} needs {args.pp} processes but this machine has {cpus} "
-                         f"CPUs: stages would wait for cores, not for each other; use --pp <= {cpus}")
+                         f"CPUs: stages would wait for cores, not for each other; "
+                         f"use --pp <= {cpus}")
     if args.layers % args.pp:
         raise SystemExit(f"--layers ({args.layers}) must be divisible by --pp ({args.pp})")
     if any(m < args.pp for m in args.micro_batches):

@@ -348,7 +348,9 @@ def _simulate_rendezvous(schedule, p, m, v=1, forward_only=False):
         other = posted.get(("recv" if kind == "send" else "send", src, dst, tag), [])
         if len(other) <= k:
             return False
-        assert other[k] == pay, f"{schedule} p={p} m={m} v={v}: message {k} on {src}->{dst} {tag} carries {other[k] if kind=='recv' else pay} but {pay if kind=='recv' else other[k]} expected"
+        sent, expected = (other[k], pay) if kind == "recv" else (pay, other[k])
+        assert sent == expected, (f"{schedule} p={p} m={m} v={v}: message {k} on {src}->{dst} "
+                                  f"{tag} carries {sent}, the receiver expects {expected}")
         return True
     for r in range(p):
         post(r)

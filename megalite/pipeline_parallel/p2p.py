@@ -4,15 +4,16 @@ Activations flow forward (rank r -> r+1) and their gradients flow backward (r+1 
 known before the first message (``[s, b, h]``, or ``[s/t, b, h]`` under sequence parallelism), so
 there is no shape handshake: the receiver allocates the buffer and posts the receive.
 
-Everything one rank has to exchange between two consecutive compute ops (the output of the op that
-just ran, and the input of the op that runs next) goes out as ONE ``batch_isend_irecv`` batch. Why:
-NCCL runs the p2p ops of one peer pair on one stream, so a lone blocking send of an activation can
-wait forever behind the neighbour's lone send of a gradient (each waits for the other to post its
-receive). Batching the send with the receive it pairs with (``send_forward_recv_backward``) lets
-both sides' batches complete together. Within a batch the ops are posted in a fixed order, activation
-ops before gradient ops, so when one peer is both "next" and "prev" (p = 2 with interleaving) both
-ranks post their two messages to each other in the same order. Activations and gradients also get
-different tags, which is how gloo matches messages between the same pair.
+Everything one rank has to exchange between two consecutive compute units (the output of the unit
+that just ran, and the input of the one that runs next; schedules.comm_units) goes out as ONE
+``batch_isend_irecv`` batch. Why: a send completes only once its receive is posted (NCCL, and gloo
+too), so a rank blocked on sending an activation while its neighbour is blocked on sending a
+gradient deadlocks. Batching the send with the receive it pairs with
+(``send_forward_recv_backward``) lets both sides' batches complete together. Within a batch the
+ops are posted in a fixed order, activation ops before gradient ops, so when one peer is both
+"next" and "prev" (p = 2 with interleaving) both ranks post their two messages to each other in the
+same order. Activations and gradients also get different tags, which is how gloo matches messages
+between the same pair.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ class PipelineP2P:
 
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.shape:
-            raise RuntimeError(f"pipeline {what} has shape {tuple(t.shape)} but every stage boundary "
-                               f"carries {self.shape} ([s(/t), b, h]); check --seq-length and "
-                               f"--micro-batch-size")
+            raise RuntimeError(f"pipeline {what} has shape {tuple(t.shape)} but every stage "
+                               f"boundary carries {self.shape} ([s(/t), b, h]); check "
+                               f"--seq-length and --micro-batch-size")
         return t.detach().to(self.dtype).contiguous()
 
     def post(self, *, send_next: Optional[torch.Tensor] = None,

@@ -74,7 +74,8 @@ def virtual_layer_ranges(num_layers: int, pp_size: int,
                                     decoder_last_pipeline_num_layers)
         starts = [sum(counts[:r]) for r in range(p)]
         return [[(starts[r], starts[r] + counts[r])] for r in range(p)]
-    if decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None:
+    if (decoder_first_pipeline_num_layers is not None
+            or decoder_last_pipeline_num_layers is not None):
         raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
                           "--num-layers-per-virtual-pipeline-stage")
     if p == 1:

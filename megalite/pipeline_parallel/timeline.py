@@ -56,7 +56,7 @@ class StageTimeline:
         return sum(d) / len(d) if d else 0.0
 
     def order(self) -> List[str]:
-        """Executed ops as strings like 'F1' (1-based micro-batch; chunk suffix when interleaved)."""
+        """Executed ops as strings like 'F1' (1-based micro-batch; '.chunk' when interleaved)."""
         if self.num_chunks == 1:
             return [f"{e.kind}{e.microbatch + 1}" for e in self.events]
         return [f"{e.kind}{e.microbatch + 1}.{e.chunk}" for e in self.events]
