@@ -439,6 +439,16 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
             rec.pop("iteration")
             logger.log(rec, iteration, split="train")
             interval = {"loss": 0.0, "n": 0, "time": 0.0, "grad_norm": None, "skipped": 0}
+            if tr.timing_log_level >= 1 and ps.pp_size > 1:
+                # measured bubble of this step (docs/pipeline_parallel.md); a collective over the
+                # pipeline group, reached by every rank since the condition above is global
+                import os
+
+                from megalite.pipeline_parallel.timeline import log_pipeline_step
+
+                log_pipeline_step(trainer.forward_backward.last_timeline(), ps, iteration,
+                                  ck.save or os.path.dirname(os.path.abspath(
+                                      cfg.logging.metrics_file or "metrics.jsonl")))
 
         if iteration % tr.eval_interval == 0:
             do_eval(iteration)

@@ -9,5 +9,6 @@ from megalite.pipeline_parallel.schedules import (  # noqa: F401
 from megalite.pipeline_parallel.timeline import (  # noqa: F401
     bubble_stats,
     gather_timelines,
+    log_pipeline_step,
     write_chrome_trace,
 )

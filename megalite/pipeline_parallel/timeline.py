@@ -15,6 +15,7 @@ Linux, so stages on one host share a time base; across hosts the barrier alignme
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -144,3 +145,42 @@ def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
 def write_chrome_trace(timelines: Sequence[StageTimeline], path: str) -> None:
     with open(path, "w") as f:
         json.dump(chrome_trace(timelines), f)
+
+
+def log_pipeline_step(timeline: Optional[StageTimeline], parallel_state, iteration: int,
+                      trace_dir: Optional[str]) -> Optional[dict]:
+    """Measured bubble of the last step -> metrics.jsonl / W&B, plus a Chrome trace.
+
+    A collective over the pipeline group (``gather_timelines``): every rank of the group must call
+    it at the same iterations. Only global rank 0 writes the trace; the record goes through
+    ``megalite.logging.log_metrics`` (a no-op off the writer rank). Returns the record (every rank),
+    or None when there is no timeline (``--timing-log-level 0``).
+    """
+    from megalite.logging import log_metrics
+
+    if timeline is None:
+        return None
+    timelines = gather_timelines(timeline, parallel_state)
+    st = bubble_stats(timelines)
+    t0 = timelines[0]
+    p, m, v = t0.pp_size, t0.num_microbatches, t0.num_chunks
+    rec = {
+        "schedule": t0.schedule, "pp_size": p, "num_chunks": v, "num_microbatches": m,
+        "bubble_fraction": st["bubble_fraction"],
+        "bubble_fraction_stage": st["bubble_per_stage"],
+        "bubble_theory": theory_bubble(t0.schedule, p, m, v, st["t_f"], st["t_b"], st["t_w"],
+                                       st["step_time"]),
+        "t_f": st["t_f"], "t_b": st["t_b"], "t_w": st["t_w"], "step_time": st["step_time"],
+        "peak_in_flight": max(st["peak_in_flight"]),
+        "peak_in_flight_stage": st["peak_in_flight"],
+    }
+    # flat per-stage scalars as well: W&B / TensorBoard take scalars only, not the lists
+    rec.update({f"bubble_fraction_stage{g}": b for g, b in enumerate(st["bubble_per_stage"])})
+    if trace_dir is not None and parallel_state.rank == 0:
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"pipeline_trace_iter{iteration}.json")
+        write_chrome_trace(timelines, path)
+        rec["trace_file"] = path
+    rec["pipeline_timeline"] = [t.to_dict() for t in timelines]  # tools/plot_pipeline.py
+    log_metrics(rec, iteration, split="pipeline")
+    return rec
