@@ -21,7 +21,10 @@ tracker still names the previous, complete checkpoint (DESIGN.md contract 8).
 
 ZeRO seam: an optimizer whose ``sharded_state_dict_per_dp_rank`` is true has its
 ``state_dict()`` saved by *every* DP rank to ``distrib_optim_dp{d:03d}.pt`` next to the model file
-(and loaded back from the same name); otherwise DP rank 0 saves it inside model_optim_rng.pt.
+(and loaded back from the same name; at another DP size every rank's file is merged and
+re-split); otherwise DP rank 0 saves it inside model_optim_rng.pt. ZeRO-3 model chunks
+(``zero_stage == 3``) are consolidated for the model file by a DP collective, so the model file
+of every stage has the same full per-(tp, pp) format (docs/zero3.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -104,6 +107,11 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
     if ps.rank == 0:
         os.makedirs(tmp, exist_ok=True)
     _barrier(ps)
+    # ZeRO-3 chunks hold 1/N of every parameter: the consolidated model (same keys and shapes as
+    # a stage-0 checkpoint, so --finetune, --no-load-optim and the conversion tools read it) is
+    # all-gathered unit by unit, a collective every DP rank joins; only DP rank 0 keeps it.
+    full = [chunk.full_state_dict(keep=ps.dp_rank == 0)
+            if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
     if ps.dp_rank == 0:
         state = {
             "checkpoint_version": CHECKPOINT_VERSION,
@@ -115,7 +123,9 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
             "rng_state": get_all_rng_states(ps.device),
         }
         for i, chunk in enumerate(model_chunks):
-            state[_chunk_key(i, len(model_chunks))] = chunk.state_dict()
+            state[_chunk_key(i, len(model_chunks))] = (full[i] if full[i] is not None
+                                                       else chunk.state_dict())
+        del full
         if save_optim:
             state["opt_param_scheduler"] = scheduler.state_dict()
             if not per_dp:
@@ -242,8 +252,19 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
 
     from megalite.optimizer.distrib_optimizer import merge_shard_state_dicts
 
+    # ZeRO-3 merges its own (unit-flat) files; ZeRO-1/2 theirs (bucket-flat).
+    merge = getattr(optimizer, "merge_shard_state_dicts", merge_shard_state_dicts)
     files = sorted(glob.glob(os.path.join(shard, "distrib_optim_dp*.pt")))
-    return merge_shard_state_dicts([_load_file(f, what) for f in files])
+    if not files:
+        raise CheckpointError(f"{what}: {shard} has no distrib_optim_dp*.pt (the checkpoint's "
+                              f"optimizer state is not sharded per DP rank); resume with the "
+                              f"--zero-stage that saved it, or pass --no-load-optim")
+    try:
+        return merge([_load_file(f, what) for f in files])
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{what}: the distrib_optim_dp*.pt files in {shard} do not fit this "
+                              f"optimizer ({e}); resume with the --zero-stage that saved them, "
+                              f"or pass --no-load-optim")
 
 
 def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps

@@ -65,13 +65,17 @@ from megalite.convert.optimizer_state import (
     PlainIndex,
     build_plain,
     build_zero,
+    build_zero3,
     check_plain,
     check_zero,
     plain_common,
     read_plain,
     read_zero,
+    read_zero3,
+    zero3_units,
     zero_buckets,
     zero_common,
+    ZERO3_SHARD_FORMAT,
 )
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME
 
@@ -230,12 +234,14 @@ class MegaliteSource:
                 self.optim_kind = "plain"
                 self.optim_common = plain_common(head["optimizer"])
             elif os.path.isfile(self._dp_path(0, 0, 0)):
-                self.optim_kind = "zero"
                 while os.path.isfile(self._dp_path(0, 0, self.dp_size)):
                     self.dp_size += 1
                 dp0 = self._load(self._dp_path(0, 0, 0))
+                # ZeRO-1/2 files are bucket-flat, ZeRO-3 files unit-flat with names
+                self.optim_kind = "zero3" if dp0.get("format") == ZERO3_SHARD_FORMAT else "zero"
                 self.optim_common = zero_common(dp0)
-                self.zero_stage = int(dp0.get("zero_stage", self.cfg.optimizer.zero_stage))
+                self.zero_stage = int(dp0.get("zero_stage", 3 if self.optim_kind == "zero3"
+                                              else self.cfg.optimizer.zero_stage))
                 del dp0
         del head
         self._checked: set = set()
@@ -348,8 +354,15 @@ class MegaliteSource:
                 for k, v in read_plain(opt_sd, index, n).items():
                     per_t[n].setdefault(k, []).append(v)
             return
-        buckets = self._buckets(r)
         sds = [self._load(self._dp_path(t, r, d)) for d in range(self.dp_size)]
+        if self.optim_kind == "zero3":
+            for n in names:
+                shape = specs[n].local_shape(self.model_cfg, self.layout.tp)
+                for k, v in read_zero3(sds, n, shape).items():
+                    per_t[n].setdefault(k, []).append(v)
+            del sds
+            return
+        buckets = self._buckets(r)
         if (t, r) not in self._checked:
             for d, dsd in enumerate(sds):
                 check_zero(dsd, buckets, f"{self.what}: {self._dp_path(t, r, d)}")
@@ -387,14 +400,15 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
     """Write iteration ``iteration`` of ``layout`` into ``tmp``, one pipeline stage at a time.
 
     ``read_group(specs, with_optim)`` returns canonical tensors for a group of parameters (one
-    layer, or the non-layer tensors); ``optim`` is None (no optimizer state), "plain", "zero" or
-    "fresh" (an empty plain state, so a plain --load of an imported model works).
+    layer, or the non-layer tensors); ``optim`` is None (no optimizer state), "plain", "zero"
+    (ZeRO-1/2 files), "zero3" (ZeRO-3 files) or "fresh" (an empty plain state, so a plain --load
+    of an imported model works).
     """
     m = cfg.model
     chunks = chunks_of(layout, m.num_layers)
     v = len(chunks[0])
     it_dir = ckpt.iteration_dir(tmp, iteration)
-    with_optim = optim in ("plain", "zero")
+    with_optim = optim in ("plain", "zero", "zero3")
     mixed = m.params_dtype != "float32"
     for r in range(layout.pp):
         files = [_stage_header(iteration, consumed, layout, v) for _ in range(layout.tp)]
@@ -445,6 +459,11 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                 zero_files = [build_zero(buckets, lambda n, k, t=t: local[t].get(n, {}).get(k),
                                          common, cfg.optimizer, dp, cfg.optimizer.zero_stage)
                               for t in range(layout.tp)]
+            if optim == "zero3":
+                units = zero3_units(m, chunks[r], layout.pp, layout.tp)
+                zero_files = [build_zero3(units, lambda n, k, t=t: local[t].get(n, {}).get(k),
+                                          common or OptimCommon(), cfg.optimizer, dp)
+                              for t in range(layout.tp)]
         for t in range(layout.tp):
             if rng is not None:
                 state = rng(t, r)
@@ -483,19 +502,17 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
         cfg.optimizer.zero_stage = zero_stage
         cfg.optimizer.use_distributed_optimizer = zero_stage >= 1
     target_zero = cfg.optimizer.zero_stage >= 1 or cfg.optimizer.use_distributed_optimizer
-    if target_zero and cfg.optimizer.zero_stage == 3 and not no_optim:
-        raise ConversionError("--zero-stage 3 optimizer state cannot be written offline; reshard "
-                              "with --no-optim, or to --zero-stage 0/1/2")
     dp = data_parallel_size
     if dp is None:
-        dp = src.dp_size if src.optim_kind == "zero" else 1
+        dp = src.dp_size if src.optim_kind in ("zero", "zero3") else 1
     check_target_layout(cfg, layout, dp)
     optim = None
     if not no_optim:
         if src.optim_kind is None:
             raise ConversionError(f"--load {load_dir}: the checkpoint has no optimizer state "
                                   f"(saved with --no-save-optim); pass --no-optim")
-        optim = "zero" if target_zero else "plain"
+        optim = ("zero3" if cfg.optimizer.zero_stage == 3 else
+                 "zero" if target_zero else "plain")
         if target_zero and cfg.optimizer.zero_stage == 0:
             cfg.optimizer.zero_stage = 1
     _set_layout(cfg, layout)
@@ -503,7 +520,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
         cfg.checkpoint.no_save_optim = True
     tok = os.path.join(src.dir, "tokenizer")
     log(f" resharding {load_dir} (iteration {src.iteration}, {src.layout.describe()}) -> "
-        f"{layout.describe()}" + (f" dp={dp}" if optim == "zero" else "") +
+        f"{layout.describe()}" + (f" dp={dp}" if optim in ("zero", "zero3") else "") +
         ("" if optim else " without optimizer state"))
 
     def read_group(group: List[ParamSpec], with_optim: bool):

@@ -15,6 +15,11 @@ The two on-disk formats (the facts this module reads and writes):
   ``(bucket numel, shard start, shard end)`` per bucket. Which parameter sits where in a bucket is
   the rule of megalite/distributed/param_and_grad_buffer.py, reproduced by :func:`zero_buckets`
   (and checked against the saved ``layout`` before anything is read).
+* **ZeRO-3** (``Zero3Optimizer.state_dict``, megalite/optimizer/zero3_optimizer.py), one file
+  ``distrib_optim_dp{d:03d}.pt`` per DP rank: per sharding unit (embedding, each layer, head) the
+  flat fp32 ``main`` / ``exp_avg`` / ``exp_avg_sq`` shard of rank d, with the unit's parameter
+  ``names`` and TP-local ``shapes`` in flat order, so it is read by name without any rule
+  (:func:`read_zero3`); :func:`zero3_units` rebuilds the unit layout to write it.
 
 Canonical form: ``{name: {"param": fp32 master, "exp_avg", "exp_avg_sq"}}`` with full (TP-unsharded)
 tensors under the layout-independent parameter names, plus :class:`OptimCommon` (step count,
@@ -224,8 +229,8 @@ def check_zero(sd: dict, buckets: List[BucketLayout], where: str) -> None:
         return
     if fmt != ZERO_SHARD_FORMAT:
         raise OptimizerStateError(
-            f"{where}: optimizer format {fmt!r} cannot be resharded offline (ZeRO-3 and unknown "
-            f"formats): pass --no-optim, or save through the plain/ZeRO-1/2 optimizer")
+            f"{where}: optimizer format {fmt!r} cannot be resharded offline (unknown format): "
+            f"pass --no-optim, or save through the plain/ZeRO optimizer")
     dp, stage, d = int(sd["dp_size"]), int(sd["zero_stage"]), int(sd["dp_rank"])
     expect = [[b.numel, *zero_shard_range(b, d, dp, stage)] for b in buckets]
     if [list(x) for x in sd["layout"]] != expect:
@@ -303,4 +308,121 @@ def build_zero(buckets: List[BucketLayout], get: Callable[[str, str], Optional[t
                     "dp_rank": d, "step": int(common.step),
                     "param_groups": [dict(g) for g in groups],
                     "grad_scaler": common.grad_scaler, "layout": layout, "shards": shards})
+    return out
+
+
+# ============================================================================ ZeRO-3 format
+ZERO3_SHARD_FORMAT = "megalite-zero3-shard/1"  # zero3_optimizer._SHARD_FORMAT
+_ZERO3_KIND = {"param": "main", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+
+@dataclass
+class Zero3Unit:
+    name: str
+    slots: List[Tuple[str, Tuple[int, ...]]]  # (parameter name, TP-local shape), in flat order
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.slots)
+
+
+def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int) -> List[Zero3Unit]:
+    """Zero3Model's sharding units of one (tp, pp) rank (megalite/distributed/zero3.py, its
+    _build_units): per chunk the embedding, each layer, then final norm + output layer; the
+    embedding and the head are one unit "embedding+output" when a tied model has both on one
+    chunk. Each unit's parameters in registration order. The loader checks the names, and merges
+    by name if they ever differ, so this is a fast-path layout, never a correctness risk."""
+    out: List[Zero3Unit] = []
+    for ch in chunks:
+        specs = chunk_specs(cfg, ch, pp)
+        slot = {s.name: (s.name, s.local_shape(cfg, tp)) for s in specs}
+        emb = [slot[s.name] for s in specs if s.name.startswith("embedding.")]
+        head = [slot[s.name] for s in specs
+                if s.name.startswith(("final_layernorm.", "output_layer."))]
+        layers: Dict[str, list] = {}
+        for s in specs:
+            if s.name.startswith("layers."):
+                layers.setdefault(".".join(s.name.split(".")[:2]), []).append(slot[s.name])
+        tied = ch.pre and ch.post and cfg.tie_embeddings
+        if emb:
+            out.append(Zero3Unit("embedding+output" if tied else "embedding",
+                                 emb + (head if tied else [])))
+        out += [Zero3Unit(k, v) for k, v in layers.items()]
+        if head and not tied:
+            out.append(Zero3Unit("output", head))
+    return out
+
+
+def read_zero3(sds: List[dict], name: str, shape: Tuple[int, ...]
+               ) -> Dict[str, Optional[torch.Tensor]]:
+    """One parameter's (TP-local) state from every DP rank's Zero3Optimizer file: the unit's flat
+    buffer is rank r's elements [r*S, (r+1)*S), so the parameter's range is cut out of the shards
+    it overlaps (one parameter at a time: conversion keeps streaming)."""
+    sds = sorted(sds, key=lambda sd: int(sd["dp_rank"]))
+    for unit, meta in sds[0]["units"].items():
+        if "names" not in meta:
+            raise OptimizerStateError("the ZeRO-3 optimizer files carry no parameter names "
+                                      "(saved by an older megalite); pass --no-optim")
+        if name in meta["names"]:
+            break
+    else:
+        raise OptimizerStateError(f"parameter {name} is in no ZeRO-3 unit")
+    i = meta["names"].index(name)
+    start = sum(math.prod(s) for s in meta["shapes"][:i])
+    numel = math.prod(meta["shapes"][i])
+    if tuple(meta["shapes"][i]) != tuple(shape):
+        raise OptimizerStateError(f"ZeRO-3 unit {unit}: {name} has shape "
+                                  f"{tuple(meta['shapes'][i])}, args.json implies {tuple(shape)}")
+    out = {}
+    for kind, key in _ZERO3_KIND.items():
+        pieces, lo = [], 0
+        for sd in sds:
+            t = sd["units"][unit][key]
+            hi = lo + t.numel()
+            a, e = max(lo, start), min(hi, start + numel)
+            if a < e:
+                pieces.append(t[a - lo:e - lo])
+            lo = hi
+        got = torch.cat(pieces) if pieces else torch.empty(0)
+        if got.numel() != numel:
+            raise OptimizerStateError(f"ZeRO-3 unit {unit}: the shards hold {got.numel()} of "
+                                      f"{name}'s {numel} elements (missing DP rank file?)")
+        out[kind] = got.reshape(shape)
+    return out
+
+
+def build_zero3(units: List[Zero3Unit], get: Callable[[str, str], Optional[torch.Tensor]],
+                common: OptimCommon, opt_cfg: OptimizerConfig, dp: int) -> List[dict]:
+    """One Zero3Optimizer.state_dict() per DP rank (each unit padded to a multiple of dp)."""
+    groups = common.zero_groups
+    if not groups:
+        lr = common.lr if common.lr is not None else opt_cfg.lr
+        groups = [{"lr": lr, "weight_decay": opt_cfg.weight_decay},
+                  {"lr": lr, "weight_decay": 0.0}]
+    groups = [{"lr": g["lr"], "weight_decay": g["weight_decay"]} for g in groups]
+    flats = []
+    for u in units:
+        padded = int(math.ceil(u.numel / dp) * dp)
+        flat = {k: torch.zeros(padded, dtype=torch.float32) for k in ADAM_KINDS}
+        off = 0
+        for name, shape in u.slots:
+            n = math.prod(shape)
+            for kind in ADAM_KINDS:
+                t = get(name, kind)
+                if t is not None:  # never stepped: zero moments, as a fresh optimizer
+                    flat[kind][off:off + n] = t.reshape(-1).float()
+            off += n
+        flats.append(flat)
+    out = []
+    for d in range(dp):
+        units_sd = {}
+        for u, flat in zip(units, flats):
+            s = flat["param"].numel() // dp
+            units_sd[u.name] = {"numel": u.numel, "names": [n for n, _ in u.slots],
+                                "shapes": [list(sh) for _, sh in u.slots],
+                                **{_ZERO3_KIND[k]: flat[k][d * s:(d + 1) * s].clone()
+                                   for k in ADAM_KINDS}}
+        out.append({"format": ZERO3_SHARD_FORMAT, "dp_size": dp, "dp_rank": d,
+                    "step": int(common.step), "param_groups": groups,
+                    "grad_scaler": common.grad_scaler, "units": units_sd})
     return out

@@ -255,10 +255,6 @@ class Zero3Model(nn.Module):
         self.opt_cfg = opt_cfg
         self.zero_stage = 3
         self.dp_size = C.group_size(ps.dp_group)
-        # Set when a checkpoint's model file came from another DP rank (checkpointing saves the
-        # model from DP rank 0 only): this rank's weights then come from its per-DP-rank
-        # optimizer file (which carries the fp32 masters) and forward refuses to run until then.
-        self.weights_pending = False
         # Prefetch is stage 3's default (the `depth` next units' all-gathers in flight while one
         # computes); --zero3-prefetch-depth 0 turns it off and makes every collective blocking.
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)
@@ -398,12 +394,6 @@ class Zero3Model(nn.Module):
         if self.phase == BACKWARD:
             raise RuntimeError("ZeRO-3: a new forward started before the previous backward ended "
                                "(pipelined schedules are not supported with --zero-stage 3)")
-        if self.weights_pending:
-            raise RuntimeError("ZeRO-3: the checkpoint's model file holds another DP rank's "
-                               "shards; "
-                               "this rank's weights come with its optimizer state (do not combine "
-                               "--zero-stage 3 checkpoints with --finetune / --no-load-optim; "
-                               "export a full state with Zero3Optimizer.gather_full_state)")
         self.phase = FORWARD
         self._grads_finalized = False if torch.is_grad_enabled() else self._grads_finalized
         out = self.module(*args, **kwargs)
@@ -571,50 +561,52 @@ class Zero3Model(nn.Module):
             out[s.start:s.end].copy_(flat[s.param_start:s.param_start + s.end - s.start])
         return out
 
-    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+    @torch.no_grad()
+    def full_state_dict(self, keep: bool = True) -> Dict[str, torch.Tensor]:
         """Every parameter by its megalite name, at full (this TP rank's) shape, in the model's
-        dtype, from the fp32 masters. Collective over DP: every DP rank must call it."""
+        dtype, from the fp32 masters: the same keys and shapes as the plain GPTModel's
+        state_dict. Collective over DP: every DP rank must call it. ``keep=False`` takes part in
+        the gathers but keeps nothing (the checkpoint writer keeps the result on DP rank 0 only,
+        so the other ranks never hold more than one gathered unit)."""
         out = {}
         for unit in self.units:
-            out.update(self.split_flat(unit, self.gather_flat(unit, unit.main)))
-        return {k: v.to(self.compute_dtype) for k, v in out.items()}
+            flat = self.gather_flat(unit, unit.main)
+            if keep:
+                out.update({k: v.to(self.compute_dtype)
+                            for k, v in self.split_flat(unit, flat).items()})
+            del flat
+        # registration order, as the plain model's state_dict (units group them differently)
+        return {n: out[n] for n, _ in self.module.named_parameters() if n in out}
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        """Load full per-parameter weights (any DP size saved them) into the local shards."""
+        """Load full per-parameter weights (any DP size saved them) into the local shards. Local:
+        each rank slices out its own shard, no communication."""
         for unit in self.units:
             unit.main.copy_(self.local_shard_of(unit, state))
             if unit.shard is not unit.main:
                 unit.shard.copy_(unit.main)
-        self.weights_pending = False
 
     def state_dict(self, *args, **kwargs):
-        """This DP rank's flat shards, tagged with the rank that saved them (the optimizer's
-        per-rank state_dict carries the fp32 masters as well)."""
-        sd = {"zero3.dp_rank": torch.tensor(C.group_rank(self.ps.dp_group)),
-              "zero3.dp_size": torch.tensor(self.dp_size)}
-        sd.update({f"{u.name}.shard": u.shard for u in self.units})
-        return sd
+        """The consolidated model (:meth:`full_state_dict`), as a stage-0 model's state_dict, so
+        checkpoints, ``--finetune`` and the conversion tools see one format whatever the ZeRO
+        stage. Collective over DP, as FSDP's full state dict."""
+        return self.full_state_dict()
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Load shards saved by this same DP rank. Shards of another rank (the training loop
-        saves the model from DP rank 0 only) are not this rank's: the weights then wait for the
-        optimizer's per-rank state (``weights_pending``)."""
-        rank, size = int(state_dict["zero3.dp_rank"]), int(state_dict["zero3.dp_size"])
-        if (rank, size) != (C.group_rank(self.ps.dp_group), self.dp_size):
-            self.weights_pending = True
-            return nn.modules.module._IncompatibleKeys([], [])
-        for u in self.units:
-            t = state_dict[f"{u.name}.shard"]
-            if t.numel() != u.shard_size:
-                raise ValueError(f"ZeRO-3 shard {u.name} has {t.numel()} elements, expected "
-                                 f"{u.shard_size} (different model config?)")
-            u.shard.copy_(t)
-            if u.shard is not u.main:
-                u.main.copy_(u.shard.float())
-        self.weights_pending = False
-        return nn.modules.module._IncompatibleKeys([], [])
+        """Load a full model state dict (a stage-3 checkpoint's consolidated model, or any other
+        stage's): each DP rank keeps its slice. A resumed run's optimizer state then overwrites
+        the fp32 masters (exact for 16-bit params, whose model file is rounded)."""
+        names = {n for u in self.units for n in u.names}
+        missing = sorted(names - set(state_dict))
+        unexpected = sorted(set(state_dict) - names)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"ZeRO-3 load_state_dict: missing {missing[:3]}, unexpected "
+                               f"{unexpected[:3]}")
+        if not missing:
+            self.load_full_state_dict(state_dict)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ---------------------------------------------------------------------------- accounting
     def shard_elements(self) -> int:

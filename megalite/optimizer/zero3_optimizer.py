@@ -15,6 +15,7 @@ Interface (the one training.py uses, see megalite/optimizer/optimizer.py):
     opt.get_loss_scale(); opt.param_groups (the LR scheduler writes group["lr"])
     opt.state_dict() / load_state_dict(sd)        this DP rank's shards (same DP size to load)
     opt.gather_full_state() / load_full_state(f)  consolidated by parameter name (any DP size)
+    merge_shard_state_dicts([sd_dp0, sd_dp1, ...]) the same, from the saved per-rank files
 """
 
 from __future__ import annotations
@@ -160,7 +161,11 @@ class Zero3Optimizer:
     def state_dict(self) -> dict:
         units = {}
         for u, m, v in zip(self.model.units, self.exp_avg, self.exp_avg_sq):
-            units[u.name] = {"numel": u.numel, "main": u.main, "exp_avg": m, "exp_avg_sq": v}
+            # names and shapes make the file self-describing: merging the shards of every DP
+            # rank by parameter name needs no model (pretrain at another DP size, convert.py).
+            units[u.name] = {"numel": u.numel, "names": list(u.names),
+                             "shapes": [list(s) for s in u.shapes],
+                             "main": u.main, "exp_avg": m, "exp_avg_sq": v}
         return {
             "format": _SHARD_FORMAT,
             "dp_size": self.model.units[0].dp_size if self.model.units else 1,
@@ -172,27 +177,50 @@ class Zero3Optimizer:
             "units": units,
         }
 
+    def shard_fits(self, sd: dict) -> bool:
+        """True if ``sd`` is this very rank's shard: same format, DP size and rank, and the same
+        units holding the same parameters (else checkpointing merges every rank's file)."""
+        if sd.get("format") != _SHARD_FORMAT or not self.model.units:
+            return False
+        u0 = self.model.units[0]
+        if (sd.get("dp_size"), sd.get("dp_rank")) != (u0.dp_size, u0.dp_rank):
+            return False
+        saved = sd.get("units", {})
+        return (list(saved) == [u.name for u in self.model.units]
+                and all(saved[u.name].get("names", u.names) == u.names
+                        and saved[u.name]["numel"] == u.numel for u in self.model.units))
+
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        """This rank's own shard (fast path, no copy of anything else), or a consolidated state
+        (:meth:`gather_full_state`, :func:`merge_shard_state_dicts`) from any DP size."""
+        if sd.get("format") == _FULL_FORMAT:
+            self.load_full_state(sd)
+            return
         if sd.get("format") != _SHARD_FORMAT:
-            raise ValueError(f"not a ZeRO-3 per-rank optimizer state (format {sd.get('format')!r})")
+            raise ValueError(f"not a ZeRO-3 optimizer state (format {sd.get('format')!r})")
         dp = self.model.units[0].dp_size
         if sd["dp_size"] != dp or sd["dp_rank"] != self.model.units[0].dp_rank:
             raise ValueError(f"ZeRO-3 optimizer state was saved by DP rank {sd['dp_rank']} of "
                              f"{sd['dp_size']}, this is rank {self.model.units[0].dp_rank} of "
                              f"{dp}: reshard with gather_full_state()/load_full_state()")
+        if not self.shard_fits(sd):
+            raise ValueError(f"ZeRO-3 optimizer state has units {list(sd['units'])[:4]}..., this "
+                             f"model {[u.name for u in self.model.units][:4]}... (different model "
+                             f"config?)")
         for u, m, v in zip(self.model.units, self.exp_avg, self.exp_avg_sq):
             s = sd["units"][u.name]
-            if s["numel"] != u.numel:
-                raise ValueError(f"ZeRO-3 unit {u.name}: saved {s['numel']} elements, model has "
-                                 f"{u.numel} (different model config?)")
             u.main.copy_(s["main"])
             m.copy_(s["exp_avg"])
             v.copy_(s["exp_avg_sq"])
             if u.shard is not u.main:
                 u.shard.copy_(u.main)
-        self.model.weights_pending = False
         self._load_common(sd)
+
+    @staticmethod
+    def merge_shard_state_dicts(sds: List[dict]) -> dict:
+        """The checkpoint loader's seam (megalite/checkpointing.py): see the module function."""
+        return merge_shard_state_dicts(sds)
 
     def _load_common(self, sd: dict) -> None:
         self.step_count = int(sd["step"])
@@ -236,7 +264,6 @@ class Zero3Optimizer:
             v.copy_(zm.local_shard_of(u, opt["exp_avg_sq"]))
             if u.shard is not u.main:
                 u.shard.copy_(u.main)
-        self.model.weights_pending = False
         self._load_common(full)
 
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
@@ -249,3 +276,58 @@ class Zero3Optimizer:
         """Bytes of the optimizer-owned tensors (the Adam moments) on this rank."""
         return {"exp_avg": sum(t.numel() * t.element_size() for t in self.exp_avg),
                 "exp_avg_sq": sum(t.numel() * t.element_size() for t in self.exp_avg_sq)}
+
+
+def _check_shard_set(sds: List[dict]) -> int:
+    if not sds:
+        raise ValueError("no ZeRO-3 optimizer shards to merge")
+    if any(sd.get("format") != _SHARD_FORMAT for sd in sds):
+        bad = next(sd.get("format") for sd in sds if sd.get("format") != _SHARD_FORMAT)
+        raise ValueError(f"not a ZeRO-3 per-rank optimizer state (format {bad!r})")
+    n = int(sds[0]["dp_size"])
+    ranks = sorted(int(sd["dp_rank"]) for sd in sds)
+    if ranks != list(range(n)) or any(int(sd["dp_size"]) != n for sd in sds):
+        raise ValueError(f"ZeRO-3 optimizer shards of DP ranks {ranks} do not make up one DP "
+                         f"group of {n} (missing or mixed files?)")
+    if any("names" not in u for u in sds[0]["units"].values()):
+        raise ValueError("ZeRO-3 optimizer shards carry no parameter names (saved by an older "
+                         "megalite); resume at the DP size that saved them")
+    return n
+
+
+def merge_shard_unit(sds: List[dict], unit: str, kinds=("main", "exp_avg", "exp_avg_sq")
+                     ) -> Dict[str, Dict[str, torch.Tensor]]:
+    """One unit of every DP rank's shard file, concatenated in rank order (the flat layout is
+    rank r's elements [r*S, (r+1)*S)), unpadded and split by parameter name:
+    ``{kind: {name: tensor}}``. Streaming-friendly: touches one unit of each file."""
+    by_rank = sorted(sds, key=lambda sd: int(sd["dp_rank"]))
+    meta = by_rank[0]["units"][unit]
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    for kind in kinds:
+        flat = torch.cat([sd["units"][unit][kind].reshape(-1) for sd in by_rank])
+        if flat.numel() < meta["numel"]:
+            raise ValueError(f"ZeRO-3 unit {unit}: the shards hold {flat.numel()} elements, "
+                             f"fewer than its {meta['numel']} parameters (truncated file?)")
+        out[kind], off = {}, 0
+        for name, shape in zip(meta["names"], meta["shapes"]):
+            n = math.prod(shape)
+            out[kind][name] = flat[off:off + n].view(shape).clone()
+            off += n
+    return out
+
+
+def merge_shard_state_dicts(sds: List[dict]) -> dict:
+    """Every DP rank's ``Zero3Optimizer.state_dict()`` (one TP/PP rank) merged into the
+    consolidated form :meth:`Zero3Optimizer.load_full_state` re-splits at any DP size: this is
+    how a stage-3 checkpoint resumes at another DP size."""
+    _check_shard_set(sds)
+    first = min(sds, key=lambda sd: int(sd["dp_rank"]))
+    master, exp_avg, exp_avg_sq = {}, {}, {}
+    for unit in first["units"]:
+        got = merge_shard_unit(sds, unit)
+        master.update(got["main"])
+        exp_avg.update(got["exp_avg"])
+        exp_avg_sq.update(got["exp_avg_sq"])
+    return {"format": _FULL_FORMAT, "model": {}, "step": first["step"],
+            "optimizer": {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq},
+            "param_groups": first["param_groups"], "grad_scaler": first.get("grad_scaler")}

@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype in the checkpoint (default float32)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
 
-    p = add("megalite-to-hf", "export a megalite checkpoint (any TP/PP/VPP layout; ZeRO optimizer "
-                              "files are not read) for transformers.AutoModelForCausalLM")
+    p = add("megalite-to-hf", "export a megalite checkpoint (any TP/PP/VPP layout, any ZeRO stage; "
+                              "optimizer files are not read) for transformers.AutoModelForCausalLM")
     p.add_argument("--load", required=True, help="megalite checkpoint directory")
     p.add_argument("--save", required=True, help="new Hugging Face model directory")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
@@ -101,9 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=None,
                    help="target DP size (sets the number of ZeRO optimizer files; checked "
                         "against the global batch size)")
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2], default=None,
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                    help="target optimizer format: 0 plain (one state per TP/PP rank), 1/2 ZeRO "
-                        "(one file per DP rank); default: the checkpoint's own")
+                        "(one bucket-flat file per DP rank), 3 ZeRO-3 (one unit-flat file per "
+                        "DP rank); default: the checkpoint's own")
     p.add_argument("--no-optim", action="store_true",
                    help="write model weights only (resume with --no-load-optim or --finetune)")
     return top
