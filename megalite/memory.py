@@ -9,7 +9,8 @@ exact and comparable with the formula.
 Theory (THEORY.md "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP size:
 
 * ZeRO paper, 16-bit params and grads, K = 12:  stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N,
-  stage 2 2Ψ + 14Ψ/N. Pure fp32 (THEORY.md, K = 8): 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N.
+  stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. Pure fp32 (THEORY.md, K = 8): 16Ψ, 8Ψ + 8Ψ/N,
+  4Ψ + 12Ψ/N, 16Ψ/N.
 * megalite's layout (what is measured): params are 16-bit or fp32, gradients are accumulated in
   fp32 (``main_grad``), fp32 masters exist only for 16-bit params. Per parameter:
 
@@ -19,13 +20,16 @@ Theory (THEORY.md "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP si
   0         4 + 4 + 8 = 16         2 + 4 + 4 + 8 = 18          DDP: everything replicated
   1         4 + 4 + 8/N            2 + 4 + 12/N                Megatron's "6 + 12/N"
   2         4 + (4 + 8)/N          2 + (4 + 12)/N              ZeRO-2 with fp32 grad shards
+  3         (4 + 4 + 8)/N = 16/N   (2 + 4 + 4 + 8)/N = 18/N    ZeRO-3 (docs/zero3.md)
   ========  =====================  ==========================  ===========================
 
   In fp32 this is exactly the THEORY.md fp32 accounting; in 16 bits it is Megatron's variant
   (fp32 gradients: +2Ψ over the paper in stages 0/1, +2Ψ/N in stage 2).
 
 Ψ counted with bucket padding (each bucket padded to a multiple of N) makes measured == theory
-exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets.
+exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets. Stage 3
+is the same with its units in place of buckets (each unit's flat buffer padded to a multiple of
+N; ZeRO paper: 16Ψ/N, reported as ``mem_theory_zero_paper_total_bytes``).
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
     chunks = _chunks(model_chunks)
     params = [p for c in chunks for p in c.parameters()]
     grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+    for c in chunks:
+        # ZeRO-3: param.data is a size-0 placeholder; the model state is in the units: the
+        # gather source (the fp32 master itself in fp32 — counted once, as params), the fp32
+        # gradient shard, and whatever full buffers are gathered right now (none between steps).
+        for u in getattr(c, "units", []):
+            params.extend((u.shard, u.full))
+            grads.extend((u.grad, u.full_grad))
     for c in chunks:
         for buf in getattr(c, "grad_buffers", []):
             if buf.grad_data is not None:
@@ -101,7 +112,7 @@ def theoretical_model_state_bytes(num_params: int, dp_size: int, zero_stage: int
     param_b = 2 if p16 else 4
     shard = 1.0 / n if zero_stage >= 1 else 1.0
     theory = {
-        "params_bytes": param_b * psi,
+        "params_bytes": param_b * psi * (1.0 / n if zero_stage >= 3 else 1.0),
         "grads_bytes": 4 * psi * (1.0 / n if zero_stage >= 2 else 1.0),
         "master_params_bytes": (4 * psi * shard) if p16 else 0.0,
         "optimizer_states_bytes": 8 * psi * shard,
@@ -113,8 +124,10 @@ def theoretical_model_state_bytes(num_params: int, dp_size: int, zero_stage: int
         paper = (param_b + param_b + k) * psi
     elif zero_stage == 1:
         paper = (param_b + param_b) * psi + k * psi / n
-    else:
+    elif zero_stage == 2:
         paper = param_b * psi + (param_b + k) * psi / n
+    else:  # stage 3: 16Ψ/N
+        paper = (param_b + param_b + k) * psi / n
     theory["zero_paper_total_bytes"] = paper
     return theory
 
@@ -124,10 +137,23 @@ def padded_num_params(model_chunks) -> int:
     total = 0
     for c in _chunks(model_chunks):
         bufs = getattr(c, "grad_buffers", None)
-        if bufs:
+        units = getattr(c, "units", None)
+        if units:  # ZeRO-3: each unit's flat buffer is padded to a multiple of N
+            total += sum(u.padded for u in units)
+        elif bufs:
             total += sum(b.numel for b in bufs)
         else:
             total += sum(p.numel() for p in c.parameters())
+    return total
+
+
+def num_params_local(model_chunks) -> int:
+    """Ψ of this rank (unpadded); a ZeRO-3 chunk's params are placeholders, its units know."""
+    total = 0
+    for c in _chunks(model_chunks):
+        units = getattr(c, "units", None)
+        total += (sum(u.numel for u in units) if units
+                  else sum(p.numel() for p in c.parameters()))
     return total
 
 
@@ -141,11 +167,11 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
     if dp_size is None:
         dp_size = getattr(first, "dp_size", 1)
     if params_dtype is None:
-        dtype = next(first.parameters()).dtype
+        dtype = getattr(first, "compute_dtype", None) or next(first.parameters()).dtype
         params_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     measured = model_state_bytes(chunks, optimizer)
     psi_padded = padded_num_params(chunks)
-    psi = sum(p.numel() for c in chunks for p in c.parameters())
+    psi = num_params_local(chunks)
     theory = theoretical_model_state_bytes(psi_padded, dp_size, zero_stage, params_dtype)
     report = {"zero_stage": zero_stage, "dp_size": dp_size, "num_params_local": psi,
               "num_params_local_padded": psi_padded}

@@ -14,16 +14,18 @@ not perturb training, so it is also the uninterrupted reference). Its iteration-
   model's logits;
 * reshards offline (`convert.py reshard`) to stage 0 and to stage 3 at dp=1, and either resumes
   with the same losses.
+The iteration-1 memory record equals 16Ψ/N up to unit padding (megalite/memory.py).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
 import torch
 
-from pretrain_utils import ROOT, flags, run_cli, run_main, train_losses
+from pretrain_utils import ROOT, flags, read_metrics, run_cli, run_main, train_losses
 
 from megalite import checkpointing as ckpt
 
@@ -124,6 +126,21 @@ def test_zero3_checkpoint_consolidated_resume_finetune_export_reshard(tmp_path):
         assert run_main(flags("--zero-stage", stage, train_iters=ITERS, load=out,
                               metrics_file=path)) == 0
         _resumed_matches(train_losses(path), ref, range(6, ITERS + 1))
+
+    # 7. The iteration-1 memory record: measured == 16Ψ/N with Ψ padded per unit (fp32: params
+    #    are their own masters), and within N-1 elements per unit of the unpadded formula.
+    mem = read_metrics(str(whole), split="memory")[0]
+    assert mem["zero_stage"] == 3 and mem["dp_size"] == 2, mem
+    n, psi = 2, mem["num_params_local_padded"]
+    assert mem["num_params_local"] == sum(v.numel() for v in plain.values())
+    for key, per_param in (("params", 4), ("grads", 4), ("master_params", 0),
+                           ("optimizer_states", 8)):
+        assert mem[f"mem_{key}_bytes"] == mem[f"mem_theory_{key}_bytes"] == per_param * psi / n, key
+    assert mem["mem_total_bytes"] == 16 * psi / n == mem["mem_theory_zero_paper_total_bytes"]
+    num_units = cfg.model.num_layers + 1  # tied GPT-2: embedding+output, one per layer
+    slack = 16 * (n - 1) * num_units
+    assert 0 <= mem["mem_total_bytes"] - mem["mem_theory_unpadded_total_bytes"] <= slack
+    json.dumps(mem)  # the record is plain JSON
 
 
 def test_zero3_checkpoint_bad_optimizer_files_are_one_clear_error(tmp_path):
