@@ -78,6 +78,15 @@ def test_empty_text_dataset(tmp_path):
     check(e, "--data-path", "empty.jsonl", "0 tokens")
 
 
+@pytest.mark.parametrize("name,content", [("zero.jsonl", ""), ("blank.txt", "\n\n  \n")])
+def test_empty_file_says_it_is_empty(tmp_path, name, content):
+    p = tmp_path / name
+    p.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        build(DataConfig(data_path=[str(p)], tokenizer_type="NullTokenizer"), tmp_path)
+    check(e, "--data-path", name, "is empty")
+
+
 def test_empty_indexed_dataset(tmp_path):
     b = IndexedDatasetBuilder(str(tmp_path / "e.bin"), dtype=np.uint16)
     b.finalize(str(tmp_path / "e.idx"))

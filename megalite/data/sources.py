@@ -127,6 +127,11 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
             return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
         builder, files = _local_files(path)
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+        if all(_has_no_content(f) for f in files):
+            # datasets' own errors for this case (StopIteration, 'corresponds to no data') do not
+            # say what is wrong; an empty or whitespace-only file is the common cause.
+            raise ConfigError(f"--data-path: {path} is empty (no documents); give a file with at "
+                              f"least one non-empty document")
         try:
             ds = datasets.load_dataset(builder, data_files=files, split="train",
                                        cache_dir=hf_cache_dir(cache_dir), num_proc=num_proc,
@@ -148,6 +153,18 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
         raise ConfigError(f"--data-path: {path!r} is not a local file/folder or PREFIX.bin/.idx, "
                           f"and loading it as a Hugging Face dataset failed (offline or no such "
                           f"dataset): {_one_line(e)}") from e
+
+
+def _has_no_content(path: str) -> bool:
+    """True for an empty or whitespace-only uncompressed file (compressed files: let datasets say)."""
+    if path.endswith((".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")):
+        return False
+    if os.path.getsize(path) == 0:
+        return True
+    if os.path.getsize(path) > 1 << 20:
+        return False  # large files are not read twice just for this check
+    with open(path, "rb") as f:
+        return f.read().strip() == b""
 
 
 def _strip_paragraphs(batch):
