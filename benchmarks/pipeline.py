@@ -12,6 +12,8 @@ jobs on a shared machine hits all of them alike):
     1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)(T_F+T_B-T_W)/step with the
     measured mean op times T_F, T_B, T_W;
   * ZB-H1 step time / 1F1B step time;
+  * with --compare-batched, each schedule again with the batched p2p program that NCCL needs
+    (gloo runs the eager program by default: receives posted ahead, outputs sent at once);
   * torch.distributed.pipelining Schedule1F1B and ScheduleInterleaved1F1B on the same model
     (the same GPTModel chunks wrapped as stage modules) and processes: megalite / torch time.
 Results go to stdout as a table and, with --json, to a file; --trace-dir writes one Chrome trace
@@ -49,8 +51,9 @@ def _batches(args, m, seed):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def _megalite_runner(args, ps, schedule, m):
-    """A closure running one megalite step (timeline recorded), and the chunks it trains."""
+def _megalite_runner(args, ps, schedule, m, p2p_mode=None):
+    """A closure running one megalite step (timeline recorded), and the chunks it trains.
+    ``p2p_mode`` "batched" forces NCCL's p2p program on gloo (for --compare-batched)."""
     from megalite.pipeline_parallel.partition import build_model_chunks
     from megalite.pipeline_parallel.schedules import get_forward_backward_func
 
@@ -71,7 +74,7 @@ def _megalite_runner(args, ps, schedule, m):
                for j in range(m)]
         fb(forward_step_func=forward_step, data_iterator=iter(mbs), model=chunks,
            num_microbatches=m, seq_length=args.seq, micro_batch_size=args.mbs,
-           parallel_state=ps, timing_log_level=1)
+           parallel_state=ps, timing_log_level=1, p2p_mode=p2p_mode)
         return fb.last_timeline()
 
     return step, chunks
@@ -141,6 +144,8 @@ def _measure(args, ps, m):
         if schedule == "interleaved" and (m % p or args.layers % (p * args.vpp)):
             continue
         variants[schedule] = _megalite_runner(args, ps, schedule, m)
+        if args.compare_batched:
+            variants[schedule + " batched"] = _megalite_runner(args, ps, schedule, m, "batched")
         if schedule != "zb-h1" and not args.no_torch_pipelining:
             variants["torch " + schedule] = _torch_pipelining_runner(args, ps, schedule, m)
     times = {k: [] for k in variants}
@@ -185,22 +190,24 @@ def _worker(rank, world, port, args, queue):
     try:
         for m in args.micro_batches:
             res = _measure(args, ps, m)
-            for schedule in ("1f1b", "interleaved", "zb-h1"):
+            for schedule in ("1f1b", "interleaved", "zb-h1", "1f1b batched",
+                             "interleaved batched", "zb-h1 batched"):
                 if schedule not in res:
                     continue
                 st = res[schedule]["stats"]
-                v = args.vpp if schedule == "interleaved" else 1
+                base_schedule = schedule.split()[0]
+                v = args.vpp if base_schedule == "interleaved" else 1
                 row = {"schedule": schedule, "m": m, "p": world, "v": v,
                        "step_s": res[schedule]["step_s"], "steps_s": res[schedule]["steps_s"],
                        "bubble": st["bubble_fraction"],
-                       "theory": theory_bubble(schedule, world, m, v, st["t_f"], st["t_b"],
+                       "theory": theory_bubble(base_schedule, world, m, v, st["t_f"], st["t_b"],
                                                st["t_w"], st["step_time"]),
                        "t_f": st["t_f"], "t_b": st["t_b"], "t_w": st["t_w"],
                        "peak_in_flight_stage0": st["peak_in_flight"][0]}
                 if "torch " + schedule in res:
                     row["torch_step_s"] = res["torch " + schedule]["step_s"]
                 rows.append(row)
-                if rank == 0 and args.trace_dir and m == args.trace_m:
+                if rank == 0 and args.trace_dir and m == args.trace_m and " " not in schedule:
                     os.makedirs(args.trace_dir, exist_ok=True)
                     write_chrome_trace(res[schedule]["timelines"], os.path.join(
                         args.trace_dir, f"pipeline_{schedule}_p{world}_m{m}.trace.json"))
@@ -228,6 +235,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--no-torch-pipelining", action="store_true")
+    ap.add_argument("--compare-batched", action="store_true",
+                    help="also run each schedule with the batched p2p program that NCCL uses "
+                         "(gloo runs the eager one by default; docs/pipeline_parallel.md)")
     ap.add_argument("--trace-dir", default=None)
     ap.add_argument("--trace-m", type=int, default=8, help="m whose traces --trace-dir keeps")
     ap.add_argument("--json", default=None, help="write the result rows here")

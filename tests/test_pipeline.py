@@ -25,8 +25,8 @@ from megalite.parallel_state import ParallelState, initialize_model_parallel
 from megalite.pipeline_parallel.partition import (
     build_model_chunks, stage_layer_counts, virtual_layer_ranges)
 from megalite.pipeline_parallel.schedules import (
-    check_pipeline_args, comm_units, get_forward_backward_func, order_1f1b, order_interleaved,
-    order_zb_h1, schedule_order)
+    check_pipeline_args, comm_units, eager_program, get_forward_backward_func, order_1f1b,
+    order_interleaved, order_zb_h1, schedule_order)
 from megalite.pipeline_parallel.timeline import StageTimeline, bubble_stats, write_chrome_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +46,10 @@ LAYOUTS_4 = {
     "tp2_pp2_sp_1f1b_m4_tied": (2, 2, True, "1f1b", 4, None, None, None, 4, True),
     "tp2_pp2_sp_v2_interleaved_m2_untied": (2, 2, True, "interleaved", 4, 1, None, None, 2, False),
 }
+# These run the batched p2p program (NCCL's) on gloo; the others run gloo's eager one
+# (schedules.eager_program). Both must give the same losses, gradients and op order.
+BATCHED = {"pp4_v2_interleaved_m4_tied", "pp2_dp2_zbh1_m2_tied", "tp2_pp2_sp_1f1b_m4_tied",
+           "tp2_pp2_dp2_sp_zbh1_m2_untied"}
 LAYOUTS_8 = {
     "tp2_pp2_dp2_sp_1f1b_m4_tied": (2, 2, True, "1f1b", 4, None, None, None, 4, True),
     "tp2_pp2_dp2_sp_zbh1_m2_untied": (2, 2, True, "zb-h1", 4, None, None, None, 2, False),
@@ -101,7 +105,7 @@ def _run_layout(name, layout):
                    num_microbatches=m, seq_length=SEQ, micro_batch_size=MBS, parallel_state=ps,
                    forward_only=False,
                    finalize_model_grads_func=lambda cs: finalize_model_grads(cs, ps),
-                   timing_log_level=1)
+                   timing_log_level=1, p2p_mode="batched" if name in BATCHED else None)
         where = f"{name} it={it} rank={dist.get_rank()}"
         if last_stage:
             assert len(stats) == m, f"{where}: {len(stats)} stats for {m} micro-batches"
@@ -309,12 +313,12 @@ def test_bad_pipeline_config_is_one_clear_line(call, flag):
 # showed - a send completes only once its receive is posted, so a wrong grouping deadlocks. This
 # replays every rank's batches under exactly that rule, and checks that the k-th message on each
 # (src, dst, kind) channel is the one the receiver expects (virtual stage, micro-batch).
-def _simulate_rendezvous(schedule, p, m, v=1, forward_only=False):
+def _simulate_rendezvous(schedule, p, m, v=1, forward_only=False, pair=True):
     """Rendezvous semantics: a batch completes once every op in it is matched by a posted op."""
     batches = []
     for r in range(p):
         ops = schedule_order(schedule, p, r, m, v, forward_only)
-        units = comm_units(ops, schedule == "interleaved" and not forward_only)
+        units = comm_units(ops, pair and schedule == "interleaved" and not forward_only)
         def vs(c): return c * p + r
         def sends(u):
             out = []
@@ -377,3 +381,95 @@ def test_p2p_batches_cannot_deadlock_and_match(schedule, v):
             for forward_only in (False, True):
                 res = _simulate_rendezvous(schedule, p, m, v, forward_only)
                 assert res is True, f"{schedule} p={p} m={m} v={v}: deadlock at {res}"
+
+
+def test_p2p_replay_detects_a_deadlock():
+    """The replay can fail: without pairing a steady-phase F with the B after it, the batched
+    program of interleaved 1F1B deadlocks under "a send waits for its receive"."""
+    assert _simulate_rendezvous("interleaved", 2, 4, 2, pair=False) is not True
+
+
+def _simulate_eager(schedule, p, m, v=1, forward_only=False, lookahead=None):
+    """gloo's rules for schedules.eager_program: every isend/irecv is its own op, matched on its
+    (src, dst, tag) channel in posting order; a rank blocks only at a "wait" (for that receive to
+    be matched by a posted send); sends never block. Returns True, or the blocked ranks."""
+    progs, payloads = [], []
+    for r in range(p):
+        ops = schedule_order(schedule, p, r, m, v, forward_only)
+        def vs(c): return c * p + r
+        def recv_of(op):
+            if op.kind == "F" and vs(op.chunk) != 0:
+                return ((r - 1) % p, r, "act", (vs(op.chunk) - 1, op.microbatch))
+            if op.kind == "B" and vs(op.chunk) != p * v - 1:
+                return ((r + 1) % p, r, "grad", (vs(op.chunk) + 1, op.microbatch))
+            return None
+        def send_of(op):
+            if op.kind == "F" and vs(op.chunk) != p * v - 1:
+                return (r, (r + 1) % p, "act", (vs(op.chunk), op.microbatch))
+            if op.kind == "B" and vs(op.chunk) != 0:
+                return (r, (r - 1) % p, "grad", (vs(op.chunk), op.microbatch))
+            return None
+        kw = {} if lookahead is None else {"lookahead": lookahead}
+        prog = eager_program(ops, [recv_of(op) is not None for op in ops],
+                             [op.kind != "W" for op in ops], **kw)
+        steps = []
+        for step, i in prog:
+            if step == "recv":
+                steps.append(("recv", recv_of(ops[i])))
+            elif step == "wait":
+                steps.append(("wait", recv_of(ops[i])))
+            elif step == "send" and send_of(ops[i]) is not None:
+                steps.append(("send", send_of(ops[i])))
+        # every needed receive is waited, once, after it was posted
+        waited = [x for k, x in steps if k == "wait"]
+        assert sorted(waited) == sorted(x for k, x in steps if k == "recv")
+        progs.append(steps)
+    sends, recvs = {}, {}  # channel -> payloads in posting order
+    pos = [0] * p
+    while True:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(progs[r]):
+                kind, (src, dst, tag, pay) = progs[r][pos[r]]
+                ch = (src, dst, tag)
+                if kind == "send":
+                    sends.setdefault(ch, []).append(pay)
+                elif kind == "recv":
+                    recvs.setdefault(ch, []).append(pay)
+                else:  # wait: the k-th receive on the channel meets the k-th send
+                    k = recvs[ch].index(pay)
+                    if len(sends.get(ch, [])) <= k:
+                        break
+                    assert sends[ch][k] == pay, (f"{schedule} p={p} m={m} v={v}: message {k} "
+                                                 f"on {ch} carries {sends[ch][k]}, the receiver "
+                                                 f"expects {pay}")
+                pos[r] += 1
+                progressed = True
+        if all(pos[r] == len(progs[r]) for r in range(p)):
+            assert sends == recvs  # nothing left unmatched at the end of the step
+            return True
+        if not progressed:
+            return [(r, progs[r][pos[r]]) for r in range(p) if pos[r] < len(progs[r])]
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
+                                         ("interleaved", 3)])
+def test_eager_p2p_program_cannot_deadlock_and_matches(schedule, v):
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p):
+            for forward_only in (False, True):
+                for lookahead in (None, 1):
+                    res = _simulate_eager(schedule, p, m, v, forward_only, lookahead)
+                    assert res is True, f"{schedule} p={p} m={m} v={v}: deadlock at {res}"
+
+
+def test_eager_program_posts_receives_ahead_and_sends_at_once():
+    ops = order_interleaved(2, 1, 4, 2)
+    prog = eager_program(ops, [True] * len(ops), [True] * len(ops), lookahead=2)
+    for i in range(len(ops)):
+        at = prog.index(("run", i))
+        # the receives of the next 2 ops are already posted when op i runs ...
+        posted = {j for k, j in prog[:at] if k == "recv"}
+        assert {j for j in (i, i + 1, i + 2) if j < len(ops)} <= posted, (i, prog[:at])
+        # ... and op i's output is sent right after it, before the next op runs
+        assert prog[at + 1] == ("send", i)

@@ -44,12 +44,19 @@ class P2PBatch:
 
     works: list
     received: dict  # "activation" / "gradient" -> tensor being received
+    sent: list  # the tensors being sent, kept alive until the batch completes
 
     def wait(self) -> dict:
         for w in self.works:
             w.wait()
-        self.works = []
+        self.works, self.sent = [], []
         return self.received
+
+    def done(self) -> bool:
+        """True once every op has completed (does not block)."""
+        if all(w.is_completed() for w in self.works):
+            self.works, self.sent = [], []
+        return not self.works
 
 
 class PipelineP2P:
@@ -65,6 +72,15 @@ class PipelineP2P:
         self.group = parallel_state.pp_group
         self.next_rank = parallel_state.pp_next_rank
         self.prev_rank = parallel_state.pp_prev_rank
+
+    @property
+    def independent_ops(self) -> bool:
+        """Whether each send and receive completes on its own, matched by (peer, tag) in posting
+        order, so that a rank may post early and wait only for what it needs (gloo). Under NCCL
+        the ops of a batch and successive batches run in order on one stream: a posted receive
+        that is not matched yet holds up every later send, so the executor keeps the batched
+        program there (schedules.comm_units)."""
+        return self.group is not None and dist.get_backend(self.group) == "gloo"
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -82,10 +98,11 @@ class PipelineP2P:
         """Post one batch: activation to the next stage and/or from the previous one, gradient to
         the previous stage and/or from the next one. Returns None when there is nothing to do."""
         ops: List[dist.P2POp] = []
-        received = {}
+        received, sent = {}, []
         # Activation direction first, gradient direction second, on every rank (see module doc).
         if send_next is not None:
             t = self._check(send_next, "activation")
+            sent.append(t)
             ops.append(dist.P2POp(dist.isend, t, self.next_rank, self.group, TAG_ACTIVATION))
             C.count_p2p(t.numel() * t.element_size(), "pp_p2p")
         if recv_prev:
@@ -94,6 +111,7 @@ class PipelineP2P:
                                   TAG_ACTIVATION))
         if send_prev is not None:
             t = self._check(send_prev, "gradient")
+            sent.append(t)
             ops.append(dist.P2POp(dist.isend, t, self.prev_rank, self.group, TAG_GRADIENT))
             C.count_p2p(t.numel() * t.element_size(), "pp_p2p")
         if recv_next:
@@ -102,7 +120,7 @@ class PipelineP2P:
                                   TAG_GRADIENT))
         if not ops:
             return None
-        return P2PBatch(dist.batch_isend_irecv(ops), received)
+        return P2PBatch(dist.batch_isend_irecv(ops), received, sent)
 
     # Blocking conveniences with the names the literature uses (each is one batch).
     def send_forward(self, t: torch.Tensor) -> None:

@@ -53,6 +53,7 @@ follow THEORY.md "Pipeline bubbles":
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -202,6 +203,44 @@ def comm_units(ops: Sequence[Op], pair_f_with_b: bool) -> List[List[int]]:
     return units
 
 
+# Receives posted ahead of the op that needs them, in ops that need one (eager_program).
+RECV_LOOKAHEAD = 2
+
+
+def eager_program(ops: Sequence[Op], needs_recv: Sequence[bool], sends: Sequence[bool],
+                  lookahead: int = RECV_LOOKAHEAD) -> List[tuple]:
+    """The p2p program of one rank where every send and receive is an independent op (gloo).
+
+    Steps, run in order: ``("recv", i)`` posts op i's receive, ``("wait", i)`` blocks until it has
+    arrived, ``("run", i)`` computes op i, ``("send", i)`` posts op i's output and does not wait
+    for it (sends are waited at the end of the step). The receives of the next ``lookahead`` ops
+    that need one are posted before an op runs, so a neighbour's output moves while this rank is
+    still busy, and each output leaves the moment it exists (a steady-phase F's no longer waits for
+    the B after it, as in comm_units' batches).
+
+    Why this cannot deadlock: a rank only ever blocks on a receive of its own next op, whose send
+    is posted right after the neighbour computes it, and the neighbour never blocks on a send. So
+    a rank waits only for ops that the schedule orders before its own, and the orders are
+    dataflow-consistent (tests/test_pipeline.py replays every program under gloo's rules). Receives
+    are posted in op order, so on each (peer, tag) channel they meet the sends in the same order.
+    """
+    need = [i for i, n in enumerate(needs_recv) if n]
+    prog: List[tuple] = []
+    posted = 0  # receives posted so far: need[:posted]
+    for i in range(len(ops)):
+        k = bisect.bisect_right(need, i) + lookahead - 1  # the lookahead-th later op needing one
+        limit = need[k] if k < len(need) else len(ops)
+        while posted < len(need) and need[posted] <= limit:
+            prog.append(("recv", need[posted]))
+            posted += 1
+        if needs_recv[i]:
+            prog.append(("wait", i))
+        prog.append(("run", i))
+        if sends[i]:
+            prog.append(("send", i))
+    return prog
+
+
 # ----------------------------------------------------------------------------- helpers
 def _free_output_data(t: torch.Tensor) -> None:
     """Drop the storage of a stage output once it has been sent, keeping its autograd node.
@@ -293,6 +332,83 @@ class _NoSync:
         self.open = []
 
 
+# ----------------------------------------------------------------------------- p2p drivers
+def _received(batch) -> Optional[torch.Tensor]:
+    got = batch.wait() if batch is not None else {}
+    return got.get("activation", got.get("gradient"))
+
+
+def _drive_batched(ops, run, p2p, recvs_for, no_sync, forward_only, units) -> None:
+    """One batch between consecutive compute units (comm_units), waited before the next unit:
+    safe where a send waits for its receive and batches run in order (NCCL)."""
+    unit_of = {i: u for u, idx in enumerate(units) for i in idx}
+
+    def recvs_of(u: int) -> dict:
+        kw = {}
+        for i in units[u] if u < len(units) else []:
+            kw.update({k: v for k, v in recvs_for(ops[i]).items() if v})
+        return kw
+
+    pending = [p2p.post(**recvs_of(0))]  # batches in flight; waited before the next unit
+    sent_outputs: List[torch.Tensor] = []  # freed once the batch carrying them has completed
+    received: dict = {}
+    unit_sends: dict = {}
+
+    def wait_pending() -> dict:
+        got = {}
+        for batch in pending:
+            if batch is not None:
+                got.update(batch.wait())
+        pending.clear()
+        for t in sent_outputs:
+            _free_output_data(t)
+        sent_outputs.clear()
+        return got
+
+    for i, op in enumerate(ops):
+        no_sync.before(i)
+        if op.kind != "W" and units[unit_of[i]][0] == i:
+            received = wait_pending()  # this unit's inputs (activation and/or gradient)
+        got = received.pop({"F": "activation", "B": "gradient"}.get(op.kind, ""), None)
+        send = run(i, got)
+        if send is not None:
+            # sent with the unit's batch: after the B when F opens an (F, B) unit
+            unit_sends[send[0]] = send[1]
+        if op.kind != "W" and units[unit_of[i]][-1] == i:
+            # the unit's sends and the next unit's receives, as one batch; W ops that follow
+            # run while it is in flight
+            pending.append(p2p.post(**unit_sends, **recvs_of(unit_of[i] + 1)))
+            if "send_next" in unit_sends and not forward_only:
+                sent_outputs.append(unit_sends["send_next"])
+            unit_sends = {}
+    wait_pending()
+
+
+def _drive_eager(ops, run, p2p, recvs_for, no_sync, forward_only) -> None:
+    """Independent sends and receives (gloo): eager_program's order; outputs leave at once."""
+    needs = [any(recvs_for(op).values()) for op in ops]
+    posted: Dict[int, object] = {}
+    in_flight: list = []
+    got = send = None
+    for step, i in eager_program(ops, needs, [op.kind != "W" for op in ops]):
+        if step == "recv":
+            posted[i] = p2p.post(**{k: v for k, v in recvs_for(ops[i]).items() if v})
+        elif step == "wait":
+            got = _received(posted.pop(i))
+        elif step == "run":
+            no_sync.before(i)
+            send, got = run(i, got), None
+        elif send is not None:  # "send": not waited; the receiver posts its receive in time
+            in_flight.append(p2p.post(**{send[0]: send[1]}))
+            if send[0] == "send_next" and not forward_only:
+                # the batch keeps the sent data alive (P2PBatch.sent) until it completes, so the
+                # stage output itself can give its storage up now (see _free_output_data)
+                _free_output_data(send[1])
+            in_flight = [b for b in in_flight if not b.done()]
+    for b in in_flight:
+        b.wait()
+
+
 # ----------------------------------------------------------------------------- the executor
 def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, model,
                                 num_microbatches: int, seq_length: int, micro_batch_size: int,
@@ -301,8 +417,13 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
                                 no_sync_func=None,
                                 finalize_model_grads_func: Optional[Callable] = None,
                                 schedule: Optional[str] = None, timing_log_level: int = 0,
-                                **unused) -> List[dict]:
-    """Run this rank's part of a pipelined step (1F1B, interleaved or ZB-H1; see module doc)."""
+                                p2p_mode: Optional[str] = None, **unused) -> List[dict]:
+    """Run this rank's part of a pipelined step (1F1B, interleaved or ZB-H1; see module doc).
+
+    ``p2p_mode``: "eager" (independent sends/receives, eager_program) or "batched" (one batch
+    between compute units, comm_units); None picks eager where the backend allows it (gloo) and
+    batched elsewhere (NCCL). Both run the same ops in the same order.
+    """
     global _LAST_TIMELINE
     ps = parallel_state
     chunks = _as_list(model)
@@ -346,88 +467,65 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
     stats_list: List[dict] = []
     peak = 0
 
-    units = comm_units(ops, schedule == "interleaved" and not forward_only)
-    unit_of = {i: u for u, idx in enumerate(units) for i in idx}
-
-    def recvs_of(u: int) -> dict:
-        kw = {}
-        for i in units[u] if u < len(units) else []:
-            kw.update({k: v for k, v in recvs_for(ops[i]).items() if v})
-        return kw
-
-    sent_outputs: List[torch.Tensor] = []  # freed once the batch carrying them has completed
-    pending = [p2p.post(**recvs_of(0))]  # batches in flight; waited before the next unit
-    received: dict = {}
-    unit_sends: dict = {}
-
-    def wait_pending() -> dict:
-        got = {}
-        for batch in pending:
-            if batch is not None:
-                got.update(batch.wait())
-        pending.clear()
-        for t in sent_outputs:
-            _free_output_data(t)
-        sent_outputs.clear()
-        return got
+    def run(i: int, received: Optional[torch.Tensor]) -> Optional[tuple]:
+        """Compute ops[i] on its received activation / gradient; return (direction, tensor) to
+        send, or None. Records the op in the timeline."""
+        nonlocal peak
+        op = ops[i]
+        key = (op.chunk, op.microbatch)
+        send = None
+        if timing:
+            synchronize(param.device)
+            start = time.perf_counter() - t0
+        if op.kind == "F":
+            inp = received
+            if inp is not None:
+                inp.requires_grad_(not forward_only)
+            chunk = chunks[op.chunk]
+            chunk.set_input_tensor(inp)
+            with torch.set_grad_enabled(not forward_only):
+                out, loss_func = forward_step_func(feeder.get(op.chunk, op.microbatch), chunk)
+                if last_vstage(op.chunk):
+                    loss, stats = loss_func(out)
+                    stats_list.append(stats)
+                    if grad_scale_func is not None and not forward_only:
+                        loss = grad_scale_func(loss)
+                    out = loss
+            chunk.set_input_tensor(None)
+            if not last_vstage(op.chunk):
+                send = ("send_next", out)
+            if not forward_only:
+                inputs[key], outputs[key] = inp, out
+                peak = max(peak, len(outputs))
+        elif op.kind == "B":
+            inp, out = inputs.pop(key), outputs.pop(key)
+            if zero_bubble:
+                with WeightGradStore.capture() as queue:
+                    _backward(out, received)
+                weight_grads[key] = list(queue)
+            else:
+                _backward(out, received)
+            if not first_vstage(op.chunk):
+                send = ("send_prev", inp.grad)
+        else:  # W: the deferred weight-gradient GEMMs of one micro-batch
+            for fn in weight_grads.pop(key):
+                fn()
+        if timing:
+            synchronize(param.device)
+            timeline.record(op.kind, op.chunk, op.microbatch, start, time.perf_counter() - t0)
+        return send
 
     try:
-        for i, op in enumerate(ops):
-            no_sync.before(i)
-            key = (op.chunk, op.microbatch)
-            if op.kind != "W" and units[unit_of[i]][0] == i:
-                received = wait_pending()  # this unit's inputs (activation and/or gradient)
-            if timing:
-                synchronize(param.device)
-                start = time.perf_counter() - t0
-            if op.kind == "F":
-                inp = received.pop("activation", None)
-                if inp is not None:
-                    inp.requires_grad_(not forward_only)
-                chunk = chunks[op.chunk]
-                chunk.set_input_tensor(inp)
-                with torch.set_grad_enabled(not forward_only):
-                    out, loss_func = forward_step_func(feeder.get(op.chunk, op.microbatch), chunk)
-                    if last_vstage(op.chunk):
-                        loss, stats = loss_func(out)
-                        stats_list.append(stats)
-                        if grad_scale_func is not None and not forward_only:
-                            loss = grad_scale_func(loss)
-                        out = loss
-                chunk.set_input_tensor(None)
-                if not last_vstage(op.chunk):
-                    # sent with the unit's batch: after the B when F opens an (F, B) unit. Posting
-                    # it earlier in a batch of its own would help gloo but can deadlock NCCL,
-                    # whose p2p batches run one after another on one stream (docs).
-                    unit_sends["send_next"] = out
-                if not forward_only:
-                    inputs[key], outputs[key] = inp, out
-                    peak = max(peak, len(outputs))
-            elif op.kind == "B":
-                inp, out = inputs.pop(key), outputs.pop(key)
-                grad = received.pop("gradient", None)
-                if zero_bubble:
-                    with WeightGradStore.capture() as queue:
-                        _backward(out, grad)
-                    weight_grads[key] = list(queue)
-                else:
-                    _backward(out, grad)
-                if not first_vstage(op.chunk):
-                    unit_sends["send_prev"] = inp.grad
-            else:  # W: the deferred weight-gradient GEMMs of one micro-batch
-                for fn in weight_grads.pop(key):
-                    fn()
-            if timing:
-                synchronize(param.device)
-                timeline.record(op.kind, op.chunk, op.microbatch, start, time.perf_counter() - t0)
-            if op.kind != "W" and units[unit_of[i]][-1] == i:
-                # the unit's sends and the next unit's receives, as one batch; W ops that follow
-                # run while it is in flight
-                pending.append(p2p.post(**unit_sends, **recvs_of(unit_of[i] + 1)))
-                if "send_next" in unit_sends and not forward_only:
-                    sent_outputs.append(unit_sends["send_next"])
-                unit_sends = {}
-        wait_pending()
+        if p2p_mode not in (None, "eager", "batched"):
+            raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {p2p_mode!r}")
+        if p2p_mode == "eager" and not p2p.independent_ops:
+            raise ValueError("p2p_mode='eager' needs a backend whose p2p ops complete "
+                             "independently (gloo)")
+        if (p2p_mode or ("eager" if p2p.independent_ops else "batched")) == "eager":
+            _drive_eager(ops, run, p2p, recvs_for, no_sync, forward_only)
+        else:
+            _drive_batched(ops, run, p2p, recvs_for, no_sync, forward_only,
+                           comm_units(ops, schedule == "interleaved" and not forward_only))
     finally:
         no_sync.close()
     assert not outputs and not weight_grads or forward_only, "schedule left work undone"
