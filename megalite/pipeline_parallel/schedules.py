@@ -40,7 +40,11 @@ Timeline. With ``timing_log_level >= 1`` each stage records the start/end of eve
 all stages, ``bubble_stats`` gives measured bubble fractions, ``write_chrome_trace`` a trace.
 
 The three pipelined schedules share one executor: a schedule is just the per-rank list of ops
-(``schedule_order``), and the executor runs them with p2p between consecutive ops. Their orders
+(``schedule_order``), and the executor runs them with p2p between consecutive ops, by one of two
+programs with the same op order: ``eager_program`` where sends and receives complete
+independently (gloo: receives posted ahead, outputs sent at once, only receives waited), or the
+``comm_units`` batches where they run in order on one stream (NCCL). docs/pipeline_parallel.md
+"Point-to-point" gives the deadlock argument for each; tests/test_pipeline.py replays both. Their orders
 follow THEORY.md "Pipeline bubbles":
   * 1F1B: p-r-1 warm-up forwards on rank r, then one-forward-one-backward, then the cool-down
     backwards; at most p micro-batches in flight on stage 0 (GPipe would hold m).
@@ -398,7 +402,8 @@ def _drive_eager(ops, run, p2p, recvs_for, no_sync, forward_only) -> None:
         elif step == "run":
             no_sync.before(i)
             send, got = run(i, got), None
-        elif send is not None:  # "send": not waited; the receiver posts its receive in time
+        elif step == "send" and send is not None:  # not waited: the receiver has posted, or
+            # will post, its receive (eager_program), and nothing here depends on the send
             in_flight.append(p2p.post(**{send[0]: send[1]}))
             if send[0] == "send_next" and not forward_only:
                 # the batch keeps the sent data alive (P2PBatch.sent) until it completes, so the
