@@ -307,13 +307,18 @@ def test_zero3_single_process_matches_reference():
     _assert_parity(_train(model, opt, ParallelState(), 4), _reference(cfg, 4), "dp1")
 
 
-def test_zero3_refuses_pipeline_parallelism():
-    from megalite.distributed.zero3 import shard_model_zero3
+def test_zero3_refuses_zero_bubble_schedule():
+    """zb-h1 defers weight gradients to a W pass (a clear ConfigError); 1F1B/interleaved run
+    (tests/test_zero3_pipeline.py)."""
+    from types import SimpleNamespace
 
-    ps = ParallelState(pp_size=2)
-    with pytest.raises(ConfigError, match="pipeline"):
-        shard_model_zero3(GPTModel(tiny_config("gpt2"), ParallelState(), seed=1), ps,
-                          OptimizerConfig(zero_stage=3))
+    from megalite.distributed.zero3 import wrap_chunks_zero3
+
+    cfg = SimpleNamespace(training=SimpleNamespace(pipeline_schedule="zb-h1"),
+                          optimizer=OptimizerConfig(zero_stage=3))
+    with pytest.raises(ConfigError, match="zb-h1"):
+        wrap_chunks_zero3([GPTModel(tiny_config("gpt2"), ParallelState(), seed=1)], cfg,
+                          ParallelState(pp_size=2))
 
 
 # ---------------------------------------------------------------------------- pretrain.py e2e

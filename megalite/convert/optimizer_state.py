@@ -344,12 +344,20 @@ def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int) -> List
             if s.name.startswith("layers."):
                 layers.setdefault(".".join(s.name.split(".")[:2]), []).append(slot[s.name])
         tied = ch.pre and ch.post and cfg.tie_embeddings
-        if emb:
-            out.append(Zero3Unit("embedding+output" if tied else "embedding",
-                                 emb + (head if tied else [])))
+        shared = {s.name for s in specs if s.shared_embedding}  # tied over stages: own units
+        if tied:
+            out.append(Zero3Unit("embedding+output", emb + head))
+        elif emb:
+            out += [Zero3Unit(n, slots) for n, slots in (
+                ("embedding.word_embeddings", [x for x in emb if x[0] in shared]),
+                ("embedding", [x for x in emb if x[0] not in shared])) if slots]
         out += [Zero3Unit(k, v) for k, v in layers.items()]
         if head and not tied:
-            out.append(Zero3Unit("output", head))
+            if any(x[0] in shared for x in head):
+                out += [Zero3Unit("output", [x for x in head if x[0] not in shared]),
+                        Zero3Unit("output_layer", [x for x in head if x[0] in shared])]
+            else:
+                out.append(Zero3Unit("output", head))
     return out
 
 

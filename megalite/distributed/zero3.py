@@ -38,11 +38,16 @@ without the forward ever holding them. Activation recomputation re-runs a unit's
 backward: the pre-hook is idempotent (gathered: nothing to do; in flight: wait), and during
 backward the forward hook does not free (the unit's backward follows immediately).
 
-Scope: one pipeline stage (pp = 1) with the no-pipelining schedule (gradient accumulation works:
-each micro-batch's backward reduce-scatters into the fp32 shard, so ``no_sync`` is not needed and
-is a no-op; the cost is 3Ψ per micro-batch, as in FSDP). Deferred weight gradients (zb-h1's
-WeightGradStore) are refused: they would need the unit's full parameters and gradient alive until
-the W pass.
+Scope: any TP/SP layout, and pipelining with 1F1B or interleaved 1F1B: each pipeline chunk is a
+Zero3Model of its own, whose units are its layers plus the embedding / head where the chunk has
+them. A micro-batch's backward may come after later micro-batches' forwards: the forward's saved
+views survive the reshard because the storage is resized, never replaced, and every backward
+re-gathers what it reads. A tied embedding split over stages is two one-parameter units (one per
+copy) whose gradient shards are summed over the embedding group in ``finalize_grads``. Gradient
+accumulation: each micro-batch's backward reduce-scatters into the fp32 shard, so ``no_sync`` is
+not needed and is a no-op; the cost is 3Ψ per micro-batch, as in FSDP. Deferred weight gradients
+(zb-h1's WeightGradStore) are refused: they would need the unit's full parameters and gradient
+alive until the W pass.
 """
 
 from __future__ import annotations
@@ -244,9 +249,6 @@ class Zero3Model(nn.Module):
 
     def __init__(self, model: nn.Module, ps: ParallelState, opt_cfg: OptimizerConfig):
         super().__init__()
-        if ps.pp_size > 1:
-            raise ConfigError("--zero-stage 3 supports --pipeline-model-parallel-size 1 only "
-                              "(use --zero-stage 1/2 with pipelining)")
         if opt_cfg.optimizer not in ("adam", "adamw"):
             raise ConfigError(f"--zero-stage 3 implements AdamW only, got --optimizer "
                               f"{opt_cfg.optimizer}")
@@ -276,6 +278,16 @@ class Zero3Model(nn.Module):
         self.peak_gathered_bytes = {FORWARD: 0, BACKWARD: 0}
         self.peak_gathered_units = {FORWARD: 0, BACKWARD: 0}
 
+    def __getattr__(self, name: str):
+        # The pipeline schedules use the chunk's config and set_input_tensor: pass them through.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
     # ----------------------------------------------------------------------------- structure
     def _build_units(self, model: nn.Module, dtype: torch.dtype) -> None:
         named = dict(model.named_parameters())
@@ -297,33 +309,52 @@ class Zero3Model(nn.Module):
             self.units.append(unit)
             return unit
 
+        def shared(p) -> bool:
+            return bool(getattr(p, "shared_embedding", False))
+
         pre = getattr(model, "pre_process", True)
         post = getattr(model, "post_process", True)
         tied = pre and post and model.output_layer.weight is None
-        emb_unit = head_unit = None
+        order: List[Use] = []
+        head_use = None
         if pre:
             emb = params_of("embedding", model.embedding)
             if tied:
                 head = (params_of("final_layernorm", model.final_layernorm)
                         + params_of("output_layer", model.output_layer))
-                emb_unit = add_unit("embedding+output", [
+                unit = add_unit("embedding+output", [
                     (model.embedding, model.embedding, emb),
                     (model.final_layernorm, model.output_layer, head)])
-                head_unit = emb_unit
+                order.append(unit.uses[0])
+                head_use = unit.uses[1]
             else:
-                emb_unit = add_unit("embedding", [(model.embedding, model.embedding, emb)])
-        layer_units = [add_unit(f"layers.{k}", [(layer, layer, params_of(f"layers.{k}", layer))])
-                       for k, layer in model.layers.items()]
+                # A tied embedding split over pipeline stages (pp > 1) has a copy on the last
+                # stage too: each copy is a unit of its own, so both have the same flat layout
+                # and their reduce-scattered gradient shards line up element for element for
+                # the all-reduce over the embedding group (finalize_grads).
+                own = [np_ for np_ in emb if shared(np_[1])]
+                rest = [np_ for np_ in emb if not shared(np_[1])]
+                for name, nps in (("embedding.word_embeddings", own), ("embedding", rest)):
+                    if nps:
+                        order.append(add_unit(name, [(model.embedding, model.embedding,
+                                                      nps)]).uses[0])
+        order += [add_unit(f"layers.{k}", [(layer, layer, params_of(f"layers.{k}", layer))]
+                           ).uses[0] for k, layer in model.layers.items()]
         if post and not tied:
-            head = (params_of("final_layernorm", model.final_layernorm)
-                    + params_of("output_layer", model.output_layer))
-            head_unit = add_unit("output", [(model.final_layernorm, model.output_layer, head)])
-        order = []
-        if emb_unit is not None:
-            order.append(emb_unit.uses[0])
-        order += [u.uses[0] for u in layer_units]
-        if head_unit is not None:
-            order.append(head_unit.uses[-1])
+            norm = params_of("final_layernorm", model.final_layernorm)
+            out = params_of("output_layer", model.output_layer)
+            if any(shared(p) for _, p in out):  # the last stage's copy (see above)
+                if len(out) != 1:
+                    raise RuntimeError("ZeRO-3: a shared output layer must hold its weight only")
+                order.append(add_unit("output", [(model.final_layernorm, model.final_layernorm,
+                                                  norm)]).uses[0])
+                order.append(add_unit("output_layer", [(model.output_layer, model.output_layer,
+                                                        out)]).uses[0])
+            else:
+                order.append(add_unit("output", [(model.final_layernorm, model.output_layer,
+                                                  norm + out)]).uses[0])
+        if head_use is not None:
+            order.append(head_use)
         for i, use in enumerate(order):
             use.index = i
         self.uses = order
@@ -392,8 +423,8 @@ class Zero3Model(nn.Module):
     # ------------------------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         if self.phase == BACKWARD:
-            raise RuntimeError("ZeRO-3: a new forward started before the previous backward ended "
-                               "(pipelined schedules are not supported with --zero-stage 3)")
+            raise RuntimeError("ZeRO-3: a new forward started inside a backward of the same "
+                               "model chunk")
         self.phase = FORWARD
         self._grads_finalized = False if torch.is_grad_enabled() else self._grads_finalized
         out = self.module(*args, **kwargs)
@@ -530,6 +561,16 @@ class Zero3Model(nn.Module):
                 for piece in pieces:
                     piece.copy_(flat[k:k + piece.numel()])
                     k += piece.numel()
+        # Tied embedding over pipeline stages: the first stage's input embedding and the last
+        # stage's output layer are two copies of one weight, each a one-parameter unit with the
+        # same padded layout on the same DP rank, so their fp32 gradient *shards* can be summed
+        # over the embedding group directly (1/N of the bytes of stage 0's all-reduce). Both
+        # copies then take identical AdamW steps and stay equal.
+        if self.ps.pp_size > 1 and self.ps.embedding_group is not None:
+            for u in self.units:
+                if len(u.params) == 1 and getattr(u.params[0], "shared_embedding", False):
+                    C.all_reduce(u.grad, group=self.ps.embedding_group,
+                                 tag="zero3_embedding_grad_all_reduce")
         self._grads_finalized = True
 
     # ---------------------------------------------------------------------- full-model export
@@ -640,17 +681,18 @@ def shard_model_zero3(model: nn.Module, ps: ParallelState, opt_cfg: OptimizerCon
 
 def wrap_chunks_zero3(model_chunks, cfg, ps: ParallelState):
     """The training loop's data-parallel seam for --zero-stage 3 (megalite.training.
-    wrap_model_for_data_parallel): (chunks, no_sync_func, finalize_model_grads_func)."""
-    if len(model_chunks) != 1:
-        raise ConfigError("--zero-stage 3 needs one model chunk per rank (no virtual pipeline)")
+    wrap_model_for_data_parallel): (chunks, no_sync_func, finalize_model_grads_func). Each
+    pipeline chunk (one per virtual stage) is sharded on its own: its layers, and its embedding
+    or head where it has them, are its units."""
     if getattr(cfg.training, "pipeline_schedule", None) == "zb-h1":
         raise ConfigError("--zero-stage 3 does not support --pipeline-schedule zb-h1 (deferred "
-                          "weight gradients); use --zero-stage 1/2")
-    model = shard_model_zero3(model_chunks[0], ps, cfg.optimizer)
+                          "weight gradients would keep every unit gathered until its W pass); "
+                          "use 1f1b or interleaved, or --zero-stage 1/2")
+    models = [shard_model_zero3(chunk, ps, cfg.optimizer) for chunk in model_chunks]
 
     def finalize(chunks):
         for chunk in chunks:
             chunk.finalize_grads()
 
     # no_sync is None: each micro-batch's gradient is reduce-scattered into the fp32 shard.
-    return [model], None, finalize
+    return models, None, finalize

@@ -20,9 +20,7 @@ def build_optimizer(model_chunks, opt_cfg, ps):
     if opt_cfg.zero_stage == 3:  # AdamW on the ZeRO-3 shards (docs/zero3.md)
         from megalite.optimizer.zero3_optimizer import Zero3Optimizer
 
-        if len(model_chunks) != 1:
-            raise ConfigError("--zero-stage 3 needs one model chunk per rank (no virtual pipeline)")
-        return Zero3Optimizer(model_chunks[0], opt_cfg, ps)
+        return Zero3Optimizer(list(model_chunks), opt_cfg, ps)
     if opt_cfg.zero_stage >= 1 or opt_cfg.use_distributed_optimizer:
         if importlib.util.find_spec("megalite.optimizer.distrib_optimizer") is None:
             raise ConfigError(

@@ -38,10 +38,18 @@ _FULL_FORMAT = "megalite-zero3-full/1"
 class Zero3Optimizer:
     sharded_state_dict_per_dp_rank = True
 
-    def __init__(self, model: Zero3Model, opt_cfg, ps):
-        if not isinstance(model, Zero3Model):
-            raise TypeError("Zero3Optimizer needs the Zero3Model from shard_model_zero3")
-        self.model = model
+    def __init__(self, model, opt_cfg, ps):
+        # One Zero3Model, or one per pipeline chunk (virtual stages): their units together are
+        # this rank's model state; unit names are unique (layers carry their global number).
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        if not chunks or not all(isinstance(c, Zero3Model) for c in chunks):
+            raise TypeError("Zero3Optimizer needs the Zero3Model(s) from shard_model_zero3")
+        self.chunks = chunks
+        self.model = chunks[0]  # its flat-buffer helpers work on any chunk's units
+        self.units = [u for c in chunks for u in c.units]
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ZeRO-3 unit names repeat across model chunks: {names}")
         self.cfg = opt_cfg
         self.ps = ps
         self.param_groups = [
@@ -49,12 +57,12 @@ class Zero3Optimizer:
             {"name": "no_decay", "lr": opt_cfg.lr, "weight_decay": 0.0},
         ]
         self.step_count = 0
-        self.exp_avg = [torch.zeros_like(u.main) for u in model.units]
-        self.exp_avg_sq = [torch.zeros_like(u.main) for u in model.units]
+        self.exp_avg = [torch.zeros_like(u.main) for u in self.units]
+        self.exp_avg_sq = [torch.zeros_like(u.main) for u in self.units]
         # Per-unit runs [(start, end, group)] and the runs that count in the gradient norm.
         self.runs: List[List[Tuple[int, int, int]]] = []
         self.norm_runs: List[List[Tuple[int, int]]] = []
-        for u in model.units:
+        for u in self.units:
             runs, norm = [], []
             for s in u.segments:
                 p = u.params[s.param_index]
@@ -76,13 +84,14 @@ class Zero3Optimizer:
         return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
 
     def zero_grad(self) -> None:
-        self.model.zero_grad_shards()
+        for c in self.chunks:
+            c.zero_grad_shards()
 
     def reload_model_params(self) -> None:
         """The masters live in the model's units (shared), so there is nothing to copy."""
 
     def _grads(self) -> List[torch.Tensor]:
-        return [u.grad for u in self.model.units]
+        return [u.grad for u in self.units]
 
     def _found_inf(self, grads) -> bool:
         flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
@@ -97,8 +106,8 @@ class Zero3Optimizer:
 
     def grad_norm(self) -> float:
         """sqrt(Σ g²) of the full model: local shard squares summed over DP, then over TP."""
-        sq = torch.zeros(1, dtype=torch.float32, device=self.model.units[0].grad.device)
-        for u, runs in zip(self.model.units, self.norm_runs):
+        sq = torch.zeros(1, dtype=torch.float32, device=self.units[0].grad.device)
+        for u, runs in zip(self.units, self.norm_runs):
             for a, b in runs:
                 sq += u.grad[a:b].pow(2).sum()
         C.all_reduce(sq, group=self.ps.dp_group, tag="grad_norm_all_reduce")
@@ -107,7 +116,8 @@ class Zero3Optimizer:
 
     @torch.no_grad()
     def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        self.model.finalize_grads()
+        for c in self.chunks:
+            c.finalize_grads()
         grads = self._grads()
         if self.grad_scaler is not None:
             inv = 1.0 / self.grad_scaler.scale
@@ -127,7 +137,7 @@ class Zero3Optimizer:
                     g.mul_(coef)
         self.step_count += 1
         self._adamw(grads)
-        for u in self.model.units:
+        for u in self.units:
             if u.shard is not u.main:
                 u.shard.copy_(u.main)  # round the fp32 masters into the 16-bit gather source
         return True, norm, None
@@ -141,7 +151,7 @@ class Zero3Optimizer:
         bc2_sqrt = math.sqrt(1.0 - b2 ** t)
         groups = self.param_groups
         same_lr = groups[DECAY]["lr"] == groups[NO_DECAY]["lr"]
-        for u, g, m, v, runs in zip(self.model.units, grads, self.exp_avg, self.exp_avg_sq,
+        for u, g, m, v, runs in zip(self.units, grads, self.exp_avg, self.exp_avg_sq,
                                     self.runs):
             p = u.main
             for a, b, gi in runs:
@@ -160,7 +170,7 @@ class Zero3Optimizer:
     # ---------------------------------------------------------------------- per-rank checkpoint
     def state_dict(self) -> dict:
         units = {}
-        for u, m, v in zip(self.model.units, self.exp_avg, self.exp_avg_sq):
+        for u, m, v in zip(self.units, self.exp_avg, self.exp_avg_sq):
             # names and shapes make the file self-describing: merging the shards of every DP
             # rank by parameter name needs no model (pretrain at another DP size, convert.py).
             units[u.name] = {"numel": u.numel, "names": list(u.names),
@@ -168,8 +178,8 @@ class Zero3Optimizer:
                              "main": u.main, "exp_avg": m, "exp_avg_sq": v}
         return {
             "format": _SHARD_FORMAT,
-            "dp_size": self.model.units[0].dp_size if self.model.units else 1,
-            "dp_rank": self.model.units[0].dp_rank if self.model.units else 0,
+            "dp_size": self.units[0].dp_size if self.units else 1,
+            "dp_rank": self.units[0].dp_rank if self.units else 0,
             "step": self.step_count,
             "param_groups": [{"lr": g["lr"], "weight_decay": g["weight_decay"]}
                              for g in self.param_groups],
@@ -180,15 +190,15 @@ class Zero3Optimizer:
     def shard_fits(self, sd: dict) -> bool:
         """True if ``sd`` is this very rank's shard: same format, DP size and rank, and the same
         units holding the same parameters (else checkpointing merges every rank's file)."""
-        if sd.get("format") != _SHARD_FORMAT or not self.model.units:
+        if sd.get("format") != _SHARD_FORMAT or not self.units:
             return False
-        u0 = self.model.units[0]
+        u0 = self.units[0]
         if (sd.get("dp_size"), sd.get("dp_rank")) != (u0.dp_size, u0.dp_rank):
             return False
         saved = sd.get("units", {})
-        return (list(saved) == [u.name for u in self.model.units]
+        return (list(saved) == [u.name for u in self.units]
                 and all(saved[u.name].get("names", u.names) == u.names
-                        and saved[u.name]["numel"] == u.numel for u in self.model.units))
+                        and saved[u.name]["numel"] == u.numel for u in self.units))
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
@@ -199,16 +209,16 @@ class Zero3Optimizer:
             return
         if sd.get("format") != _SHARD_FORMAT:
             raise ValueError(f"not a ZeRO-3 optimizer state (format {sd.get('format')!r})")
-        dp = self.model.units[0].dp_size
-        if sd["dp_size"] != dp or sd["dp_rank"] != self.model.units[0].dp_rank:
+        dp = self.units[0].dp_size
+        if sd["dp_size"] != dp or sd["dp_rank"] != self.units[0].dp_rank:
             raise ValueError(f"ZeRO-3 optimizer state was saved by DP rank {sd['dp_rank']} of "
-                             f"{sd['dp_size']}, this is rank {self.model.units[0].dp_rank} of "
+                             f"{sd['dp_size']}, this is rank {self.units[0].dp_rank} of "
                              f"{dp}: reshard with gather_full_state()/load_full_state()")
         if not self.shard_fits(sd):
             raise ValueError(f"ZeRO-3 optimizer state has units {list(sd['units'])[:4]}..., this "
-                             f"model {[u.name for u in self.model.units][:4]}... (different model "
+                             f"model {[u.name for u in self.units][:4]}... (different model "
                              f"config?)")
-        for u, m, v in zip(self.model.units, self.exp_avg, self.exp_avg_sq):
+        for u, m, v in zip(self.units, self.exp_avg, self.exp_avg_sq):
             s = sd["units"][u.name]
             u.main.copy_(s["main"])
             m.copy_(s["exp_avg"])
@@ -236,7 +246,7 @@ class Zero3Optimizer:
         megalite parameter name. Collective over DP; every DP rank gets the same dict."""
         model, master, exp_avg, exp_avg_sq = {}, {}, {}, {}
         zm = self.model
-        for u, m, v in zip(zm.units, self.exp_avg, self.exp_avg_sq):
+        for u, m, v in zip(self.units, self.exp_avg, self.exp_avg_sq):
             master.update(zm.split_flat(u, zm.gather_flat(u, u.main)))
             exp_avg.update(zm.split_flat(u, zm.gather_flat(u, m)))
             exp_avg_sq.update(zm.split_flat(u, zm.gather_flat(u, v)))
@@ -258,7 +268,7 @@ class Zero3Optimizer:
             raise ValueError(f"not a ZeRO-3 full state (format {full.get('format')!r})")
         zm = self.model
         opt = full["optimizer"]
-        for u, m, v in zip(zm.units, self.exp_avg, self.exp_avg_sq):
+        for u, m, v in zip(self.units, self.exp_avg, self.exp_avg_sq):
             u.main.copy_(zm.local_shard_of(u, opt["master"]))
             m.copy_(zm.local_shard_of(u, opt["exp_avg"]))
             v.copy_(zm.local_shard_of(u, opt["exp_avg_sq"]))
@@ -269,7 +279,7 @@ class Zero3Optimizer:
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """For megalite.memory: fp32 masters and Adam moments (the 16-bit shards and the fp32
         gradient shards are the model's: ``unit.shard``, ``unit.grad``)."""
-        return {"master_params": [u.main for u in self.model.units],
+        return {"master_params": [u.main for u in self.units],
                 "optimizer_states": list(self.exp_avg) + list(self.exp_avg_sq)}
 
     def state_bytes(self) -> Dict[str, int]:
