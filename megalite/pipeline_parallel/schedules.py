@@ -44,8 +44,8 @@ The three pipelined schedules share one executor: a schedule is just the per-ran
 programs with the same op order: ``eager_program`` where sends and receives complete
 independently (gloo: receives posted ahead, outputs sent at once, only receives waited), or the
 ``comm_units`` batches where they run in order on one stream (NCCL). docs/pipeline_parallel.md
-"Point-to-point" gives the deadlock argument for each; tests/test_pipeline.py replays both. Their orders
-follow THEORY.md "Pipeline bubbles":
+"Point-to-point" gives the deadlock argument for each; tests/test_pipeline.py replays both.
+The orders follow THEORY.md "Pipeline bubbles":
   * 1F1B: p-r-1 warm-up forwards on rank r, then one-forward-one-backward, then the cool-down
     backwards; at most p micro-batches in flight on stage 0 (GPipe would hold m).
   * interleaved 1F1B (v chunks per rank): 2(p-r-1)+(v-1)p warm-up forwards; micro-batches go
