@@ -70,7 +70,10 @@ class Embedding(nn.Module):
             s_local = x.shape[0]
             if position_ids is None:
                 start = C.group_rank(self.tp_group) * s_local if self.sequence_parallel else 0
-                pos = self.position_embeddings.weight[start:start + s_local].unsqueeze(1)
+                positions = torch.arange(start, start + s_local, device=x.device)
+                # Call the module (not slice its weight): wrappers that gather or wait for a
+                # parameter in a forward pre-hook (ZeRO param all-gather overlap) must see it run.
+                pos = self.position_embeddings(positions).unsqueeze(1)
             else:
                 pos = self.position_embeddings(position_ids.t())
                 if self.sequence_parallel:
