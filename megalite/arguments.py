@@ -373,6 +373,14 @@ def validate_for_world(cfg: MegaliteConfig, world_size: int) -> MegaliteConfig:
     cfg.parallel.validate(world_size)
     dp = cfg.parallel.data_parallel_size(world_size)
     cfg.training.validate(dp)
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        # Fail before any model is built: m, p, v and the schedule must fit together.
+        from megalite.pipeline_parallel.schedules import check_pipeline_args
+
+        check_pipeline_args(cfg.parallel.pipeline_model_parallel_size,
+                            cfg.training.num_micro_batches(dp),
+                            cfg.parallel.virtual_pipeline_model_parallel_size,
+                            cfg.training.pipeline_schedule)
     return cfg
 
 
