@@ -38,6 +38,22 @@ SEQ = 16
 SEED = 7
 
 
+
+def make_forward_step(num_global_tokens: int):
+    """The schedule contract's forward step: per-token losses summed and divided by the global
+    batch's token count (DESIGN.md contract 4), so DP/PP reductions are plain sums."""
+
+    def forward_step(data_iterator, module):
+        tokens, labels = next(data_iterator)
+        out = module(tokens, labels=labels)
+
+        def loss_func(o):
+            return o.sum() / num_global_tokens, {"lm_loss_sum": o.detach().sum()}
+
+        return out, loss_func
+
+    return forward_step
+
 def global_batch(it: int, b: int = GLOBAL_BATCH, s: int = SEQ):
     g = torch.Generator().manual_seed(1000 + it)
     ids = torch.randint(0, VOCAB, (b, s + 1), generator=g)
@@ -94,15 +110,7 @@ def train(ps: ParallelState, model_cfg, cfg: OptimizerConfig, iters: int, micro_
         tokens, labels = tokens[r * local:(r + 1) * local], labels[r * local:(r + 1) * local]
         batches = iter([(tokens[i:i + mbs], labels[i:i + mbs]) for i in range(0, local, mbs)])
 
-        def forward_step(data_iterator, module):
-            t, lab = next(data_iterator)
-            out = module(t, labels=lab)
-
-            def loss_func(o):
-                return o.sum() / ntok, {"lm_loss_sum": o.detach().sum()}
-
-            return out, loss_func
-
+        forward_step = make_forward_step(ntok)
         C.reset_bytes_sent()
         opt.zero_grad()
         stats = forward_backward_no_pipelining(
@@ -464,15 +472,7 @@ def _pp2_dp2_worker(rank, world_size):
             batches = iter([(tokens[r + i:r + i + mbs], labels[r + i:r + i + mbs])
                             for i in range(0, local, mbs)])
 
-            def forward_step(data_iterator, module):
-                t, lab = next(data_iterator)
-                out = module(t, labels=lab)
-
-                def loss_func(o):
-                    return o.sum() / ntok, {"lm_loss_sum": o.detach().sum()}
-
-                return out, loss_func
-
+            forward_step = make_forward_step(ntok)
             opt.zero_grad()
             stats = fb(forward_step_func=forward_step, data_iterator=batches, model=chunks,
                        num_microbatches=m, seq_length=SEQ, micro_batch_size=mbs,
