@@ -38,7 +38,6 @@ SEQ = 16
 SEED = 7
 
 
-
 def make_forward_step(num_global_tokens: int):
     """The schedule contract's forward step: per-token losses summed and divided by the global
     batch's token count (DESIGN.md contract 4), so DP/PP reductions are plain sums."""
