@@ -12,8 +12,8 @@ DP all-reduce SUM of gradients) over DP ranks gives exactly the single-device me
 gradient.
 
 Seams other parts plug into:
-  * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (plain DP
-    here: finalize_model_grads with an all-reduce SUM; the ZeRO work replaces this function);
+  * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (bucketed
+    DDP for ZeRO stages 0-2, parameter sharding for stage 3);
   * ``megalite.optimizer.build_optimizer`` -- plain AdamW or the ZeRO DistributedOptimizer;
   * ``megalite.pipeline_parallel.schedules.get_forward_backward_func`` and
     ``megalite.pipeline_parallel.partition.build_model_chunks`` -- schedules and stage cuts;
@@ -33,7 +33,6 @@ from megalite import checkpointing
 from megalite import collectives as C
 from megalite.arguments import validate_for_world
 from megalite.config import ConfigError, MegaliteConfig
-from megalite.distributed.finalize_model_grads import finalize_model_grads
 from megalite.logging import (
     MetricsLogger,
     model_flops_per_sequence,
@@ -80,22 +79,17 @@ def wrap_model_for_data_parallel(model_chunks: List[torch.nn.Module], cfg: Megal
     fp32 grad buffers, bucketed all-reduce / reduce-scatter, overlapped with backward under
     --overlap-grad-reduce); ``no_sync_func`` defers the DP reduction to the last micro-batch and
     the finalize function waits for it, then all-reduces SP grads over TP and tied-embedding grads
-    over the embedding group (docs/data_parallel.md). Stage 3 keeps the plain path here:
-    parameter sharding is megalite/distributed/zero3.py's.
+    over the embedding group (docs/data_parallel.md). Stage 3 shards the parameters themselves
+    (megalite/distributed/zero3.py).
     """
     if cfg.optimizer.zero_stage <= 2:
         from megalite.distributed.ddp import wrap_chunks
 
         return wrap_chunks(model_chunks, cfg.optimizer, ps)
-    if cfg.optimizer.zero_stage == 3:  # parameter sharding (docs/zero3.md)
-        from megalite.distributed.zero3 import wrap_chunks_zero3
+    # stage 3: parameter sharding (docs/zero3.md); OptimizerConfig.validate admits only 0-3
+    from megalite.distributed.zero3 import wrap_chunks_zero3
 
-        return wrap_chunks_zero3(model_chunks, cfg, ps)
-
-    def finalize(chunks):
-        finalize_model_grads(chunks, ps, data_parallel=True)
-
-    return model_chunks, None, finalize
+    return wrap_chunks_zero3(model_chunks, cfg, ps)
 
 
 def build_data(cfg: MegaliteConfig, ps: ParallelState, seq_length: int):
