@@ -267,7 +267,7 @@ def _vpp_layers_per_stage(cfg: MegaliteConfig) -> Optional[int]:
 # ------------------------------------------------------------------------------------------------
 def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=None) -> dict:
     """Train as configured; returns a summary (final iteration, last losses) for scripts/tests."""
-    par, tr, ck = cfg.parallel, cfg.training, cfg.checkpoint
+    par, ck = cfg.parallel, cfg.checkpoint
     if ps is None:
         ps = initialize_model_parallel(
             par.tensor_model_parallel_size, par.pipeline_model_parallel_size,

@@ -44,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(load_dir: str, iteration=None, device="cpu"):
     """(GPTModel in eval mode, its ModelConfig) from a tp=1, pp=1 checkpoint."""
-    import torch
 
     from megalite import checkpointing as ck
     from megalite.models import GPTModel

@@ -35,7 +35,6 @@ from megalite.tensor_parallel.layers import (
     dtype_from_name,
 )
 from megalite.tensor_parallel.mappings import (
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker

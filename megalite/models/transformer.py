@@ -12,7 +12,6 @@ row-parallel output projection sums the partial results.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn

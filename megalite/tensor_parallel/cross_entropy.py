@@ -24,7 +24,6 @@ from megalite import collectives as C
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
-        n = C.group_size(group)
         rank = C.group_rank(group)
         part = logits.shape[-1]
         start = rank * part

@@ -18,7 +18,6 @@ layout (DESIGN.md contract 3). Each parameter records how to do that in ``param.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, List, Optional
 
 import torch
@@ -27,7 +26,6 @@ import torch.nn.functional as F
 
 from megalite import collectives as C
 from megalite.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
     gather_first_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
