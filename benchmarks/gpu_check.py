@@ -1,0 +1,244 @@
+"""Helpers for benchmarks/gpu_check.sh (run that, not this): env report, CUDA-vs-CPU correctness,
+and the summary. Each subcommand writes one JSON result to --result; exit code 0 = pass.
+
+    python benchmarks/gpu_check.py env --result env.json
+    python benchmarks/gpu_check.py correctness --device cuda --result corr.json
+    python benchmarks/gpu_check.py summarize --work DIR --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _write(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+    print(json.dumps(obj, indent=1, default=str))
+
+
+# ------------------------------------------------------------------------------------------- env
+def cmd_env(args):
+    import torch.distributed as dist
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+            "cpu_count": os.cpu_count(), "gloo_available": dist.is_gloo_available(),
+            "nccl_available": dist.is_nccl_available()}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except Exception as e:  # noqa: BLE001 - report, don't fail
+        info["transformers"] = f"missing ({e})"
+    try:
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as e:  # noqa: BLE001
+        info["nvidia_smi"] = f"unavailable ({type(e).__name__})"
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(device_name=p.name, capability=f"{p.major}.{p.minor}",
+                    multiprocessors=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2 ** 30, 1))
+        try:
+            info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as e:  # noqa: BLE001
+            info["nccl_version"] = f"unavailable ({e})"
+        # The measured bf16 matmul ceiling (random data; METHOD.md), to set MFU beside.
+        n = 8192
+        a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for _ in range(3):
+            a @ b
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        info["bf16_matmul_tflops_measured"] = round(2 * n ** 3 * 10 / (start.elapsed_time(end) / 1e3) / 1e12, 1)
+        # NCCL across ranks needs 2+ GPUs; a 1-rank group at least shows the library loads and runs.
+        try:
+            dist.init_process_group("nccl", init_method=f"file://{args.result}.store", rank=0,
+                                    world_size=1, device_id=torch.device("cuda", 0))
+            t = torch.ones(4, device="cuda")
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+            info["nccl_1rank_all_reduce"] = "ok" if t.sum().item() == 4 else f"wrong result {t.tolist()}"
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001
+            info["nccl_1rank_all_reduce"] = f"error: {type(e).__name__}: {e}"[:300]
+    from megalite.logging import peak_flops_per_device
+    if torch.cuda.is_available():
+        info["megalite_peak_bf16_tflops"] = peak_flops_per_device(torch.device("cuda", 0)) / 1e12
+    _write(args.result, info)
+    return 0
+
+
+# ----------------------------------------------------------------------------------- correctness
+def _model_config(family, dtype):
+    from megalite.config import ModelConfig
+
+    base = dict(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
+                vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)
+    if family == "llama":
+        base.update(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                    add_bias_linear=False, untie_embeddings_and_output_weights=True,
+                    num_query_groups=2, ffn_hidden_size=512)
+    return ModelConfig(**base)
+
+
+def _run(family, dtype, device, tokens, labels, seed=1234):
+    from megalite.models import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    model = GPTModel(_model_config(family, dtype), ParallelState(device=torch.device(device)),
+                     seed=seed, device=torch.device(device))
+    tokens, labels = tokens.to(device), labels.to(device)
+    logits = model(tokens).float()
+    loss = model(tokens, labels=labels).float().mean()
+    loss.backward()
+    params = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+    grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().cpu(), loss.item(), params, grads
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def cmd_correctness(args):
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (TF32 would be ~1e-3 off)
+    torch.backends.cudnn.allow_tf32 = False
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1000, (4, 129), generator=g)
+    tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    res, ok = {"device": args.device}, True
+    for family in ("gpt2", "llama"):
+        ref_logits, ref_loss, ref_params, ref_grads = _run(family, "float32", "cpu", tokens, labels)
+        # fp32 on the device under test against fp32 on the CPU: same seed => same weights.
+        logits, loss, params, grads = _run(family, "float32", args.device, tokens, labels)
+        r = {"init_max_abs": max((params[n] - ref_params[n]).abs().max().item() for n in ref_params),
+             "logits_max_abs": (logits - ref_logits).abs().max().item(),
+             "loss_ref": ref_loss, "loss": loss, "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+             "grad_max_abs": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+             "grad_max_rel": max(_rel(grads[n], ref_grads[n]) for n in ref_grads),
+             "num_grads": len(grads)}
+        r["pass"] = (r["init_max_abs"] == 0 and r["logits_max_abs"] <= 1e-4 and r["loss_rel"] <= 1e-5
+                     and r["grad_max_abs"] <= 1e-5 and r["grad_max_rel"] <= 1e-4
+                     and len(grads) == len(ref_grads))
+        res[f"{family}_fp32"] = r
+        # bf16 sanity: the same model in bf16 on the device, against the fp32 CPU reference.
+        logits, loss, _, grads = _run(family, "bfloat16", args.device, tokens, labels)
+        finite = bool(torch.isfinite(logits).all()) and all(torch.isfinite(t).all() for t in grads.values())
+        b = {"finite": finite, "logits_rel": _rel(logits, ref_logits), "loss": loss,
+             "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
+             "grad_rel_median": statistics.median(_rel(grads[n], ref_grads[n]) for n in ref_grads)}
+        b["pass"] = finite and b["logits_rel"] <= 3e-2 and b["loss_rel"] <= 1e-2 and b["grad_rel_median"] <= 5e-2
+        res[f"{family}_bf16"] = b
+        ok = ok and r["pass"] and b["pass"]
+    res["pass"] = ok
+    _write(args.result, res)
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------- summarize
+def _train_stats(path):
+    recs = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    train = [r for r in recs if r.get("split") == "train"]
+    timed = train[1:] or train  # the first logged interval holds warm-up and compilation
+    if not timed:
+        return {"records": 0}
+    med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
+    return {"records": len(train), "iteration_time_ms": med("iteration_time_ms"),
+            "tokens_per_sec": med("tokens_per_sec"), "tflops_per_device": med("tflops_per_device"),
+            "mfu": med("mfu"), "peak_memory_gib": max(r["peak_memory_bytes"] for r in timed) / 2 ** 30,
+            "lm_loss_first": train[0]["lm_loss"], "lm_loss_last": train[-1]["lm_loss"]}
+
+
+def cmd_summarize(args):
+    steps = []
+    for line in open(os.path.join(args.work, "steps.tsv")):
+        name, status, rc, secs, note = line.rstrip("\n").split("\t")
+        step = {"step": name, "status": status, "rc": int(rc), "seconds": float(secs), "note": note}
+        result = os.path.join(args.work, f"{name}.json")
+        try:
+            step["result"] = json.load(open(result))
+        except (OSError, ValueError):
+            pass
+        if name.startswith("train_") and status == "pass":
+            step["result"] = _train_stats(os.path.join(args.work, f"{name}.jsonl"))
+            if not step["result"].get("records"):
+                step["status"], step["note"] = "fail", "no train records in metrics file; " + note
+        steps.append(step)
+    env = next((s.get("result", {}) for s in steps if s["step"] == "env"), {})
+    summary = {"mode": args.mode, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env,
+               "steps": steps, "all_pass": all(s["status"] in ("pass", "skip") for s in steps)}
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1, default=str)
+
+    lines = [f"gpu_check {summary['time']}  mode: {args.mode}",
+             f"torch {env.get('torch')} (CUDA {env.get('torch_cuda')}) | device: "
+             f"{env.get('device_name', 'none')} | NCCL available: {env.get('nccl_available')} "
+             f"{env.get('nccl_version', '')} | bf16 matmul measured: "
+             f"{env.get('bf16_matmul_tflops_measured', '-')} TFLOP/s | 1-rank NCCL all-reduce: "
+             f"{env.get('nccl_1rank_all_reduce', '-')}", ""]
+    if args.mode != "gpu":
+        lines.insert(1, "DRY RUN (no CUDA device): correctness and train_* ran as tiny CPU stand-ins; "
+                        "no number below is a GPU measurement")
+    lines.append(f"{'step':<22} {'status':<8} {'s':>6}  detail")
+    for s in steps:
+        r, detail = s.get("result", {}), s["note"]
+        if "tokens_per_sec" in r:
+            detail = (f"{r['tokens_per_sec']:,.0f} tok/s  {r['tflops_per_device']:.1f} TFLOP/s  "
+                      f"MFU {100 * r['mfu']:.1f}%  {r['iteration_time_ms']:.1f} ms/it  "
+                      f"peak {r['peak_memory_gib']:.2f} GiB  loss {r['lm_loss_first']:.3f}->"
+                      f"{r['lm_loss_last']:.3f}  {detail}")
+        elif s["step"] == "correctness" and "gpt2_fp32" in r:
+            detail = "; ".join(
+                f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
+                f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
+                for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
+        elif "megalite" in r and "hf" in r:
+            detail = (f"megalite {r['megalite']['tokens_per_s']:,.0f} tok/s, HF {r['hf']['tokens_per_s']:,.0f}"
+                      f" tok/s, per-round ratio {r['paired_ratio_median']:.2f}x, {r['threads']} threads"
+                      f"  {detail}")
+        lines.append(f"{s['step']:<22} {s['status']:<8} {s['seconds']:>6.1f}  {detail}")
+    lines.append(f"\nALL PASS: {summary['all_pass']}")
+    text = "\n".join(lines)
+    with open(os.path.join(args.out, "summary.txt"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("env")
+    e.add_argument("--result", required=True)
+    c = sub.add_parser("correctness")
+    c.add_argument("--device", default="cuda")
+    c.add_argument("--result", required=True)
+    s = sub.add_parser("summarize")
+    s.add_argument("--work", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--mode", default="gpu")
+    args = p.parse_args(argv)
+    return {"env": cmd_env, "correctness": cmd_correctness, "summarize": cmd_summarize}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One-shot GPU check for a lent single-GPU machine (docs/performance.md "GPU checks").
+#   bash benchmarks/gpu_check.sh             # CUDA if present, else the --dry-run below
+#   bash benchmarks/gpu_check.sh --dry-run   # no GPU needed: tiny CPU stand-ins for the CUDA steps
+# Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | train x3 (pretrain.py bf16,
+# no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU: it has no device flag).
+# Each step has its own timeout, capped by a total budget (GC_BUDGET s, default 420). Writes
+# summary.json, summary.txt and gpu_check.log to $OUT (default ./gpu_check_out). Exit 1 if a step failed.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./gpu_check_out}
+PY=${PYTHON:-python3}
+BUDGET=${GC_BUDGET:-420}
+WORK=$(mktemp -d)
+mkdir -p "$OUT"
+LOG=$OUT/gpu_check.log
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+START=$SECONDS
+: >"$LOG"
+
+if [ "${1:-}" != "--dry-run" ] && $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>>"$LOG"; then
+  MODE=gpu DEV=cuda
+  MODEL="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --vocab-size 50257 --bf16"
+  ITERS="--train-iters 30 --log-interval 5"
+  SD="--threads $(nproc) --rounds 4"
+else
+  MODE=dry-run DEV=cpu
+  [ "${1:-}" = "--dry-run" ] || echo "NO CUDA DEVICE: CUDA steps are replaced by tiny CPU stand-ins (dry run); numbers are not GPU measurements."
+  MODEL="--num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 64 --micro-batch-size 2 --vocab-size 512 --bf16"
+  ITERS="--train-iters 6 --log-interval 2"
+  SD="--num-layers 1 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --micro-batch-size 2 --vocab-size 512 --rounds 2 --warmup 1"
+fi
+echo "gpu_check: mode=$MODE device=$DEV out=$OUT budget=${BUDGET}s" | tee -a "$LOG"
+
+# step NAME TIMEOUT NOTE CMD... : run CMD under timeout (capped by what is left of the budget),
+# log its output, append "name status rc seconds note" to $WORK/steps.tsv.
+step() {
+  local name=$1 limit=$2 note=$3; shift 3
+  local left=$((BUDGET - (SECONDS - START) - 15))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 10 ]; then
+    printf '%s\tskip\t0\t0\t%s\n' "$name" "out of time budget" >>"$WORK/steps.tsv"; return
+  fi
+  echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS rc status
+  timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1; rc=$?
+  case $rc in 0) status=pass;; 124|137) status=timeout;; *) status=fail;; esac
+  echo "=== $name: $status (rc $rc, $((SECONDS - t0)) s)" | tee -a "$LOG"
+  printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - t0))" "$note" >>"$WORK/steps.tsv"
+}
+
+step env 90 "" $PY benchmarks/gpu_check.py env --result "$WORK/env.json"
+step correctness 150 "GPTModel $DEV vs cpu: fp32 close, bf16 sane" \
+  $PY benchmarks/gpu_check.py correctness --device $DEV --result "$WORK/correctness.json"
+for g in none selective full; do
+  extra=""; [ $g != none ] && extra="--recompute-granularity $g"
+  step "train_$g" 150 "pretrain.py $DEV recompute=$g" \
+    $PY pretrain.py --device $DEV --mock-data $MODEL $ITERS $extra --lr-warmup-iters 5 \
+      --eval-interval 100000 --eval-iters 0 --metrics-file "$WORK/train_$g.jsonl"
+done
+step gloo_tp_parity 150 "CPU gloo, 4 procs; NCCL needs 2+ GPUs (skipped)" \
+  env CUDA_VISIBLE_DEVICES= $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k match_single_device
+step single_device_vs_hf 150 "CPU only: script has no --device flag" \
+  bash -o pipefail -c "$PY benchmarks/single_device.py --json $SD | tee /dev/stderr | tail -1 > '$WORK/single_device_vs_hf.json'"
+
+printf 'nccl_multi_rank\tskip\t0\t0\t%s\n' "one GPU: multi-rank NCCL impossible (env shows a 1-rank NCCL all-reduce)" >>"$WORK/steps.tsv"
+$PY benchmarks/gpu_check.py summarize --work "$WORK" --out "$OUT" --mode "$MODE" | tee -a "$LOG"
+rm -rf "$WORK"
+grep -q '"all_pass": true' "$OUT/summary.json"
