@@ -35,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megalite.config import ModelConfig, OptimizerConfig  # noqa: E402
+from megalite.memory import distinct_storage_bytes  # noqa: E402
 
 HP = dict(lr=1e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0)
 
@@ -72,7 +73,7 @@ def build_megalite(a, ps):
     def state_bytes():
         ts = [u.shard for u in model.units] + [u.main for u in model.units]
         ts += [u.grad for u in model.units] + opt.exp_avg + opt.exp_avg_sq
-        return _distinct_bytes(ts)
+        return distinct_storage_bytes(ts)
 
     return step, state_bytes
 
@@ -112,18 +113,9 @@ def build_fsdp2(a, ps):
             for v in st.values():
                 if torch.is_tensor(v):
                     ts.append(v._local_tensor if hasattr(v, "_local_tensor") else v)
-        return _distinct_bytes(ts)
+        return distinct_storage_bytes(ts)
 
     return step, state_bytes
-
-
-def _distinct_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.nbytes() > 0:
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 # ---------------------------------------------------------------------------------- measuring

@@ -57,6 +57,19 @@ def _storages(tensors: Iterable[torch.Tensor]) -> Dict[tuple, int]:
     return out
 
 
+def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct, non-empty storages behind ``tensors`` (views counted once; a freed
+    ZeRO-3 buffer, resized to 0 bytes, counts nothing). Benchmarks and tests measure with this."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() > 0:
+            seen[_storage_key(t)] = s.nbytes()
+    return sum(seen.values())
+
+
 def _chunks(model_chunks) -> List[nn.Module]:
     return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
 

@@ -25,6 +25,7 @@ from model_utils import VOCAB, tiny_config
 
 from megalite import collectives as C
 from megalite.config import ConfigError, OptimizerConfig
+from megalite.memory import distinct_storage_bytes
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
 
@@ -108,12 +109,7 @@ def _storage_bytes(model, opt) -> int:
     tensors = [p.data for p in model.parameters()] + list(opt.exp_avg) + list(opt.exp_avg_sq)
     for u in model.units:
         tensors += [u.shard, u.main, u.grad, u.full, u.full_grad]
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.nbytes() > 0:
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    return distinct_storage_bytes(tensors)
 
 
 # -------------------------------------------------------------------------------- world size 2
