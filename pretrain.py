@@ -3,7 +3,7 @@
 
 Flags follow Megatron-LM (``python pretrain.py --help``). Any bad input ends with one line on
 stderr and a non-zero exit (2 for configuration, 1 for a failed run), never a traceback or a hang
-(DESIGN.md contract 8).
+(docs/design.md, contract 8).
 """
 
 import os

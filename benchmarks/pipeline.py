@@ -1,4 +1,4 @@
-"""Pipeline schedules measured: bubble vs THEORY.md, ZB-H1 vs 1F1B, megalite vs torch pipelining.
+"""Pipeline schedules measured: bubble vs docs/theory.md, ZB-H1 vs 1F1B, vs torch pipelining.
 
     python benchmarks/pipeline.py --pp 2 [--micro-batches 2,4,8,16] [--trace-dir docs/img]
 

@@ -12,9 +12,9 @@ Spawns ``--dp`` gloo processes on the CPU and, in those same processes and on th
 
 Per rank it reports the model-state bytes (params, grads, fp32 masters, optimizer states) measured
 from tensor storages after a step (megalite/memory.py; DTensors count their local shard), the
-THEORY.md figure for megalite's stages, and the median step time. The ratios are against PyTorch
-DDP. Configurations alternate step by step (round-robin) so that load from other processes on the
-machine hits them alike.
+docs/theory.md figure for megalite's stages, and the median step time. The ratios are against
+PyTorch DDP. Configurations alternate step by step (round-robin) so that load from other processes
+on the machine hits them alike.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def main(argv=None):
           f"rank 0, median of {args.steps} steps")
     print()
     print("| configuration | params MiB | grads MiB | masters+Adam MiB | total MiB | "
-          "THEORY.md MiB | memory / DDP | step ms | step time / DDP |")
+          "theory MiB | memory / DDP | step ms | step time / DDP |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = res["PyTorch DDP"]
     for name, r in res.items():

@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 benchmarks/zero3.py # the same under torchrun
     python benchmarks/zero3.py --hidden 256 --layers 4 --seq 128 --micro-batch 4 --steps 8
 
-Both systems train the same GPTModel (same seed, so the same full model; DESIGN.md contract 3) on
-the same batches with the same AdamW hyper-parameters and clipping; their losses are printed side
+Both systems train the same GPTModel (same seed, so the same full model; docs/design.md, contract 3)
+on the same batches with the same AdamW hyper-parameters and clipping; their losses are printed side
 by side as a cross-check (in fp32 they agree to ~1e-4 after a few steps: the reduction orders
 differ, and Adam turns rounding-level differences in near-zero gradients into full-size steps).
 

@@ -1,12 +1,12 @@
 """Command-line flags -> :class:`MegaliteConfig` (flag spellings follow Megatron-LM).
 
-Config flows one way (STYLE.md): ``parse_args`` turns flags into the dataclasses of
-``megalite.config`` and validates everything that does not depend on the world size;
+Config flows one way (docs/design.md, "Conventions"): ``parse_args`` turns flags into the
+dataclasses of ``megalite.config`` and validates everything that does not depend on the world size;
 ``validate_for_world`` (called by ``training.pretrain`` once the process group exists) checks the
 rest (global batch divisibility by micro-batch x data-parallel size, TP x PP dividing the world).
 
 Any problem is a :class:`ConfigError` whose message names the flag; ``pretrain.py`` prints it as one
-line and exits with code 2 (DESIGN.md contract 8). Unknown flags go through the same path.
+line and exits with code 2 (docs/design.md, contract 8). Unknown flags go through the same path.
 
 The defaults train a ~10M-parameter GPT-2-style model on the built-in corpus on one CPU in a few
 minutes (README); they are chosen here rather than in the dataclasses, which keep library defaults.
@@ -57,7 +57,8 @@ def flag_of(field_name: str) -> str:
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error on several lines; we want one line (DESIGN.md contract 8)."""
+    """argparse prints usage + error on several lines; we want one line (docs/design.md,
+    contract 8)."""
 
     def error(self, message: str):  # noqa: D102 - argparse API
         raise ConfigError(message)

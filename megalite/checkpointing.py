@@ -9,7 +9,7 @@ Layout (Megatron-LM's, so its habits carry over):
     DIR/iter_0001000/mp_rank_{tp:02d}_{pp:03d}/distrib_optim_dp{d:03d}.pt   (ZeRO, see below)
 
 ``model_optim_rng.pt`` holds only tensors and primitive containers, loaded with
-``torch.load(weights_only=True)`` (DESIGN.md contract 9): the model chunk(s) under ``"model"``
+``torch.load(weights_only=True)`` (docs/design.md, contract 9): the model chunk(s) under ``"model"``
 (or ``"model0"``, ``"model1"``, ... with virtual pipeline stages), ``"optimizer"`` and
 ``"opt_param_scheduler"`` (unless --no-save-optim), ``"rng_state"``, ``"iteration"``,
 ``"consumed_samples"`` and the layout it was saved with.
@@ -17,7 +17,7 @@ Layout (Megatron-LM's, so its habits carry over):
 Atomicity: every rank writes into ``DIR/iter_X.tmp-<run id>/``; after a barrier rank 0 renames it
 to ``iter_X`` and only then replaces ``latest_checkpointed_iteration.txt`` (temp file +
 os.replace). A process killed mid-save leaves a ``.tmp-`` directory that nothing reads, and the
-tracker still names the previous, complete checkpoint (DESIGN.md contract 8).
+tracker still names the previous, complete checkpoint (docs/design.md, contract 8).
 
 ZeRO seam: an optimizer whose ``sharded_state_dict_per_dp_rank`` is true has its
 ``state_dict()`` saved by *every* DP rank to ``distrib_optim_dp{d:03d}.pt`` next to the model file

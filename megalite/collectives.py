@@ -1,9 +1,10 @@
 """Thin wrappers over torch.distributed collectives that count the bytes each rank sends.
 
 Every megalite collective goes through here so that communication volume can be measured and held
-against the ring formulas in THEORY.md (all-reduce 2(n-1)/n*S, reduce-scatter and all-gather
+against the ring formulas in docs/theory.md (all-reduce 2(n-1)/n*S, reduce-scatter and all-gather
 (n-1)/n*S, where S is the full array size). A group of ``None`` or size 1 means "no peers": the
-call is a local no-op, which is how single-process runs skip communication (DESIGN.md contract 7).
+call is a local no-op, which is how single-process runs skip communication
+(docs/design.md, contract 7).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Typed configuration for megalite.
 
-Config flows one way (STYLE.md): command-line flags -> these dataclasses (validated once, with
-errors that name the flag) -> the objects built from them. No module reads flags or environment
-variables on its own.
+Config flows one way (docs/design.md, "Conventions"): command-line flags -> these dataclasses
+(validated once, with errors that name the flag) -> the objects built from them. No module reads
+flags or environment variables on its own.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class ModelConfig:
 
     # ----------------------------------------------------------------------------------------
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
-        """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (THEORY.md)."""
+        """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (docs/theory.md)."""
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 

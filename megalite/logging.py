@@ -31,14 +31,14 @@ import torch
 from megalite.config import MegaliteConfig, ModelConfig
 
 # ------------------------------------------------------------------------------------------------
-# FLOPs and MFU (THEORY.md "FLOPs and MFU")
+# FLOPs and MFU (docs/theory.md, "FLOPs and MFU")
 # ------------------------------------------------------------------------------------------------
 
 
 def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
     """Model FLOPs (forward + backward, no recompute) for one sequence of ``cfg.seq_length``.
 
-    THEORY.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for GPT-2 shapes (per token
+    docs/theory.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for GPT-2 shapes (per token
     6·(12Lh² + Vh) + 12·L·s·h). We count the matmuls from the actual shapes, which reduces to that
     formula for MHA + 4h GeLU MLP and is right for GQA (smaller K/V projections) and SwiGLU (three
     h x f matrices): per token per layer, forward = 2·(h·(q + 2·kv) + q·h + h·f·(2 if SwiGLU else

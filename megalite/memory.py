@@ -1,4 +1,4 @@
-"""Per-rank model-state memory: measured from tensor storages, next to THEORY.md's formula.
+"""Per-rank model-state memory: measured from tensor storages, next to docs/theory.md's formula.
 
 "Model states" are ZeRO's term (Rajbhandari et al. 2020): parameters, gradients, fp32 master
 parameters and optimizer states — not activations. They are measured from the storages of the
@@ -6,10 +6,10 @@ tensors that hold them (deduplicated by storage pointer, so views into one conti
 once and fp32 masters that *are* the params do not count twice), never from RSS, so the figure is
 exact and comparable with the formula.
 
-Theory (THEORY.md "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP size:
+Theory (docs/theory.md, "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP size:
 
 * ZeRO paper, 16-bit params and grads, K = 12:  stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N,
-  stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. Pure fp32 (THEORY.md, K = 8): 16Ψ, 8Ψ + 8Ψ/N,
+  stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. Pure fp32 (docs/theory.md, K = 8): 16Ψ, 8Ψ + 8Ψ/N,
   4Ψ + 12Ψ/N, 16Ψ/N.
 * megalite's layout (what is measured): params are 16-bit or fp32, gradients are accumulated in
   fp32 (``main_grad``), fp32 masters exist only for 16-bit params. Per parameter:
@@ -23,7 +23,7 @@ Theory (THEORY.md "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP si
   3         (4 + 4 + 8)/N = 16/N   (2 + 4 + 4 + 8)/N = 18/N    ZeRO-3 (docs/zero3.md)
   ========  =====================  ==========================  ===========================
 
-  In fp32 this is exactly the THEORY.md fp32 accounting; in 16 bits it is Megatron's variant
+  In fp32 this is exactly the docs/theory.md fp32 accounting; in 16 bits it is Megatron's variant
   (fp32 gradients: +2Ψ over the paper in stages 0/1, +2Ψ/N in stage 2).
 
 Ψ counted with bucket padding (each bucket padded to a multiple of N) makes measured == theory
@@ -119,7 +119,7 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
 
 def theoretical_model_state_bytes(num_params: int, dp_size: int, zero_stage: int,
                                   params_dtype: str = "float32") -> Dict[str, float]:
-    """THEORY.md's per-rank bytes for megalite's layout, plus the ZeRO paper's total."""
+    """docs/theory.md's per-rank bytes for megalite's layout, plus the ZeRO paper's total."""
     psi, n = float(num_params), float(dp_size)
     p16 = params_dtype in ("bfloat16", "float16")
     param_b = 2 if p16 else 4

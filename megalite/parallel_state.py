@@ -1,14 +1,14 @@
 """Process groups for tensor, pipeline, data and model parallelism.
 
-Ranks are laid out tp (fastest-varying) -> dp -> pp, as Megatron-LM's default (DESIGN.md
+Ranks are laid out tp (fastest-varying) -> dp -> pp, as Megatron-LM's default (docs/design.md,
 contract 6), so the ranks of one TP group are neighbours and land on one node:
 
     global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
 
-A :class:`ParallelState` is an object you pass (STYLE.md); :func:`get_parallel_state` returns the
-module-level default that :func:`initialize_model_parallel` sets, for convenience. Without
-``torch.distributed`` every size is 1 and every group is ``None`` (DESIGN.md contract 7), and the
-parallel code paths reduce to plain local computation.
+A :class:`ParallelState` is an object you pass (docs/design.md, "Conventions");
+:func:`get_parallel_state` returns the module-level default that :func:`initialize_model_parallel`
+sets, for convenience. Without ``torch.distributed`` every size is 1 and every group is ``None``
+(docs/design.md, contract 7), and the parallel code paths reduce to plain local computation.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from megalite.config import ConfigError
 
 
 # ------------------------------------------------------------------------------------------------
-# Device and backend: the only place megalite asks whether CUDA exists (DESIGN.md contract 1).
+# Device and backend: the only place megalite asks whether CUDA exists (docs/design.md, contract 1).
 # ------------------------------------------------------------------------------------------------
 def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

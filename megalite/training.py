@@ -1,15 +1,15 @@
 """The training loop: ``pretrain(cfg)`` builds everything from a MegaliteConfig and trains.
 
-Order of construction (each step's object feeds the next; config flows one way, STYLE.md):
-process groups -> tokenizer (fixes the vocab) -> seeded model chunks -> data-parallel wrapping ->
-optimizer -> LR schedule -> checkpoint -> datasets -> loop.
+Order of construction (each step's object feeds the next; config flows one way, docs/design.md
+"Conventions"): process groups -> tokenizer (fixes the vocab) -> seeded model chunks ->
+data-parallel wrapping -> optimizer -> LR schedule -> checkpoint -> datasets -> loop.
 
-The loss contract (DESIGN.md contract 4): a global batch is ``global_batch_size`` samples whatever
-the layout; each micro-batch's loss is ``sum(per_token_loss * loss_mask) / N`` where N is the number
-of loss tokens in the whole *global* batch, counted up front by summing this rank's micro-batch
-masks and all-reducing over the DP group. Summing those losses over micro-batches and (through the
-DP all-reduce SUM of gradients) over DP ranks gives exactly the single-device mean loss and its
-gradient.
+The loss contract (docs/design.md, contract 4): a global batch is ``global_batch_size`` samples
+whatever the layout; each micro-batch's loss is ``sum(per_token_loss * loss_mask) / N`` where N is
+the number of loss tokens in the whole *global* batch, counted up front by summing this rank's
+micro-batch masks and all-reducing over the DP group. Summing those losses over micro-batches and
+(through the DP all-reduce SUM of gradients) over DP ranks gives exactly the single-device mean loss
+and its gradient.
 
 Seams other parts plug into:
   * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (bucketed
@@ -394,7 +394,7 @@ def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: Metri
         iteration += 1
         consumed += gbs
         times.append(dt)
-        if iteration == 1:  # model-state bytes vs THEORY.md's ZeRO formula (megalite/memory.py)
+        if iteration == 1:  # model-state bytes vs docs/theory.md's ZeRO formula (memory.py)
             from megalite.memory import memory_report
 
             logger.log(memory_report(chunks, optimizer), iteration, split="memory")

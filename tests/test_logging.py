@@ -1,4 +1,4 @@
-"""metrics.jsonl, W&B (offline) and TensorBoard get what the run logs; FLOPs follow THEORY.md."""
+"""metrics.jsonl, W&B (offline) and TensorBoard get what the run logs; FLOPs as docs/theory.md."""
 
 import glob
 import json
@@ -105,7 +105,7 @@ def test_log_interval_and_metrics_file_locations(tmp_path, monkeypatch):
 
 
 def test_model_flops_match_theory_for_gpt2_shapes():
-    """THEORY.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per iteration of B sequences."""
+    """docs/theory.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) per iteration of B sequences."""
     cfg = ModelConfig(num_layers=6, hidden_size=384, num_attention_heads=6, seq_length=256,
                       vocab_size=8192)
     L, h, s, V = 6, 384, 256, 8192

@@ -69,7 +69,7 @@ def _mappings_worker(rank, world_size):
     C.reset_bytes_sent()
     buf = torch.zeros(1024)
     C.all_reduce(buf, group=g)
-    # ring all-reduce: each rank sends 2(n-1)/n of the array (THEORY.md)
+    # ring all-reduce: each rank sends 2(n-1)/n of the array (docs/theory.md)
     assert C.bytes_sent()["all_reduce"] == 2 * (n - 1) * 1024 * 4 // n
     return True
 

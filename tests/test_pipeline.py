@@ -1,4 +1,4 @@
-"""Pipeline parallelism equals one device (DESIGN.md contract 5), in the textbook op order.
+"""Pipeline parallelism equals one device (docs/design.md, contract 5), in the textbook op order.
 
 Each multi-process run groups several layouts (to pay the process start-up once). Inside each
 worker a few Adam steps run on the pipeline chunks and, in the same process, on the single-device

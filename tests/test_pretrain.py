@@ -6,8 +6,8 @@ from pretrain_utils import flags, read_metrics, run_cli, run_main, train_losses
 
 
 def test_tp2_dp2_matches_single_device(tmp_path):
-    """DESIGN.md contracts 4-5 through the real entry point: 4 torchrun processes (tp=2 x dp=2)
-    report the same per-iteration loss as one process, in fp32, for 10 Adam steps."""
+    """docs/design.md, contracts 4-5 through the real entry point: 4 torchrun processes (tp=2 x
+    dp=2) report the same per-iteration loss as one process, in fp32, for 10 Adam steps."""
     single, parallel = tmp_path / "single.jsonl", tmp_path / "tp2dp2.jsonl"
     assert run_main(flags(train_iters=10, metrics_file=single)) == 0
     proc = run_cli(flags("--tensor-model-parallel-size", "2", train_iters=10,

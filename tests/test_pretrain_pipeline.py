@@ -1,5 +1,5 @@
 """pretrain.py with pipeline parallelism, end to end: pp=2 (1F1B, interleaved v=2, ZB-H1) equals
-one process (DESIGN.md contract 5), logs the measured bubble (contract 10) that
+one process (docs/design.md, contract 5), logs the measured bubble (contract 10) that
 tools/plot_pipeline.py can draw, and bad pipeline layouts fail in one line without hanging
 (contract 8).
 
@@ -117,7 +117,7 @@ def test_pipeline_metrics_record_and_trace(runs, schedule):
         assert abs(sum(r["bubble_fraction_stage"]) / P - r["bubble_fraction"]) < 1e-9
         assert r["step_time"] > 0 and r["t_f"] > 0 and r["t_b"] > 0
         assert (r["t_w"] > 0) == (schedule == "zb-h1")  # only ZB-H1 has separate W ops
-        # THEORY.md "Pipeline bubbles"
+        # docs/theory.md, "Pipeline bubbles"
         if schedule == "1f1b":
             assert r["bubble_theory"] == pytest.approx((P - 1) / (M + P - 1))
         elif schedule == "interleaved":

@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism equal one device (DESIGN.md contract 5).
+"""Tensor and sequence parallelism equal one device (docs/design.md, contract 5).
 
 Each config runs on 4 gloo processes; the single-device reference is computed in the same
 processes with no process group (same seed => same full model, contract 3).

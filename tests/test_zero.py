@@ -1,10 +1,11 @@
-"""ZeRO stages 0/1/2 and DDP equal one process (DESIGN.md contract 5), and cost what THEORY.md says.
+"""ZeRO stages 0/1/2 and DDP equal one process (docs/design.md, contract 5), and cost what
+docs/theory.md says.
 
 Each multi-process test spawns one gloo world and runs several layouts in it. The training loop
 below is the tiny one the benchmark (benchmarks/zero.py) uses too: each DP rank takes its contiguous
 slice of the global batch, splits it into micro-batches and runs the schedule's no-pipelining loop
 with DDP's no_sync / finalize hooks; the loss is the sum of per-token losses over the global batch's
-token count (DESIGN.md contract 4), so every layout trains the same model as one process.
+token count (docs/design.md, contract 4), so every layout trains the same model as one process.
 
 The parity configs leave out the qkv bias: attention is invariant to the key bias, so its exact
 gradient is 0 and what autograd returns is rounding noise that Adam normalises to +-lr steps —
@@ -40,7 +41,7 @@ SEED = 7
 
 def make_forward_step(num_global_tokens: int):
     """The schedule contract's forward step: per-token losses summed and divided by the global
-    batch's token count (DESIGN.md contract 4), so DP/PP reductions are plain sums."""
+    batch's token count (docs/design.md, contract 4), so DP/PP reductions are plain sums."""
 
     def forward_step(data_iterator, module):
         tokens, labels = next(data_iterator)
@@ -173,7 +174,7 @@ def check_memory(out: Dict, stage: int, where: str) -> Dict:
 
 
 def expected_step_bytes(chunks, stage: int, n: int, micro_batches: int) -> Dict[str, int]:
-    """Ring accounting (THEORY.md) per bucket, padding included."""
+    """Ring accounting (docs/theory.md) per bucket, padding included."""
     out: Dict[str, int] = {}
     for b in chunks[0].buckets:
         buf = chunks[0].param_to_buffer[b.params[0]]
@@ -193,7 +194,7 @@ def check_traffic(out: Dict, stage: int, n: int, micro_batches: int, where: str)
     want = expected_step_bytes(chunks, stage, n, micro_batches)
     got = {k: v for k, v in out["bytes"][-1].items() if k in want}
     assert got == want, f"{where}: traffic {got} != ring accounting {want}"
-    # ... which is the THEORY.md total on the padded Ψ: 2Ψ·(N-1)/N elements per step
+    # ... which is the docs/theory.md total on the padded Ψ: 2Ψ·(N-1)/N elements per step
     psi = sum(b.numel for b in chunks[0].buckets)
     gbytes = 4
     pbytes = next(chunks[0].parameters()).element_size()

@@ -1,11 +1,11 @@
 """ZeRO stage 3 (megalite.distributed.zero3 + megalite.optimizer.zero3_optimizer).
 
-Parity (DESIGN.md contract 5): per-iteration losses and grad norms of a tiny training loop equal
-the single-process GPTModel + torch.optim.AdamW run (rel 1e-4, 10 iterations), with dp 2 and 4,
-tp2 x dp2 with SP, and full recomputation. Memory: between steps each rank holds 16Ψ/N bytes
-(fp32: params = masters, grads, two Adam moments; THEORY.md) up to padding; during forward at most
-depth + 1 = 2 units are gathered. Overlap: the next unit's all-gather is issued before the current
-unit's forward ends (and is not, with prefetch off). Communication: the bytes counted by
+Parity (docs/design.md, contract 5): per-iteration losses and grad norms of a tiny training loop
+equal the single-process GPTModel + torch.optim.AdamW run (rel 1e-4, 10 iterations), with dp 2 and
+4, tp2 x dp2 with SP, and full recomputation. Memory: between steps each rank holds 16Ψ/N bytes
+(fp32: params = masters, grads, two Adam moments; docs/theory.md) up to padding; during forward at
+most depth + 1 = 2 units are gathered. Overlap: the next unit's all-gather is issued before the
+current unit's forward ends (and is not, with prefetch off). Communication: the bytes counted by
 megalite.collectives equal the 3Ψ-style prediction. Resume: per-rank state and, at another DP
 size, the consolidated full state continue with the same losses.
 
@@ -297,7 +297,7 @@ def test_zero3_dp4_tp2_sp_and_reshard_to_dp2():
 
 # ------------------------------------------------------------------------------ single process
 def test_zero3_single_process_matches_reference():
-    """dp = 1 (no torch.distributed, DESIGN.md contract 7): collectives become local copies."""
+    """dp = 1 (no torch.distributed; docs/design.md, contract 7): collectives are local copies."""
     cfg = tiny_config("gpt2", num_layers=2)
     model, opt = _build(cfg, ParallelState())
     _assert_parity(_train(model, opt, ParallelState(), 4), _reference(cfg, 4), "dp1")

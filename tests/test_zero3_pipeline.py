@@ -1,6 +1,6 @@
 """ZeRO-3 with pipeline parallelism: each pipeline chunk is sharded on its own (docs/zero3.md).
 
-Parity (DESIGN.md contract 5) through pretrain.py: pp 2 x dp 2 at --zero-stage 3 gives the
+Parity (docs/design.md, contract 5) through pretrain.py: pp 2 x dp 2 at --zero-stage 3 gives the
 single-process losses and grad norms (rel 1e-4) with 1F1B (tied GPT-2 embedding split over the two
 stages: the two copies are one-parameter units whose gradient shards are all-reduced over the
 embedding group; without that all-reduce the grad norms differ by ~10% from iteration 1) and with

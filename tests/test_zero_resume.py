@@ -45,7 +45,7 @@ def test_zero1_checkpoint_resumes_at_other_dp_sizes(tmp_path):
             assert rel <= 1e-5, f"{where}: iteration {it} loss {got[it]} vs {ref[it]}"
     # not trivially equal: training moved the loss
     assert len({round(v, 5) for v in ref.values()}) >= 8
-    # the memory record of iteration 1 equals THEORY.md's formula (padded Ψ)
+    # the memory record of iteration 1 equals docs/theory.md's formula (padded Ψ)
     mem = read_metrics(whole, split="memory")[0]
     assert mem["zero_stage"] == 1 and mem["dp_size"] == 2
     assert mem["mem_total_bytes"] == mem["mem_theory_total_bytes"]

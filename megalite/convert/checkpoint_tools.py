@@ -14,8 +14,8 @@ so source memory stays near one layer whatever the model size. The target is bui
 one pipeline stage's TP files are complete in memory, written, and dropped before the next stage.
 Peak host memory is therefore about one layer plus one target stage (docs give a measurement).
 
-Atomicity (DESIGN.md contract 8). Output goes to ``OUT.tmp-<pid>-<rand>/`` and is renamed to OUT
-only when complete; on any error the temporary directory is removed, so OUT is never left
+Atomicity (docs/design.md, contract 8). Output goes to ``OUT.tmp-<pid>-<rand>/`` and is renamed to
+OUT only when complete; on any error the temporary directory is removed, so OUT is never left
 half-written, and an existing non-empty OUT is refused rather than overwritten.
 """
 
@@ -624,7 +624,7 @@ class HFSource:
         return list(self._load_bin(path).keys())
 
     def _load_bin(self, path: str) -> dict:
-        # weights_only: a checkpoint never executes code on load (DESIGN.md contract 9)
+        # weights_only: a checkpoint never executes code on load (docs/design.md, contract 9)
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError:

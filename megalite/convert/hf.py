@@ -490,7 +490,7 @@ def megalite_to_hf_state_dict(full_state_dict: Mapping[str, torch.Tensor],
 # =================================================================================== models
 def _read_hf_dir(path: Path) -> Dict[str, torch.Tensor]:
     """All tensors of a local HF checkpoint directory (safetensors, else pytorch_model*.bin loaded
-    with weights_only=True: checkpoints never execute code, DESIGN.md contract 9)."""
+    with weights_only=True: checkpoints never execute code, docs/design.md, contract 9)."""
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))

@@ -3,7 +3,7 @@
 A *full* megalite state dict holds every parameter at its tp=1 shape under its global name
 (``layers.{i}.mlp.linear_fc1.weight``), with vocab-sized tensors padded to
 ``cfg.padded_vocab_size(1)`` rows. A model built for tp=t needs the vocab padded to
-``cfg.padded_vocab_size(t)`` instead (THEORY.md, vocab-parallel embedding: V is padded to a
+``cfg.padded_vocab_size(t)`` instead (docs/theory.md, vocab-parallel embedding: V is padded to a
 multiple of make_vocab_size_divisible_by * t), so vocab tensors are re-padded here before slicing.
 The slicing itself is :func:`megalite.tensor_parallel.utils.shard_tensor` with the parameter's own
 ``partition_dim`` / ``partition_stride``: the one definition of "rank r's slice" that

@@ -10,7 +10,7 @@ number of samples needs); sample j is tokens ``[j*s, j*s + s + 1)`` of that stre
 samples share one token (the last label of one is the first input of the next) and no token is
 wasted. The sample order is then shuffled once more. Everything is a function of (documents, split,
 seq_length, seed, num_samples): no process count or rank enters, which is what makes the data
-layout-independent (DESIGN.md contract 4).
+layout-independent (docs/design.md, contract 4).
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ class IndexedDatasetBuilder:
         b.finalize(prefix + ".idx")
 
     The .idx is written to a temporary name and renamed, so a crash never leaves a pair that
-    looks valid (DESIGN.md contract 8).
+    looks valid (docs/design.md, contract 8).
     """
 
     def __init__(self, bin_path: str, dtype=np.int32) -> None:

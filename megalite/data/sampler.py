@@ -4,8 +4,9 @@ The samples of a dataset form one fixed global order (index g is ``ds[g % len(ds
 ``consumed_samples``, each *step* takes the next ``micro_batch_size * dp_size`` indices and rank r
 gets the contiguous slice ``[r*mbs, (r+1)*mbs)`` of it (Megatron-LM's MegatronPretrainingSampler).
 Hence the ``global_batch_size`` samples starting at ``consumed_samples`` are the same set for any
-DP size and micro-batch size (DESIGN.md contract 4), and a run resumed with the consumed_samples
-of its checkpoint continues with exactly the samples the original run would have seen next.
+DP size and micro-batch size (docs/design.md, contract 4), and a run resumed with the
+consumed_samples of its checkpoint continues with exactly the samples the original run would have
+seen next.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ and marks the parameter ready; when every parameter of a bucket is ready the buc
 can be issued asynchronously while backward continues (``overlap_grad_reduce``):
 
 * stage 0: all-reduce the bucket (every rank keeps the full reduced gradient);
-* stage 1: reduce-scatter it in place (rank r keeps shard r; THEORY.md: all-reduce =
+* stage 1: reduce-scatter it in place (rank r keeps shard r; docs/theory.md: all-reduce =
   reduce-scatter + all-gather, and ZeRO-1 only needs the first half for the gradients);
 * stage 2: reduce-scatter it on *every* micro-batch, add the shard into a persistent accumulator and
   release the full-size storage, so only 1/N of the gradients lives between micro-batches.
 
 Stages 0/1 reduce only on the last micro-batch: inside ``no_sync()`` the buckets just accumulate.
 Without overlap, every bucket is reduced in :meth:`finish_grad_sync`. The loss is already divided by
-the global batch's token count (DESIGN.md contract 4), so the reduction is a SUM.
+the global batch's token count (docs/design.md, contract 4), so the reduction is a SUM.
 
 Deferred weight gradients (zero-bubble "W", tensor_parallel/layers.py): the linear layers' backward
 returns no weight gradient while ``WeightGradStore`` captures; the gradient arrives later through

@@ -5,8 +5,8 @@
 2. Tied embeddings split across pipeline stages: the first stage's input embedding and the last
    stage's output layer are two copies of one weight; sum their gradients over the embedding group.
 3. Data parallelism (plain path): sum gradients over the DP group. The loss is already normalised by
-   the global batch's token count (DESIGN.md contract 4), so a SUM, not a mean, is right. The ZeRO
-   optimizer replaces this step with its own bucketed reduce-scatter / all-reduce.
+   the global batch's token count (docs/design.md, contract 4), so a SUM, not a mean, is right. The
+   ZeRO optimizer replaces this step with its own bucketed reduce-scatter / all-reduce.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Why contiguous buffers: one collective per bucket instead of one per parameter (
 a bucket is a plain slice (ZeRO-1/2 shard = ``bucket[r*B/N:(r+1)*B/N]``), and the optimizer can step
 flat tensors. Every parameter's ``.data`` becomes a view into the *param buffer*, and its gradient
 accumulates into ``param.main_grad``, a view into the *grad buffer* (fp32 when the parameters are
-bf16/fp16, so accumulation over micro-batches does not lose precision — Megatron's layout, THEORY.md
-"6 + 12/N").
+bf16/fp16, so accumulation over micro-batches does not lose precision — Megatron's layout,
+docs/theory.md, "6 + 12/N").
 
 Layout rules (and why):
 
@@ -158,7 +158,7 @@ class ParamAndGradBuffer:
             for slot in self.slots.values():
                 slot.param.main_grad = self.grad_data[slot.start:slot.end].view_as(slot.param)
         else:
-            # Stage 2: only the shard accumulators persist (THEORY.md: grads 4Ψ/N bytes).
+            # Stage 2: only the shard accumulators persist (docs/theory.md: grads 4Ψ/N bytes).
             self.grad_data = None
             for b in self.buckets:
                 b.grad_shard_acc = torch.zeros(b.shard_numel, dtype=grad_dtype, device=self.device)

@@ -1,6 +1,6 @@
 """ZeRO stage 3: parameters, gradients and optimizer states sharded over data parallelism.
 
-THEORY.md (ZeRO, stage 3): every rank keeps 1/N of everything, 16Ψ/N bytes with mixed-precision
+docs/theory.md (ZeRO, stage 3): every rank keeps 1/N of everything, 16Ψ/N bytes with mixed-precision
 Adam, and pays 3Ψ of communication per step instead of DP's 2Ψ: the parameters are all-gathered
 once in forward, once more in backward, and the gradients are reduce-scattered.
 
@@ -134,7 +134,7 @@ class ShardedUnit:
             flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
             for p, off, n in zip(self.params, self.offsets, self.numels):
                 flat[off:off + n].copy_(p.detach().reshape(-1))
-            # fp32 master shard; in fp32 it *is* the shard that forward gathers (THEORY.md: the
+            # fp32 master shard; in fp32 it *is* the shard that forward gathers (docs/theory.md: the
             # params are already fp32, K = 8), so no second copy exists.
             self.main = flat[lo:hi].clone()
             del flat
@@ -496,7 +496,7 @@ class Zero3Model(nn.Module):
         unit.collect_stray_grads()
         out = torch.empty(unit.shard_size, dtype=unit.compute_dtype, device=unit.device)
         # SUM, not mean: the loss is already divided by the global batch's token count
-        # (DESIGN.md contract 4), so summing over DP ranks gives the global gradient.
+        # (docs/design.md, contract 4), so summing over DP ranks gives the global gradient.
         work = C.reduce_scatter_tensor(out, unit.full_grad, group=unit.dp_group,
                                        async_op=self.overlap, tag="zero3_reduce_scatter")
         self._event("rs_issue", unit)
@@ -654,8 +654,8 @@ class Zero3Model(nn.Module):
         return sum(u.shard_size for u in self.units)
 
     def expected_step_bytes(self, num_microbatches: int = 1) -> Dict[str, int]:
-        """The collectives' bytes per step predicted by the schedule (THEORY.md: 3Ψ, ring factor
-        (N−1)/N on padded sizes): each forward use gathers; each backward use that reads the
+        """The collectives' bytes per step predicted by the schedule (docs/theory.md: 3Ψ, ring
+        factor (N−1)/N on padded sizes): each forward use gathers; each backward use that reads the
         parameters gathers, except the first one in backward when it is the last forward use
         (still full); one reduce-scatter per unit per micro-batch."""
         n = self.units[0].dp_size if self.units else 1

@@ -4,7 +4,7 @@ One class covers both families through :class:`ModelConfig`: GPT-2 (learned abso
 LayerNorm, GeLU, biases, tied embeddings) and Llama (RoPE, RMSNorm, SwiGLU, no biases, GQA, untied
 output layer).
 
-Public forward takes ``input_ids [b, s]`` (DESIGN.md contract 2) and returns
+Public forward takes ``input_ids [b, s]`` (docs/design.md, contract 2) and returns
   * per-token losses ``[b, s]`` (fp32) when ``labels`` are given and this is the last stage;
   * full logits ``[b, s, V]`` (real vocab, gathered over TP) when no labels are given;
   * hidden states ``[s, b, h]`` (``[s/t, b, h]`` under SP) on a stage that is not the last.

@@ -1,4 +1,4 @@
-"""Layout-independent parameter initialization (DESIGN.md contract 3).
+"""Layout-independent parameter initialization (docs/design.md, contract 3).
 
 Each *full* parameter is drawn from a CPU generator seeded by (seed, the parameter's full name);
 every rank then keeps its TP slice. So a model built with tp=4 holds exactly the slices of the model

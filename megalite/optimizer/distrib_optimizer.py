@@ -1,15 +1,15 @@
 """The ZeRO distributed optimizer (stages 0, 1, 2) over DistributedDataParallel's buffers.
 
-ZeRO (Rajbhandari et al. 2020; THEORY.md "ZeRO"): with N data-parallel ranks, rank r owns shard r
-of every bucket (``bucket[r*B/N:(r+1)*B/N]``, param_and_grad_buffer.py) and keeps the fp32 master
-parameters and the Adam moments of that shard only. A step is
+ZeRO (Rajbhandari et al. 2020; docs/theory.md, "ZeRO"): with N data-parallel ranks, rank r owns
+shard r of every bucket (``bucket[r*B/N:(r+1)*B/N]``, param_and_grad_buffer.py) and keeps the fp32
+master parameters and the Adam moments of that shard only. A step is
 
     reduce-scatter grads (DDP, during/after backward)  ->  unscale, overflow check, clip
     ->  AdamW on the flat shard  ->  copy master -> model param shard
     ->  all-gather each bucket's params (at once, or overlapped with the next forward)
 
-which moves the same 2Ψ elements per rank as the all-reduce of plain DP (THEORY.md: all-reduce =
-reduce-scatter + all-gather) while cutting optimizer memory by N. Stage 2 additionally keeps only
+which moves the same 2Ψ elements per rank as the all-reduce of plain DP (docs/theory.md: all-reduce
+= reduce-scatter + all-gather) while cutting optimizer memory by N. Stage 2 additionally keeps only
 the gradient shard (ddp.py). Stage 0 is the same code with the "shard" = the whole bucket: every
 rank all-reduces and steps the full model.
 
@@ -149,7 +149,7 @@ class DistributedOptimizer:
         start, end = buf.shard_range(bucket)
         model_shard = buf.param_data[start:end]
         if buf.param_dtype == torch.float32:
-            master = model_shard  # fp32 params are their own masters (THEORY.md: K = 8)
+            master = model_shard  # fp32 params are their own masters (docs/theory.md: K = 8)
         else:
             master = model_shard.detach().clone().float()
         shard = Shard(ddp, buf, bucket, start, end, master,

@@ -15,7 +15,7 @@ The interface every megalite optimizer keeps (the ZeRO ``DistributedOptimizer`` 
 
 Mixed precision follows Megatron's Float16OptimizerWithFloat16Params idea: the model holds bf16 or
 fp16 parameters (so forward/backward run in 16 bits); the optimizer holds an fp32 master copy of
-each and fp32 Adam moments (THEORY.md, ZeRO: 2Ψ + 2Ψ + 12Ψ bytes). Each step copies the 16-bit
+each and fp32 Adam moments (docs/theory.md, ZeRO: 2Ψ + 2Ψ + 12Ψ bytes). Each step copies the 16-bit
 grads to the masters, updates the masters and copies them back, rounded, into the model.
 In fp32 the masters *are* the model parameters.
 

@@ -1,6 +1,6 @@
 """AdamW on ZeRO-3 shards (the optimizer half of megalite.distributed.zero3).
 
-Each rank updates only its 1/N slice of every unit's flat buffer (THEORY.md, ZeRO stage 3:
+Each rank updates only its 1/N slice of every unit's flat buffer (docs/theory.md, ZeRO stage 3:
 16Ψ/N bytes): the fp32 master shard (in fp32 training the gathered shard itself), the fp32
 gradient shard the backward reduce-scattered into, and the two Adam moments. A shard straddles
 parameter boundaries, so what depends on the parameter — weight decay only on matrices (the

@@ -33,7 +33,7 @@ TAG_GRADIENT = 1
 
 def tensor_shape(seq_length: int, micro_batch_size: int, hidden_size: int, tp_size: int = 1,
                  sequence_parallel: bool = False) -> Tuple[int, int, int]:
-    """Shape of the hidden states that cross a stage boundary (sequence-first, DESIGN.md)."""
+    """Shape of the hidden states that cross a stage boundary (sequence-first, docs/design.md)."""
     s = seq_length // tp_size if sequence_parallel and tp_size > 1 else seq_length
     return (s, micro_batch_size, hidden_size)
 

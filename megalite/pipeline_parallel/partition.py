@@ -8,7 +8,8 @@ so a micro-batch visits every rank v times, and the p2p ring wraps from rank p-1
 
 The embedding lives on the first virtual stage (rank 0, chunk 0); the final norm, output layer and
 loss on the last (rank p-1, chunk v-1). Layers keep their *global* numbers (GPTModel keys them so),
-so parameter names, seeds and checkpoint keys are the same in every layout (DESIGN.md contract 3).
+so parameter names, seeds and checkpoint keys are the same in every layout
+(docs/design.md, contract 3).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ THE SCHEDULE CONTRACT (the training loop and the tests rely on it)::
     timeline = forward_backward_func.last_timeline()   # StageTimeline of the last call, or None
 
 ``loss_func(output_tensor) -> (loss, stats)``: ``loss`` is the scalar to back-propagate (already
-divided by the global batch's loss-token count, DESIGN.md contract 4), ``stats`` a dict of floats
-or tensors that the caller sums over micro-batches (e.g. ``lm_loss_sum``, ``num_tokens``).
+divided by the global batch's loss-token count, docs/design.md, contract 4), ``stats`` a dict of
+floats or tensors that the caller sums over micro-batches (e.g. ``lm_loss_sum``, ``num_tokens``).
 The schedule returns the list of ``stats`` of this rank's micro-batches, in micro-batch order
 (empty on ranks that do not hold the last stage).
 
@@ -45,7 +45,7 @@ programs with the same op order: ``eager_program`` where sends and receives comp
 independently (gloo: receives posted ahead, outputs sent at once, only receives waited), or the
 ``comm_units`` batches where they run in order on one stream (NCCL). docs/pipeline_parallel.md
 "Point-to-point" gives the deadlock argument for each; tests/test_pipeline.py replays both.
-The orders follow THEORY.md "Pipeline bubbles":
+The orders follow docs/theory.md, "Pipeline bubbles":
   * 1F1B: p-r-1 warm-up forwards on rank r, then one-forward-one-backward, then the cool-down
     backwards; at most p micro-batches in flight on stage 0 (GPipe would hold m).
   * interleaved 1F1B (v chunks per rank): 2(p-r-1)+(v-1)p warm-up forwards; micro-batches go
@@ -143,7 +143,7 @@ def _interleaved_op(k: int, p: int, v: int, forward: bool) -> Op:
 
 
 def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
-    """Interleaved 1F1B: 2(p-r-1)+(v-1)p warm-up forwards (THEORY.md), then 1F1B, then cool-down."""
+    """Interleaved 1F1B: 2(p-r-1)+(v-1)p warm-up forwards (docs/theory.md), 1F1B, cool-down."""
     total = m * v
     warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
     ops = [_interleaved_op(k, p, v, True) for k in range(warmup)]
@@ -155,7 +155,7 @@ def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
 
 
 def order_zb_h1(p: int, r: int, m: int) -> List[Op]:
-    """ZB-H1 (Qi et al. 2024; THEORY.md): the 1F1B order of F and B on stage g = r, with W_j
+    """ZB-H1 (Qi et al. 2024; docs/theory.md): the 1F1B order of F and B on stage g = r, with W_j
     right after B_{j+g} and the last g W's after the final B."""
     ops: List[Op] = []
     next_w = 0

@@ -1,8 +1,8 @@
 """What each pipeline stage actually did during one step: F, B and W ops with start/end times.
 
-The bubble is *measured* here (DESIGN.md contract 10): for stage g the idle fraction is
+The bubble is *measured* here (docs/design.md, contract 10): for stage g the idle fraction is
 1 - busy_g / T_step, where busy_g is the time spent inside its F, B and W ops and T_step the span
-from the (barrier-aligned) step start to the last op's end on any stage. THEORY.md gives the
+from the (barrier-aligned) step start to the last op's end on any stage. docs/theory.md gives the
 textbook values it is compared with: (p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) for interleaved
 (the (p-1)/(v*m)-of-ideal formula written as a fraction of the step), and an idle time of
 (p-1)(T_F+T_B-T_W) for ZB-H1.
@@ -108,7 +108,7 @@ def _mean(xs):
 
 def theory_bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 0.0, t_b: float = 0.0,
                   t_w: float = 0.0, step_time: float = 0.0) -> float:
-    """THEORY.md's bubble as a fraction of the step."""
+    """docs/theory.md's bubble as a fraction of the step."""
     if p == 1:
         return 0.0
     if schedule == "1f1b":

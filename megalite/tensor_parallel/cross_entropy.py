@@ -1,4 +1,4 @@
-"""Cross entropy on logits sharded over the vocab (THEORY.md, "Vocab-parallel ... cross entropy").
+"""Cross entropy on logits sharded over the vocab (docs/theory.md, "Vocab-parallel cross entropy").
 
 Forward, with the vocab split across the TP group and only three scalar-per-token all-reduces:
   1. all-reduce MAX of each row's local max (numerical stability);

@@ -1,8 +1,8 @@
 """Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
 
-Shapes are sequence-first ``[s, b, h]`` (DESIGN.md contract 2). With sequence parallelism (SP) the
-activations between blocks are sharded along ``s``; the column-parallel layer all-gathers them on
-the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
+Shapes are sequence-first ``[s, b, h]`` (docs/design.md, contract 2). With sequence parallelism (SP)
+the activations between blocks are sharded along ``s``; the column-parallel layer all-gathers them
+on the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
 arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
 
 The weight gradient of the linear layers is computed by its own step. Normally it runs inside the
@@ -12,7 +12,7 @@ later (Qi et al., arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
-layout (DESIGN.md contract 3). Each parameter records how to do that in ``param.init_method``.
+layout (docs/design.md, contract 3). Each parameter records how to do that in ``param.init_method``.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding with the (padded) vocab split across TP ranks (THEORY.md, vocab-parallel).
+    """Embedding with the (padded) vocab split across TP ranks (docs/theory.md, vocab-parallel).
 
     Rank r owns ids [r*Vp/t, (r+1)*Vp/t). Ids outside the range are looked up at row 0 and their
     output zeroed, then the partial embeddings are all-reduced — or reduce-scattered along the

@@ -4,7 +4,7 @@ Dropout has to be *different* across TP ranks where each rank holds different ac
 attention, on its own heads) and *identical* where ranks hold the same activations (replicated
 regions). Megatron-LM keeps a second RNG state, seeded per TP rank, and "forks" into it for the
 former; we do the same on whatever device the model runs (CPU generator or CUDA generator), with
-no bare ``torch.cuda`` calls outside a device check (DESIGN.md contract 1).
+no bare ``torch.cuda`` calls outside a device check (docs/design.md, contract 1).
 
 Recomputation (``full``: a whole transformer layer; ``selective``: core attention only, Korthikanti
 et al. §5) drops activations in forward and recomputes them in backward. The recomputed forward

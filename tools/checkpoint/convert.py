@@ -41,7 +41,7 @@ EXAMPLES = {
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse's multi-line usage errors become one line (DESIGN.md contract 8)."""
+    """argparse's multi-line usage errors become one line (docs/design.md, contract 8)."""
 
     def error(self, message: str):  # noqa: D102 - argparse API
         from megalite.config import ConfigError
