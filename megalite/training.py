@@ -23,6 +23,7 @@ Seams other parts plug into:
 from __future__ import annotations
 
 import math
+import os
 import time
 from functools import partial
 from typing import Callable, List, Optional, Tuple
@@ -155,20 +156,296 @@ def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model):
     return output, partial(_loss_func, loss_mask, num_global_tokens)
 
 
+class _Interval:
+    """What the training log line averages over: the iterations since the last log line."""
+
+    def __init__(self):
+        self.loss, self.n, self.time, self.grad_norm, self.skipped = 0.0, 0, 0.0, None, 0
+
+    def add(self, loss: float, dt: float, updated: bool, grad_norm) -> None:
+        self.loss, self.n, self.time = self.loss + loss, self.n + 1, self.time + dt
+        self.grad_norm, self.skipped = grad_norm, self.skipped + (not updated)
+
+
 class Trainer:
-    """State of one pretraining run; ``pretrain`` drives it."""
+    """One pretraining run. Construction is the set-up; :meth:`train` is the loop.
 
-    def __init__(self, cfg: MegaliteConfig, ps: ParallelState):
-        self.cfg = cfg
-        self.ps = ps
+    The loop (:meth:`train`) reads as its steps: one timed :meth:`train_step`, then
+    :meth:`_record` (summary, divergence check), :meth:`_log` every ``--log-interval``,
+    :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every ``--save-interval``,
+    and :meth:`_stop_reason`, the one per-iteration "stop now?" check; :meth:`_finish` evaluates
+    and saves the final state.
+    """
 
+    def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger,
+                 t_start: float):
+        self.cfg, self.ps, self.logger, self.t_start = cfg, ps, logger, t_start
+        self.summary = {"train_losses": {}, "valid": {}}
+        self.skipped = 0
+        self.saved_at = None
+        self.times: List[float] = []
+        self._build_data()
+        self._build_model_and_optimizer()
+        self._load_checkpoint()
+        self._log_start()
+
+    # --------------------------------------------------------------------------------------------
+    # Set-up
+    # --------------------------------------------------------------------------------------------
+    def _build_data(self) -> None:
+        """Data first: the tokenizer fixes the vocab size, which fixes the embedding shape."""
+        cfg, ps = self.cfg, self.ps
+        (tokenizer, self.train_ds, self.valid_ds, _test, self.build_loader,
+         self.get_batch) = build_data(cfg, ps, cfg.model.seq_length)
+        cfg.model.vocab_size = int(tokenizer.vocab_size)
+        cfg.model.validate(ps.tp_size)
+        self.tokenizer, self.eod = tokenizer, tokenizer.eod
+
+    def _build_model_and_optimizer(self) -> None:
+        cfg, ps, tr = self.cfg, self.ps, self.cfg.training
+        model_parallel_seed(tr.seed, ps.tp_rank, ps.pp_rank, ps.device)
+        chunks = build_model_chunks(
+            cfg.model, ps, seed=tr.seed,
+            num_layers_per_virtual_pipeline_stage=_vpp_layers_per_stage(cfg),
+            decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
+            device=ps.device)
+        self.chunks, self.no_sync_func, self.finalize_fn = wrap_model_for_data_parallel(
+            chunks, cfg, ps)
+        self.optimizer = build_optimizer(self.chunks, cfg.optimizer, ps)
+        self.scheduler = OptimizerParamScheduler.from_config(self.optimizer, cfg.optimizer,
+                                                             tr.train_iters)
+        self.forward_backward = get_forward_backward_func(
+            ps.pp_size, cfg.parallel.virtual_pipeline_model_parallel_size, tr.pipeline_schedule)
+
+    def _load_checkpoint(self) -> None:
+        cfg, ps, ck = self.cfg, self.ps, self.cfg.checkpoint
+        self.iteration, self.consumed, self.rng_state = 0, 0, None
+        if ck.load:
+            self.iteration, self.consumed, self.rng_state = checkpointing.load_checkpoint(
+                cfg, self.chunks, self.optimizer, self.scheduler, ps)
+            if self.iteration or ck.finetune:
+                what = ("weights only" if ck.finetune else
+                        "weights, data position" + ("" if ck.no_load_optim else ", optimizer")
+                        + ("" if ck.no_load_rng else ", RNG"))
+                self.logger.print(f" loaded checkpoint {ck.load} at iteration {self.iteration} "
+                                  f"({what})")
+        self.summary["iteration"] = self.iteration
+        self.run_id = checkpointing.new_run_id(ps)
+        if ck.save and ps.rank == 0:
+            os.makedirs(ck.save, exist_ok=True)
+            checkpointing.save_tokenizer(ck.save, self.tokenizer, ps)
+
+    def _log_start(self) -> None:
+        cfg, ps, tr, log = self.cfg, self.ps, self.cfg.training, self.logger
+        n_params = cfg.model.num_parameters()
+        log.print(f" megalite: world size {ps.world_size} | tp {ps.tp_size} "
+                  f"pp {ps.pp_size} dp {ps.dp_size} | device {ps.device} | "
+                  f"{n_params / 1e6:.2f}M parameters | vocab {cfg.model.vocab_size} | "
+                  f"{cfg.optimizer.params_dtype}")
+        if ps.rank == 0 and not tr.skip_train and self.train_ds is not None:
+            ent, ntok = unigram_entropy(self.train_ds)
+            self.summary["unigram_entropy"] = ent
+            log.print(f" unigram entropy of the training tokens: {ent:.4f} nats "
+                      f"(perplexity {math.exp(ent):.1f}, over {ntok} tokens): a model that "
+                      f"ignores context cannot reach a lower loss")
+            log.log({"unigram_entropy": ent, "unigram_ppl": math.exp(ent), "tokens": ntok,
+                     "num_parameters": n_params}, self.iteration, split="data")
+        self.flops_per_iter = model_flops_per_sequence(
+            cfg.model, cfg.model.padded_vocab_size(ps.tp_size)) * tr.global_batch_size
+        self.peak_flops = peak_flops_per_device(ps.device, cfg.optimizer.params_dtype) \
+            if cfg.logging.log_throughput and ps.rank == 0 else float("nan")
+
+    # --------------------------------------------------------------------------------------------
+    # The loop
+    # --------------------------------------------------------------------------------------------
+    def train(self) -> dict:
+        tr = self.cfg.training
+        if tr.skip_train:
+            self._evaluate_and_log()
+            return self.summary
+        data_it = iter(self.build_loader(self.train_ds, self.consumed, tr.micro_batch_size,
+                                         self.ps.dp_rank, self.ps.dp_size,
+                                         num_workers=self.cfg.data.num_workers))
+        if self.rng_state is not None:
+            set_all_rng_states(self.rng_state, self.ps.device)  # right before step 1: exact resume
+        interval = _Interval()
+        for c in self.chunks:
+            c.train()
+        while self.iteration < tr.train_iters:
+            lr = self.scheduler.current_lr
+            loss, updated, grad_norm, dt = self._timed_train_step(data_it)
+            self._record(loss, updated, grad_norm, dt)
+            interval.add(loss, dt, updated, grad_norm)
+            if self.iteration % self.cfg.logging.log_interval == 0 \
+                    or self.iteration == tr.train_iters:
+                self._log(interval, lr)
+                interval = _Interval()
+            if self.iteration % tr.eval_interval == 0:
+                self._evaluate_and_log()
+            if self._save_due():
+                self._save()
+            reason = self._stop_reason()
+            if reason:
+                self.logger.print(f" exiting at iteration {self.iteration} ({reason})")
+                break
+        return self._finish()
+
+    def _timed_train_step(self, data_it):
+        synchronize(self.ps.device)
+        t0 = time.perf_counter()
+        m = self.cfg.training.num_micro_batches(self.ps.dp_size)
+        batches = self._micro_batches(data_it, m)
+        loss, updated, grad_norm = self.train_step(batches)
+        synchronize(self.ps.device)
+        return loss, updated, grad_norm, time.perf_counter() - t0
+
+    def train_step(self, batches) -> Tuple[float, bool, Optional[float]]:
+        """Forward-backward over the global batch, then the optimizer step.
+
+        Returns (global-batch loss, whether the weights were updated, grad norm).
+        """
+        num_global_tokens = self._global_token_count(batches)
+        self.optimizer.zero_grad()
+        stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
+        loss_sum, ntok = self._reduce_loss(stats)
+        # Here the loss (on every rank) and the reduced gradients exist but have not touched the
+        # weights: the place for checks that must stop a step before it corrupts the model.
+        updated, grad_norm, _num_zeros = self.optimizer.step()
+        if updated:
+            self.scheduler.step()
+        return loss_sum / max(ntok, 1.0), updated, grad_norm
+
+    def _record(self, loss: float, updated: bool, grad_norm, dt: float) -> None:
+        self.iteration += 1
+        self.consumed += self.cfg.training.global_batch_size
+        self.times.append(dt)
+        self.summary["train_losses"][self.iteration] = loss
+        self.skipped += not updated
+        if self.iteration == 1:  # model-state bytes vs docs/theory.md's ZeRO formula (memory.py)
+            from megalite.memory import memory_report
+
+            self.logger.log(memory_report(self.chunks, self.optimizer), 1, split="memory")
+        diverged = not math.isfinite(loss) or (updated and grad_norm is not None
+                                               and not math.isfinite(grad_norm))
+        if diverged and not self.cfg.optimizer.fp16:  # fp16's loss scaler skips such steps
+            raise TrainingError(
+                f"loss became {loss} (grad norm {grad_norm}) at iteration {self.iteration} in "
+                f"{self.cfg.optimizer.params_dtype}: training diverged; lower --lr, raise "
+                f"--lr-warmup-iters or set --clip-grad")
+
+    def _save_due(self) -> bool:
+        ck = self.cfg.checkpoint
+        return bool(ck.save and ck.save_interval and self.iteration % ck.save_interval == 0)
+
+    def _stop_reason(self) -> Optional[str]:
+        """Why training stops after this iteration, or None: the one per-iteration stop check.
+
+        Every rank must reach the same answer (a rank that stops alone leaves its peers waiting in
+        a collective), so each condition is either identical everywhere or agreed on collectively.
+        """
+        tr = self.cfg.training
+        if tr.exit_interval and self.iteration % tr.exit_interval == 0:
+            return f"--exit-interval {tr.exit_interval}"
+        return None
+
+    def _finish(self) -> dict:
+        if self.iteration % self.cfg.training.eval_interval != 0:
+            self._evaluate_and_log()
+        if self.cfg.checkpoint.save and self.saved_at != self.iteration:
+            self._save()
+        s = self.summary
+        s["iteration"], s["skipped_iterations"] = self.iteration, self.skipped
+        s["wall_time_s"] = time.time() - self.t_start
+        done = f" done: {self.iteration} iterations in {s['wall_time_s']:.1f} s"
+        if s["valid"] and "unigram_entropy" in s:
+            done += (f" | final validation loss {s['valid'][max(s['valid'])]:.4f} nats vs "
+                     f"unigram entropy {s['unigram_entropy']:.4f} nats")
+        self.logger.print(done)
+        return s
+
+    # --------------------------------------------------------------------------------------------
+    # Logging, evaluation, saving
+    # --------------------------------------------------------------------------------------------
+    def _log(self, interval: _Interval, lr: float) -> None:
+        cfg, ps, tr = self.cfg, self.ps, self.cfg.training
+        gbs, t_it = tr.global_batch_size, interval.time / interval.n
+        rec = {"iteration": self.iteration, "consumed_samples": self.consumed,
+               "lm_loss": interval.loss / interval.n, "lr": lr,
+               "grad_norm": interval.grad_norm, "loss_scale": self.optimizer.get_loss_scale(),
+               "global_batch_size": gbs, "iteration_time_ms": 1000 * t_it,
+               "skipped_iterations": interval.skipped,
+               "peak_memory_bytes": peak_memory_bytes(ps.device)}
+        if cfg.logging.log_throughput:
+            achieved = self.flops_per_iter / t_it / ps.world_size
+            peak = self.peak_flops
+            rec.update(tokens_per_sec=gbs * cfg.model.seq_length / t_it,
+                       tflops_per_device=achieved / 1e12,
+                       mfu=(achieved / peak) if math.isfinite(peak) and peak > 0 else None)
+        recent = self.times[-20:]
+        eta = (tr.train_iters - self.iteration) * sum(recent) / len(recent)
+        self.logger.print(training_log_line(rec, tr.train_iters, eta))
+        rec.pop("iteration")
+        self.logger.log(rec, self.iteration, split="train")
+        if tr.timing_log_level >= 1 and ps.pp_size > 1:
+            # measured bubble of this step (docs/pipeline_parallel.md); a collective over the
+            # pipeline group, reached by every rank since the log condition is global
+            from megalite.pipeline_parallel.timeline import log_pipeline_step
+
+            log_pipeline_step(self.forward_backward.last_timeline(), ps, self.iteration,
+                              cfg.checkpoint.save or os.path.dirname(os.path.abspath(
+                                  cfg.logging.metrics_file or "metrics.jsonl")))
+
+    def _evaluate_and_log(self) -> None:
+        if self.cfg.training.eval_iters <= 0 or self.valid_ds is None:
+            return
+        loss, ppl = self.evaluate()
+        self.summary["valid"][self.iteration] = loss
+        self.logger.print(f" validation at iteration {self.iteration} | lm loss: {loss:.6E} | "
+                          f"lm loss PPL: {ppl:.3f}")
+        self.logger.log({"lm_loss": loss, "ppl": ppl}, self.iteration, split="valid")
+
+    def _save(self) -> None:
+        path = checkpointing.save_checkpoint(
+            self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
+            self.scheduler, self.consumed, self.cfg, self.ps, self.run_id)
+        self.saved_at = self.iteration
+        self.logger.print(f" saved checkpoint {path}")
+
+    @torch.no_grad()
+    def evaluate(self) -> Tuple[float, float]:
+        """(loss, perplexity) over the same ``eval_iters`` validation batches every time."""
+        cfg, ps, tr = self.cfg, self.ps, self.cfg.training
+        # Evaluation must not perturb training randomness (a DataLoader iterator draws a seed from
+        # the global generator): otherwise --eval-interval would change the training run, and a
+        # resumed run would differ from an uninterrupted one.
+        rng = get_all_rng_states(ps.device)
+        for c in self.chunks:
+            c.eval()
+        it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                    num_workers=cfg.data.num_workers))
+        total, ntok = 0.0, 0.0
+        for _ in range(tr.eval_iters):
+            batches = self._micro_batches(it, tr.num_micro_batches(ps.dp_size))
+            stats = self._forward_backward(batches, self._global_token_count(batches),
+                                           forward_only=True)
+            s, k = self._reduce_loss(stats)
+            total, ntok = total + s, ntok + k
+        for c in self.chunks:
+            c.train()
+        set_all_rng_states(rng, ps.device)
+        loss = total / max(ntok, 1.0)
+        return loss, math.exp(min(loss, 50.0))
+
+    # --------------------------------------------------------------------------------------------
+    # Batches and losses
+    # --------------------------------------------------------------------------------------------
     def _micro_batches(self, it, m: int):
         out = []
+        dev = self.ps.device
         for _ in range(m):
-            mb = next(it)
             tokens, labels, loss_mask, position_ids = self.get_batch(
-                mb, self.eod, self.cfg.data.eod_mask_loss)
-            dev = self.ps.device
+                next(it), self.eod, self.cfg.data.eod_mask_loss)
             out.append((tokens.to(dev), labels.to(dev), loss_mask.to(dev).float(),
                         position_ids.to(dev) if position_ids is not None else None))
         return out
@@ -180,10 +457,21 @@ class Trainer:
         C.all_reduce(n, group=self.ps.dp_group, tag="loss_token_count")
         return n.clamp_min(1.0).squeeze(0)
 
-    def _data_iterator(self, batches):
-        # One iterator per rank (the schedule contract's recommended form): the schedule takes the
-        # m micro-batches in order on every pipeline rank and hands each chunk the one it runs.
-        return iter(batches)
+    def _forward_backward(self, batches, num_global_tokens: torch.Tensor, forward_only: bool):
+        """Run the pipeline schedule over the micro-batches; returns the last stage's loss stats.
+
+        One iterator per rank (the schedule contract's recommended form): the schedule takes the
+        m micro-batches in order on every pipeline rank and hands each chunk the one it runs.
+        """
+        tr = self.cfg.training
+        extra = {} if forward_only else dict(
+            grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
+            finalize_model_grads_func=self.finalize_fn, timing_log_level=tr.timing_log_level)
+        return self.forward_backward(
+            forward_step_func=partial(_forward_step, num_global_tokens),
+            data_iterator=iter(batches), model=self.chunks, num_microbatches=len(batches),
+            seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
+            parallel_state=self.ps, forward_only=forward_only, **extra)
 
     def _reduce_loss(self, stats_list) -> Tuple[float, float]:
         """(sum of token losses, token count) over the whole global batch, on every rank.
@@ -199,54 +487,6 @@ class Trainer:
                 t[1] += float(s["num_tokens"])
         C.all_reduce(t, group=world_group(), tag="loss_report")
         return float(t[0]), float(t[1])
-
-    def train_step(self, batches):
-        cfg, ps = self.cfg, self.ps
-        tr = cfg.training
-        num_global_tokens = self._global_token_count(batches)
-        self.optimizer.zero_grad()
-        stats = self.forward_backward(
-            forward_step_func=partial(_forward_step, num_global_tokens),
-            data_iterator=self._data_iterator(batches), model=self.chunks,
-            num_microbatches=len(batches), seq_length=cfg.model.seq_length,
-            micro_batch_size=tr.micro_batch_size, parallel_state=ps, forward_only=False,
-            grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
-            finalize_model_grads_func=self.finalize_fn, timing_log_level=tr.timing_log_level)
-        updated, grad_norm, num_zeros = self.optimizer.step()
-        if updated:
-            self.scheduler.step()
-        loss_sum, ntok = self._reduce_loss(stats)
-        return loss_sum / max(ntok, 1.0), updated, grad_norm
-
-    @torch.no_grad()
-    def evaluate(self) -> Tuple[float, float]:
-        cfg, ps = self.cfg, self.ps
-        tr = cfg.training
-        # Evaluation must not perturb training randomness (a DataLoader iterator draws a seed from
-        # the global generator): otherwise --eval-interval would change the training run, and a
-        # resumed run would differ from an uninterrupted one.
-        rng = get_all_rng_states(ps.device)
-        for c in self.chunks:
-            c.eval()
-        it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
-                                    num_workers=cfg.data.num_workers))
-        m = tr.num_micro_batches(ps.dp_size)
-        total, ntok = 0.0, 0.0
-        for _ in range(tr.eval_iters):
-            batches = self._micro_batches(it, m)
-            n = self._global_token_count(batches)
-            stats = self.forward_backward(
-                forward_step_func=partial(_forward_step, n),
-                data_iterator=self._data_iterator(batches), model=self.chunks,
-                num_microbatches=m, seq_length=cfg.model.seq_length,
-                micro_batch_size=tr.micro_batch_size, parallel_state=ps, forward_only=True)
-            s, k = self._reduce_loss(stats)
-            total, ntok = total + s, ntok + k
-        for c in self.chunks:
-            c.train()
-        set_all_rng_states(rng, ps.device)
-        loss = total / max(ntok, 1.0)
-        return loss, math.exp(min(loss, 50.0))
 
 
 def _vpp_layers_per_stage(cfg: MegaliteConfig) -> Optional[int]:
@@ -278,192 +518,10 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
     t_start = time.time()
     if ck.load and ck.use_checkpoint_args:
         checkpointing.apply_checkpoint_args(cfg)
-
-    trainer = Trainer(cfg, ps)
     logger = MetricsLogger(cfg, is_writer=(ps.rank == 0), stream=stream)
     set_active_logger(logger)
     try:
-        return _run(cfg, ps, trainer, logger, t_start)
+        return Trainer(cfg, ps, logger, t_start).train()
     finally:
         set_active_logger(None)
         logger.close()
-
-
-def _run(cfg: MegaliteConfig, ps: ParallelState, trainer: Trainer, logger: MetricsLogger,
-         t_start: float) -> dict:
-    tr, ck = cfg.training, cfg.checkpoint
-    gbs, s = tr.global_batch_size, cfg.model.seq_length
-
-    # Data first: the tokenizer fixes the vocab size, which fixes the embedding shape.
-    tokenizer, train_ds, valid_ds, _test_ds, build_loader, get_batch = build_data(cfg, ps, s)
-    cfg.model.vocab_size = int(tokenizer.vocab_size)
-    cfg.model.validate(ps.tp_size)
-    trainer.eod, trainer.get_batch, trainer.build_loader = tokenizer.eod, get_batch, build_loader
-    trainer.valid_ds = valid_ds
-
-    model_parallel_seed(tr.seed, ps.tp_rank, ps.pp_rank, ps.device)
-    chunks = build_model_chunks(
-        cfg.model, ps, seed=tr.seed,
-        num_layers_per_virtual_pipeline_stage=_vpp_layers_per_stage(cfg),
-        decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
-        device=ps.device)
-    chunks, no_sync_func, finalize_fn = wrap_model_for_data_parallel(chunks, cfg, ps)
-    optimizer = build_optimizer(chunks, cfg.optimizer, ps)
-    scheduler = OptimizerParamScheduler.from_config(optimizer, cfg.optimizer, tr.train_iters)
-    trainer.chunks, trainer.optimizer, trainer.scheduler = chunks, optimizer, scheduler
-    trainer.no_sync_func, trainer.finalize_fn = no_sync_func, finalize_fn
-    trainer.forward_backward = get_forward_backward_func(
-        ps.pp_size, cfg.parallel.virtual_pipeline_model_parallel_size, tr.pipeline_schedule)
-
-    iteration, consumed, rng_state = 0, 0, None
-    if ck.load:
-        iteration, consumed, rng_state = checkpointing.load_checkpoint(
-            cfg, chunks, optimizer, scheduler, ps)
-        if iteration or ck.finetune:
-            what = ("weights only" if ck.finetune else
-                    "weights, data position" + ("" if ck.no_load_optim else ", optimizer")
-                    + ("" if ck.no_load_rng else ", RNG"))
-            logger.print(f" loaded checkpoint {ck.load} at iteration {iteration} ({what})")
-    run_id = checkpointing.new_run_id(ps)
-    if ck.save and ps.rank == 0:
-        import os
-
-        os.makedirs(ck.save, exist_ok=True)
-        checkpointing.save_tokenizer(ck.save, tokenizer, ps)
-
-    n_params = cfg.model.num_parameters()
-    summary = {"train_losses": {}, "valid": {}, "iteration": iteration}
-    logger.print(f" megalite: world size {ps.world_size} | tp {ps.tp_size} "
-                 f"pp {ps.pp_size} dp {ps.dp_size} | device {ps.device} | "
-                 f"{n_params / 1e6:.2f}M parameters | vocab {cfg.model.vocab_size} | "
-                 f"{cfg.optimizer.params_dtype}")
-    if ps.rank == 0 and not tr.skip_train and train_ds is not None:
-        ent, ntok = unigram_entropy(train_ds)
-        summary["unigram_entropy"] = ent
-        logger.print(f" unigram entropy of the training tokens: {ent:.4f} nats "
-                     f"(perplexity {math.exp(ent):.1f}, over {ntok} tokens): a model that ignores "
-                     f"context cannot reach a lower loss")
-        logger.log({"unigram_entropy": ent, "unigram_ppl": math.exp(ent), "tokens": ntok,
-                    "num_parameters": n_params}, iteration, split="data")
-
-    flops_per_iter = model_flops_per_sequence(cfg.model, cfg.model.padded_vocab_size(ps.tp_size)) \
-        * gbs
-    peak = peak_flops_per_device(ps.device, cfg.optimizer.params_dtype) \
-        if cfg.logging.log_throughput and ps.rank == 0 else float("nan")
-    m = tr.num_micro_batches(ps.dp_size)
-
-    def do_eval(it: int) -> None:
-        if tr.eval_iters <= 0 or valid_ds is None:
-            return
-        loss, ppl = trainer.evaluate()
-        summary["valid"][it] = loss
-        logger.print(f" validation at iteration {it} | lm loss: {loss:.6E} | lm loss PPL: "
-                     f"{ppl:.3f}")
-        logger.log({"lm_loss": loss, "ppl": ppl}, it, split="valid")
-
-    def do_save(it: int, consumed_samples: int) -> None:
-        path = checkpointing.save_checkpoint(ck.save, it, chunks, optimizer, scheduler,
-                                             consumed_samples, cfg, ps, run_id)
-        logger.print(f" saved checkpoint {path}")
-
-    if tr.skip_train:
-        do_eval(iteration)
-        return summary
-
-    loader = build_loader(train_ds, consumed, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
-                          num_workers=cfg.data.num_workers)
-    data_it = iter(loader)
-    if rng_state is not None:
-        set_all_rng_states(rng_state, ps.device)  # right before the first step: bit-exact resume
-
-    interval = {"loss": 0.0, "n": 0, "time": 0.0, "grad_norm": None, "skipped": 0}
-    total_skipped = 0
-    saved_at = None
-    times: List[float] = []
-    for c in chunks:
-        c.train()
-    while iteration < tr.train_iters:
-        synchronize(ps.device)
-        t0 = time.perf_counter()
-        batches = trainer._micro_batches(data_it, m)
-        lr = scheduler.current_lr
-        loss, updated, grad_norm = trainer.train_step(batches)
-        synchronize(ps.device)
-        dt = time.perf_counter() - t0
-        iteration += 1
-        consumed += gbs
-        times.append(dt)
-        if iteration == 1:  # model-state bytes vs docs/theory.md's ZeRO formula (memory.py)
-            from megalite.memory import memory_report
-
-            logger.log(memory_report(chunks, optimizer), iteration, split="memory")
-        if not math.isfinite(loss) or (updated and grad_norm is not None
-                                       and not math.isfinite(grad_norm)):
-            if not cfg.optimizer.fp16:
-                raise TrainingError(
-                    f"loss became {loss} (grad norm {grad_norm}) at iteration {iteration} in "
-                    f"{cfg.optimizer.params_dtype}: training diverged; lower --lr, raise "
-                    f"--lr-warmup-iters or set --clip-grad")
-        if not updated:
-            interval["skipped"] += 1
-            total_skipped += 1
-        summary["train_losses"][iteration] = loss
-        interval["loss"] += loss
-        interval["n"] += 1
-        interval["time"] += dt
-        interval["grad_norm"] = grad_norm
-
-        if iteration % cfg.logging.log_interval == 0 or iteration == tr.train_iters:
-            n = interval["n"]
-            t_it = interval["time"] / n
-            rec = {"iteration": iteration, "consumed_samples": consumed,
-                   "lm_loss": interval["loss"] / n, "lr": lr,
-                   "grad_norm": interval["grad_norm"], "loss_scale": optimizer.get_loss_scale(),
-                   "global_batch_size": gbs, "iteration_time_ms": 1000 * t_it,
-                   "skipped_iterations": interval["skipped"],
-                   "peak_memory_bytes": peak_memory_bytes(ps.device)}
-            if cfg.logging.log_throughput:
-                achieved = flops_per_iter / t_it / ps.world_size
-                rec.update(tokens_per_sec=gbs * s / t_it, tflops_per_device=achieved / 1e12,
-                           mfu=(achieved / peak) if math.isfinite(peak) and peak > 0 else None)
-            recent = times[-min(len(times), 20):]
-            eta = (tr.train_iters - iteration) * sum(recent) / len(recent)
-            logger.print(training_log_line(rec, tr.train_iters, eta))
-            rec.pop("iteration")
-            logger.log(rec, iteration, split="train")
-            interval = {"loss": 0.0, "n": 0, "time": 0.0, "grad_norm": None, "skipped": 0}
-            if tr.timing_log_level >= 1 and ps.pp_size > 1:
-                # measured bubble of this step (docs/pipeline_parallel.md); a collective over the
-                # pipeline group, reached by every rank since the condition above is global
-                import os
-
-                from megalite.pipeline_parallel.timeline import log_pipeline_step
-
-                log_pipeline_step(trainer.forward_backward.last_timeline(), ps, iteration,
-                                  ck.save or os.path.dirname(os.path.abspath(
-                                      cfg.logging.metrics_file or "metrics.jsonl")))
-
-        if iteration % tr.eval_interval == 0:
-            do_eval(iteration)
-        if ck.save and ck.save_interval and iteration % ck.save_interval == 0:
-            do_save(iteration, consumed)
-            saved_at = iteration
-        if tr.exit_interval and iteration % tr.exit_interval == 0:
-            logger.print(f" exiting at iteration {iteration} (--exit-interval {tr.exit_interval})")
-            break
-
-    if iteration % tr.eval_interval != 0:
-        do_eval(iteration)
-    if ck.save and saved_at != iteration:
-        do_save(iteration, consumed)
-    summary["iteration"] = iteration
-    summary["skipped_iterations"] = total_skipped
-    summary["wall_time_s"] = time.time() - t_start
-    done = f" done: {iteration} iterations in {summary['wall_time_s']:.1f} s"
-    if summary["valid"] and "unigram_entropy" in summary:
-        last = summary["valid"][max(summary["valid"])]
-        done += (f" | final validation loss {last:.4f} nats vs unigram entropy "
-                 f"{summary['unigram_entropy']:.4f} nats")
-    logger.print(done)
-    return summary
