@@ -57,7 +57,7 @@ def cmd_env(args):
             info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception as e:  # noqa: BLE001
             info["nccl_version"] = f"unavailable ({e})"
-        # The measured bf16 matmul ceiling (random data; METHOD.md), to set MFU beside.
+        # The measured bf16 matmul ceiling (random data), to set MFU beside.
         n = 8192
         a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for _ in range(3):

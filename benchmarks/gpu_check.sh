@@ -1,45 +1,57 @@
 #!/usr/bin/env bash
-# One-shot GPU check for a lent single-GPU machine (docs/performance.md "GPU checks").
-#   bash benchmarks/gpu_check.sh             # CUDA if present, else the --dry-run below
-#   bash benchmarks/gpu_check.sh --dry-run   # no GPU needed: tiny CPU stand-ins for the CUDA steps
+# Check megalite on one CUDA GPU and measure it, in one command (docs/performance.md, "GPU checks").
+#   bash benchmarks/gpu_check.sh                    # CUDA if present, else the --dry-run below
+#   bash benchmarks/gpu_check.sh --dry-run          # no GPU needed: tiny CPU stand-ins for the CUDA steps
+#   bash benchmarks/gpu_check.sh --out DIR          # where the results go (default ./gpu_check_out)
 # Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | train x3 (pretrain.py bf16,
 # no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU: it has no device flag).
-# Each step has its own timeout, capped by a total budget (GC_BUDGET s, default 420). Writes
-# summary.json, summary.txt and gpu_check.log to $OUT (default ./gpu_check_out). Exit 1 if a step failed.
+# Each step has its own timeout, all capped by a total time limit (GC_TIME_LIMIT seconds, default
+# 420), so one hang does not lose the rest. Writes summary.txt (also printed), summary.json and
+# gpu_check.log to the output folder. Exit status 1 if a step failed or timed out.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${OUT:-./gpu_check_out}
+OUT=./gpu_check_out DRY=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --dry-run) DRY=1; shift;;
+    --out) [ $# -ge 2 ] || { echo "gpu_check.sh: --out needs a folder, e.g. --out ./gpu_check_out" >&2; exit 2; }
+           OUT=$2; shift 2;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0;;
+    *) echo "gpu_check.sh: unknown argument '$1'; valid: --dry-run, --out DIR, --help" >&2; exit 2;;
+  esac
+done
 PY=${PYTHON:-python3}
-BUDGET=${GC_BUDGET:-420}
+LIMIT=${GC_TIME_LIMIT:-420}
+case $LIMIT in ''|*[!0-9]*) echo "gpu_check.sh: GC_TIME_LIMIT='$LIMIT' is not a whole number of seconds" >&2; exit 2;; esac
 WORK=$(mktemp -d)
-mkdir -p "$OUT"
+mkdir -p "$OUT" || { echo "gpu_check.sh: cannot create output folder '$OUT'" >&2; exit 2; }
 LOG=$OUT/gpu_check.log
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 START=$SECONDS
 : >"$LOG"
 
-if [ "${1:-}" != "--dry-run" ] && $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>>"$LOG"; then
+if [ "$DRY" = 0 ] && $PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>>"$LOG"; then
   MODE=gpu DEV=cuda
   MODEL="--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --vocab-size 50257 --bf16"
   ITERS="--train-iters 30 --log-interval 5"
   SD="--threads $(nproc) --rounds 4"
 else
   MODE=dry-run DEV=cpu
-  [ "${1:-}" = "--dry-run" ] || echo "NO CUDA DEVICE: CUDA steps are replaced by tiny CPU stand-ins (dry run); numbers are not GPU measurements."
+  [ "$DRY" = 1 ] || echo "NO CUDA DEVICE: CUDA steps are replaced by tiny CPU stand-ins (dry run); numbers are not GPU measurements."
   MODEL="--num-layers 2 --hidden-size 64 --num-attention-heads 2 --seq-length 64 --micro-batch-size 2 --vocab-size 512 --bf16"
   ITERS="--train-iters 6 --log-interval 2"
   SD="--num-layers 1 --hidden-size 64 --num-attention-heads 2 --seq-length 32 --micro-batch-size 2 --vocab-size 512 --rounds 2 --warmup 1"
 fi
-echo "gpu_check: mode=$MODE device=$DEV out=$OUT budget=${BUDGET}s" | tee -a "$LOG"
+echo "gpu_check: mode=$MODE device=$DEV out=$OUT time limit=${LIMIT}s" | tee -a "$LOG"
 
-# step NAME TIMEOUT NOTE CMD... : run CMD under timeout (capped by what is left of the budget),
+# step NAME TIMEOUT NOTE CMD... : run CMD under timeout (capped by what is left of the time limit),
 # log its output, append "name status rc seconds note" to $WORK/steps.tsv.
 step() {
   local name=$1 limit=$2 note=$3; shift 3
-  local left=$((BUDGET - (SECONDS - START) - 15))
+  local left=$((LIMIT - (SECONDS - START) - 15))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 10 ]; then
-    printf '%s\tskip\t0\t0\t%s\n' "$name" "out of time budget" >>"$WORK/steps.tsv"; return
+    printf '%s\tskip\t0\t0\t%s\n' "$name" "total time limit reached" >>"$WORK/steps.tsv"; return
   fi
   echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS rc status
@@ -63,7 +75,7 @@ step gloo_tp_parity 150 "CPU gloo, 4 procs; NCCL needs 2+ GPUs (skipped)" \
 step single_device_vs_hf 150 "CPU only: script has no --device flag" \
   bash -o pipefail -c "$PY benchmarks/single_device.py --json $SD | tee /dev/stderr | tail -1 > '$WORK/single_device_vs_hf.json'"
 
-printf 'nccl_multi_rank\tskip\t0\t0\t%s\n' "one GPU: multi-rank NCCL impossible (env shows a 1-rank NCCL all-reduce)" >>"$WORK/steps.tsv"
+printf 'nccl_multi_rank\tskip\t0\t0\t%s\n' "not run: NCCL across ranks needs 2+ GPUs (env shows a 1-rank NCCL all-reduce)" >>"$WORK/steps.tsv"
 $PY benchmarks/gpu_check.py summarize --work "$WORK" --out "$OUT" --mode "$MODE" | tee -a "$LOG"
 rm -rf "$WORK"
 grep -q '"all_pass": true' "$OUT/summary.json"
