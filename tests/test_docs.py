@@ -112,10 +112,14 @@ _MD_NAME = re.compile(r"(?<![\w/.-])((?:\.\.?/)*[\w.-]+(?:/[\w.-]+)*\.md)\b")
 _OUTSIDE = re.compile(r"\.\./" + "shared")  # a folder beside the repository: never part of a clone
 
 
+_REPO_PATH = re.compile(r"(?<![\w./-])((?:megalite|tools|benchmarks|tests|examples|docs)/[\w./-]*\w"
+                        r"\.(?:py|sh|md|png|json))\b")
+
+
 def test_no_file_names_a_document_the_repository_lacks():
-    """Every page name ending in ``.md`` that a file mentions exists, relative to that file or to the repository root
-    (a bare page name like ``zero3.md`` in docs/ counts as docs/zero3.md), and nothing points
-    outside the repository."""
+    """Every page name ending in ``.md`` that a file mentions exists, relative to that file or to
+    the repository root (a bare page name like ``zero3.md`` in docs/ counts as docs/zero3.md), and
+    nothing points outside the repository."""
     missing = []
     for f in _text_files():
         try:
@@ -133,6 +137,22 @@ def test_no_file_names_a_document_the_repository_lacks():
                            for c in candidates):
                     missing.append(f"{rel}:{no}: names {name}, which the repository lacks")
     assert not missing, "references to missing documents:\n" + "\n".join(missing)
+
+
+def test_every_repository_path_a_file_names_exists():
+    """A path into the repository (``megalite/...py``, ``tools/...``, ``docs/...``) named in code,
+    tests or docs exists: a renamed or deleted module must not leave its readers a dead end."""
+    missing = []
+    for f in _text_files():
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        for no, line in enumerate(text.splitlines(), 1):
+            for path in _REPO_PATH.findall(_URL.sub("", line)):
+                if not (ROOT / path).exists():
+                    missing.append(f"{f.relative_to(ROOT)}:{no}: names {path}, which does not exist")
+    assert not missing, "paths to missing files:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("heading, slug", [
