@@ -36,6 +36,7 @@ from megalite.arguments import validate_for_world
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.logging import (
     MetricsLogger,
+    cpu_peak_at_least,
     model_flops_per_sequence,
     peak_flops_per_device,
     set_active_logger,
@@ -379,8 +380,10 @@ class Trainer:
         if cfg.logging.log_throughput:
             achieved = self.flops_per_iter / t_it / ps.world_size
             peak = self.peak_flops
+            if ps.device.type == "cpu" and ps.rank == 0 and achieved > peak:
+                peak = self.peak_flops = cpu_peak_at_least(achieved)
             rec.update(tokens_per_sec=gbs * cfg.model.seq_length / t_it,
-                       tflops_per_device=achieved / 1e12,
+                       tflops_per_device=achieved / 1e12, peak_tflops_per_device=peak / 1e12,
                        mfu=(achieved / peak) if math.isfinite(peak) and peak > 0 else None)
         recent = self.times[-20:]
         eta = (tr.train_iters - self.iteration) * sum(recent) / len(recent)

@@ -10,6 +10,7 @@ import pytest
 from pretrain_utils import flags, read_metrics, run_main
 
 from megalite.config import ModelConfig
+from megalite import logging as mlog
 from megalite.logging import model_flops_per_sequence
 
 REQUIRED = {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device",
@@ -62,6 +63,7 @@ def test_metrics_wandb_offline_and_tensorboard(tmp_path, monkeypatch):
         missing = REQUIRED - set(r)
         assert not missing, missing
         assert r["tokens_per_sec"] > 0 and r["peak_memory_bytes"] > 0 and r["loss_scale"] > 0
+        assert 0 < r["mfu"] <= 1 and r["peak_tflops_per_device"] >= r["tflops_per_device"]
     valid = read_metrics(str(save / "metrics.jsonl"), split="valid")
     assert [r["iteration"] for r in valid] == [3, 6]
     assert all(r["ppl"] == pytest.approx(2.718281828 ** r["lm_loss"], rel=1e-6) for r in valid)
@@ -137,3 +139,16 @@ def test_log_metrics_seam_writes_for_other_components(tmp_path):
     log_metrics({"ignored": 1.0}, step=8)  # no active logger: a no-op, not an error
     (rec,) = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
     assert rec == {"split": "pipeline", "iteration": 7, "bubble_fraction": 0.25}
+
+
+def test_cpu_peak_rises_to_a_faster_step(monkeypatch):
+    """A deflated CPU peak (a busy moment) is re-measured, then raised to the step's own rate."""
+    import torch
+
+    monkeypatch.setattr(mlog, "_CPU_PEAK", {torch.get_num_threads(): 1.0})
+    peak = mlog.peak_flops_per_device(torch.device("cpu"), "float32")
+    assert peak == 1.0  # the cached, deflated measurement
+    measured = mlog.measure_cpu_matmul_flops(n=64, tries=1)
+    assert measured > 1.0  # a new measurement raises the peak...
+    assert mlog.cpu_peak_at_least(measured / 2) == measured  # ...a slower step leaves it alone
+    assert mlog.cpu_peak_at_least(1e18) == 1e18  # a step beyond any measurement sets it
