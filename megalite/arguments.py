@@ -177,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
+    g = p.add_argument_group("speed (docs/performance.md)")
+    g.add_argument("--torch-compile", nargs="?", const="inductor", default=None,
+                   choices=["inductor", "aot_eager", "eager"],
+                   help="compile each transformer layer with torch.compile (backend, default "
+                        "inductor)")
+    g.add_argument("--use-apex", action="store_true",
+                   help="NVIDIA apex's fused LayerNorm/RMSNorm (needs apex built with its CUDA "
+                        "extensions and a CUDA device)")
+
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
@@ -251,6 +260,7 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         init_method_std=a.init_method_std, sequence_parallel=a.sequence_parallel,
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers, params_dtype=params_dtype,
+        torch_compile=a.torch_compile, use_apex=a.use_apex,
     )
     vpp = a.num_virtual_stages_per_pipeline_rank
     if a.num_layers_per_virtual_pipeline_stage is not None:

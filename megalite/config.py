@@ -56,6 +56,10 @@ class ModelConfig:
     recompute_method: Optional[str] = None  # "uniform" | "block" (full only)
     recompute_num_layers: Optional[int] = None
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
+    # Speed only (docs/performance.md): compile each transformer layer with this torch.compile
+    # backend (None: eager); use NVIDIA apex's fused norms (CUDA only).
+    torch_compile: Optional[str] = None
+    use_apex: bool = False
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -144,6 +148,9 @@ class ModelConfig:
                 raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"params dtype must be float32, bfloat16 or float16, got {self.params_dtype!r}")
+        if self.torch_compile not in (None, "inductor", "aot_eager", "eager"):
+            raise ConfigError(f"--torch-compile must be inductor, aot_eager or eager, got "
+                              f"{self.torch_compile!r}")
         return self
 
     def num_parameters(self, include_embeddings: bool = True) -> int:

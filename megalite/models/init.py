@@ -1,9 +1,15 @@
 """Layout-independent parameter initialization (docs/design.md, contract 3).
 
-Each *full* parameter is drawn from a CPU generator seeded by (seed, the parameter's full name);
+Each *full* parameter is drawn from a generator seeded by (seed, the parameter's full name);
 every rank then keeps its TP slice. So a model built with tp=4 holds exactly the slices of the model
 built with tp=1, whatever the pipeline cut, and parity between layouts can be tested bit for bit.
-The price is that each rank materialises each full parameter once, on the CPU, at start-up.
+The price is that each rank materialises each full parameter once, one at a time, at start-up.
+
+The generator lives on the parameter's device. On the CPU that is the CPU generator (the values
+every CPU test pins down). On a GPU the draw runs on the GPU (Philox): no host-side sampling and no
+host-to-device copy of each full tensor, which dominated start-up of large models
+(docs/performance.md). The GPU values are a different (equally distributed) draw from the CPU's;
+they are the same on every rank of a job on one GPU model, so layout independence holds there too.
 
 Vocab-sized tensors are drawn for the real vocab and zero-padded to the padded size, because the
 padded size depends on the TP size.
@@ -45,16 +51,18 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
             param.fill_(1.0)
             continue
         shape = full_shape(param, tp_size)
-        gen = torch.Generator().manual_seed(_name_seed(seed, getattr(param, "init_seed_name", name)))
+        dev = param.device
+        gen = torch.Generator(device=dev).manual_seed(
+            _name_seed(seed, getattr(param, "init_seed_name", name)))
         std = method[1]
         if kind == "normal_vocab":
-            full = torch.zeros(shape)
+            full = torch.zeros(shape, device=dev)
             full[: config.vocab_size].normal_(0.0, std, generator=gen)
         elif kind == "normal":
-            full = torch.empty(shape).normal_(0.0, std, generator=gen)
+            full = torch.empty(shape, device=dev).normal_(0.0, std, generator=gen)
         else:
             raise RuntimeError(f"unknown init method {kind!r} for {name}")
         if getattr(param, "tensor_model_parallel", False):
             full = shard_tensor(full, param.partition_dim, tp_rank, tp_size,
                                 getattr(param, "partition_stride", 1))
-        param.copy_(full.to(param.dtype))
+        param.copy_(full)

@@ -3,6 +3,11 @@
 Under SP a norm runs on this rank's sequence shard, so its weight gradient is a partial sum over
 the shard: ``finalize_model_grads`` all-reduces every parameter flagged ``sequence_parallel`` over
 the TP group (forgetting this is the classic SP bug; tests/test_tensor_parallel.py checks it).
+
+Both norms stay in the compute dtype: ``F.layer_norm`` and ``F.rms_norm`` accumulate the
+statistics in fp32 inside one kernel, so a bf16 activation is never written out in fp32
+(docs/performance.md). With ``--use-apex`` on a CUDA device, NVIDIA apex's fused kernels are used
+instead; apex is imported only then, never on the CPU.
 """
 
 from __future__ import annotations
@@ -12,42 +17,66 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class LayerNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 params_dtype=torch.float32, device=None):
+def _apex_norm_functions():
+    """apex's fused (layer_norm, rms_norm) affine functions, or a one-line error."""
+    try:
+        from apex.normalization.fused_layer_norm import (
+            fused_layer_norm_affine,
+            fused_rms_norm_affine,
+        )
+        import fused_layer_norm_cuda  # noqa: F401  (the CUDA extension itself, not a stub)
+    except ImportError as e:
+        raise RuntimeError(f"--use-apex: NVIDIA apex with its CUDA extensions is not importable "
+                           f"({e}); build apex with --cuda_ext or drop the flag") from e
+    return fused_layer_norm_affine, fused_rms_norm_affine
+
+
+class _Norm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype,
+                 device, bias: bool, use_apex: bool):
         super().__init__()
         self.eps = eps
+        self.shape = (hidden_size,)
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
-        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
         self.weight.init_method = ("ones",)
-        self.bias.init_method = ("zeros",)
-        for p in (self.weight, self.bias):
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
+            self.bias.init_method = ("zeros",)
+        for p in self.parameters():
             p.sequence_parallel = sequence_parallel
+        self.apex = None
+        if use_apex:
+            if torch.device(device if device is not None else "cpu").type != "cuda":
+                raise RuntimeError("--use-apex needs a CUDA device (apex's norms are CUDA kernels)")
+            self.apex = _apex_norm_functions()
+
+
+class LayerNorm(_Norm):
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+                 params_dtype=torch.float32, device=None, use_apex: bool = False):
+        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, device, True, use_apex)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        if self.apex is not None:
+            return self.apex[0](x, self.weight, self.bias, self.shape, self.eps)
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (Zhang & Sennrich 2019; Llama)."""
+class RMSNorm(_Norm):
+    """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019; Llama), statistics in fp32."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, sequence_parallel: bool = False,
-                 params_dtype=torch.float32, device=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
-        self.weight.init_method = ("ones",)
-        self.weight.sequence_parallel = sequence_parallel
+                 params_dtype=torch.float32, device=None, use_apex: bool = False):
+        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, device, False, use_apex)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(F, "rms_norm") and x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        if self.apex is not None:
+            return self.apex[1](x, self.weight, self.shape, self.eps)
+        return F.rms_norm(x, self.shape, self.weight, self.eps)
 
 
 def build_norm(config, sequence_parallel: bool, params_dtype, device=None) -> nn.Module:
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
     return cls(config.hidden_size, eps=config.norm_epsilon, sequence_parallel=sequence_parallel,
-               params_dtype=params_dtype, device=device)
+               params_dtype=params_dtype, device=device, use_apex=config.use_apex)

@@ -1,5 +1,10 @@
 """Rotary position embeddings (Su et al., arXiv:2104.09864), in the "rotate half" convention that
 Hugging Face's Llama uses, so converted checkpoints give identical logits.
+
+rotate_half(x) = [-x2, x1] for x = [x1, x2] split at d/2. Instead of building it with a negation
+and a concatenation, the sign is folded into the cached sine table (sin_signed = [-sin, sin]) and
+the halves are swapped by one ``flip`` of a [..., 2, d/2] view, so the whole rotation is
+``x * cos + swap(x) * sin_signed``: three kernels forward, no concatenation.
 """
 
 from __future__ import annotations
@@ -12,26 +17,23 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cache = None
+        self._cache = {}  # (device, dtype) -> (cos, sin_signed) for the longest length asked so far
 
     def forward(self, seq_len: int, device, dtype):
-        """cos, sin of shape [s, 1, 1, d] for positions 0..seq_len-1."""
-        key = (seq_len, device, dtype)
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1]
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(device))
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-        result = (emb.cos().to(dtype), emb.sin().to(dtype))
-        self._cache = (key, result)
-        return result
+        """cos, sin_signed of shape [s, 1, 1, d] for positions 0..seq_len-1."""
+        key = (torch.device(device), dtype)
+        hit = self._cache.get(key)
+        if hit is None or hit[0].shape[0] < seq_len:
+            pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+            freqs = torch.outer(pos, self.inv_freq.to(device))
+            cos, sin = freqs.cos(), freqs.sin()
+            hit = (torch.cat([cos, cos], -1)[:, None, None, :].to(dtype),
+                   torch.cat([-sin, sin], -1)[:, None, None, :].to(dtype))
+            self._cache[key] = hit
+        return hit[0][:seq_len], hit[1][:seq_len]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, n, d]."""
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [s, b, n, d] -> x * cos + rotate_half(x) * sin."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin_signed)

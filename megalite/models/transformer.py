@@ -25,6 +25,9 @@ from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megalite.tensor_parallel.utils import divide
 
+# SDPA's grouped-query mode (torch >= 2.5): query heads share K/V heads inside the kernel.
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 def _activation(name: str):
     if name == "gelu":
@@ -72,25 +75,30 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
+        gqa = {}
         if self.heads_per_group > 1:
-            k = k.repeat_interleave(self.heads_per_group, dim=1)
-            v = v.repeat_interleave(self.heads_per_group, dim=1)
+            if _SDPA_HAS_GQA:  # the kernel maps each query head to its group: no K/V copies
+                gqa = {"enable_gqa": True}
+            else:
+                k = k.repeat_interleave(self.heads_per_group, dim=1)
+                v = v.repeat_interleave(self.heads_per_group, dim=1)
         p = self.config.attention_dropout if self.training else 0.0
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
         with get_rng_tracker().fork():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         d, g, hpg = self.head_dim, self.num_groups_local, self.heads_per_group
-        qkv = qkv.view(s, b, g, (hpg + 2) * d)
-        q, k, v = qkv.split([hpg * d, d, d], dim=-1)
+        qkv = qkv.view(s, b, g, hpg + 2, d)
+        qk, v = qkv.split([hpg + 1, 1], dim=3)
+        if self.rotary is not None:  # q and k rotated together: one pass over both
+            cos, sin = self.rotary(s, x.device, qkv.dtype)
+            qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+        q, k = qk.split([hpg, 1], dim=3)
         q = q.reshape(s, b, g * hpg, d)
-        if self.rotary is not None:
-            cos, sin = self.rotary(s, x.device, q.dtype)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
+        k, v = k.squeeze(3), v.squeeze(3)
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if self.selective_recompute and self.training:
@@ -99,6 +107,27 @@ class SelfAttention(nn.Module):
             ctx = self.core_attention(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * d)
         return self.linear_proj(ctx)
+
+
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for h = [gate, up] along the last dim (the reference path)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+_SWIGLU_FUSED = []
+
+
+def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
+    """On CUDA, one generated kernel each way instead of chunk/silu/mul and their backward
+    (inductor fuses them; dynamic shapes, so a new micro-batch or sequence length does not
+    recompile). Compiled on first use: importing torch's compiler costs seconds. The CPU keeps the
+    eager reference; tests/test_fast_paths.py compares the two where a GPU exists."""
+    if not h.is_cuda:
+        return swiglu(h)
+    if not _SWIGLU_FUSED:
+        _SWIGLU_FUSED.append(torch.compile(swiglu, dynamic=True))
+    return _SWIGLU_FUSED[0](h)
 
 
 class MLP(nn.Module):
@@ -124,7 +153,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
-        if self.swiglu:
+        if self.swiglu and self.act is F.silu:
+            h = swiglu_fused(h)
+        elif self.swiglu:
             gate, up = h.chunk(2, dim=-1)
             h = self.act(gate) * up
         else:
@@ -144,6 +175,12 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group, device)
         self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
         self.mlp = MLP(config, tp_group, device)
+        # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,
+        # recompute's checkpoint around the layer) stay eager around it. TP collectives inside
+        # the layer split it into graphs (graph breaks), each still fused.
+        self._forward = self._layer_forward
+        if config.torch_compile:
+            self._forward = torch.compile(self._layer_forward, backend=config.torch_compile)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout == 0.0:
@@ -154,6 +191,9 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, self.hidden_dropout, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def _layer_forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._dropout(self.self_attention(self.input_layernorm(x)))
         x = x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
         return x

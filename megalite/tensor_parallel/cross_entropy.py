@@ -7,9 +7,16 @@ Forward, with the vocab split across the TP group and only three scalar-per-toke
   loss = log(sum exp) - target logit.
 Backward needs no communication: grad = softmax - onehot(target), on the local shard.
 
-Padded vocab entries (ids >= the tokenizer's vocab size) never count: they are set to -inf before
-the max, so their probability is exactly 0. Optional label smoothing mixes in the mean negative
-log-probability over the real vocab (as torch.nn.functional.cross_entropy does).
+Memory. The logits ``[s, b, V/t]`` are the largest activation of a large-vocab model (V = 128k:
+gigabytes per micro-batch), so they are never copied whole: every pass walks blocks of rows,
+upcasting one block at a time to fp32, and the only tensor kept for backward is the logits
+themselves, in their own dtype (plus per-token max and log-sum-exp). Backward recomputes the
+softmax block by block and writes the gradient straight into one buffer of the logits' dtype.
+Peak: the logits, their gradient and one fp32 block, instead of several fp32 copies.
+
+Padded vocab entries (ids >= the tokenizer's vocab size) never count: every pass reads only the
+real columns, so their probability (and gradient) is exactly 0. Optional label smoothing mixes in
+the mean negative log-probability over the real vocab (as torch.nn.functional.cross_entropy does).
 """
 
 from __future__ import annotations
@@ -20,6 +27,14 @@ import torch
 
 from megalite import collectives as C
 
+# Rows per block: about this many logits are upcast to fp32 at a time (64 MiB in fp32).
+BLOCK_ELEMENTS = 1 << 24
+
+
+def _blocks(n_rows: int, n_cols: int):
+    step = max(1, BLOCK_ELEMENTS // max(1, n_cols))
+    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -27,55 +42,68 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rank = C.group_rank(group)
         part = logits.shape[-1]
         start = rank * part
-        logits = logits.float()
-        # Mask the padded tail of the vocab (only the last ranks can hold padding).
-        num_real_local = max(0, min(part, vocab_size - start))
-        if num_real_local < part:
-            logits = logits.clone()
-            logits[..., num_real_local:] = float("-inf")
+        # Only the last ranks can hold padding; a rank may hold none of the real vocab at all.
+        real = max(0, min(part, vocab_size - start))
+        x = logits.reshape(-1, part)
+        tgt = target.reshape(-1)
+        n = x.shape[0]
+        blocks = _blocks(n, part)
 
-        row_max = logits.max(dim=-1)[0]
+        row_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
+        if real > 0:
+            for r in blocks:
+                row_max[r] = x[r, :real].float().amax(dim=-1)
         C.all_reduce(row_max, group=group, op=C.ReduceOp.MAX, tag="tp_all_reduce")
-        shifted = logits - row_max.unsqueeze(-1)
 
-        outside = (target < start) | (target >= start + part)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
+        outside = (tgt < start) | (tgt >= start + part)
+        local_target = (tgt - start).masked_fill(outside, 0)
+        target_logit = torch.zeros(n, dtype=torch.float32, device=x.device)
+        sum_exp = torch.zeros_like(target_logit)
+        sum_shifted = torch.zeros_like(target_logit) if label_smoothing > 0 else None
+        if real > 0:
+            for r in blocks:
+                shifted = x[r, :real].float() - row_max[r, None]
+                target_logit[r] = shifted.gather(-1, local_target[r, None]).squeeze(-1)
+                if sum_shifted is not None:
+                    sum_shifted[r] = shifted.sum(dim=-1)
+                sum_exp[r] = shifted.exp_().sum(dim=-1)
+        target_logit.masked_fill_(outside, 0.0)
         C.all_reduce(target_logit, group=group, tag="tp_all_reduce")
-
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
         C.all_reduce(sum_exp, group=group, tag="tp_all_reduce")
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
         if label_smoothing > 0:
             # mean over the real vocab of -log p = log_sum_exp - mean(shifted)
-            real = shifted[..., :num_real_local]
-            sum_shifted = real.sum(dim=-1)
             C.all_reduce(sum_shifted, group=group, tag="tp_all_reduce")
             smooth_loss = log_sum_exp - sum_shifted / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth_loss
 
-        ctx.save_for_backward(softmax, local_target, outside)
+        ctx.save_for_backward(logits, row_max, log_sum_exp, local_target, outside)
         ctx.label_smoothing = label_smoothing
         ctx.vocab_size = vocab_size
-        ctx.num_real_local = num_real_local
-        return loss
+        ctx.real = real
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        grad = softmax  # reuse the saved buffer: backward runs once
-        eps = ctx.label_smoothing
-        onehot_weight = (1.0 - eps) * (~outside).to(grad.dtype)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot_weight.unsqueeze(-1))
-        if eps > 0:
-            grad[..., : ctx.num_real_local] -= eps / ctx.vocab_size
-        grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        logits, row_max, log_sum_exp, local_target, outside = ctx.saved_tensors
+        eps, real = ctx.label_smoothing, ctx.real
+        part = logits.shape[-1]
+        x = logits.reshape(-1, part)
+        grad = torch.empty_like(x)
+        grad[:, real:] = 0.0  # padded columns: probability exactly 0
+        g = grad_loss.reshape(-1).float()
+        onehot_weight = ((1.0 - eps) * (~outside).float() * g).unsqueeze(-1)
+        if real > 0:
+            shift = row_max + log_sum_exp  # softmax = exp(x - max - log sum exp)
+            for r in _blocks(x.shape[0], part):
+                block = (x[r, :real].float() - shift[r, None]).exp_()
+                if eps > 0:
+                    block.sub_(eps / ctx.vocab_size)
+                block.mul_(g[r, None])
+                block.scatter_add_(-1, local_target[r, None], -onehot_weight[r])
+                grad[r, :real] = block
+        return grad.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
