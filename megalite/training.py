@@ -445,13 +445,18 @@ class Trainer:
     # --------------------------------------------------------------------------------------------
     def _micro_batches(self, it, m: int):
         out = []
-        dev = self.ps.device
         for _ in range(m):
-            tokens, labels, loss_mask, position_ids = self.get_batch(
-                next(it), self.eod, self.cfg.data.eod_mask_loss)
-            out.append((tokens.to(dev), labels.to(dev), loss_mask.to(dev).float(),
-                        position_ids.to(dev) if position_ids is not None else None))
+            tokens, labels, loss_mask, position_ids = (self._to_device(t) for t in self.get_batch(
+                next(it), self.eod, self.cfg.data.eod_mask_loss))
+            out.append((tokens, labels, loss_mask.float(), position_ids))
         return out
+
+    def _to_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Host batch -> device: on CUDA through pinned memory without blocking the host, so
+        the copy queues behind the running step instead of stalling it (docs/performance.md)."""
+        if t is None or self.ps.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.ps.device, non_blocking=True)
 
     def _global_token_count(self, batches) -> torch.Tensor:
         n = torch.zeros(1, dtype=torch.float32, device=self.ps.device)
