@@ -136,6 +136,7 @@ def _measure(args, ps, m):
     import torch
     import torch.distributed as dist
 
+    from megalite import collectives as C
     from megalite.pipeline_parallel.timeline import bubble_stats, gather_timelines
 
     p = ps.pp_size
@@ -154,11 +155,11 @@ def _measure(args, ps, m):
         for name, (step, chunks) in variants.items():
             for c in chunks:
                 c.zero_grad(set_to_none=True)
-            dist.barrier(group=ps.pp_group)
+            C.barrier(group=ps.pp_group)
             t = time.perf_counter()
             tl = step()
-            dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=ps.pp_group)
+            dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64, device=ps.device)
+            C.all_reduce(dt, op=C.ReduceOp.MAX, group=ps.pp_group)
             if it >= args.warmup:
                 times[name].append(dt.item())
                 if tl is not None:

@@ -158,7 +158,7 @@ def _worker(rank, world_size, args):
     traffic = {}
     for i in range(args.warmup + args.steps):
         for name, (step, _, _) in runs.items():
-            dist.barrier()
+            C.barrier()
             C.reset_bytes_sent()
             t0 = time.perf_counter()
             losses[name].append(step(i))

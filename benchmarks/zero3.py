@@ -34,6 +34,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megalite import collectives as C  # noqa: E402
 from megalite.config import ModelConfig, OptimizerConfig  # noqa: E402
 from megalite.memory import distinct_storage_bytes  # noqa: E402
 
@@ -121,7 +122,7 @@ def build_fsdp2(a, ps):
 # ---------------------------------------------------------------------------------- measuring
 def _loss_sum(loss):
     x = loss.clone().reshape(1)
-    dist.all_reduce(x)
+    C.all_reduce(x, group=C.world_group())
     return x.item()
 
 
@@ -147,14 +148,14 @@ def measure_memory(a, build, ps, rank, world):
 
 
 def timed(step, a, rank, world, first_step):
-    dist.barrier()
+    C.barrier()
     t0 = time.perf_counter()
     for k in range(a.steps):
         tokens, labels, n = _batch(a, first_step + k, rank, world)
         step(tokens, labels, n)
-    dist.barrier()
-    dt = torch.tensor([(time.perf_counter() - t0) / a.steps])
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+    C.barrier()
+    dt = torch.tensor([(time.perf_counter() - t0) / a.steps])  # a host-side measurement
+    C.all_reduce(dt, group=C.world_group(), op=C.ReduceOp.MAX, host=True)
     return dt.item()
 
 
@@ -183,7 +184,7 @@ def run(a):
     for name in systems:
         for key in ("peak_bytes", "state_bytes"):
             t = torch.tensor([results[name][key]], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            C.all_reduce(t, group=C.world_group(), op=C.ReduceOp.MAX, host=True)
             results[name][key] = int(t.item())
     m, f = results["megalite_zero3"], results["fsdp2"]
     results["ratio"] = {"peak_memory": m["peak_bytes"] / f["peak_bytes"],

@@ -35,7 +35,6 @@ import shutil
 from typing import Callable, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from megalite import collectives as C
 from megalite.arguments import (
@@ -66,6 +65,18 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _loadable_iteration_dir(root: str, iteration: int) -> str:
+    """``iter_X``, or while a re-save of X swaps it (or after a crash there), the old copy."""
+    final = iteration_dir(root, iteration)
+    if not os.path.isdir(final):
+        import glob
+
+        olds = sorted(glob.glob(f"{final}.old-*"), key=os.path.getmtime)
+        if olds:
+            return olds[-1]
+    return final
+
+
 def shard_dir_name(tp_rank: int, pp_rank: int) -> str:
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
@@ -75,16 +86,19 @@ def distrib_optim_name(dp_rank: int) -> str:
 
 
 def _barrier(ps) -> None:
-    if dist.is_initialized() and ps.world_size > 1:
-        dist.barrier()
+    if ps.world_size > 1:
+        C.barrier()
 
 
 def new_run_id(ps) -> int:
-    """An id shared by all ranks of this run (names the temp directories of its saves)."""
+    """An id shared by all ranks of this run (names the temp directories of its saves).
+
+    A control message: a CPU tensor on the host path (gloo), legal on GPU runs too.
+    """
     t = torch.tensor([int.from_bytes(os.urandom(4), "little") if ps.rank == 0 else 0],
                      dtype=torch.int64)
-    if dist.is_initialized() and ps.world_size > 1:
-        C.broadcast(t, src=0, group=dist.group.WORLD, tag="checkpoint_run_id")
+    if ps.world_size > 1:
+        C.broadcast(t, src=0, group=C.world_group(), tag="checkpoint_run_id", host=True)
     return int(t.item())
 
 
@@ -97,80 +111,166 @@ def _chunk_key(i: int, n: int) -> str:
 # ------------------------------------------------------------------------------------------------
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
                     consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> str:
-    """Write iteration ``iteration`` atomically; returns the final directory. Collective."""
+    """Write iteration ``iteration`` atomically and durably; returns the final directory.
+
+    Collective. A rank whose write fails (no space, no permission) makes every rank raise a
+    CheckpointError naming it at the next agreement point, not at the distributed timeout; the
+    partial ``.tmp-`` directory is removed and the tracker still names the previous checkpoint.
+    """
     final = iteration_dir(save_dir, iteration)
     tmp = f"{final}.tmp-{run_id:08x}"
     shard = os.path.join(tmp, shard_dir_name(ps.tp_rank, ps.pp_rank))
     save_optim = not cfg.checkpoint.no_save_optim
     per_dp = bool(getattr(optimizer, "sharded_state_dict_per_dp_rank", False))
 
+    error = None
     if ps.rank == 0:
-        os.makedirs(tmp, exist_ok=True)
-    _barrier(ps)
+        error = _attempt(lambda: os.makedirs(tmp, exist_ok=True))
+    _agree_on_save(ps, error, iteration, tmp)
     # ZeRO-3 chunks hold 1/N of every parameter: the consolidated model (same keys and shapes as
     # a stage-0 checkpoint, so --finetune, --no-load-optim and the conversion tools read it) is
     # all-gathered unit by unit, a collective every DP rank joins; only DP rank 0 keeps it.
     full = [chunk.full_state_dict(keep=ps.dp_rank == 0)
             if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
-    if ps.dp_rank == 0:
-        state = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": int(iteration),
-            "consumed_samples": int(consumed_samples),
-            "tensor_model_parallel_size": ps.tp_size,
-            "pipeline_model_parallel_size": ps.pp_size,
-            "num_model_chunks": len(model_chunks),
-            "rng_state": get_all_rng_states(ps.device),
-        }
-        for i, chunk in enumerate(model_chunks):
-            state[_chunk_key(i, len(model_chunks))] = (full[i] if full[i] is not None
-                                                       else chunk.state_dict())
-        del full
-        if save_optim:
-            state["opt_param_scheduler"] = scheduler.state_dict()
-            if not per_dp:
-                state["optimizer"] = optimizer.state_dict()
-        os.makedirs(shard, exist_ok=True)
-        torch.save(state, os.path.join(shard, MODEL_FILE))
-    if save_optim and per_dp:
-        os.makedirs(shard, exist_ok=True)
-        torch.save(optimizer.state_dict(), os.path.join(shard, distrib_optim_name(ps.dp_rank)))
-    if fault_hook is not None:
-        fault_hook("shard_written", tmp)
-    if ps.rank == 0:
-        with open(os.path.join(tmp, "args.json"), "w") as f:
-            f.write(config_to_json(cfg))
-    _barrier(ps)  # every shard is on disk before the directory becomes visible
-    if ps.rank == 0:
+
+    def write_shard():
+        if ps.dp_rank == 0:
+            state = {
+                "checkpoint_version": CHECKPOINT_VERSION,
+                "iteration": int(iteration),
+                "consumed_samples": int(consumed_samples),
+                "tensor_model_parallel_size": ps.tp_size,
+                "pipeline_model_parallel_size": ps.pp_size,
+                "num_model_chunks": len(model_chunks),
+                "rng_state": get_all_rng_states(ps.device),
+            }
+            for i, chunk in enumerate(model_chunks):
+                state[_chunk_key(i, len(model_chunks))] = (full[i] if full[i] is not None
+                                                           else chunk.state_dict())
+            if save_optim:
+                state["opt_param_scheduler"] = scheduler.state_dict()
+                if not per_dp:
+                    state["optimizer"] = optimizer.state_dict()
+            os.makedirs(shard, exist_ok=True)
+            _write(os.path.join(shard, MODEL_FILE), lambda f: torch.save(state, f))
+        if save_optim and per_dp:
+            os.makedirs(shard, exist_ok=True)
+            sd = optimizer.state_dict()
+            _write(os.path.join(shard, distrib_optim_name(ps.dp_rank)), lambda f: torch.save(sd, f))
         if fault_hook is not None:
-            fault_hook("before_rename", tmp)
-        old = None
-        if os.path.exists(final):  # re-saving an iteration (e.g. after a resume): swap it out
-            old = f"{final}.old-{run_id:08x}"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        tracker_tmp = os.path.join(save_dir, f".{TRACKER_FILE}.tmp-{run_id:08x}")
-        with open(tracker_tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker_tmp, os.path.join(save_dir, TRACKER_FILE))
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier(ps)
+            fault_hook("shard_written", tmp)
+        if ps.rank == 0:
+            _write(os.path.join(tmp, "args.json"), lambda f: f.write(config_to_json(cfg).encode()))
+        if os.path.isdir(shard):
+            _fsync_dir(shard)
+
+    error = _attempt(write_shard)
+    del full
+    _agree_on_save(ps, error, iteration, tmp)  # every shard is on disk before it becomes visible
+    if ps.rank == 0:
+        error = _attempt(lambda: _publish(save_dir, final, tmp, iteration, run_id))
+    _agree_on_save(ps, error, iteration, tmp)
     return final
 
 
+def _attempt(fn) -> Optional[BaseException]:
+    try:
+        fn()
+    except Exception as e:  # OSError (ENOSPC, EACCES, EIO...) or torch.save's RuntimeError
+        return e
+    return None
+
+
+def _write(path: str, write) -> None:
+    """Write a file and fsync it, so a crash after the tracker names it cannot lose it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+    """fsync a directory: makes the names created or renamed in it durable (POSIX)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(save_dir: str, final: str, tmp: str, iteration: int, run_id: int) -> None:
+    """Rank 0, after every shard is durable: tmp -> iter_X, then the tracker (temp + replace)."""
+    if fault_hook is not None:
+        fault_hook("before_rename", tmp)
+    _fsync_dir(tmp)
+    old = None
+    if os.path.exists(final):
+        # Re-saving an iteration (e.g. after a resume): the complete old copy is only renamed
+        # until the new one is in place, and the loader falls back to it in between.
+        old = f"{final}.old-{run_id:08x}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(save_dir)
+    tracker_tmp = os.path.join(save_dir, f".{TRACKER_FILE}.tmp-{run_id:08x}")
+    _write(tracker_tmp, lambda f: f.write(str(iteration).encode()))
+    os.replace(tracker_tmp, os.path.join(save_dir, TRACKER_FILE))
+    _fsync_dir(save_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _agree_on_save(ps, error: Optional[BaseException], iteration: int, tmp: str) -> None:
+    """A barrier that also agrees on failure: if any rank's write failed, all raise at once."""
+    failed = None
+    if ps.world_size > 1:
+        flag = torch.tensor([ps.rank if error is not None else ps.world_size])  # host path
+        C.all_reduce(flag, group=C.world_group(), op=C.ReduceOp.MIN, tag="checkpoint_save_flag",
+                     host=True)
+        if int(flag.item()) < ps.world_size:
+            failed = int(flag.item())
+            msg = C.all_gather_object(None if error is None else _one_line(error),
+                                      C.world_group())[failed]
+    elif error is not None:
+        failed, msg = ps.rank, _one_line(error)
+    if failed is None:
+        return
+    if ps.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing that looks like a checkpoint is left
+    raise CheckpointError(f"saving checkpoint iteration {iteration} failed on rank {failed}: "
+                          f"{msg}; the previous checkpoint is untouched")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
 def save_tokenizer(save_dir: str, tokenizer, ps) -> None:
-    """Once per run, rank 0: tools/generate.py decodes with the run's own tokenizer."""
+    """Once per run, rank 0: tools/generate.py decodes with the run's own tokenizer.
+
+    The new copy is written aside; an identical existing one is kept; a different one is swapped
+    out only once the new one is complete.
+    """
     if ps.rank != 0 or tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         return
+    import filecmp
+
     target = os.path.join(save_dir, "tokenizer")
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.rename(tmp, target)
+    if os.path.isdir(target):
+        names = sorted(os.listdir(tmp))
+        if names == sorted(os.listdir(target)) and \
+                len(filecmp.cmpfiles(tmp, target, names, shallow=False)[0]) == len(names):
+            shutil.rmtree(tmp)
+            return
+        old = f"{target}.old-{os.getpid()}"
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,7 +296,7 @@ def read_checkpoint_config(load_dir: str, iteration: Optional[int] = None) -> Me
         if iteration is None:
             raise CheckpointError(f"--load {load_dir}: no {TRACKER_FILE} there (not a megalite "
                                   f"checkpoint directory, or no save has completed)")
-    path = os.path.join(iteration_dir(load_dir, iteration), "args.json")
+    path = os.path.join(_loadable_iteration_dir(load_dir, iteration), "args.json")
     try:
         with open(path) as f:
             return config_from_dict(json.load(f))
@@ -226,9 +326,10 @@ def _load_file(path: str, what: str):
 
 def _agree_on_errors(ps, error: Optional[BaseException]) -> None:
     """If any rank failed to load, every rank raises (so none waits forever in a collective)."""
-    flag = torch.tensor([1.0 if error is not None else 0.0])
-    if dist.is_initialized() and ps.world_size > 1:
-        C.all_reduce(flag, group=dist.group.WORLD, op=C.ReduceOp.MAX, tag="checkpoint_error_flag")
+    flag = torch.tensor([1.0 if error is not None else 0.0])  # host path, as new_run_id
+    if ps.world_size > 1:
+        C.all_reduce(flag, group=C.world_group(), op=C.ReduceOp.MAX, tag="checkpoint_error_flag",
+                     host=True)
     if flag.item() > 0:
         if error is not None:
             raise error
@@ -296,7 +397,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                                   f"directory, or no save has completed)")
         return 0, 0, None  # --save X --load X on a first run: start from scratch
 
-    it_dir = iteration_dir(load_dir, iteration)
+    it_dir = _loadable_iteration_dir(load_dir, iteration)
     try:
         if not os.path.isdir(it_dir):
             raise CheckpointError(f"{what}: {TRACKER_FILE} names iteration {iteration} but "

@@ -1,19 +1,31 @@
-"""Thin wrappers over torch.distributed collectives that count the bytes each rank sends.
+"""Thin wrappers over torch.distributed collectives that count bytes and check devices.
 
-Every megalite collective goes through here so that communication volume can be measured and held
-against the ring formulas in docs/theory.md (all-reduce 2(n-1)/n*S, reduce-scatter and all-gather
-(n-1)/n*S, where S is the full array size). A group of ``None`` or size 1 means "no peers": the
-call is a local no-op, which is how single-process runs skip communication
-(docs/design.md, contract 7).
+Every megalite collective goes through here (tests/test_collectives_strict.py greps for raw
+``dist.`` calls) so that communication volume can be measured and held against the ring formulas
+in docs/theory.md (all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, where S is the
+full array size). A group of ``None`` or size 1 means "no peers": the call is a local no-op, which
+is how single-process runs skip communication (docs/design.md, contract 7).
+
+Two paths (docs/clusters.md, "Which collectives run where"). The *device path* (the default)
+carries tensors on the compute device: on GPUs every group is NCCL, which accepts CUDA tensors
+only. The *host path* (``host=True``) carries small control messages (run id, error agreement) as
+CPU tensors over the world group, whose ``cpu:gloo,cuda:nccl`` backend map sends CPU tensors over
+gloo. Strict mode (``MEGALITE_STRICT_COLLECTIVES=1``) rejects a tensor on any other device than
+the one its path serves. On a CPU-only machine it emulates a GPU (:class:`EmulatedDevice`): the
+compute device becomes ``cpu:0`` and every tensor the code creates without naming a device (which
+on a GPU would be a CPU tensor) is tracked as a host tensor, so the CPU suite catches a host
+tensor handed to a device collective, the bug that kills multi-GPU runs.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 ReduceOp = dist.ReduceOp
 
@@ -23,6 +35,137 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 # bytes sent by this rank, per collective kind; reset by whoever reports a step's traffic
 _BYTES_SENT: Dict[str, int] = defaultdict(int)
+
+
+HOST = torch.device("cpu")
+_STATE = {"strict": False, "device": HOST, "emulated": None}
+
+
+class CollectiveDeviceError(RuntimeError):
+    """A collective was handed a tensor on a device its path does not serve."""
+
+
+def strict_requested() -> bool:
+    return os.environ.get("MEGALITE_STRICT_COLLECTIVES", "0") not in ("", "0")
+
+
+def configure(device: torch.device, strict: Optional[bool] = None) -> torch.device:
+    """Declare the compute device the device path serves; returns the device to compute on.
+
+    In strict mode on a CPU-only run, that is ``cpu:0`` with :class:`EmulatedDevice` active.
+    """
+    strict = strict_requested() if strict is None else strict
+    _STATE.update(strict=strict, device=device)
+    if strict and device.type == "cpu":
+        if _STATE["emulated"] is None:
+            _STATE["emulated"] = EmulatedDevice()
+            _STATE["emulated"].__enter__()  # for the rest of the process
+        _STATE["device"] = device = EmulatedDevice.COMPUTE
+    return device
+
+
+def world_group():
+    """The world as a group here (whose ``None`` means "no peers"); it carries the host path."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def device_of(t: torch.Tensor) -> torch.device:
+    """Where ``t`` lives, or under GPU emulation, where it would live on a GPU."""
+    if _STATE["emulated"] is not None and t.device.type == "cpu":
+        return HOST if getattr(t, _HOST_MARK, False) else EmulatedDevice.COMPUTE
+    return t.device
+
+
+def _check(kind: str, t: torch.Tensor, group, host: bool) -> None:
+    if not _STATE["strict"]:
+        return
+    want = HOST if host else _STATE["device"]
+    got = device_of(t)
+    if got != want:
+        path = "host path (CPU tensors over gloo)" if host else "device path"
+        raise CollectiveDeviceError(
+            f"{kind} on the {path} of a group serving {want} got a tensor on {got} "
+            f"(shape {tuple(t.shape)}); create it with device= the compute device, or send a "
+            f"host control message with host=True over the world group")
+    if host and group is not None and group is not dist.group.WORLD:
+        raise CollectiveDeviceError(f"{kind}: host-path messages go over the world group only "
+                                    f"(the others are device-only NCCL groups on GPUs)")
+
+
+_HOST_MARK = "_megalite_on_host"
+_DEVICE = torch.Tensor.device  # its __get__ is a fresh object at each access: compare __self__
+
+
+def _mark(out, host: bool) -> None:
+    if isinstance(out, torch.Tensor):
+        if host:
+            setattr(out, _HOST_MARK, True)
+        elif getattr(out, _HOST_MARK, False):
+            delattr(out, _HOST_MARK)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                _mark(o, host)
+
+
+def _tensors(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+class EmulatedDevice(TorchFunctionMode):
+    """A GPU stand-in on CPU: tracks which tensors would be host (CPU) tensors on a GPU run.
+
+    The rule is the GPU's: a factory with no ``device=`` (or ``device="cpu"``) makes a host
+    tensor; ``device=`` the compute device (``cpu:0`` here) or another tensor's ``.device`` makes
+    a device tensor; ``.to()``/``.cpu()`` move (copying, as a GPU would); any other op's result
+    is on the host only if all its tensor inputs are. ``Tensor.device`` reports ``cpu`` or
+    ``cpu:0`` accordingly. Autograd runs backward (and its hooks) outside the mode, and tensors
+    made there are not tracked: unknown tensors count as device tensors, so the check can miss a
+    bug but does not flag correct code.
+    """
+
+    COMPUTE = torch.device("cpu", 0)
+
+    @staticmethod
+    def _is_host_device(dev) -> bool:
+        dev = torch.device(dev)
+        return dev.type == "cpu" and dev.index is None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DEVICE:
+            return device_of(args[0])
+        out = func(*args, **kwargs)
+        if not isinstance(out, (torch.Tensor, tuple, list)):
+            return out
+        if func is torch.Tensor.to:
+            src = args[0]
+            rest = args[1:]
+            if rest and isinstance(rest[0], torch.Tensor):
+                host = getattr(rest[0], _HOST_MARK, False)
+            else:
+                dev = torch._C._nn._parse_to(*rest, **kwargs)[0]
+                host = getattr(src, _HOST_MARK, False) if dev is None else \
+                    self._is_host_device(dev)
+            if out is src and host != getattr(src, _HOST_MARK, False):
+                out = out.clone()  # a GPU copies between host and device
+        elif func is torch.Tensor.cpu:
+            host = True
+            if out is args[0] and not getattr(out, _HOST_MARK, False):
+                out = out.clone()
+        elif kwargs.get("device") is not None:
+            host = self._is_host_device(kwargs["device"])
+        else:
+            ins = list(_tensors(args, kwargs))
+            if any(out is t for t in ins):  # in place: the tensor stays where it is
+                return out
+            host = all(getattr(t, _HOST_MARK, False) for t in ins)  # no inputs: a factory
+        _mark(out, host)
+        return out
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -50,11 +193,12 @@ def _count(kind: str, full_bytes: int, n: int, factor: float) -> None:
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False,
-               tag: str = "all_reduce"):
+               tag: str = "all_reduce", host: bool = False):
     """In-place all-reduce. Use SUM and divide rather than AVG (gloo has no AVG)."""
     n = group_size(group)
     if n == 1:
         return None
+    _check(tag, tensor, group, host)
     _count(tag, tensor.numel() * tensor.element_size(), n, 2.0)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -66,6 +210,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
     if n == 1:
         output.copy_(input)
         return None
+    _check(tag, input, group, False)
+    _check(tag, output, group, False)
     _count(tag, output.numel() * output.element_size(), n, 1.0)
     return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
 
@@ -77,17 +223,44 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
     if n == 1:
         output.copy_(input)
         return None
+    _check(tag, input, group, False)
+    _check(tag, output, group, False)
     _count(tag, input.numel() * input.element_size(), n, 1.0)
     return _reduce_scatter_tensor(output, input.contiguous(), op=op, group=group,
                                       async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, tag: str = "broadcast"):
+def broadcast(tensor: torch.Tensor, src: int, group=None, tag: str = "broadcast",
+              host: bool = False):
     n = group_size(group)
     if n == 1:
         return None
+    _check(tag, tensor, group, host)
     _BYTES_SENT[tag] += tensor.numel() * tensor.element_size()
     return dist.broadcast(tensor, src=src, group=group)
+
+
+def batch_isend_irecv(ops, tag: str = "p2p"):
+    """Point-to-point sends/receives (pipeline activations and gradients: the device path)."""
+    for op in ops:
+        _check(tag, op.tensor, op.group, False)
+    return dist.batch_isend_irecv(ops)
+
+
+def barrier(group=None) -> None:
+    """Wait for every rank of ``group`` (None: the world); a no-op without peers."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj, group) -> list:
+    """Every rank's picklable ``obj`` (torch serialises through the group's own device)."""
+    n = group_size(group)
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def count_p2p(num_bytes: int, tag: str = "p2p") -> None:

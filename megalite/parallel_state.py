@@ -21,6 +21,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megalite import collectives as C
 from megalite.config import ConfigError
 
 
@@ -191,9 +192,14 @@ def initialize_model_parallel(
             set_parallel_state(state)
         return state
 
+    # With NCCL the world group also gets gloo for CPU tensors: the host path of
+    # megalite.collectives (run id, error agreement) is legal there; every other group is
+    # NCCL-only, so a CPU tensor on it fails (and strict mode says so on any machine).
+    world_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    dev = C.configure(dev)
+    timeout = datetime.timedelta(minutes=timeout_minutes)  # subgroups default to 30 min otherwise
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=timeout_minutes)
-        kwargs = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        kwargs = dict(backend=world_backend, rank=rank, world_size=world_size, timeout=timeout)
         if init_method is not None:
             kwargs["init_method"] = init_method
         if dev.type == "cuda":
@@ -208,7 +214,8 @@ def initialize_model_parallel(
     # Every rank must create every group, in the same order (a torch.distributed rule).
     def make(groups, attr_group, attr_ranks):
         for ranks in groups:
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            group = (dist.new_group(ranks, backend=backend, timeout=timeout)
+                     if len(ranks) > 1 else None)
             if rank in ranks:
                 setattr(state, attr_group, group)
                 setattr(state, attr_ranks, list(ranks))

@@ -36,6 +36,8 @@ def run_main(argv: List[str]) -> int:
 
 def run_cli(argv: List[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    # multi-rank runs emulate a GPU: a collective on a tensor its group cannot carry on NCCL fails
+    env.setdefault("MEGALITE_STRICT_COLLECTIVES", "1")
     if nproc == 1:
         cmd = [sys.executable, PRETRAIN] + argv
     else:

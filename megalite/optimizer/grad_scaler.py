@@ -91,16 +91,16 @@ def build_grad_scaler(opt_cfg):
                              hysteresis=opt_cfg.hysteresis)
 
 
-def found_inf_anywhere(grads, group=None) -> bool:
+def found_inf_anywhere(grads, device: torch.device, group=None) -> bool:
     """True if any gradient on any rank of ``group`` (None: the world) holds an inf or NaN.
 
-    Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag.
+    Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag,
+    on the compute ``device`` even on a rank without gradients (NCCL takes device tensors only).
     """
     from megalite import collectives as C
     import torch.distributed as dist
 
-    flag = torch.zeros(1, dtype=torch.float32,
-                       device=grads[0].device if grads else torch.device("cpu"))
+    flag = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads:
         if not torch.isfinite(g).all():
             flag.fill_(1.0)

@@ -124,7 +124,7 @@ class MixedPrecisionOptimizer:
             if present:
                 torch._foreach_mul_(present, 1.0 / self.grad_scaler.scale)
             # Overflow must be agreed by every rank (the world), or ranks would diverge.
-            found_inf = found_inf_anywhere(present, group=None)
+            found_inf = found_inf_anywhere(present, self.ps.device)
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.zero_grad()

@@ -120,7 +120,7 @@ class PipelineP2P:
                                   TAG_GRADIENT))
         if not ops:
             return None
-        return P2PBatch(dist.batch_isend_irecv(ops), received, sent)
+        return P2PBatch(C.batch_isend_irecv(ops, tag="pp_p2p"), received, sent)
 
     # Blocking conveniences with the names the literature uses (each is one batch).
     def send_forward(self, t: torch.Tensor) -> None:

@@ -66,6 +66,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch.autograd.variable import Variable
 
+from megalite import collectives as C
 from megalite.config import ConfigError
 from megalite.parallel_state import synchronize
 from megalite.pipeline_parallel.p2p import PipelineP2P, tensor_shape
@@ -463,7 +464,7 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
     if timing:
         synchronize(param.device)
         if ps.pp_group is not None:
-            torch.distributed.barrier(group=ps.pp_group)  # a common step start for all stages
+            C.barrier(group=ps.pp_group)  # a common step start for all stages
     t0 = time.perf_counter()
 
     inputs: Dict[tuple, Optional[torch.Tensor]] = {}   # received activations (leaves)

@@ -19,7 +19,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-import torch.distributed as dist
+from megalite import collectives as C
 
 
 @dataclass
@@ -81,8 +81,7 @@ def gather_timelines(timeline: StageTimeline, parallel_state) -> List[StageTimel
     group = parallel_state.pp_group
     if group is None or parallel_state.pp_size == 1:
         return [timeline]
-    out: List[Optional[dict]] = [None] * parallel_state.pp_size
-    dist.all_gather_object(out, timeline.to_dict(), group=group)
+    out = C.all_gather_object(timeline.to_dict(), group)
     return [StageTimeline.from_dict(d) for d in out]
 
 
