@@ -1,0 +1,58 @@
+"""Two nodes on one machine: two torchrun agents (c10d rendezvous, 2 processes each) train
+TP2 x DP2 and PP2 x DP2 to the same losses as one process (docs/clusters.md)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dist_utils import free_port
+from pretrain_utils import PRETRAIN, ROOT, flags, run_main, train_losses
+
+ITERS = 4
+
+
+def run_two_nodes(argv, timeout=300):
+    """Start the agents of node 0 and node 1 as a cluster's launcher would; both must exit 0."""
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MEGALITE_STRICT_COLLECTIVES="1")
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+         "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "megalite-test",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", PRETRAIN] + [str(a) for a in argv],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    outs = []
+    try:
+        for a in agents:
+            outs.append(a.communicate(timeout=timeout))
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+    for a, (_, err) in zip(agents, outs):
+        assert a.returncode == 0, err[-3000:]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    path = tmp_path_factory.mktemp("single") / "m.jsonl"
+    assert run_main(flags(train_iters=ITERS, metrics_file=path)) == 0
+    return train_losses(path)
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2"]],
+                         ids=["tp2xdp2", "pp2xdp2"])
+def test_two_nodes_match_one_process(tmp_path, single, layout):
+    metrics = tmp_path / "m.jsonl"
+    out = run_two_nodes(flags(*layout, train_iters=ITERS, metrics_file=metrics))
+    assert "world size 4" in out[0][0] + out[1][0]
+    got = train_losses(metrics)
+    assert sorted(got) == sorted(single) == list(range(1, ITERS + 1))
+    for it, ref in single.items():
+        assert abs(got[it] - ref) <= 1e-4 * abs(ref), (it, got[it], ref)
+    assert len({round(v, 5) for v in single.values()}) == ITERS  # the losses move
