@@ -232,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("misc")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save a checkpoint and exit 0 once the run has lasted this long")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM/SIGINT finish the iteration, save a checkpoint, exit 0")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction,
+                   default=True, help="bf16/fp32: a NaN/Inf loss or grad norm stops the run "
+                   "before the optimizer step")
     return p
 
 
@@ -317,6 +324,8 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
         timing_log_level=a.timing_log_level, exit_interval=a.exit_interval,
+        exit_duration_in_mins=a.exit_duration_in_mins, exit_signal_handler=a.exit_signal_handler,
+        check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
     )
     checkpoint = CheckpointConfig(
         save=a.save, load=a.load, save_interval=a.save_interval, no_save_optim=a.no_save_optim,

@@ -334,8 +334,14 @@ class TrainingConfig:
     decoder_last_pipeline_num_layers: Optional[int] = None
     timing_log_level: int = 0
     exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None  # save and stop after this much wall time
+    exit_signal_handler: bool = False  # SIGTERM/SIGINT: finish the iteration, save, exit 0
+    check_for_nan_in_loss_and_grad: bool = True  # bf16/fp32: stop before applying a NaN step
 
     def validate(self, data_parallel_size: int = 1) -> "TrainingConfig":
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            raise ConfigError(f"--exit-duration-in-mins must be positive, got "
+                              f"{self.exit_duration_in_mins}")
         if self.micro_batch_size <= 0:
             raise ConfigError(f"--micro-batch-size must be positive, got {self.micro_batch_size}")
         if self.global_batch_size is None:

@@ -47,7 +47,7 @@ from megalite.config import ConfigError, OptimizerConfig
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.optimizer.clip_grads import counts_for_norm
-from megalite.optimizer.grad_scaler import build_grad_scaler
+from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm
 from megalite.parallel_state import ParallelState
 
 FULL_STATE_FORMAT = "megalite.zero.full/v1"
@@ -211,6 +211,7 @@ class DistributedOptimizer:
                 return False, None, None
 
         grad_norm = self._global_grad_norm()
+        check_grad_norm(self, grad_norm)
         if self.cfg.clip_grad > 0:
             coef = self.cfg.clip_grad / (grad_norm + 1e-6)
             if coef < 1.0:

@@ -9,6 +9,8 @@ doubled. bf16 and fp32 need no scaling (bf16 has fp32's exponent range).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -109,3 +111,16 @@ def found_inf_anywhere(grads, device: torch.device, group=None) -> bool:
         C.all_reduce(flag, group=group if group is not None else dist.group.WORLD,
                      op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
     return bool(flag.item() > 0)
+
+
+class NonFiniteGradNorm(RuntimeError):
+    """The global gradient norm is NaN or Inf (bf16/fp32: the run has diverged)."""
+
+
+def check_grad_norm(optimizer, grad_norm: float) -> None:
+    """--check-for-nan-in-loss-and-grad: every optimizer calls this with the global grad norm
+    (equal on all ranks) before it changes any weight, so a diverged step is never applied and
+    every rank stops together. The training loop sets ``optimizer.check_for_nan``; fp16 runs never
+    get here with a non-finite norm, since their overflowing steps are skipped above it."""
+    if getattr(optimizer, "check_for_nan", False) and not math.isfinite(grad_norm):
+        raise NonFiniteGradNorm(f"grad norm {grad_norm}")

@@ -30,7 +30,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megalite.optimizer.clip_grads import clip_grads_by_norm, global_grad_norm
-from megalite.optimizer.grad_scaler import build_grad_scaler, found_inf_anywhere
+from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm, found_inf_anywhere
 
 
 def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -130,6 +130,7 @@ class MixedPrecisionOptimizer:
                 self.zero_grad()
                 return False, None, None
         grad_norm = global_grad_norm(self.model_params, grads, self.ps)
+        check_grad_norm(self, grad_norm)
         if self.cfg.clip_grad > 0:
             clip_grads_by_norm(present, grad_norm, self.cfg.clip_grad)
         self.inner.step()

@@ -28,7 +28,7 @@ import torch
 from megalite import collectives as C
 from megalite.distributed.zero3 import Zero3Model
 from megalite.optimizer.clip_grads import counts_for_norm
-from megalite.optimizer.grad_scaler import build_grad_scaler
+from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm
 
 DECAY, NO_DECAY = 0, 1
 _SHARD_FORMAT = "megalite-zero3-shard/1"
@@ -129,6 +129,7 @@ class Zero3Optimizer:
                 self.zero_grad()
                 return False, None, None
         norm = self.grad_norm()
+        check_grad_norm(self, norm)
         clip = self.cfg.clip_grad
         if clip > 0:
             coef = clip / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_
