@@ -1,0 +1,138 @@
+"""Which layout for my model on my cluster? Rank TP x SP x PP x VPP x DP x ZeRO x micro-batch x
+recompute layouts by predicted step time, with memory per GPU (docs/planner.md).
+
+    python tools/plan.py --num-layers 80 --hidden-size 12288 --num-attention-heads 96 \
+        --seq-length 2048 --vocab-size 51200 --global-batch-size 2304 --bf16 \
+        --num-gpus 1536 --gpus-per-node 8 --gpu A100-80GB [--json] [--top 10]
+
+Model flags are pretrain.py's (same spellings and checks). Give --tensor-model-parallel-size and
+--pipeline-model-parallel-size (optionally --num-layers-per-virtual-pipeline-stage, --zero-stage
+or --use-distributed-optimizer, --sequence-parallel, --recompute-granularity,
+--micro-batch-size, --pipeline-schedule) to evaluate that layout; flags not given are searched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.arguments import _config_from_namespace, build_parser  # noqa: E402
+from megalite.config import ConfigError  # noqa: E402
+from megalite.planner import GPUS, GiB, Cluster, Model, plan  # noqa: E402
+
+# layout flags -> planner Layout fields; only the flags present on the command line are pinned
+_PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
+           "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
+           "--sequence-parallel": "sequence_parallel",
+           "--recompute-granularity": "recompute_granularity",
+           "--micro-batch-size": "micro_batch_size",
+           "--zero-stage": "zero_stage", "--use-distributed-optimizer": "zero_stage",
+           "--num-layers-per-virtual-pipeline-stage": "virtual_pipeline_model_parallel_size",
+           "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
+           "--pipeline-schedule": "pipeline_schedule"}
+
+
+def build_plan_parser():
+    p = build_parser()
+    p.prog = "plan.py"
+    p.usage = "%(prog)s [model flags as pretrain.py] --global-batch-size N --num-gpus N [flags]"
+    p.description = __doc__.splitlines()[0]
+    g = p.add_argument_group("cluster (planner)")
+    g.add_argument("--num-gpus", type=int, default=None)
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--gpu", choices=sorted(GPUS), default="H100-80GB")
+    g.add_argument("--gpu-memory-gib", type=float, default=None)
+    g.add_argument("--peak-tflops", type=float, default=None, help="dense 16-bit peak")
+    g.add_argument("--intra-node-bandwidth-gbps", type=float, default=None,
+                   help="GB/s per GPU per direction (NVLink)")
+    g.add_argument("--inter-node-bandwidth-gbps", type=float, default=None,
+                   help="Gb/s per GPU (network)")
+    g.add_argument("--attention-backend", choices=["flash", "unfused"], default="flash",
+                   help="unfused: softmax over a stored a*s^2 score matrix (Megatron before "
+                        "fused attention)")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--top", type=int, default=10, help="layouts to print")
+    return p
+
+
+def parse(argv):
+    p = build_plan_parser()
+    ns = p.parse_args(argv)
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    if ns.num_gpus is None or ns.num_gpus < 1:
+        raise ConfigError("--num-gpus N (N >= 1) is required")
+    if ns.gpus_per_node < 1 or (ns.num_gpus > ns.gpus_per_node
+                                and ns.num_gpus % ns.gpus_per_node):
+        raise ConfigError(f"--num-gpus ({ns.num_gpus}) must be a multiple of --gpus-per-node "
+                          f"({ns.gpus_per_node}) >= 1")
+    if ns.global_batch_size is None:
+        raise ConfigError("--global-batch-size N is required to plan (DP and PP consume it)")
+    if ns.top < 1:
+        raise ConfigError(f"--top must be >= 1, got {ns.top}")
+    cfg = _config_from_namespace(ns)
+    cfg.model.validate(1)
+    gpu = GPUS[ns.gpu]
+    over = {"memory_gib": ns.gpu_memory_gib, "peak_tflops": ns.peak_tflops,
+            "intra_node_bandwidth_gbps": ns.intra_node_bandwidth_gbps,
+            "inter_node_bandwidth_gbps": ns.inter_node_bandwidth_gbps}
+    for k, v in over.items():
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{k.replace('_', '-')} must be positive, got {v}")
+    gpu = dataclasses.replace(gpu, **{k: v for k, v in over.items() if v is not None})
+    cluster = Cluster(ns.num_gpus, min(ns.gpus_per_node, ns.num_gpus), gpu)
+    fixed = {}
+    for flag, field in _PINNED.items():
+        if flag in given:
+            fixed[field] = {"zero_stage": cfg.optimizer.zero_stage or
+                            (1 if cfg.optimizer.use_distributed_optimizer else 0),
+                            "virtual_pipeline_model_parallel_size":
+                            cfg.parallel.virtual_pipeline_model_parallel_size or 1,
+                            "recompute_granularity": cfg.model.recompute_granularity,
+                            "pipeline_schedule": cfg.training.pipeline_schedule,
+                            }.get(field, getattr(ns, field, None))
+    model = Model.from_config(cfg.model, "cuda", ns.attention_backend)
+    return model, cluster, ns.global_batch_size, fixed, ns
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        model, cluster, gbs, fixed, ns = parse(argv)
+        plans = plan(model, cluster, gbs, fixed)
+        if not plans:
+            pinned = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
+            raise ConfigError(f"no layout of {cluster.num_gpus} GPUs runs this model with "
+                              f"--global-batch-size {gbs} (pinned: {pinned}); check that "
+                              f"TP x PP x DP = --num-gpus and the batch divides micro-batch x DP")
+    except ConfigError as e:
+        print(f"plan.py: error: {e}", file=sys.stderr)
+        return 2
+    shown = plans[: ns.top]
+    if ns.json:
+        print(json.dumps({"layouts": [pl.as_json() for pl in shown]}))
+        return 0
+    gpu = cluster.gpu
+    print(f"{model.cfg.num_parameters() / 1e9:.2f}B parameters on {cluster.num_gpus} x "
+          f"{gpu.name} ({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB), global batch "
+          f"{gbs}; {len(plans)} layouts, {sum(pl.fits for pl in plans)} fit")
+    print(f"{'#':>3} {'layout':<52} {'fits':<4} {'mem GiB (par/grad/opt/act)':<28} "
+          f"{'step s (comp/tp/bubble/dp)':<30} {'TFLOP/s':>7} {'MFU':>5}")
+    for i, pl in enumerate(shown):
+        m, t = pl.memory, pl.time
+        mem = (f"{m['total'] / GiB:5.1f} ({m['params'] / GiB:.1f}/{m['grads'] / GiB:.1f}/"
+               f"{m['optimizer'] / GiB:.1f}/{m['activations'] / GiB:.1f})")
+        tm = (f"{t['step_time_s']:6.3f} ({t['compute_s']:.2f}/{t['tp_comm_s']:.2f}/"
+              f"{t['bubble_s']:.2f}/{t['dp_comm_s']:.2f})")
+        print(f"{i + 1:>3} {pl.layout.short():<52} {'yes' if pl.fits else 'no':<4} {mem:<28} "
+              f"{tm:<30} {t['tflops_per_gpu']:7.1f} {100 * t['mfu']:4.1f}%")
+        if pl.why:
+            print(f"{'':>4}why not first: {pl.why}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
