@@ -95,6 +95,7 @@ def _spawn(world, a, results):
 
 
 def main(argv=None):
+    from megalite.config import ModelConfig
     from megalite.planner import Model, layer_activation_bytes
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -118,9 +119,10 @@ def main(argv=None):
           "| measured / sbh |")
     print("|---|---|---|---|---|---|---|")
     for dtype in a.dtype:
-        m = Model(num_layers=1, hidden_size=h, num_attention_heads=n, seq_length=s,
-                  bytes_per_value=2 if dtype != "float32" else 4,
-                  dropout=a.dropout > 0, attention_dropout=a.attention_dropout > 0)
+        m = Model.from_config(ModelConfig(
+            num_layers=1, hidden_size=h, num_attention_heads=n, seq_length=s,
+            hidden_dropout=a.dropout, attention_dropout=a.attention_dropout, params_dtype=dtype),
+            device="cpu")
         for name, t, sp, rc in CASES:
             key = (dtype, name)
             if key not in results:

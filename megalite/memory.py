@@ -195,3 +195,55 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
     report["mem_theory_unpadded_total_bytes"] = theoretical_model_state_bytes(
         psi, dp_size, zero_stage, params_dtype)["total_bytes"]
     return report
+
+
+class PeakTensorMemory:
+    """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs.
+
+    GPU: ``torch.cuda.max_memory_allocated`` (the caching allocator's own count). CPU has no such
+    counter, and RSS is dominated by the interpreter and libraries, so the peak is rebuilt from
+    the allocations and frees ``torch.profiler(profile_memory=True)`` records, on top of the
+    storages already live when the block starts (found through the garbage collector, each once).
+    Frees of blocks allocated before the block are invisible to the profiler, so a tensor that
+    dies inside the block but was born before it is still counted: the result is an upper bound
+    by at most those tensors (the previous step's batches: kilobytes). The profiler slows the
+    block down; measure one iteration, not every one.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.peak_bytes: Optional[int] = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        import gc
+
+        from torch.profiler import ProfilerActivity, profile
+
+        gc.collect()
+        self.baseline = distinct_storage_bytes(
+            o for o in gc.get_objects()
+            if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta)
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            return False
+        self._prof.__exit__(*exc)
+        events = sorted((e.start_ns(), e.nbytes()) for e in
+                        self._prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and e.device_type().name == "CPU")
+        live = high = 0
+        for _, n in events:
+            live += n
+            high = max(high, live)
+        self.peak_bytes = int(self.baseline + high)
+        self._prof = None
+        return False

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.config import ConfigError, ModelConfig
@@ -95,6 +95,7 @@ class Model:
     bytes_per_value: int = 2      # 16-bit activations (4 in fp32)
     mask_bytes: int = 1           # dropout masks: bool on CUDA; CPU dropout keeps a float mask
     flash_attention: bool = True  # fused attention keeps no a*s^2 score matrix
+    memo: dict = field(default_factory=dict, repr=False, compare=False)  # FLOPs, layer size
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, device: str = "cuda",
@@ -126,6 +127,8 @@ def flops_per_sequence(m: Model, t: int) -> Dict[str, float]:
     Only model_flops_per_sequence is evaluated (no second copy of the formula): the logits part
     is what remains with no layers, and the attention core is the part quadratic in s.
     """
+    if ("flops", t) in m.memo:
+        return m.memo[("flops", t)]
     cfg, V = m.cfg, m.cfg.padded_vocab_size(t)
     total = model_flops_per_sequence(cfg, V)
     logits = model_flops_per_sequence(dataclasses.replace(cfg, num_layers=0), V)
@@ -133,8 +136,9 @@ def flops_per_sequence(m: Model, t: int) -> Dict[str, float]:
     one = model_flops_per_sequence(dataclasses.replace(cfg, seq_length=1), V)
     quad = (total / s - one) / (s - 1) if s > 1 else 0.0  # per-token FLOPs grow linearly in s
     attention = quad * s * s
-    return {"total": total, "logits": logits, "attention": attention,
-            "gemm": total - logits - attention}
+    m.memo[("flops", t)] = {"total": total, "logits": logits, "attention": attention,
+                            "gemm": total - logits - attention}
+    return m.memo[("flops", t)]
 
 
 def recompute_flops(f: Dict[str, float], recompute: str) -> float:
@@ -148,15 +152,22 @@ def recompute_flops(f: Dict[str, float], recompute: str) -> float:
 
 # ----------------------------------------------------------------------------------- memory
 def layer_params(cfg: ModelConfig) -> int:
+    """Parameters of one transformer layer (ModelConfig.num_parameters, one layer's worth)."""
     one = dataclasses.replace(cfg, num_layers=1).num_parameters(include_embeddings=False)
     return one - dataclasses.replace(cfg, num_layers=0).num_parameters(include_embeddings=False)
+
+
+def _layer_params(m: Model) -> int:
+    if "layer" not in m.memo:
+        m.memo["layer"] = layer_params(m.cfg)
+    return m.memo["layer"]
 
 
 def stage_params(m: Model, lay: Layout, stage: int) -> float:
     """Parameters one GPU of pipeline stage ``stage`` holds (its TP shard)."""
     cfg, t, p = m.cfg, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
     V, h = cfg.padded_vocab_size(t), cfg.hidden_size
-    n = cfg.num_layers / p * layer_params(cfg) / t
+    n = cfg.num_layers / p * _layer_params(m) / t
     if stage == 0:
         n += V * h / t + (cfg.max_position_embeddings * h
                           if cfg.position_embedding_type == "learned_absolute" else 0)
@@ -183,11 +194,15 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
     mask = m.mask_bytes if cfg.hidden_dropout > 0 else 0
     # outside the TP region: 2 norm inputs, 2 norm outputs (the QKV / fc1 inputs), 2 masks
     outside = s * b * h * (4 * E + 2 * mask) / rep
-    attn = q + 2 * kv + q  # q, k, v and the attention output (the projection's input)
-    if kv < q:
-        attn += 2 * q  # GQA: k and v repeated to every head
-    if cfg.position_embedding_type == "rope":
-        attn += q + kv  # rotated q and k are new tensors
+    if cfg.normalization == "RMSNorm":  # megalite's RMSNorm also keeps its normalized x (fp32
+        outside += 2 * s * b * h * 4 / rep  # in 16 bits, where it keeps x in fp32 instead of x)
+    # attention's inputs and output (the projection's input): views of the fused QKV output
+    # (q + 2kv) plus the output q; GQA copies q and repeats k and v to every head (4q, the fused
+    # output is then not kept); RoPE's rotated q and k are new tensors
+    rope = cfg.position_embedding_type == "rope"
+    attn = 4 * q if kv < q else q + 2 * kv + q + (q + kv if rope else 0)
+    if not m.flash_attention:
+        attn += 2 * q  # the unfused path scales copies of q and k
     mlp = 4 * f if cfg.swiglu else 2 * f  # fc1 output(s) and the fc2 input (SwiGLU: + silu out)
     inside = s * b * (attn + mlp) * E / t
     if m.flash_attention:
@@ -250,7 +265,7 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
         act += logits * 4 + 2 * sbh  # cross entropy's softmax; final norm in/out
         work.append(logits * (E + 4 + (4 if E != 4 else 0)))
     if lay.zero_stage == 3:  # the gathered units (one being used, one prefetched) and grads
-        unit = layer_params(cfg) / t
+        unit = _layer_params(m) / t
         work.append(2 * unit * (E + 4))
     out = {"params": st["params_bytes"], "grads": st["grads_bytes"],
            "optimizer": st["master_params_bytes"] + st["optimizer_states_bytes"],
@@ -348,7 +363,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         # prefetch hides them behind compute except each pass's first unit
         one = 2 * _collective_s("all_gather", psi * E, d, bw_dp, where_dp) + \
             _collective_s("reduce_scatter", grads, d, bw_dp, where_dp)
-        first = 2 * _collective_s("all_gather", layer_params(cfg) / t * E, d, bw_dp, where_dp)
+        first = 2 * _collective_s("all_gather", _layer_params(m) / t * E, d, bw_dp, where_dp)
         dp_comm = num_micro * (max(one, 0.9 * per_micro) + first)
         overlap = num_micro * per_micro
     dp_exposed = max(0.0, dp_comm - 0.9 * overlap)
@@ -499,3 +514,34 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
     lay = Layout(t, p, v, d, zero, cfg.model.sequence_parallel,
                  cfg.model.recompute_granularity or "none", tr.micro_batch_size, sched)
     return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)
+
+
+def measured_train_step(trainer, batches):
+    """``trainer.train_step(batches)``; on one iteration, also the planner's memory estimate for
+    this rank beside the measured peak of tensor memory (megalite.memory.PeakTensorMemory),
+    printed and logged as ``estimated_memory_bytes`` / ``measured_memory_bytes``.
+
+    The measured iteration is the first logged one after the first (whose lazily created
+    optimizer states would make it unlike the rest), or the only one; measuring costs time on
+    CPU (the profiler), so only that iteration is measured.
+    """
+    cfg, ps = trainer.cfg, trainer.ps
+    it, n, every = trainer.iteration + 1, cfg.training.train_iters, cfg.logging.log_interval
+    first_logged = next((i for i in range(2, n + 1) if i % every == 0 or i == n), 1)
+    if it != first_logged:
+        return trainer.train_step(batches)
+    from megalite.memory import PeakTensorMemory
+
+    with PeakTensorMemory(ps.device) as probe:
+        out = trainer.train_step(batches)
+    est = estimate_for_run(cfg, ps.world_size, ps.device.type, ps.pp_rank)
+    rec = {"estimated_memory_bytes": int(est["total"]),
+           "measured_memory_bytes": probe.peak_bytes,
+           **{f"estimated_{k}_bytes": int(est[k])
+              for k in ("params", "grads", "optimizer", "activations")}}
+    trainer.logger.print(
+        f" memory at iteration {it} (rank 0): planner estimate {est['total'] / GiB:.3f} GiB, "
+        f"measured peak of tensor memory {probe.peak_bytes / GiB:.3f} GiB "
+        f"({probe.peak_bytes / est['total'] - 1:+.1%} vs estimate)")
+    trainer.logger.log(rec, it, split="memory")
+    return out

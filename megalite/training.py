@@ -43,6 +43,7 @@ from megalite.logging import (
     training_log_line,
 )
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
+from megalite.planner import measured_train_step
 from megalite.parallel_state import (
     ParallelState,
     initialize_model_parallel,
@@ -297,7 +298,8 @@ class Trainer:
         t0 = time.perf_counter()
         m = self.cfg.training.num_micro_batches(self.ps.dp_size)
         batches = self._micro_batches(data_it, m)
-        loss, updated, grad_norm = self.train_step(batches)
+        # the planner's memory estimate beside the measured peak, on one iteration (planner.py)
+        loss, updated, grad_norm = measured_train_step(self, batches)
         synchronize(self.ps.device)
         return loss, updated, grad_norm, time.perf_counter() - t0
 

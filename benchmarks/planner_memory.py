@@ -1,0 +1,89 @@
+"""The planner's memory estimate against the measured peak of tensor memory, for pretrain runs.
+
+    python benchmarks/planner_memory.py [--only NAME ...] [--out DIR]
+
+Each case runs pretrain.py (torchrun on CPU/gloo when it needs several processes) for two
+iterations of a model big enough that model states and activations dominate (8 layers, hidden
+512, 8 heads, sequence 256, vocab 8192, fp32 unless noted), and reads the ``memory`` record of
+metrics.jsonl: ``estimated_memory_bytes`` (megalite/planner.py, rank 0's stage) beside
+``measured_memory_bytes`` (megalite.memory.PeakTensorMemory: torch.profiler's allocation and
+free events on CPU, ``torch.cuda.max_memory_allocated`` on GPU). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--mock-data", "--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8",
+        "--seq-length", "256", "--vocab-size", "8192", "--micro-batch-size", "2",
+        "--train-iters", "2", "--log-interval", "2", "--eval-iters", "0", "--lr", "1e-4"]
+PP = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+CASES = [  # name, processes, flags
+    ("single", 1, ["--global-batch-size", "4"]),
+    ("TP2", 2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4"]),
+    ("TP2+SP", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                   "--global-batch-size", "4"]),
+    ("PP2 1F1B", 2, PP),
+    ("PP2 interleaved v=2", 2, PP + ["--num-virtual-stages-per-pipeline-rank", "2"]),
+    ("PP2 ZB-H1", 2, PP + ["--pipeline-schedule", "zb-h1"]),
+    ("DP2 ZeRO-1", 2, ["--zero-stage", "1", "--global-batch-size", "8"]),
+    ("DP2 ZeRO-2", 2, ["--zero-stage", "2", "--global-batch-size", "8"]),
+    ("DP2 ZeRO-3", 2, ["--zero-stage", "3", "--global-batch-size", "8"]),
+    ("selective recompute", 1, ["--recompute-granularity", "selective",
+                                "--global-batch-size", "4"]),
+    ("full recompute", 1, ["--recompute-granularity", "full", "--global-batch-size", "4"]),
+    ("TP2+SP selective, DP2 ZeRO-1", 4, ["--tensor-model-parallel-size", "2",
+                                         "--sequence-parallel", "--recompute-granularity",
+                                         "selective", "--zero-stage", "1",
+                                         "--global-batch-size", "8"]),
+    ("TP2+SP PP2 full recompute", 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--recompute-granularity", "full"] + PP),
+    ("bf16 TP2 PP2 interleaved", 4, ["--bf16", "--tensor-model-parallel-size", "2",
+                                     "--num-virtual-stages-per-pipeline-rank", "2"] + PP),
+]
+
+
+def run(name, nproc, extra, out_dir):
+    path = os.path.join(out_dir, name.replace(" ", "_").replace("/", "") + ".jsonl")
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}"] if nproc > 1 else []) \
+        + [os.path.join(ROOT, "pretrain.py")] + BASE + extra + ["--metrics-file", path]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    t0 = time.time()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{r.stderr[-3000:]}")
+    rec = [json.loads(x) for x in open(path) if '"estimated_memory_bytes"' in x][0]
+    return rec, time.time() - t0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", nargs="*", default=None)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "planner_memory"))
+    a = p.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    print("| case | processes | estimated MiB | measured MiB | measured / estimated | "
+          "est. states / activations MiB |")
+    print("|---|---|---|---|---|---|")
+    for name, nproc, extra in CASES:
+        if a.only and name not in a.only:
+            continue
+        rec, dt = run(name, nproc, extra, a.out)
+        est, got = rec["estimated_memory_bytes"], rec["measured_memory_bytes"]
+        states = sum(rec[f"estimated_{k}_bytes"] for k in ("params", "grads", "optimizer"))
+        print(f"| {name} | {nproc} | {est / 2**20:.1f} | {got / 2**20:.1f} | {got / est:.3f} | "
+              f"{states / 2**20:.1f} / {rec['estimated_activations_bytes'] / 2**20:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The layout planner (megalite/planner.py, tools/plan.py) against published results and a real run.
+
+Published rows (docs/planner.md "Published results"): the published layout fits by the planner's
+memory model, its predicted TFLOP/s per GPU is within 15% of the published figure, and the
+planner's first choice is that layout or one it predicts faster that also fits. Korthikanti et
+al.'s activation figures are checked to 5%. Then the JSON schema, one-line CLI errors, the
+closed-form in-flight count against the real schedules, and one 2-process pretrain run whose
+logged estimate must be within 10% of the measured peak of tensor memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megalite.planner import (
+    GPUS,
+    Cluster,
+    GiB,
+    Layout,
+    in_flight,
+    layer_activation_bytes,
+    memory,
+    model_from_args,
+    plan,
+)
+from tests.pretrain_utils import ROOT, read_metrics, run_cli
+
+A100, H100 = "A100-80GB", "H100-80GB"
+# name, gpu, layers, hidden, heads, seq, vocab, untied, TP, PP, GPUs, batch, TFLOP/s, backend,
+# what the publication fixes beyond TP/PP
+PUBLISHED = [
+    # Narayanan et al. 2021, Table 1: interleaved schedule, full recompute counted in the FLOPs,
+    # Megatron of 2021 (softmax over a stored score matrix)
+    ("1.7B", A100, 24, 2304, 24, 2048, 51200, False, 1, 1, 32, 512, 137.0, False, "full"),
+    ("18.4B", A100, 40, 6144, 48, 2048, 51200, False, 8, 1, 256, 1024, 135.0, False, "full"),
+    ("145.6B", A100, 80, 12288, 96, 2048, 51200, False, 8, 8, 1536, 2304, 148.0, False, "full"),
+    ("1008B", A100, 128, 25600, 160, 2048, 51200, False, 8, 64, 3072, 3072, 163.0, False, "full"),
+    # Megatron-Core on H100 (fused attention)
+    ("MCore 1.7B", H100, 24, 2048, 16, 4096, 131072, True, 1, 1, 48, 192, 408.8, True, None),
+    ("MCore 70B", H100, 84, 8192, 64, 4096, 131072, True, 8, 2, 768, 384, 419.7, True, None),
+]
+
+
+@pytest.mark.parametrize("row", PUBLISHED, ids=[r[0] for r in PUBLISHED])
+def test_published_rows(row):
+    name, gpu, L, h, a, s, V, untied, t, p, n, gbs, tflops, flash, recompute = row
+    m = model_from_args(L, h, a, s, V, untie_embeddings_and_output_weights=untied,
+                        flash_attention=flash)
+    cluster = Cluster(n, 8, GPUS[gpu])
+    plans = plan(m, cluster, gbs)
+    best = plans[0]
+    fixed = {"tensor_model_parallel_size": t, "pipeline_model_parallel_size": p}
+    if recompute:
+        fixed["recompute_granularity"] = recompute
+    published = [pl for pl in plans if all(getattr(pl.layout, k) == v for k, v in fixed.items())
+                 and pl.fits]
+    assert published, f"{name}: the published layout does not fit"
+    pred = published[0].time["tflops_per_gpu"]
+    assert abs(pred / tflops - 1) <= 0.15, f"{name}: predicted {pred:.1f} vs {tflops}"
+    assert best.fits and best.time["step_time_s"] <= published[0].time["step_time_s"]
+
+
+@pytest.mark.parametrize("L,h,a,p,v,b,published_tp,published_sp", [
+    (48, 6144, 64, 1, 1, 4, 59.1, 9.7),      # 22B, Korthikanti et al. 2022, Figure 1
+    (96, 12288, 96, 8, 3, 1, 66.7, 12.2),    # 175B, interleaved with 3 chunks per rank
+])
+def test_korthikanti_activations(L, h, a, p, v, b, published_tp, published_sp):
+    m = model_from_args(L, h, a, 2048, 51200, flash_attention=False)
+    for sp, rc, pub in ((False, "none", published_tp), (True, "selective", published_sp)):
+        lay = Layout(8, p, v, 1, 0, sp, rc, b, "interleaved" if v > 1 else "1f1b")
+        num_micro = 4 * p
+        stored = layer_activation_bytes(m, b, 8, sp, rc) * L / p * in_flight(lay, num_micro)
+        assert abs(stored / GiB / pub - 1) < 0.05, (sp, rc, stored / GiB, pub)
+        total = memory(m, lay, num_micro * b, stage=0)["activations"]  # + embedding, work
+        assert stored <= total < 1.1 * stored
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [("1f1b", 4, 1, 8), ("zb-h1", 4, 1, 8),
+                                            ("interleaved", 4, 2, 8), ("1f1b", 4, 1, 2)])
+def test_in_flight_matches_schedules(schedule, p, v, m):
+    """The closed form equals the peak count of forwards not yet backwarded in the real orders."""
+    from megalite.pipeline_parallel.schedules import schedule_order
+
+    for r in range(p):
+        live = peak = 0
+        for op in schedule_order(schedule, p, r, m, v):
+            live += {"F": 1, "B": -1}.get(op.kind, 0)
+            peak = max(peak, live)
+        lay = Layout(1, p, v, 1, 0, False, "none", 1, schedule)
+        assert in_flight(lay, m, r) * v == peak, (r, peak)
+
+
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plan.py"), *args],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+MODEL = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+         "--seq-length", "4096", "--vocab-size", "131072", "--untie-embeddings-and-output-weights",
+         "--bf16", "--global-batch-size", "192", "--num-gpus", "48", "--gpu", "H100-80GB"]
+
+
+def test_json_schema_and_single_layout():
+    r = _plan_cli(*MODEL, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+                  "1", "--micro-batch-size", "2", "--json", "--top", "3")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert list(out) == ["layouts"] and 1 <= len(out["layouts"]) <= 3
+    keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
+            "sequence_parallel", "recompute_granularity", "micro_batch_size", "fits",
+            "memory_gib", "step_time_s", "tflops_per_gpu", "mfu"]
+    times = []
+    for lay in out["layouts"]:
+        assert list(lay) == keys
+        assert list(lay["memory_gib"]) == ["params", "grads", "optimizer", "activations", "total"]
+        assert lay["tensor_model_parallel_size"] == 1 and lay["micro_batch_size"] == 2
+        assert lay["data_parallel_size"] == 48 and lay["fits"] is True
+        mem = lay["memory_gib"]
+        assert abs(sum(mem[k] for k in ("params", "grads", "optimizer", "activations"))
+                   - mem["total"]) < 0.01
+        times.append(lay["step_time_s"])
+    assert times == sorted(times)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--num-gpus", "0"], "--num-gpus"),
+    (["--gpu", "V100"], "--gpu"),
+    (["--num-gpus", "12", "--gpus-per-node", "8"], "--gpus-per-node"),
+])
+def test_cli_bad_input_one_line(args, needle):
+    base = [a for a in MODEL]
+    for flag in ("--num-gpus", "--gpu"):
+        if flag in args:
+            i = base.index(flag)
+            del base[i:i + 2]
+    r = _plan_cli(*base, *args)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_pretrain_estimate_within_10_percent(tmp_path):
+    """A 2-process TP+SP run with selective recompute: the logged planner estimate for rank 0
+    is within 10% of the peak tensor memory measured during the second iteration."""
+    path = str(tmp_path / "m.jsonl")
+    r = run_cli(["--mock-data", "--num-layers", "4", "--hidden-size", "256",
+                 "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "4096",
+                 "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+                 "--log-interval", "2", "--eval-iters", "0", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", "--recompute-granularity", "selective",
+                 "--metrics-file", path], nproc=2)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rec = [x for x in read_metrics(path, "memory") if "estimated_memory_bytes" in x]
+    assert len(rec) == 1 and rec[0]["iteration"] == 2
+    est, got = rec[0]["estimated_memory_bytes"], rec[0]["measured_memory_bytes"]
+    assert abs(got / est - 1) < 0.10, (est, got)
+    assert "planner estimate" in r.stdout
