@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.config import ConfigError, ModelConfig
+from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
 
@@ -244,6 +245,7 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     b, sp = lay.micro_batch_size, lay.sequence_parallel
     s, h = cfg.seq_length, cfg.hidden_size
     psi = stage_params(m, lay, r)
+    V_h = cfg.padded_vocab_size(t) * h
     st = theoretical_model_state_bytes(psi, d, lay.zero_stage, cfg.params_dtype)
     num_micro = max(gbs // (d * b), 1)
     layers = cfg.num_layers / p
@@ -264,10 +266,14 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
         logits = s * b * V / t
         act += logits * 4 + 2 * sbh  # cross entropy's softmax; final norm in/out
         work.append(logits * (E + 4 + (4 if E != 4 else 0)))
-    if lay.zero_stage == 3:  # the gathered units (one being used, one prefetched) and grads
-        unit = _layer_params(m) / t
-        work.append(2 * unit * (E + 4))
-    out = {"params": st["params_bytes"], "grads": st["grads_bytes"],
+    grads = st["grads_bytes"]
+    if lay.zero_stage == 2:  # full-size fp32 storage of the buckets being filled and reduced
+        grads += 4 * min(2 * DEFAULT_BUCKET_SIZE, psi)
+    if lay.zero_stage == 3:  # the gathered unit in use with its full gradient, the next one
+        unit = _layer_params(m) / t  # prefetched; the embedding is a unit too
+        big = max(unit, V_h / t if (r == 0 or r == p - 1) else 0)
+        act += big * (E + 4) + unit * E
+    out = {"params": st["params_bytes"], "grads": grads,
            "optimizer": st["master_params_bytes"] + st["optimizer_states_bytes"],
            "activations": act + max(work), "stage": r}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + out["activations"]
