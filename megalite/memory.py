@@ -227,8 +227,13 @@ class PeakTensorMemory:
         self.baseline = distinct_storage_bytes(
             o for o in gc.get_objects()
             if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta)
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        self._quiet = _QuietProfilerLog()
+        try:
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        except BaseException:
+            self._quiet.close()
+            raise
         return self
 
     def __exit__(self, *exc):
@@ -236,7 +241,10 @@ class PeakTensorMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return False
-        self._prof.__exit__(*exc)
+        try:
+            self._prof.__exit__(*exc)
+        finally:
+            self._quiet.close()
         events = sorted((e.start_ns(), e.nbytes()) for e in
                         self._prof.profiler.kineto_results.events()
                         if e.name() == "[memory]" and e.device_type().name == "CPU")
@@ -247,3 +255,35 @@ class PeakTensorMemory:
         self.peak_bytes = int(self.baseline + high)
         self._prof = None
         return False
+
+
+class _QuietProfilerLog:
+    """Holds back the profiler's own C++ log lines (start/stop notices, 'memory block of unknown
+    size' warnings) while it runs; every other line written to stderr meanwhile is passed on."""
+
+    _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp", "profiler results will not include")
+
+    def __init__(self):
+        import os
+        import sys
+        import tempfile
+
+        sys.stderr.flush()
+        self._tmp = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._tmp.fileno(), 2)
+
+    def close(self) -> None:
+        import os
+        import sys
+
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._tmp.seek(0)
+        kept = [ln for ln in self._tmp.read().decode(errors="replace").splitlines(True)
+                if not any(n in ln for n in self._NOISE)]
+        self._tmp.close()
+        if kept:
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()

@@ -96,6 +96,7 @@ class Model:
     bytes_per_value: int = 2      # 16-bit activations (4 in fp32)
     mask_bytes: int = 1           # dropout masks: bool on CUDA; CPU dropout keeps a float mask
     flash_attention: bool = True  # fused attention keeps no a*s^2 score matrix
+    device: str = "cuda"          # cpu: megalite's unfused path is SDPA's math fallback
     memo: dict = field(default_factory=dict, repr=False, compare=False)  # FLOPs, layer size
 
     @classmethod
@@ -104,7 +105,7 @@ class Model:
         e = 4 if cfg.params_dtype == "float32" else 2
         # On CPU, SDPA takes its flash kernel only without attention dropout.
         flash = attention_backend == "flash" and (device == "cuda" or cfg.attention_dropout == 0)
-        return cls(cfg, e, 1 if device == "cuda" else e, flash)
+        return cls(cfg, e, 1 if device == "cuda" else e, flash, device)
 
 
 def model_from_args(num_layers, hidden_size, num_attention_heads, seq_length, vocab_size=51200,
@@ -202,8 +203,8 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
     # output is then not kept); RoPE's rotated q and k are new tensors
     rope = cfg.position_embedding_type == "rope"
     attn = 4 * q if kv < q else q + 2 * kv + q + (q + kv if rope else 0)
-    if not m.flash_attention:
-        attn += 2 * q  # the unfused path scales copies of q and k
+    if not m.flash_attention and m.device == "cpu" and recompute != "selective":
+        attn += 2 * q  # SDPA's math fallback scales copies of q and k (recomputed if selective)
     mlp = 4 * f if cfg.swiglu else 2 * f  # fc1 output(s) and the fc2 input (SwiGLU: + silu out)
     inside = s * b * (attn + mlp) * E / t
     if m.flash_attention:
