@@ -3,7 +3,12 @@
 Each multi-process run groups several layouts (to pay the process start-up once). Inside each
 worker a few Adam steps run on the pipeline chunks and, in the same process, on the single-device
 GPTModel built from the same seed (contract 3) on the same global batch: the per-iteration loss
-must match (rel 1e-4) and every parameter's full gradient too, by its layout-independent name.
+must match (rel 1e-5) on every one of ITERS steps, every parameter's full gradient too, by its
+layout-independent name (1e-5 of its norm on the first step, 1e-4 after Adam steps), and the
+trained weights at the end (1e-4). The
+model has no qkv bias: attention is invariant to the key bias, so its exact gradient is 0 and
+what autograd returns is rounding noise that Adam turns into lr-sized steps, noise no two
+summation orders agree on (tests/test_zero.py does the same).
 """
 
 import json
@@ -24,13 +29,15 @@ from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
 from megalite.pipeline_parallel.partition import (
     build_model_chunks, stage_layer_counts, virtual_layer_ranges)
+from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
 from megalite.pipeline_parallel.schedules import (
-    check_pipeline_args, comm_units, eager_program, get_forward_backward_func, order_1f1b,
-    order_interleaved, order_zb_h1, schedule_order)
-from megalite.pipeline_parallel.timeline import StageTimeline, bubble_stats, write_chrome_trace
+    SCHEDULES, check_pipeline_args, eager_program, get_forward_backward_func, op_peers,
+    order_1f1b, order_interleaved, p2p_program, schedule_order)
+from megalite.pipeline_parallel.timeline import (
+    StageTimeline, bubble_stats, schedule_idle_times, write_chrome_trace)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEQ, MBS, ITERS = 16, 2, 5
+SEQ, MBS, ITERS = 16, 2, 10
 EMB = "embedding.word_embeddings.weight"
 
 # name: (tp, pp, sp, schedule, layers, layers_per_virtual_stage, first, last, m, tied)
@@ -64,7 +71,8 @@ def _global_batch(it, n):
 
 def _run_layout(name, layout):
     tp, pp, sp, schedule, layers, per_v, first, last, m, tied = layout
-    cfg = dict(num_layers=layers, untie_embeddings_and_output_weights=not tied)
+    cfg = dict(num_layers=layers, untie_embeddings_and_output_weights=not tied,
+               add_qkv_bias=False)
     ps = initialize_model_parallel(tp, pp, backend="gloo", device="cpu", set_default=False)
     chunks = build_model_chunks(tiny_config("gpt2", sequence_parallel=sp, **cfg), ps, seed=7,
                                 num_layers_per_virtual_pipeline_stage=per_v,
@@ -113,16 +121,17 @@ def _run_layout(name, layout):
             if ps.dp_group is not None:
                 dist.all_reduce(loss, group=ps.dp_group)
             rel = abs(loss.item() / ntok - ref_loss.item()) / abs(ref_loss.item())
-            assert rel <= 1e-4, f"{where}: loss {loss.item() / ntok} vs {ref_loss.item()} rel {rel}"
+            assert rel <= 1e-5, f"{where}: loss {loss.item() / ntok} vs {ref_loss.item()} rel {rel}"
         else:
             assert stats == [], f"{where}: a non-last stage returned stats"
         got = {}
         for c in chunks:
             for k, g in full_grads(c, ps.tp_group).items():
                 got[EMB if (tied and k == "output_layer.weight") else k] = g
-        # 1e-5 on the first step (contract 5); after Adam steps the two runs' weights differ by
-        # round-off amplified in near-zero-gradient entries, so later gradients get 1e-3
-        assert_grads_close(got, {k: ref_grads[k] for k in got}, 1e-5 if it == 0 else 1e-3, where)
+        # 1e-5 of each gradient's norm from identical weights (step 0); after Adam steps the
+        # weights differ by the micro-batch summation order's round-off, normalised by Adam into
+        # the small-norm biases, so later steps (and the trained weights below) get 1e-4
+        assert_grads_close(got, {k: ref_grads[k] for k in got}, 1e-5 if it == 0 else 1e-4, where)
         if it == 0:
             tl = fb.last_timeline()
             result["timeline"] = tl.to_dict()
@@ -130,14 +139,13 @@ def _run_layout(name, layout):
         opt.step()
         ref_opt.step()
 
-    # Trained weights track the reference (norm-relative: Adam turns round-off in near-zero
-    # gradient entries into lr-sized steps, so elementwise equality is not expected) ...
+    # Trained weights track the reference (norm-relative, as every parity test) ...
     ref_params = full_params(ref, None)
     for c in chunks:
         for k, w in full_params(c, ps.tp_group).items():
             r = ref_params[EMB if (tied and k == "output_layer.weight") else k]
             rel = ((w - r).norm() / r.norm()).item()
-            assert rel <= 1e-3, f"{name}: {k} drifted from the reference, rel {rel:.2e}"
+            assert rel <= 1e-4, f"{name}: {k} drifted from the reference, rel {rel:.2e}"
     # ... and the two copies of a tied embedding stay bit-identical (their gradients are summed
     # over the embedding group every step, so both get the same update).
     if tied and pp > 1 and ps.in_embedding_group:
@@ -153,15 +161,6 @@ def _parity_worker(rank, world_size, layouts):
     return {name: _run_layout(name, layout) for name, layout in layouts.items()}
 
 
-def _expected_1f1b(p, r, m):
-    """The textbook 1F1B stage order, written out independently of the implementation."""
-    w = min(p - r - 1, m)
-    seq = [f"F{j}" for j in range(1, w + 1)]
-    for j in range(1, m - w + 1):
-        seq += [f"F{w + j}", f"B{j}"]
-    return seq + [f"B{j}" for j in range(m - w + 1, m + 1)]
-
-
 def _check_names_cover_model(results, layout):
     """The stages together hold every parameter of the single-device model exactly once."""
     tp, pp, sp, schedule, layers, *_rest, tied = layout
@@ -171,7 +170,7 @@ def _check_names_cover_model(results, layout):
             stage_names = set(res["names"])
             assert not (names & stage_names) or tied, f"duplicated parameters {names & stage_names}"
             names |= stage_names
-    ref = GPTModel(tiny_config("gpt2", num_layers=layers,
+    ref = GPTModel(tiny_config("gpt2", num_layers=layers, add_qkv_bias=False,
                                untie_embeddings_and_output_weights=not tied), ParallelState())
     assert names == {k for k, _ in ref.named_parameters()}
 
@@ -188,61 +187,40 @@ def test_pp_1f1b_interleaved_zbh1_match_single_device(results_4):
         _check_names_cover_model([r[name] for r in results_4], layout)
 
 
-def test_1f1b_executed_order_and_peak_activations(results_4):
-    for name in ("pp4_1f1b_m4_tied", "pp4_1f1b_m8_uneven_untied", "pp2_dp2_1f1b_m6_tied",
-                 "tp2_pp2_sp_1f1b_m4_tied"):
-        p, m = LAYOUTS_4[name][1], LAYOUTS_4[name][8]
+def _peak(order):
+    """Most micro-batches (per chunk) with F done and B pending, along an order of op strings."""
+    live = peak = 0
+    for o in order:
+        live += {"F": 1, "B": -1, "W": 0}[o[0]]
+        peak = max(peak, live)
+    return peak
+
+
+def test_executor_runs_the_op_list_it_is_given(results_4):
+    """Every stage executed exactly its schedule_order (whose shape the single-process tests
+    below check against hand-written orders and properties), and its recorded peak of in-flight
+    micro-batches is the order's."""
+    for name, (tp, p, sp, schedule, layers, per_v, first, last, m, tied) in LAYOUTS_4.items():
+        v = layers // (p * per_v) if per_v else (2 if schedule in V_SCHEDULES else 1)
         for res in results_4:
             tl = StageTimeline.from_dict(res[name]["timeline"])
             r = res[name]["pp_rank"]
-            assert tl.order() == _expected_1f1b(p, r, m), f"{name} stage {r}: {tl.order()}"
-            # warm-up p-r-1 forwards, so stage r holds p-r micro-batches at most (p on stage 0)
-            assert tl.peak_in_flight == p - r, f"{name} stage {r}: peak {tl.peak_in_flight}"
-
-
-def test_zbh1_executed_order_matches_theory(results_4):
-    theory_stage0 = ("F1 F2 F3 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 F8 B5 W5 B6 W6 B7 W7 B8 W8")
-    for res in results_4:
-        tl = StageTimeline.from_dict(res["pp4_zbh1_m8_tied"]["timeline"])
-        g = res["pp4_zbh1_m8_tied"]["pp_rank"]
-        order = tl.order()
-        if g == 0:
-            assert " ".join(order) == theory_stage0
-        # F/B in 1F1B order; W_j right after B_{j+g}; the last g W's after the final B
-        assert [o for o in order if o[0] != "W"] == _expected_1f1b(4, g, 8)
-        for j in range(1, 9 - g):
-            assert order[order.index(f"B{j + g}") + 1] == f"W{j}", f"stage {g}: {order}"
-        assert order[order.index("B8") + 1:] == [f"W{j}" for j in range(8 - g, 9)], order
-        assert tl.peak_in_flight == 4 - g  # same peak activations as 1F1B: p on stage 0
+            ops = schedule_order(schedule, p, r, m, v)
+            want = [f"{o.kind}{o.microbatch + 1}" + (f".{o.chunk}" if v > 1 else "") for o in ops]
+            assert tl.order() == want, f"{name} stage {r}: {tl.order()}"
+            assert tl.peak_in_flight == _peak(want), f"{name} stage {r}: {tl.peak_in_flight}"
+            if schedule in ("1f1b", "zb-h1"):  # 1F1B's memory: p - r micro-batches on stage r
+                assert tl.peak_in_flight == p - r, f"{name} stage {r}: {tl.peak_in_flight}"
     # W really is separate work: the weight-gradient GEMMs take measurable time
     tls = [StageTimeline.from_dict(r["pp4_zbh1_m8_tied"]["timeline"]) for r in results_4]
     assert bubble_stats(tls)["t_w"] > 0
-
-
-def test_interleaved_executed_order(results_4):
-    # p=2, v=2, m=4 (Narayanan et al. Fig. 4 pattern): micro-batches go through the chunks in
-    # groups of p; rank 0 warms up with 2(p-r-1)+(v-1)p = 4 forwards, rank 1 with 2.
-    expected = {
-        0: "F1.0 F2.0 F1.1 F2.1 F3.0 B1.1 F4.0 B2.1 F3.1 B1.0 F4.1 B2.0 B3.1 B4.1 B3.0 B4.0",
-        1: "F1.0 F2.0 F1.1 B1.1 F2.1 B2.1 F3.0 B1.0 F4.0 B2.0 F3.1 B3.1 F4.1 B4.1 B3.0 B4.0",
-    }
-    for res in results_4:
-        r = res["pp2_dp2_v2_interleaved_m4_untied"]["pp_rank"]
-        tl = StageTimeline.from_dict(res["pp2_dp2_v2_interleaved_m4_untied"]["timeline"])
-        assert " ".join(tl.order()) == expected[r]
-    for res in results_4:  # p=4, v=2, m=4: warm-up 2(p-r-1)+(v-1)p forwards, capped at v*m
-        r = res["pp4_v2_interleaved_m4_tied"]["pp_rank"]
-        order = StageTimeline.from_dict(res["pp4_v2_interleaved_m4_tied"]["timeline"]).order()
-        first_b = next(i for i, o in enumerate(order) if o[0] == "B")
-        assert first_b == min(2 * (4 - r - 1) + 4 + 1, 8), (r, order)
 
 
 def test_timeline_trace_and_plot(results_4, tmp_path):
     tls = [StageTimeline.from_dict(r["pp4_zbh1_m8_tied"]["timeline"])
            for r in sorted(results_4, key=lambda r: r["pp4_zbh1_m8_tied"]["pp_rank"])]
     stats = bubble_stats(tls)
-    assert 0.0 < stats["bubble_fraction"] < 1.0
-    assert all(0.0 <= b < 1.0 for b in stats["bubble_per_stage"])
+    assert 0.0 < stats["bubble_fraction"] < 1.0  # measured on a busy machine: only its range
     trace = tmp_path / "trace.json"
     write_chrome_trace(tls, str(trace))
     data = json.loads(trace.read_text())
@@ -261,19 +239,91 @@ def test_tp2_pp2_dp2_sp_matches_single_device():
 
 
 # ------------------------------------------------------------------------ single-process checks
-def test_orders_peak_activations_are_p_not_m():
-    for p in (2, 4):
-        for m in (p, 2 * p, 3 * p):
-            for order in (order_1f1b(p, 0, m), order_zb_h1(p, 0, m)):
-                live = peak = 0
-                for op in order:
-                    live += {"F": 1, "B": -1, "W": 0}[op.kind]
-                    peak = max(peak, live)
-                assert peak == p
+def _orders(schedule, p, m, v=1):
+    return [" ".join(str(o) for o in schedule_order(schedule, p, r, m, v)).replace(".0", "")
+            for r in range(p)] if v == 1 else [
+        " ".join(str(o) for o in schedule_order(schedule, p, r, m, v)) for r in range(p)]
+
+
+def test_orders_match_hand_written_ones():
+    """Small cases written out by hand from the papers' figures (not from the generators)."""
+    assert _orders("1f1b", 2, 3) == ["F1 F2 B1 F3 B2 B3", "F1 B1 F2 B2 F3 B3"]
+    assert _orders("1f1b", 4, 4) == ["F1 F2 F3 F4 B1 B2 B3 B4", "F1 F2 F3 B1 F4 B2 B3 B4",
+                                     "F1 F2 B1 F3 B2 F4 B3 B4", "F1 B1 F2 B2 F3 B3 F4 B4"]
+    assert _orders("zb-h1", 4, 8)[0] == (
+        "F1 F2 F3 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 F8 B5 W5 B6 W6 B7 W7 B8 W8")
+    assert _orders("zb-h1", 2, 3) == ["F1 F2 B1 W1 F3 B2 W2 B3 W3", "F1 B1 F2 B2 W1 F3 B3 W2 W3"]
+    # p=2, v=2, m=4 (Narayanan et al. Fig. 4 pattern): chunks taken in groups of p micro-batches
+    assert _orders("interleaved", 2, 4, 2) == [
+        "F1.0 F2.0 F1.1 F2.1 F3.0 B1.1 F4.0 B2.1 F3.1 B1.0 F4.1 B2.0 B3.1 B4.1 B3.0 B4.0",
+        "F1.0 F2.0 F1.1 B1.1 F2.1 B2.1 F3.0 B1.0 F4.0 B2.0 F3.1 B3.1 F4.1 B4.1 B3.0 B4.0"]
+    # ZB-V, p=2, m=4: rank 0 fills the V with 2p-1 chunk-0 forwards; rank 1 (the V's tip) runs
+    # chunk 1 straight after chunk 0; the steady phase is F, B, W per chunk; W's fill the drain
+    assert _orders("zb-v", 2, 4, 2) == [
+        "F1.0 F2.0 F3.0 F1.1 B1.1 W1.1 F2.1 B2.1 W2.1 F4.0 B1.0 W1.0 F3.1 B3.1 W3.1 B2.0 W2.0 "
+        "F4.1 B4.1 W4.1 B3.0 W3.0 B4.0 W4.0",
+        "F1.0 F1.1 F2.0 F2.1 B1.1 W1.1 F3.0 B1.0 W1.0 F3.1 B2.1 W2.1 F4.0 B2.0 W2.0 F4.1 B3.1 "
+        "W3.1 B3.0 B4.1 B4.0 W3.0 W4.1 W4.0"]
+    # DualPipeV, p=2, m=4: steady "F0 B1 F1 B0"; only the drain defers W
+    assert _orders("dualpipev", 2, 4, 2) == [
+        "F1.0 F2.0 F3.0 F1.1 B1.1 W1.1 F2.1 F4.0 B2.1 F3.1 B1.0 B3.1 F4.1 B2.0 B4.1 B3.0 W3.0 "
+        "B4.0 W4.0",
+        "F1.0 F1.1 F2.0 F2.1 F3.0 B1.1 F3.1 B1.0 F4.0 B2.1 F4.1 B2.0 B3.1 B3.0 B4.1 B4.0 W4.1 "
+        "W4.0"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_order_properties(schedule):
+    """For every rank of p in {2,3,4} and several m: each (kind, chunk, micro-batch) once; F
+    before its B, B before its W; 1F1B-family warm-up p-r-1; in-flight bounded as claimed."""
+    v = 2 if schedule in ("interleaved",) + V_SCHEDULES else 1
+    for p in (2, 3, 4):
+        for m in (2 * p, 3 * p):
             for r in range(p):
-                ops = order_interleaved(p, r, m, 2)
-                assert sorted((o.kind, o.chunk, o.microbatch) for o in ops) == sorted(
-                    (k, c, j) for k in "FB" for c in range(2) for j in range(m))
+                ops = schedule_order(schedule, p, r, m, v)
+                keys = [(o.kind, o.chunk, o.microbatch) for o in ops]
+                assert len(set(keys)) == len(keys)
+                assert {(k, c, j) for k, c, j in keys if k != "W"} == {
+                    (k, c, j) for k in "FB" for c in range(v) for j in range(m)}
+                for k, c, j in keys:
+                    if k != "F":
+                        assert keys.index(("F" if k == "B" else "B", c, j)) < keys.index((k, c, j))
+                first_b = next(i for i, o in enumerate(ops) if o.kind == "B")
+                if schedule in ("1f1b", "zb-h1"):
+                    assert first_b == p - r - 1 + 1 and _peak([str(o) for o in ops]) == p - r
+                if schedule == "interleaved":  # 2(p-r-1)+(v-1)p warm-up forwards
+                    assert first_b == 2 * (p - r - 1) + (v - 1) * p + 1
+                if schedule == "zb-v":  # 1F1B's activation memory: 2p half-size chunks
+                    assert _peak([str(o) for o in ops]) <= 2 * p
+                if schedule == "dualpipev":  # DeepSeek-V3: PP+1 micro-batches on PP/2 ranks
+                    assert _peak([str(o) for o in ops]) <= 2 * p + 1
+
+
+def test_bubble_implied_by_each_order():
+    """Run the orders with fixed op times and instant p2p (timeline.schedule_idle_times): each
+    rank's idle time is the textbook bubble. A B with no deferred W is a full backward
+    (T_B + T_W). Per stage: 1F1B (p-1)(T_F+T_B+T_W); interleaved 1/v of it; ZB-H1
+    (p-1)(T_F+T_B-T_W) (Qi et al. 2024). The V schedules run chunks of half a stage (times t/2):
+    with T_F = T_B = T_W they idle (p-1) chunk ops, half of ZB-H1, a sixth of 1F1B; DualPipeV
+    stays within the DeepSeek-V3 report's (p-1)(T_F&B + T_B - 3T_W), T_F&B = T_F+T_B+T_W here
+    (no overlap on one stream); ZB-V within ZB-H1's (both for T_W <= T_F)."""
+    for p in (2, 3, 4):
+        for m in (2 * p, 4 * p):
+            for t_f, t_b, t_w in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (2.0, 3.0, 1.0)):
+                def idle(schedule, v=1, scale=1.0):
+                    got = schedule_idle_times(schedule, p, m, v, t_f * scale, t_b * scale,
+                                              t_w * scale)
+                    assert max(got) - min(got) < 1e-9, (schedule, got)
+                    return got[0]
+                zb_h1 = (p - 1) * (t_f + t_b - t_w)
+                assert idle("1f1b") == pytest.approx((p - 1) * (t_f + t_b + t_w))
+                assert idle("zb-h1") == pytest.approx(zb_h1)
+                assert idle("interleaved", 2, 0.5) == pytest.approx((p - 1) * (t_f + t_b + t_w) / 2)
+                f, b, w = t_f / 2, t_b / 2, t_w / 2
+                assert idle("dualpipev", 2, 0.5) <= (p - 1) * ((f + b + w) + b - 3 * w) + 1e-9
+                assert idle("zb-v", 2, 0.5) <= zb_h1 + 1e-9
+                if t_f == t_b == t_w:
+                    assert idle("zb-v", 2, 0.5) == idle("dualpipev", 2, 0.5) == (p - 1) * f
 
 
 def test_layer_partition():
@@ -307,169 +357,123 @@ def test_bad_pipeline_config_is_one_clear_line(call, flag):
     assert flag in msg and "\n" not in msg
 
 
+
+
 # --------------------------------------------------------------------- deadlock-freedom (no procs)
-# The executor posts, between two compute units, one batch: the sends of the unit that ran and the
-# receives of the next (schedules.comm_units). Under NCCL - and gloo, as a hang in this suite once
-# showed - a send completes only once its receive is posted, so a wrong grouping deadlocks. This
-# replays every rank's batches under exactly that rule, and checks that the k-th message on each
-# (src, dst, kind) channel is the one the receiver expects (virtual stage, micro-batch).
-def _simulate_rendezvous(schedule, p, m, v=1, forward_only=False, pair=True):
-    """Rendezvous semantics: a batch completes once every op in it is matched by a posted op."""
-    batches = []
+# Every rank runs its p2p program (schedules.p2p_program): "post" a batch of sends and receives,
+# "wait" for a batch, "run" an op. Replayed here under the backend's rules: each send or receive
+# is matched by the counterpart with the same index on its (src, dst, tag) channel, a batch
+# completes once all its ops are matched, and a rank blocks at "wait" until its batch completes.
+# NCCL (batched program) adds that a rank's batches run in order on one stream: a batch is not
+# even posted until the rank's earlier batches have completed. The replay also checks that the
+# k-th message on each channel is the (virtual stage, micro-batch) the receiver expects, and that
+# a hand-over inside a rank (the V's tip) comes from an op that rank already ran.
+def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", pair=None, lookahead=None):
+    v_shape = schedule in V_SCHEDULES
+    if pair is None:
+        pair = schedule == "interleaved" and not forward_only
+    progs = []
     for r in range(p):
         ops = schedule_order(schedule, p, r, m, v, forward_only)
-        units = comm_units(ops, pair and schedule == "interleaved" and not forward_only)
-        def vs(c): return c * p + r
-        def sends(u):
-            out = []
-            for i in units[u]:
-                op = ops[i]
-                if op.kind == "F" and vs(op.chunk) != p * v - 1:
-                    out.append(("send", r, (r + 1) % p, "act", (vs(op.chunk), op.microbatch)))
-                if op.kind == "B" and vs(op.chunk) != 0:
-                    out.append(("send", r, (r - 1) % p, "grad", (vs(op.chunk), op.microbatch)))
-            return out
-        def recvs(u):
-            out = []
-            for i in (units[u] if u < len(units) else []):
-                op = ops[i]
-                if op.kind == "F" and vs(op.chunk) != 0:
-                    out.append(("recv", (r - 1) % p, r, "act", (vs(op.chunk) - 1, op.microbatch)))
-                if op.kind == "B" and vs(op.chunk) != p * v - 1:
-                    out.append(("recv", (r + 1) % p, r, "grad", (vs(op.chunk) + 1, op.microbatch)))
-            return out
-        bs = [recvs(0)] + [sends(u) + recvs(u + 1) for u in range(len(units))]
-        batches.append(bs)
+        peers = [op_peers(op, schedule, p, r, v) for op in ops]
+        if lookahead is None:
+            prog = p2p_program(mode, ops, peers, r, pair)
+        else:
+            prog = eager_program([s not in (None, r) for s, _ in peers],
+                                 [d not in (None, r) for _, d in peers], lookahead)
+        steps = []
+        for step in prog:
+            if step[0] != "post":
+                steps.append(step)
+                continue
+            msgs = []
+            for i in step[2] + step[3]:
+                op, (src, dst) = ops[i], peers[i]
+                vs = virtual_stage(p, r, op.chunk, v, v_shape)
+                up = vs - 1 if op.kind == "F" else vs + 1
+                tag = "act" if op.kind == "F" else "grad"
+                if i in step[2]:
+                    msgs.append(("send", (r, dst, tag), (vs, op.microbatch)))
+                else:
+                    msgs.append(("recv", (src, r, tag), (up, op.microbatch)))
+            steps.append(("post", step[1], msgs))
+        for i, op in enumerate(ops):  # hand-overs inside the rank come from earlier ops
+            if peers[i][0] == r:
+                src_op = (op.kind, 1 - op.chunk, op.microbatch)
+                assert src_op in [(o.kind, o.chunk, o.microbatch) for o in ops[:i]], (r, op)
+        progs.append(steps)
+
+    posted = {}  # (send|recv, channel) -> payloads in posting order
+    batches = [{} for _ in range(p)]  # rank -> batch id -> [(kind, channel, index, payload)]
     pos = [0] * p
-    posted = {}  # (kind, src, dst, tag) -> list of payloads in posting order
-    def post(r):
-        for kind, src, dst, tag, pay in batches[r][pos[r]]:
-            posted.setdefault((kind, src, dst, tag), []).append(pay)
-    def matched(op, r):
-        kind, src, dst, tag, pay = op
-        mine = posted[(kind, src, dst, tag)]
-        k = mine.index(pay)
-        other = posted.get(("recv" if kind == "send" else "send", src, dst, tag), [])
+
+    def complete(op):
+        kind, ch, k, pay = op
+        other = posted.get(("recv" if kind == "send" else "send", ch), [])
         if len(other) <= k:
             return False
         sent, expected = (other[k], pay) if kind == "recv" else (pay, other[k])
-        assert sent == expected, (f"{schedule} p={p} m={m} v={v}: message {k} on {src}->{dst} "
-                                  f"{tag} carries {sent}, the receiver expects {expected}")
+        assert sent == expected, (f"{schedule} p={p} m={m}: message {k} on {ch} carries "
+                                  f"{sent}, the receiver expects {expected}")
         return True
-    for r in range(p):
-        post(r)
-    while True:
-        progressed = False
-        for r in range(p):
-            while pos[r] < len(batches[r]) and all(matched(op, r) for op in batches[r][pos[r]]):
-                pos[r] += 1
-                progressed = True
-                if pos[r] < len(batches[r]):
-                    post(r)
-        if all(pos[r] == len(batches[r]) for r in range(p)):
-            return True
-        if not progressed:
-            return [(r, pos[r], batches[r][pos[r]]) for r in range(p) if pos[r] < len(batches[r])]
 
-
-
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
-                                         ("interleaved", 3)])
-def test_p2p_batches_cannot_deadlock_and_match(schedule, v):
-    for p in (2, 3, 4):
-        for m in (p, 2 * p, 3 * p):
-            for forward_only in (False, True):
-                res = _simulate_rendezvous(schedule, p, m, v, forward_only)
-                assert res is True, f"{schedule} p={p} m={m} v={v}: deadlock at {res}"
-
-
-def test_p2p_replay_detects_a_deadlock():
-    """The replay can fail: without pairing a steady-phase F with the B after it, the batched
-    program of interleaved 1F1B deadlocks under "a send waits for its receive"."""
-    assert _simulate_rendezvous("interleaved", 2, 4, 2, pair=False) is not True
-
-
-def _simulate_eager(schedule, p, m, v=1, forward_only=False, lookahead=None):
-    """gloo's rules for schedules.eager_program: every isend/irecv is its own op, matched on its
-    (src, dst, tag) channel in posting order; a rank blocks only at a "wait" (for that receive to
-    be matched by a posted send); sends never block. Returns True, or the blocked ranks."""
-    progs, payloads = [], []
-    for r in range(p):
-        ops = schedule_order(schedule, p, r, m, v, forward_only)
-        def vs(c): return c * p + r
-        def recv_of(op):
-            if op.kind == "F" and vs(op.chunk) != 0:
-                return ((r - 1) % p, r, "act", (vs(op.chunk) - 1, op.microbatch))
-            if op.kind == "B" and vs(op.chunk) != p * v - 1:
-                return ((r + 1) % p, r, "grad", (vs(op.chunk) + 1, op.microbatch))
-            return None
-        def send_of(op):
-            if op.kind == "F" and vs(op.chunk) != p * v - 1:
-                return (r, (r + 1) % p, "act", (vs(op.chunk), op.microbatch))
-            if op.kind == "B" and vs(op.chunk) != 0:
-                return (r, (r - 1) % p, "grad", (vs(op.chunk), op.microbatch))
-            return None
-        kw = {} if lookahead is None else {"lookahead": lookahead}
-        prog = eager_program(ops, [recv_of(op) is not None for op in ops],
-                             [op.kind != "W" for op in ops], **kw)
-        steps = []
-        for step, i in prog:
-            if step == "recv":
-                steps.append(("recv", recv_of(ops[i])))
-            elif step == "wait":
-                steps.append(("wait", recv_of(ops[i])))
-            elif step == "send" and send_of(ops[i]) is not None:
-                steps.append(("send", send_of(ops[i])))
-        # every needed receive is waited, once, after it was posted
-        waited = [x for k, x in steps if k == "wait"]
-        assert sorted(waited) == sorted(x for k, x in steps if k == "recv")
-        progs.append(steps)
-    sends, recvs = {}, {}  # channel -> payloads in posting order
-    pos = [0] * p
     while True:
         progressed = False
         for r in range(p):
             while pos[r] < len(progs[r]):
-                kind, (src, dst, tag, pay) = progs[r][pos[r]]
-                ch = (src, dst, tag)
-                if kind == "send":
-                    sends.setdefault(ch, []).append(pay)
-                elif kind == "recv":
-                    recvs.setdefault(ch, []).append(pay)
-                else:  # wait: the k-th receive on the channel meets the k-th send
-                    k = recvs[ch].index(pay)
-                    if len(sends.get(ch, [])) <= k:
-                        break
-                    assert sends[ch][k] == pay, (f"{schedule} p={p} m={m} v={v}: message {k} "
-                                                 f"on {ch} carries {sends[ch][k]}, the receiver "
-                                                 f"expects {pay}")
+                step = progs[r][pos[r]]
+                if step[0] == "post":
+                    if mode == "batched" and not all(complete(o) for b in batches[r].values()
+                                                     for o in b):
+                        break  # NCCL: the stream is still busy with an earlier batch
+                    ops = []
+                    for kind, ch, pay in step[2]:
+                        lst = posted.setdefault((kind, ch), [])
+                        ops.append((kind, ch, len(lst), pay))
+                        lst.append(pay)
+                    batches[r][step[1]] = ops
+                elif step[0] == "wait" and not all(complete(o) for o in batches[r][step[1]]):
+                    break
                 pos[r] += 1
                 progressed = True
         if all(pos[r] == len(progs[r]) for r in range(p)):
-            assert sends == recvs  # nothing left unmatched at the end of the step
+            for r in range(p):  # the step's end waits every batch left: all must complete
+                assert all(complete(o) for b in batches[r].values() for o in b), schedule
             return True
         if not progressed:
             return [(r, progs[r][pos[r]]) for r in range(p) if pos[r] < len(progs[r])]
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 2),
-                                         ("interleaved", 3)])
-def test_eager_p2p_program_cannot_deadlock_and_matches(schedule, v):
+@pytest.mark.parametrize("schedule, v, mode", [
+    (s, v, mode) for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3))
+    for mode in ("eager", "batched")] + [("zb-v", 2, "eager"), ("dualpipev", 2, "eager")])
+def test_p2p_programs_cannot_deadlock_and_match(schedule, v, mode):
     for p in (2, 3, 4):
-        for m in (p, 2 * p, 3 * p):
+        for m in ((2 * p, 3 * p) if schedule in V_SCHEDULES else (p, 2 * p, 3 * p)):
             for forward_only in (False, True):
-                for lookahead in (None, 1):
-                    res = _simulate_eager(schedule, p, m, v, forward_only, lookahead)
-                    assert res is True, f"{schedule} p={p} m={m} v={v}: deadlock at {res}"
+                res = _replay(schedule, p, m, v, forward_only, mode)
+                assert res is True, f"{schedule} {mode} p={p} m={m} v={v}: deadlock at {res}"
+                if mode == "eager":
+                    res = _replay(schedule, p, m, v, forward_only, mode, lookahead=1)
+                    assert res is True, f"{schedule} lookahead 1 p={p} m={m}: deadlock at {res}"
+
+
+def test_p2p_replay_detects_a_deadlock():
+    """The replay can fail: without pairing a steady-phase F with the B after it, the batched
+    program of interleaved 1F1B deadlocks under "a send waits for its receive"."""
+    assert _replay("interleaved", 2, 4, 2, mode="batched", pair=False) is not True
 
 
 def test_eager_program_posts_receives_ahead_and_sends_at_once():
-    ops = order_interleaved(2, 1, 4, 2)
-    prog = eager_program(ops, [True] * len(ops), [True] * len(ops), lookahead=2)
-    for i in range(len(ops)):
-        at = prog.index(("run", i))
-        # the receives of the next 2 ops are already posted when op i runs ...
-        posted = {j for k, j in prog[:at] if k == "recv"}
-        assert {j for j in (i, i + 1, i + 2) if j < len(ops)} <= posted, (i, prog[:at])
-        # ... and op i's output is sent right after it, before the next op runs
-        assert prog[at + 1] == ("send", i)
+    n = 16
+    prog = eager_program([True] * n, [True] * n, lookahead=2)
+    posted = {}  # batch id -> the op whose input it receives
+    for at, step in enumerate(prog):
+        if step[0] == "post" and step[3]:
+            posted[step[1]] = step[3][0]
+        if step[0] == "run":
+            i = step[1]
+            # the receives of the next 2 ops are already posted when op i runs ...
+            assert {j for j in (i, i + 1, i + 2) if j < n} <= set(posted.values()), prog[:at]
+            # ... and op i's output is sent right after it, before the next op runs
+            assert prog[at + 1][0] == "post" and prog[at + 1][2] == (i,)

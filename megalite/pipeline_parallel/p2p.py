@@ -43,10 +43,10 @@ class P2PBatch:
     """One posted batch: wait() blocks until every send and receive in it has completed."""
 
     works: list
-    received: dict  # "activation" / "gradient" -> tensor being received
+    received: list  # the receive buffers, in the order the receives were asked for
     sent: list  # the tensors being sent, kept alive until the batch completes
 
-    def wait(self) -> dict:
+    def wait(self) -> list:
         for w in self.works:
             w.wait()
         self.works, self.sent = [], []
@@ -60,8 +60,9 @@ class P2PBatch:
 
 
 class PipelineP2P:
-    """Sends and receives between this rank and its pipeline neighbours (ring order, as the
-    interleaved schedule sends the last rank's chunk-c output to rank 0's chunk c+1)."""
+    """Sends and receives between this rank and other pipeline ranks, named by pipeline rank (the
+    interleaved ring sends rank p-1's chunk-c output to rank 0; the V placement sends chunk 1's
+    activations from rank r+1 down to rank r)."""
 
     def __init__(self, parallel_state, shape: Sequence[int], dtype: torch.dtype,
                  device: torch.device):
@@ -70,8 +71,7 @@ class PipelineP2P:
         self.dtype = dtype
         self.device = device
         self.group = parallel_state.pp_group
-        self.next_rank = parallel_state.pp_next_rank
-        self.prev_rank = parallel_state.pp_prev_rank
+        self.ranks = parallel_state.pp_ranks  # pipeline rank -> global rank
 
     @property
     def independent_ops(self) -> bool:
@@ -92,51 +92,23 @@ class PipelineP2P:
                                f"--seq-length and --micro-batch-size")
         return t.detach().to(self.dtype).contiguous()
 
-    def post(self, *, send_next: Optional[torch.Tensor] = None,
-             send_prev: Optional[torch.Tensor] = None, recv_prev: bool = False,
-             recv_next: bool = False) -> Optional[P2PBatch]:
-        """Post one batch: activation to the next stage and/or from the previous one, gradient to
-        the previous stage and/or from the next one. Returns None when there is nothing to do."""
-        ops: List[dist.P2POp] = []
-        received, sent = {}, []
-        # Activation direction first, gradient direction second, on every rank (see module doc).
-        if send_next is not None:
-            t = self._check(send_next, "activation")
+    def post(self, sends: Sequence[Tuple[int, int, torch.Tensor]] = (),
+             recvs: Sequence[Tuple[int, int]] = ()) -> Optional[P2PBatch]:
+        """Post one batch: ``sends`` are (peer, tag, tensor), ``recvs`` (peer, tag); the batch's
+        ``received`` lists the receive buffers in the order of ``recvs``. None when empty."""
+        ops: List[Tuple[int, int, dist.P2POp]] = []
+        received, sent = [], []
+        for peer, tag, t in sends:
+            t = self._check(t, "activation" if tag == TAG_ACTIVATION else "gradient")
             sent.append(t)
-            ops.append(dist.P2POp(dist.isend, t, self.next_rank, self.group, TAG_ACTIVATION))
+            ops.append((tag, 0, dist.P2POp(dist.isend, t, self.ranks[peer], self.group, tag)))
             C.count_p2p(t.numel() * t.element_size(), "pp_p2p")
-        if recv_prev:
-            received["activation"] = self._empty()
-            ops.append(dist.P2POp(dist.irecv, received["activation"], self.prev_rank, self.group,
-                                  TAG_ACTIVATION))
-        if send_prev is not None:
-            t = self._check(send_prev, "gradient")
-            sent.append(t)
-            ops.append(dist.P2POp(dist.isend, t, self.prev_rank, self.group, TAG_GRADIENT))
-            C.count_p2p(t.numel() * t.element_size(), "pp_p2p")
-        if recv_next:
-            received["gradient"] = self._empty()
-            ops.append(dist.P2POp(dist.irecv, received["gradient"], self.next_rank, self.group,
-                                  TAG_GRADIENT))
+        for peer, tag in recvs:
+            received.append(self._empty())
+            ops.append((tag, 1, dist.P2POp(dist.irecv, received[-1], self.ranks[peer],
+                                           self.group, tag)))
         if not ops:
             return None
-        return P2PBatch(C.batch_isend_irecv(ops, tag="pp_p2p"), received, sent)
-
-    # Blocking conveniences with the names the literature uses (each is one batch).
-    def send_forward(self, t: torch.Tensor) -> None:
-        self.post(send_next=t).wait()
-
-    def recv_forward(self) -> torch.Tensor:
-        return self.post(recv_prev=True).wait()["activation"]
-
-    def send_backward(self, g: torch.Tensor) -> None:
-        self.post(send_prev=g).wait()
-
-    def recv_backward(self) -> torch.Tensor:
-        return self.post(recv_next=True).wait()["gradient"]
-
-    def send_forward_recv_backward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.post(send_next=t, recv_next=True).wait()["gradient"]
-
-    def send_backward_recv_forward(self, g: torch.Tensor) -> torch.Tensor:
-        return self.post(send_prev=g, recv_prev=True).wait()["activation"]
+        # activation ops before gradient ops, sends before receives, on every rank (module doc)
+        ops.sort(key=lambda o: o[:2])
+        return P2PBatch(C.batch_isend_irecv([o[2] for o in ops], tag="pp_p2p"), received, sent)

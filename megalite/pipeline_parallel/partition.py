@@ -21,6 +21,21 @@ from megalite.models.gpt import GPTModel
 from megalite.parallel_state import ParallelState
 
 
+# Schedules whose two chunks per rank sit in a V: chunk 0 of rank r is virtual stage r, chunk 1 is
+# virtual stage 2p-1-r, so rank 0 holds the first and the last (embedding and loss).
+V_SCHEDULES = ("zb-v", "dualpipev")
+
+
+def virtual_stage(p: int, r: int, c: int, v: int = 1, v_shape: bool = False) -> int:
+    """The virtual stage that chunk c of rank r holds: c*p + r (Megatron's), or the V's."""
+    return (r if c == 0 else 2 * p - 1 - r) if v_shape else c * p + r
+
+
+def stage_rank(p: int, vs: int, v: int = 1, v_shape: bool = False) -> int:
+    """The pipeline rank holding virtual stage vs (inverse of virtual_stage)."""
+    return (vs if vs < p else 2 * p - 1 - vs) if v_shape else vs % p
+
+
 def stage_layer_counts(num_layers: int, pp_size: int,
                        decoder_first_pipeline_num_layers: Optional[int] = None,
                        decoder_last_pipeline_num_layers: Optional[int] = None) -> List[int]:

@@ -1,51 +1,11 @@
-"""Forward/backward schedules over micro-batches: no pipelining, 1F1B, interleaved 1F1B, ZB-H1.
+"""What each pipeline rank computes, in which order, and when it talks to its neighbours.
 
-THE SCHEDULE CONTRACT (the training loop and the tests rely on it)::
+A pipelined schedule is nothing but the per-rank list of ops (``schedule_order``): ``F`` (forward
+of one chunk on one micro-batch), ``B`` (its backward; input gradient only when a ``W`` op for the
+same chunk and micro-batch follows) and ``W`` (the deferred weight gradients). The executor
+(pipeline_parallel/executor.py) runs the list; a p2p program (``p2p_program``) says where in it
+the sends and receives go. The orders follow docs/theory.md "Pipeline bubbles":
 
-    forward_backward_func = get_forward_backward_func(pp_size, vpp_size, schedule)
-    stats = forward_backward_func(
-        forward_step_func=forward_step,   # (data_iterator, model) -> (output_tensor, loss_func)
-        data_iterator=it,                 # see "Data" below
-        model=[chunk, ...] or module,     # this pipeline rank's model chunks (build_model_chunks)
-        num_microbatches=m,
-        seq_length=s, micro_batch_size=b, # pipeline p2p shapes are known in advance
-        parallel_state=ps,
-        forward_only=False,
-        grad_scale_func=None,             # loss -> scaled loss (fp16 loss scaling), last stage
-        no_sync_func=None,                # context manager (or one per chunk): suppress DP sync
-        finalize_model_grads_func=None,   # called once, with the chunk list, after the last W/B
-        timing_log_level=0,               # optional: >= 1 records the F/B/W timeline of this step
-    )
-    timeline = forward_backward_func.last_timeline()   # StageTimeline of the last call, or None
-
-``loss_func(output_tensor) -> (loss, stats)``: ``loss`` is the scalar to back-propagate (already
-divided by the global batch's loss-token count, docs/design.md, contract 4), ``stats`` a dict of
-floats or tensors that the caller sums over micro-batches (e.g. ``lm_loss_sum``, ``num_tokens``).
-The schedule returns the list of ``stats`` of this rank's micro-batches, in micro-batch order
-(empty on ranks that do not hold the last stage).
-
-Data. ``data_iterator`` is either
-  * ONE iterator (or None) per rank - the recommended form. The schedule calls ``next()`` on it
-    exactly m times per step, in micro-batch order, on EVERY pipeline rank (so all ranks' iterators
-    stay in step), caches micro-batch j, and calls ``forward_step_func(iter([batch_j]), chunk)``
-    for each of this rank's chunks that runs micro-batch j. The first stage's chunk 0 uses the
-    input ids, the last stage's last chunk the labels; middle chunks ignore the batch (GPTModel
-    reads the received hidden states set by ``set_input_tensor``). If the iterator is None,
-    ``forward_step_func`` receives None (it must then not need data on this rank).
-  * a list of iterators, one per chunk (Megatron's interleaved convention): chunk c's
-    ``forward_step_func`` gets ``data_iterator[c]`` itself and consumes it in its own order.
-
-Timeline. With ``timing_log_level >= 1`` each stage records the start/end of every F, B and W
-(pipeline_parallel/timeline.py); ``last_timeline()`` returns it, ``gather_timelines`` collects
-all stages, ``bubble_stats`` gives measured bubble fractions, ``write_chrome_trace`` a trace.
-
-The three pipelined schedules share one executor: a schedule is just the per-rank list of ops
-(``schedule_order``), and the executor runs them with p2p between consecutive ops, by one of two
-programs with the same op order: ``eager_program`` where sends and receives complete
-independently (gloo: receives posted ahead, outputs sent at once, only receives waited), or the
-``comm_units`` batches where they run in order on one stream (NCCL). docs/pipeline_parallel.md
-"Point-to-point" gives the deadlock argument for each; tests/test_pipeline.py replays both.
-The orders follow docs/theory.md, "Pipeline bubbles":
   * 1F1B: p-r-1 warm-up forwards on rank r, then one-forward-one-backward, then the cool-down
     backwards; at most p micro-batches in flight on stage 0 (GPipe would hold m).
   * interleaved 1F1B (v chunks per rank): 2(p-r-1)+(v-1)p warm-up forwards; micro-batches go
@@ -53,6 +13,30 @@ The orders follow docs/theory.md, "Pipeline bubbles":
   * ZB-H1: 1F1B order of F and B, where B computes only input gradients (sent upstream at once)
     and weight gradients are deferred into W ops: W_j right after B_{j+g} on stage g, the last g
     after the final B. Same peak activations as 1F1B, bubble (p-1)(T_F+T_B-T_W).
+  * ZB-V and DualPipeV: two chunks per rank in a V (rank r holds virtual stages r and 2p-1-r,
+    partition.virtual_stage), so rank 0 both starts and ends a micro-batch; W ops fill the
+    bubbles left (docs/pipeline_parallel.md).
+
+The schedule contract the training loop and the tests rely on (``get_forward_backward_func``)::
+
+    fb = get_forward_backward_func(pp_size, vpp_size, schedule)
+    stats = fb(forward_step_func=forward_step,   # (data_iterator, model) -> (output, loss_func)
+               data_iterator=it,                 # one iterator per rank, or one per chunk
+               model=[chunk, ...] or module,     # this rank's chunks (build_model_chunks)
+               num_microbatches=m, seq_length=s, micro_batch_size=b,  # p2p shapes
+               parallel_state=ps, forward_only=False,
+               grad_scale_func=None,             # loss -> scaled loss (fp16), last stage
+               no_sync_func=None,                # context manager (or one per chunk): no DP sync
+               finalize_model_grads_func=None,   # called with the chunk list after the last B/W
+               timing_log_level=0)               # >= 1 records the F/B/W timeline
+    timeline = fb.last_timeline()                # StageTimeline of the last call, or None
+
+``loss_func(output) -> (loss, stats)``: ``loss`` is the scalar to back-propagate (already divided
+by the global batch's loss-token count), ``stats`` a dict the caller sums over micro-batches. The
+schedule returns the ``stats`` of this rank's micro-batches in order (empty off the loss stage).
+With one iterator, ``next()`` is called exactly m times per step on every rank, in micro-batch
+order, and each chunk that runs micro-batch j gets ``iter([batch_j])``; with a list, chunk c gets
+``data_iterator[c]`` itself (Megatron's interleaved convention).
 """
 
 from __future__ import annotations
@@ -60,31 +44,17 @@ from __future__ import annotations
 import bisect
 import contextlib
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.autograd.variable import Variable
 
-from megalite import collectives as C
 from megalite.config import ConfigError
-from megalite.parallel_state import synchronize
-from megalite.pipeline_parallel.p2p import PipelineP2P, tensor_shape
-from megalite.pipeline_parallel.timeline import StageTimeline
-from megalite.tensor_parallel.layers import WeightGradStore
+from megalite.pipeline_parallel.partition import V_SCHEDULES, stage_rank, virtual_stage
+from megalite.pipeline_parallel.timeline import StageTimeline, last_timeline, set_last_timeline
 
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
-
-_LAST_TIMELINE: Optional[StageTimeline] = None
-
-
-def last_timeline() -> Optional[StageTimeline]:
-    """The timeline recorded by the most recent schedule call in this process (or None)."""
-    return _LAST_TIMELINE
-
-
-def _as_list(model):
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
 
 
 # ----------------------------------------------------------------------------- op orders
@@ -108,6 +78,15 @@ def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[
     if schedule not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
                           f"{schedule!r}")
+    if schedule in V_SCHEDULES:
+        if v != 2:
+            raise ConfigError(f"--pipeline-schedule {schedule} places exactly 2 chunks per rank "
+                              f"(in a V); it does not take --num-layers-per-virtual-pipeline-stage")
+        if p > 1 and m < 2 * p:
+            raise ConfigError(f"--pipeline-schedule {schedule} needs at least 2 x "
+                              f"--pipeline-model-parallel-size = {2 * p} micro-batches, the "
+                              f"global batch gives {m}: raise --global-batch-size")
+        return schedule
     if v > 1 and schedule != "interleaved":
         raise ConfigError(f"--pipeline-schedule {schedule} does not support virtual stages "
                           f"(--num-layers-per-virtual-pipeline-stage gives v={v}); use interleaved")
@@ -144,7 +123,7 @@ def _interleaved_op(k: int, p: int, v: int, forward: bool) -> Op:
 
 
 def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
-    """Interleaved 1F1B: 2(p-r-1)+(v-1)p warm-up forwards (docs/theory.md), 1F1B, cool-down."""
+    """Interleaved 1F1B: 2(p-r-1)+(v-1)p warm-up forwards, then 1F1B, then cool-down."""
     total = m * v
     warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
     ops = [_interleaved_op(k, p, v, True) for k in range(warmup)]
@@ -156,8 +135,8 @@ def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
 
 
 def order_zb_h1(p: int, r: int, m: int) -> List[Op]:
-    """ZB-H1 (Qi et al. 2024; docs/theory.md): the 1F1B order of F and B on stage g = r, with W_j
-    right after B_{j+g} and the last g W's after the final B."""
+    """ZB-H1 (Qi et al. 2024): the 1F1B order of F and B on stage g = r, with W_j right after
+    B_{j+g} and the last g W's after the final B."""
     ops: List[Op] = []
     next_w = 0
     for op in order_1f1b(p, r, m):
@@ -169,32 +148,119 @@ def order_zb_h1(p: int, r: int, m: int) -> List[Op]:
     return ops
 
 
+def _phases(*phases: Tuple[int, str]) -> List[Op]:
+    """Ops from ``(repeat, pattern)`` phases of the V schedules. Tokens: ``F0``/``F1`` forward of
+    chunk 0/1, ``B0``/``B1`` full backward, ``I0``/``I1`` backward of the input gradient only (its
+    W deferred), ``W`` the oldest deferred W (none pending: nothing). Each chunk takes its
+    micro-batches in order, so a token needs no number."""
+    ops: List[Op] = []
+    taken, deferred = Counter(), deque()
+    for repeat, pattern in phases:
+        for _ in range(max(repeat, 0)):
+            for tok in pattern.split():
+                if tok == "W":
+                    if deferred:
+                        ops.append(Op("W", *deferred.popleft()))
+                    continue
+                kind, c = ("F" if tok[0] == "F" else "B"), int(tok[1])
+                ops.append(Op(kind, c, taken[kind, c]))
+                if tok[0] == "I":
+                    deferred.append((c, taken[kind, c]))
+                taken[kind, c] += 1
+    assert not deferred, "a V schedule left a W undone"
+    return ops
+
+
+def order_zb_v(p: int, r: int, m: int) -> List[Op]:
+    """ZB-V (Qi et al. 2024, section 6): chunk-0 forwards fill the pipe (2(p-r)-1, then r pairs
+    with chunk 1), the steady phase runs F, input-gradient B and W on each chunk in turn, and the
+    cool-down's deferred W's fill the drain. 1F1B's activation memory: 2p chunk-micro-batches of
+    L/(2p) layers on rank 0."""
+    return _phases((2 * (p - r) - 1, "F0"), (r, "F1 F0"), (p - r, "F1 I1 W"),
+                   (m - 2 * p + r + 1, "F0 I0 W F1 I1 W"), (p - r - 1, "I0 W F1 I1 W"),
+                   (r, "I0 I1"), (p - r, "I0 W"), (2 * r, "W"))
+
+
+def order_dualpipev(p: int, r: int, m: int) -> List[Op]:
+    """DualPipeV (DeepSeek-V3 report's DualPipe cut in half onto a V): warm-up forwards, then the
+    steady "F0 B1 F1 B0" whose forward and backward halves DualPipe overlaps, and W's deferred
+    only where the drain would otherwise idle (from the middle of the last B1 B0 pairs on)."""
+    h = (r + 1) // 2
+    return _phases((2 * (p - r - 1), "F0"), (r + 1, "F0 F1"), (p - r - 1, "I1 W F1"),
+                   (m - 2 * p + r + 1, "F0 B1 F1 B0"), (p - r - 1, "B1 F1 B0"),
+                   (h, "B1 B0"), (1, "I1 I0" if r % 2 else "B1 I0"), (r - h, "I1 I0"),
+                   (p - r - 1, "W I0"), (r + 1, "W"))
+
+
 def schedule_order(schedule: str, p: int, r: int, m: int, v: int = 1,
                    forward_only: bool = False) -> List[Op]:
-    if schedule == "interleaved":
-        ops = order_interleaved(p, r, m, v)
-    elif schedule == "zb-h1":
-        ops = order_zb_h1(p, r, m)
-    elif schedule == "1f1b":
-        ops = order_1f1b(p, r, m)
-    else:
+    orders = {"1f1b": lambda: order_1f1b(p, r, m), "zb-h1": lambda: order_zb_h1(p, r, m),
+              "interleaved": lambda: order_interleaved(p, r, m, v),
+              "zb-v": lambda: order_zb_v(p, r, m), "dualpipev": lambda: order_dualpipev(p, r, m)}
+    if schedule not in orders:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
                           f"{schedule!r}")
-    if forward_only:
-        ops = [op for op in ops if op.kind == "F"]
-    return ops
+    ops = orders[schedule]()
+    return [op for op in ops if op.kind == "F"] if forward_only else ops
+
+
+def op_peers(op: Op, schedule: str, p: int, r: int, v: int) -> Tuple[Optional[int], Optional[int]]:
+    """(pipeline rank op's input comes from, rank its output goes to); None at the pipeline's
+    ends and for W. Equal to ``r`` where the V turns on rank p-1 (a hand-over inside the rank)."""
+    if op.kind == "W":
+        return None, None
+    v_shape = schedule in V_SCHEDULES
+    vs, last = virtual_stage(p, r, op.chunk, v, v_shape), p * v - 1
+    up, down = (vs - 1, vs + 1) if op.kind == "F" else (vs + 1, vs - 1)
+    return tuple(stage_rank(p, x, v, v_shape) if 0 <= x <= last else None for x in (up, down))
+
+
+# ----------------------------------------------------------------------------- p2p programs
+# A p2p program is the list of steps one rank runs: ("run", i) computes ops[i]; ("post", b,
+# sends, recvs) posts batch b carrying the outputs of ops ``sends`` and the inputs of ops
+# ``recvs``; ("wait", b) blocks until batch b has completed. Batches never waited in the program
+# (sends only) are waited at the end of the step. tests/test_pipeline.py replays every program
+# of every schedule under the backend's matching rules and proves it deadlock-free.
+RECV_LOOKAHEAD = 2  # eager: receives posted this many input-needing ops ahead
+
+
+def eager_program(needs_recv: Sequence[bool], sends: Sequence[bool],
+                  lookahead: int = RECV_LOOKAHEAD) -> List[tuple]:
+    """Every send and receive its own batch (gloo, whose p2p ops complete independently).
+
+    The receives of the next ``lookahead`` ops that need one are posted before an op runs, so a
+    neighbour's output moves while this rank is busy; the op waits only for its own input; its
+    output leaves the moment it exists and is never waited for. Cannot deadlock: a rank blocks
+    only on its own next input, whose send is posted as soon as the neighbour computes it, and
+    no rank blocks on a send, so a rank waits only for ops the (dataflow-consistent) orders put
+    before its own. Receives are posted in op order, so on each (peer, tag) channel they meet the
+    sends in the same order.
+    """
+    need = [i for i, n in enumerate(needs_recv) if n]
+    prog: List[tuple] = []
+    batch_of = {}
+    for i in range(len(needs_recv)):
+        k = bisect.bisect_right(need, i) + lookahead - 1  # the lookahead-th later op needing one
+        limit = need[k] if k < len(need) else len(needs_recv)
+        for j in need[len(batch_of):bisect.bisect_right(need, limit)]:
+            batch_of[j] = len(prog)
+            prog.append(("post", len(prog), (), (j,)))
+        if needs_recv[i]:
+            prog.append(("wait", batch_of[i]))
+        prog.append(("run", i))
+        if sends[i]:
+            prog.append(("post", len(prog), (i,), ()))
+    return prog
 
 
 def comm_units(ops: Sequence[Op], pair_f_with_b: bool) -> List[List[int]]:
     """Indices of ``ops`` grouped into units of compute with no p2p inside (W ops excluded).
 
-    Communication happens between units: one batch carries the sends of the unit that just ran
-    and the receives of the next one. A unit is one F or B, except in the steady phase of
-    interleaved 1F1B, where a steady-phase F and the B right after it form one unit (Megatron's
-    grouping; a warm-up F followed by a cool-down B stays alone):
-    there a rank's warm-up is 2 ops longer than its successor's, and a batch after the F alone
-    would wait on the neighbour's later batch while the neighbour waits on ours - a deadlock
-    wherever a send waits for its receive (NCCL; gloo too).
+    A unit is one F or B, except in the steady phase of interleaved 1F1B, where a steady-phase F
+    and the B right after it form one unit (Megatron's grouping): there a rank's warm-up is 2 ops
+    longer than its successor's, and a batch after the F alone would wait on the neighbour's
+    later batch while the neighbour waits on ours - a deadlock wherever a send waits for its
+    receive.
     """
     units: List[List[int]] = []
     for i, op in enumerate(ops):
@@ -208,342 +274,47 @@ def comm_units(ops: Sequence[Op], pair_f_with_b: bool) -> List[List[int]]:
     return units
 
 
-# Receives posted ahead of the op that needs them, in ops that need one (eager_program).
-RECV_LOOKAHEAD = 2
+def batched_program(ops: Sequence[Op], needs_recv: Sequence[bool], sends: Sequence[bool],
+                    pair_f_with_b: bool) -> List[tuple]:
+    """One batch between consecutive compute units (``comm_units``): the sends of the unit that
+    ran and the receives of the next, waited before the next unit (NCCL, whose batches run in
+    order on one stream, so a receive posted ahead would hold up every later send). W ops that
+    follow a unit run while its batch is in flight."""
+    units = comm_units(ops, pair_f_with_b)
+    first = {u[0]: k for k, u in enumerate(units)}
+    last = {u[-1]: k for k, u in enumerate(units)}
 
+    def recvs(k):
+        return tuple(i for i in units[k] if needs_recv[i]) if k < len(units) else ()
 
-def eager_program(ops: Sequence[Op], needs_recv: Sequence[bool], sends: Sequence[bool],
-                  lookahead: int = RECV_LOOKAHEAD) -> List[tuple]:
-    """The p2p program of one rank where every send and receive is an independent op (gloo).
-
-    Steps, run in order: ``("recv", i)`` posts op i's receive, ``("wait", i)`` blocks until it has
-    arrived, ``("run", i)`` computes op i, ``("send", i)`` posts op i's output and does not wait
-    for it (sends are waited at the end of the step). The receives of the next ``lookahead`` ops
-    that need one are posted before an op runs, so a neighbour's output moves while this rank is
-    still busy, and each output leaves the moment it exists (a steady-phase F's no longer waits for
-    the B after it, as in comm_units' batches).
-
-    Why this cannot deadlock: a rank only ever blocks on a receive of its own next op, whose send
-    is posted right after the neighbour computes it, and the neighbour never blocks on a send. So
-    a rank waits only for ops that the schedule orders before its own, and the orders are
-    dataflow-consistent (tests/test_pipeline.py replays every program under gloo's rules). Receives
-    are posted in op order, so on each (peer, tag) channel they meet the sends in the same order.
-    """
-    need = [i for i, n in enumerate(needs_recv) if n]
-    prog: List[tuple] = []
-    posted = 0  # receives posted so far: need[:posted]
+    prog: List[tuple] = [("post", 0, (), recvs(0))]
     for i in range(len(ops)):
-        k = bisect.bisect_right(need, i) + lookahead - 1  # the lookahead-th later op needing one
-        limit = need[k] if k < len(need) else len(ops)
-        while posted < len(need) and need[posted] <= limit:
-            prog.append(("recv", need[posted]))
-            posted += 1
-        if needs_recv[i]:
-            prog.append(("wait", i))
+        if i in first:
+            prog.append(("wait", first[i]))
         prog.append(("run", i))
-        if sends[i]:
-            prog.append(("send", i))
+        if i in last:
+            k = last[i]
+            prog.append(("post", k + 1, tuple(j for j in units[k] if sends[j]), recvs(k + 1)))
     return prog
 
 
-# ----------------------------------------------------------------------------- helpers
-def _free_output_data(t: torch.Tensor) -> None:
-    """Drop the storage of a stage output once it has been sent, keeping its autograd node.
-
-    The next stage has its own copy; this stage only needs the graph (and the gradient that will
-    come back) for backward, so holding the [s, b, h] tensor too would cost one activation per
-    in-flight micro-batch for nothing (Megatron's deallocate_output_tensor idea). Views are left
-    alone: their storage belongs to another tensor.
-    """
-    if t is None or t._base is not None:
-        return
-    t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
-
-
-def _backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
-    """Backward through a stage whose output storage may have been freed.
-
-    torch.autograd.backward checks grad.shape == output.shape, which a freed output (shape [1])
-    fails, so the engine is called directly; the graph still knows the real shapes.
-    """
-    if grad is None:
-        torch.autograd.backward(output)
-        return
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True)
+def p2p_program(mode: str, ops: Sequence[Op], peers: Sequence[tuple], r: int,
+                pair_f_with_b: bool) -> List[tuple]:
+    """The ``mode`` ("eager" or "batched") program for ``ops`` whose ``peers`` are op_peers'."""
+    needs = [src not in (None, r) for src, _ in peers]
+    sends = [dst not in (None, r) for _, dst in peers]
+    if mode == "eager":
+        return eager_program(needs, sends)
+    if mode == "batched":
+        if any(src == r or dst == r for src, dst in peers):  # only the V hands over in-rank
+            raise ValueError("the V schedules (zb-v, dualpipev) need a backend whose p2p ops "
+                             "complete independently (gloo); their batched program is not "
+                             "proven deadlock-free yet")
+        return batched_program(ops, needs, sends, pair_f_with_b)
+    raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {mode!r}")
 
 
-class _Feeder:
-    """Hands each (chunk, micro-batch) its data per the contract's data convention."""
-
-    def __init__(self, data_iterator, num_chunks: int, num_microbatches: int):
-        self.per_chunk = isinstance(data_iterator, (list, tuple))
-        if self.per_chunk and len(data_iterator) != num_chunks:
-            raise ValueError(f"data_iterator is a list of {len(data_iterator)} iterators but this "
-                             f"rank has {num_chunks} model chunks: pass one per chunk, or one")
-        self.it = data_iterator
-        self.num_chunks = num_chunks
-        self.cache: Dict[int, object] = {}
-        self.fetched = 0
-
-    def get(self, chunk: int, mb: int):
-        if self.per_chunk:
-            return self.it[chunk]
-        if self.it is None:
-            return None
-        while self.fetched <= mb:  # fetch in micro-batch order, each exactly once
-            self.cache[self.fetched] = next(self.it)
-            self.fetched += 1
-        batch = self.cache[mb]
-        if chunk == self.num_chunks - 1:  # the last chunk to run micro-batch mb on this rank
-            del self.cache[mb]
-        return iter([batch])
-
-
-class _NoSync:
-    """Enter the DP no-sync context(s) for the whole step and leave each just before the last op
-    that produces gradients for its chunk(s), so that op's gradients may be reduced (or their
-    reduction launched by DDP hooks) while the pipeline drains."""
-
-    def __init__(self, no_sync_func, ops: Sequence[Op], num_chunks: int):
-        grad_ops = [i for i, op in enumerate(ops) if op.kind in ("B", "W")]
-        self.exit_at: Dict[int, List[contextlib.AbstractContextManager]] = {}
-        self.open: List[contextlib.AbstractContextManager] = []
-        if no_sync_func is None or not grad_ops:
-            return
-        if isinstance(no_sync_func, (list, tuple)):
-            for c, fn in enumerate(no_sync_func):
-                idx = [i for i in grad_ops if ops[i].chunk == c]
-                if idx:
-                    self._enter(fn, idx[-1])
-        else:
-            self._enter(no_sync_func, grad_ops[-1])
-
-    def _enter(self, fn, exit_index: int) -> None:
-        cm = fn()
-        cm.__enter__()
-        self.open.append(cm)
-        self.exit_at.setdefault(exit_index, []).append(cm)
-
-    def before(self, i: int) -> None:
-        for cm in self.exit_at.pop(i, []):
-            cm.__exit__(None, None, None)
-            self.open.remove(cm)
-
-    def close(self) -> None:
-        for cm in self.open:
-            cm.__exit__(None, None, None)
-        self.open = []
-
-
-# ----------------------------------------------------------------------------- p2p drivers
-def _received(batch) -> Optional[torch.Tensor]:
-    got = batch.wait() if batch is not None else {}
-    return got.get("activation", got.get("gradient"))
-
-
-def _drive_batched(ops, run, p2p, recvs_for, no_sync, forward_only, units) -> None:
-    """One batch between consecutive compute units (comm_units), waited before the next unit:
-    safe where a send waits for its receive and batches run in order (NCCL)."""
-    unit_of = {i: u for u, idx in enumerate(units) for i in idx}
-
-    def recvs_of(u: int) -> dict:
-        kw = {}
-        for i in units[u] if u < len(units) else []:
-            kw.update({k: v for k, v in recvs_for(ops[i]).items() if v})
-        return kw
-
-    pending = [p2p.post(**recvs_of(0))]  # batches in flight; waited before the next unit
-    sent_outputs: List[torch.Tensor] = []  # freed once the batch carrying them has completed
-    received: dict = {}
-    unit_sends: dict = {}
-
-    def wait_pending() -> dict:
-        got = {}
-        for batch in pending:
-            if batch is not None:
-                got.update(batch.wait())
-        pending.clear()
-        for t in sent_outputs:
-            _free_output_data(t)
-        sent_outputs.clear()
-        return got
-
-    for i, op in enumerate(ops):
-        no_sync.before(i)
-        if op.kind != "W" and units[unit_of[i]][0] == i:
-            received = wait_pending()  # this unit's inputs (activation and/or gradient)
-        got = received.pop({"F": "activation", "B": "gradient"}.get(op.kind, ""), None)
-        send = run(i, got)
-        if send is not None:
-            # sent with the unit's batch: after the B when F opens an (F, B) unit
-            unit_sends[send[0]] = send[1]
-        if op.kind != "W" and units[unit_of[i]][-1] == i:
-            # the unit's sends and the next unit's receives, as one batch; W ops that follow
-            # run while it is in flight
-            pending.append(p2p.post(**unit_sends, **recvs_of(unit_of[i] + 1)))
-            if "send_next" in unit_sends and not forward_only:
-                sent_outputs.append(unit_sends["send_next"])
-            unit_sends = {}
-    wait_pending()
-
-
-def _drive_eager(ops, run, p2p, recvs_for, no_sync, forward_only) -> None:
-    """Independent sends and receives (gloo): eager_program's order; outputs leave at once."""
-    needs = [any(recvs_for(op).values()) for op in ops]
-    posted: Dict[int, object] = {}
-    in_flight: list = []
-    got = send = None
-    for step, i in eager_program(ops, needs, [op.kind != "W" for op in ops]):
-        if step == "recv":
-            posted[i] = p2p.post(**{k: v for k, v in recvs_for(ops[i]).items() if v})
-        elif step == "wait":
-            got = _received(posted.pop(i))
-        elif step == "run":
-            no_sync.before(i)
-            send, got = run(i, got), None
-        elif step == "send" and send is not None:  # not waited: the receiver has posted, or
-            # will post, its receive (eager_program), and nothing here depends on the send
-            in_flight.append(p2p.post(**{send[0]: send[1]}))
-            if send[0] == "send_next" and not forward_only:
-                # the batch keeps the sent data alive (P2PBatch.sent) until it completes, so the
-                # stage output itself can give its storage up now (see _free_output_data)
-                _free_output_data(send[1])
-            in_flight = [b for b in in_flight if not b.done()]
-    for b in in_flight:
-        b.wait()
-
-
-# ----------------------------------------------------------------------------- the executor
-def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, model,
-                                num_microbatches: int, seq_length: int, micro_batch_size: int,
-                                parallel_state, forward_only: bool = False,
-                                grad_scale_func: Optional[Callable] = None,
-                                no_sync_func=None,
-                                finalize_model_grads_func: Optional[Callable] = None,
-                                schedule: Optional[str] = None, timing_log_level: int = 0,
-                                p2p_mode: Optional[str] = None, **unused) -> List[dict]:
-    """Run this rank's part of a pipelined step (1F1B, interleaved or ZB-H1; see module doc).
-
-    ``p2p_mode``: "eager" (independent sends/receives, eager_program) or "batched" (one batch
-    between compute units, comm_units); None picks eager where the backend allows it (gloo) and
-    batched elsewhere (NCCL). Both run the same ops in the same order.
-    """
-    global _LAST_TIMELINE
-    ps = parallel_state
-    chunks = _as_list(model)
-    p, r, v, m = ps.pp_size, ps.pp_rank, len(chunks), num_microbatches
-    schedule = check_pipeline_args(p, m, v, schedule)
-    ops = schedule_order(schedule, p, r, m, v, forward_only)
-    zero_bubble = schedule == "zb-h1" and not forward_only
-
-    cfg = chunks[0].config
-    shape = tensor_shape(seq_length, micro_batch_size, cfg.hidden_size, ps.tp_size,
-                         cfg.sequence_parallel)
-    param = next(chunks[0].parameters())
-    p2p = PipelineP2P(ps, shape, param.dtype, param.device)
-    feeder = _Feeder(data_iterator, v, m)
-    no_sync = _NoSync(None if forward_only else no_sync_func, ops, v)
-
-    def first_vstage(c: int) -> bool:  # chunk c of rank r is virtual stage c*p + r
-        return c == 0 and r == 0
-
-    def last_vstage(c: int) -> bool:
-        return c == v - 1 and r == p - 1
-
-    def recvs_for(op: Optional[Op]) -> dict:
-        if op is None or op.kind == "W":
-            return {}
-        if op.kind == "F":
-            return {"recv_prev": not first_vstage(op.chunk)}
-        return {"recv_next": not last_vstage(op.chunk)}
-
-    timing = timing_log_level >= 1
-    timeline = StageTimeline(schedule, r, p, m, v) if timing else None
-    if timing:
-        synchronize(param.device)
-        if ps.pp_group is not None:
-            C.barrier(group=ps.pp_group)  # a common step start for all stages
-    t0 = time.perf_counter()
-
-    inputs: Dict[tuple, Optional[torch.Tensor]] = {}   # received activations (leaves)
-    outputs: Dict[tuple, torch.Tensor] = {}            # stage outputs / losses, for backward
-    weight_grads: Dict[tuple, list] = {}               # ZB-H1: deferred W closures per micro-batch
-    stats_list: List[dict] = []
-    peak = 0
-
-    def run(i: int, received: Optional[torch.Tensor]) -> Optional[tuple]:
-        """Compute ops[i] on its received activation / gradient; return (direction, tensor) to
-        send, or None. Records the op in the timeline."""
-        nonlocal peak
-        op = ops[i]
-        key = (op.chunk, op.microbatch)
-        send = None
-        if timing:
-            synchronize(param.device)
-            start = time.perf_counter() - t0
-        if op.kind == "F":
-            inp = received
-            if inp is not None:
-                inp.requires_grad_(not forward_only)
-            chunk = chunks[op.chunk]
-            chunk.set_input_tensor(inp)
-            with torch.set_grad_enabled(not forward_only):
-                out, loss_func = forward_step_func(feeder.get(op.chunk, op.microbatch), chunk)
-                if last_vstage(op.chunk):
-                    loss, stats = loss_func(out)
-                    stats_list.append(stats)
-                    if grad_scale_func is not None and not forward_only:
-                        loss = grad_scale_func(loss)
-                    out = loss
-            chunk.set_input_tensor(None)
-            if not last_vstage(op.chunk):
-                send = ("send_next", out)
-            if not forward_only:
-                inputs[key], outputs[key] = inp, out
-                peak = max(peak, len(outputs))
-        elif op.kind == "B":
-            inp, out = inputs.pop(key), outputs.pop(key)
-            if zero_bubble:
-                with WeightGradStore.capture() as queue:
-                    _backward(out, received)
-                weight_grads[key] = list(queue)
-            else:
-                _backward(out, received)
-            if not first_vstage(op.chunk):
-                send = ("send_prev", inp.grad)
-        else:  # W: the deferred weight-gradient GEMMs of one micro-batch
-            for fn in weight_grads.pop(key):
-                fn()
-        if timing:
-            synchronize(param.device)
-            timeline.record(op.kind, op.chunk, op.microbatch, start, time.perf_counter() - t0)
-        return send
-
-    try:
-        if p2p_mode not in (None, "eager", "batched"):
-            raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {p2p_mode!r}")
-        if p2p_mode == "eager" and not p2p.independent_ops:
-            raise ValueError("p2p_mode='eager' needs a backend whose p2p ops complete "
-                             "independently (gloo)")
-        if (p2p_mode or ("eager" if p2p.independent_ops else "batched")) == "eager":
-            _drive_eager(ops, run, p2p, recvs_for, no_sync, forward_only)
-        else:
-            _drive_batched(ops, run, p2p, recvs_for, no_sync, forward_only,
-                           comm_units(ops, schedule == "interleaved" and not forward_only))
-    finally:
-        no_sync.close()
-    assert not outputs and not weight_grads or forward_only, "schedule left work undone"
-
-    if timing:
-        timeline.peak_in_flight = peak
-        _LAST_TIMELINE = timeline
-    if not forward_only and finalize_model_grads_func is not None:
-        finalize_model_grads_func(chunks)
-    return stats_list
-
-
+# ----------------------------------------------------------------------------- entry points
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model,
                                    num_microbatches: int, seq_length: int = 0,
                                    micro_batch_size: int = 0, parallel_state=None,
@@ -554,8 +325,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    timing_log_level: int = 0,
                                    **unused) -> List[dict]:
     """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last."""
-    global _LAST_TIMELINE
-    chunks = _as_list(model)
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
     module = chunks[0]
@@ -586,7 +356,7 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     one(num_microbatches - 1)  # outside no_sync: the DP reduction (or its hooks) may fire now
     if timeline is not None:
         timeline.peak_in_flight = 1
-        _LAST_TIMELINE = timeline
+        set_last_timeline(timeline)
     if not forward_only and finalize_model_grads_func is not None:
         finalize_model_grads_func(chunks)
     return stats_list
@@ -616,7 +386,9 @@ class ForwardBackwardFunc:
 def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
                               virtual_pipeline_model_parallel_size: Optional[int] = None,
                               schedule: Optional[str] = None) -> ForwardBackwardFunc:
-    """``--pipeline-schedule {1f1b,interleaved,zb-h1}``; interleaved is implied when vpp > 1."""
+    """``--pipeline-schedule`` (SCHEDULES); interleaved is implied when vpp > 1."""
+    from megalite.pipeline_parallel.executor import forward_backward_pipelining
+
     p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
     if p == 1:
         if v > 1:
@@ -624,5 +396,7 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
         return ForwardBackwardFunc(forward_backward_no_pipelining, None)
     if schedule is None:
         schedule = "interleaved" if v > 1 else "1f1b"
-    check_pipeline_args(p, p, v, schedule)  # validates the schedule name; m is checked per call
+    if schedule in V_SCHEDULES:
+        v = v if v > 1 else 2  # the V places two chunks per rank (partition.build_model_chunks)
+    check_pipeline_args(p, 2 * p, v, schedule)  # validates the name and v; m is checked per call
     return ForwardBackwardFunc(forward_backward_pipelining, schedule)

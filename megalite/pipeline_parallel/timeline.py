@@ -22,6 +22,19 @@ from typing import Dict, List, Optional, Sequence
 from megalite import collectives as C
 
 
+_LAST_TIMELINE: Optional["StageTimeline"] = None
+
+
+def last_timeline() -> Optional["StageTimeline"]:
+    """The timeline recorded by the most recent schedule call in this process (or None)."""
+    return _LAST_TIMELINE
+
+
+def set_last_timeline(timeline: Optional["StageTimeline"]) -> None:
+    global _LAST_TIMELINE
+    _LAST_TIMELINE = timeline
+
+
 @dataclass
 class OpEvent:
     kind: str  # "F", "B" (input grad; full backward outside ZB) or "W" (deferred weight grads)
@@ -118,6 +131,43 @@ def theory_bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 0.0, t
         # idle time (p-1)(T_F + T_B - T_W) on each stage (Qi et al. 2024), over the step
         return max(0.0, (p - 1) * (t_f + t_b - t_w)) / step_time if step_time > 0 else 0.0
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def schedule_idle_times(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
+                        t_b: float = 1.0, t_w: float = 1.0) -> List[float]:
+    """Each rank's idle time when the op orders run with fixed per-chunk op times and instant p2p:
+    the bubble the schedule itself implies, to set beside the measured one. A B whose W is not
+    deferred computes the weight gradients too (t_b + t_w). Raises if the orders cannot finish
+    (an op waits on one that its rank's order puts later)."""
+    from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
+    from megalite.pipeline_parallel.schedules import schedule_order
+
+    orders = [schedule_order(schedule, p, r, m, v) for r in range(p)]
+    last = p * v - 1
+    end: Dict[tuple, float] = {}  # (kind, virtual stage, micro-batch) -> finish time
+    clock, busy, pos = [0.0] * p, [0.0] * p, [0] * p
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                vs = virtual_stage(p, r, op.chunk, v, schedule in V_SCHEDULES)
+                dep = {"F": ("F", vs - 1), "W": ("B", vs),
+                       "B": ("B", vs + 1) if vs < last else ("F", vs)}[op.kind]
+                if dep[1] >= 0 and (*dep, op.microbatch) not in end:
+                    break
+                deferred = any(o.kind == "W" and (o.chunk, o.microbatch) == (op.chunk, op.microbatch)
+                               for o in orders[r])
+                dur = {"F": t_f, "W": t_w, "B": t_b if deferred else t_b + t_w}[op.kind]
+                clock[r] = max(clock[r], end.get((*dep, op.microbatch), 0.0)) + dur
+                end[op.kind, vs, op.microbatch] = clock[r]
+                busy[r] += dur
+                pos[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError(f"{schedule} p={p} m={m}: the op orders deadlock")
+    step = max(clock)
+    return [step - b for b in busy]
 
 
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}

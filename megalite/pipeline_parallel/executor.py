@@ -1,0 +1,265 @@
+"""The pipeline executor: runs one rank's op list with the p2p program that suits its backend.
+
+``schedules.schedule_order`` says what to compute (F, B, W ops), ``schedules.p2p_program`` where
+the sends and receives go ("post", "wait" and "run" steps); this module only carries them out:
+
+    for step in program:  post a batch | wait for one | run ops[i]  (F, B or W)
+
+The program is "eager" where every send and receive completes on its own (gloo) and "batched"
+elsewhere (NCCL); both run the same ops in the same order. Data between two chunks of the same
+rank (where the V of zb-v / dualpipev turns, on rank p-1) is handed over in memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.autograd.variable import Variable
+
+from megalite import collectives as C
+from megalite.parallel_state import synchronize
+from megalite.pipeline_parallel.p2p import (
+    TAG_ACTIVATION, TAG_GRADIENT, PipelineP2P, tensor_shape)
+from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
+from megalite.pipeline_parallel.schedules import (
+    Op, check_pipeline_args, op_peers, p2p_program, schedule_order)
+from megalite.pipeline_parallel.timeline import StageTimeline, set_last_timeline
+from megalite.tensor_parallel.layers import WeightGradStore
+
+
+def _free_output_data(t: torch.Tensor) -> None:
+    """Drop the storage of a stage output once it has been sent, keeping its autograd node.
+
+    The next stage has its own copy (the p2p batch holds the sent data until it completes); this
+    stage only needs the graph for backward, so holding the [s, b, h] tensor too would cost one
+    activation per in-flight micro-batch for nothing (Megatron's deallocate_output_tensor idea).
+    Views are left alone: their storage belongs to another tensor.
+    """
+    if t._base is None:
+        t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
+
+
+def _backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    """Backward through a stage whose output storage may have been freed: the engine is called
+    directly, since torch.autograd.backward checks grad.shape against the freed output's [1]."""
+    if grad is None:
+        torch.autograd.backward(output)
+        return
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+
+class PipelineExecutor:
+    """One rank's part of one pipelined step. Ops are indices into ``self.ops``; ``inbox[i]`` is
+    op i's input (activation for F, output gradient for B) and ``outbox[i]`` its output until sent.
+    """
+
+    def __init__(self, schedule: str, chunks: list, parallel_state, m: int, forward_only: bool,
+                 forward_step_func: Callable, data_iterator, grad_scale_func, no_sync_func,
+                 p2p: PipelineP2P, timing: bool):
+        ps = parallel_state
+        self.chunks, self.p2p, self.forward_only = chunks, p2p, forward_only
+        self.forward_step_func, self.grad_scale_func = forward_step_func, grad_scale_func
+        p, r, v = ps.pp_size, ps.pp_rank, len(chunks)
+        self.r = r
+        self.ops = schedule_order(schedule, p, r, m, v, forward_only)
+        self.peers = [op_peers(op, schedule, p, r, v) for op in self.ops]
+        self.index = {(op.kind, op.chunk, op.microbatch): i for i, op in enumerate(self.ops)}
+        vs = [virtual_stage(p, r, c, v, schedule in V_SCHEDULES) for c in range(v)]
+        self.first = [s == 0 for s in vs]  # chunk c takes the input ids
+        self.last = [s == p * v - 1 for s in vs]  # chunk c computes the loss
+        self.deferred_w = {(op.chunk, op.microbatch) for op in self.ops if op.kind == "W"}
+        self.data = _Feeder(data_iterator, v, m)
+        self.no_sync = _NoSync(None if forward_only else no_sync_func, self.ops)
+        self.inbox: Dict[int, Optional[torch.Tensor]] = {}
+        self.outbox: Dict[int, torch.Tensor] = {}
+        self.saved: Dict[tuple, tuple] = {}  # (chunk, mb) -> (input, output) awaiting B
+        self.weight_grads: Dict[tuple, list] = {}  # (chunk, mb) -> W closures awaiting W
+        self.batches: Dict[int, object] = {}
+        self.stats: List[dict] = []
+        self.timeline = StageTimeline(schedule, r, p, m, v) if timing else None
+        self.t0 = time.perf_counter()
+
+    # ---------------------------------------------------------------- the program's three steps
+    def post(self, b: int, sends, recvs) -> None:
+        def tag(i):
+            return TAG_ACTIVATION if self.ops[i].kind == "F" else TAG_GRADIENT
+        outs = [(i, self.outbox.pop(i)) for i in sends]
+        self.batches[b] = (recvs, self.p2p.post(
+            sends=[(self.peers[i][1], tag(i), t) for i, t in outs],
+            recvs=[(self.peers[i][0], tag(i)) for i in recvs]))
+        for i, t in outs:
+            if self.ops[i].kind == "F" and not self.forward_only:
+                _free_output_data(t)  # the batch holds the sent data until it completes
+        for k in [k for k, (rv, bt) in self.batches.items() if not rv and bt and bt.done()]:
+            del self.batches[k]  # sends that have completed: let go of their data
+
+    def wait(self, b: int) -> None:
+        recvs, batch = self.batches.pop(b)
+        self.inbox.update(zip(recvs, batch.wait() if batch is not None else []))
+
+    def run(self, i: int) -> None:
+        op = self.ops[i]
+        self.no_sync.before(i)
+        if self.timeline is not None:
+            synchronize(self.p2p.device)
+            start = time.perf_counter() - self.t0
+        compute = {"F": self.forward, "B": self.backward, "W": self.weight}[op.kind]
+        out = compute(op, self.inbox.pop(i, None))
+        dst = self.peers[i][1]
+        if dst == self.r:  # the V turns inside this rank: hand the output to its consumer
+            nxt = Op(op.kind, 1 - op.chunk, op.microbatch)
+            self.inbox[self.index[nxt.kind, nxt.chunk, nxt.microbatch]] = out.detach()
+        elif dst is not None:
+            self.outbox[i] = out
+        if self.timeline is not None:
+            synchronize(self.p2p.device)
+            self.timeline.record(op.kind, op.chunk, op.microbatch, start,
+                                 time.perf_counter() - self.t0)
+
+    # ---------------------------------------------------------------- F, B and W
+    def forward(self, op: Op, inp: Optional[torch.Tensor]) -> torch.Tensor:
+        if inp is not None:
+            inp.requires_grad_(not self.forward_only)
+        chunk = self.chunks[op.chunk]
+        chunk.set_input_tensor(inp)
+        with torch.set_grad_enabled(not self.forward_only):
+            out, loss_func = self.forward_step_func(self.data.get(op.chunk, op.microbatch), chunk)
+            if self.last[op.chunk]:
+                out, stats = loss_func(out)
+                self.stats.append(stats)
+                if self.grad_scale_func is not None and not self.forward_only:
+                    out = self.grad_scale_func(out)
+        chunk.set_input_tensor(None)
+        if not self.forward_only:
+            self.saved[op.chunk, op.microbatch] = (inp, out)
+            if self.timeline is not None:
+                self.timeline.peak_in_flight = max(self.timeline.peak_in_flight, len(self.saved))
+        return out
+
+    def backward(self, op: Op, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        key = (op.chunk, op.microbatch)
+        inp, out = self.saved.pop(key)
+        if key in self.deferred_w:  # B computes the input gradient; a W op the weights' later
+            with WeightGradStore.capture() as queue:
+                _backward(out, grad)
+            self.weight_grads[key] = list(queue)
+        else:
+            _backward(out, grad)
+        return None if self.first[op.chunk] else inp.grad
+
+    def weight(self, op: Op, _unused) -> None:
+        for fn in self.weight_grads.pop((op.chunk, op.microbatch)):
+            fn()
+
+    def execute(self, program: List[tuple]) -> List[dict]:
+        try:
+            for step, *args in program:
+                getattr(self, step)(*args)
+            for recvs, batch in self.batches.values():
+                if batch is not None:
+                    batch.wait()
+        finally:
+            self.no_sync.close()
+        assert self.forward_only or not (self.saved or self.weight_grads), "work left undone"
+        return self.stats
+
+
+def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, model,
+                                num_microbatches: int, seq_length: int, micro_batch_size: int,
+                                parallel_state, forward_only: bool = False,
+                                grad_scale_func: Optional[Callable] = None,
+                                no_sync_func=None,
+                                finalize_model_grads_func: Optional[Callable] = None,
+                                schedule: Optional[str] = None, timing_log_level: int = 0,
+                                p2p_mode: Optional[str] = None, **unused) -> List[dict]:
+    """Run this rank's part of a pipelined step (schedules' contract).
+
+    ``p2p_mode``: "eager" or "batched" (schedules.p2p_program); None picks eager where the
+    backend's p2p ops complete independently (gloo) and batched elsewhere (NCCL).
+    """
+    ps = parallel_state
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    schedule = check_pipeline_args(ps.pp_size, num_microbatches, len(chunks), schedule)
+    cfg, param = chunks[0].config, next(chunks[0].parameters())
+    p2p = PipelineP2P(ps, tensor_shape(seq_length, micro_batch_size, cfg.hidden_size, ps.tp_size,
+                                       cfg.sequence_parallel), param.dtype, param.device)
+    mode = p2p_mode or ("eager" if p2p.independent_ops else "batched")
+    if mode == "eager" and not p2p.independent_ops:
+        raise ValueError("p2p_mode='eager' needs a backend whose p2p ops complete "
+                         "independently (gloo)")
+    timing = timing_log_level >= 1
+    if timing:
+        synchronize(param.device)
+        if ps.pp_group is not None:
+            C.barrier(group=ps.pp_group)  # a common step start for all stages
+    ex = PipelineExecutor(schedule, chunks, ps, num_microbatches, forward_only, forward_step_func,
+                          data_iterator, grad_scale_func, no_sync_func, p2p, timing)
+    pair = schedule == "interleaved" and not forward_only
+    stats = ex.execute(p2p_program(mode, ex.ops, ex.peers, ps.pp_rank, pair))
+    if timing:
+        set_last_timeline(ex.timeline)
+    if not forward_only and finalize_model_grads_func is not None:
+        finalize_model_grads_func(chunks)
+    return stats
+
+
+class _Feeder:
+    """Hands each (chunk, micro-batch) its data per the contract's data convention."""
+
+    def __init__(self, data_iterator, num_chunks: int, num_microbatches: int):
+        self.per_chunk = isinstance(data_iterator, (list, tuple))
+        if self.per_chunk and len(data_iterator) != num_chunks:
+            raise ValueError(f"data_iterator is a list of {len(data_iterator)} iterators but this "
+                             f"rank has {num_chunks} model chunks: pass one per chunk, or one")
+        self.it, self.cache, self.uses = data_iterator, {}, {}
+        self.num_chunks = num_chunks
+
+    def get(self, chunk: int, mb: int):
+        if self.per_chunk:
+            return self.it[chunk]
+        if self.it is None:
+            return None
+        while len(self.uses) <= mb:  # fetch in micro-batch order, each exactly once
+            self.cache[len(self.uses)] = next(self.it)
+            self.uses[len(self.uses)] = 0
+        batch = self.cache[mb]
+        self.uses[mb] += 1
+        if self.uses[mb] == self.num_chunks:  # every chunk of this rank has run micro-batch mb
+            del self.cache[mb]
+        return iter([batch])
+
+
+class _NoSync:
+    """Enter the DP no-sync context(s) for the whole step and leave each just before the last op
+    that produces gradients for its chunk(s), so that op's gradients may be reduced (or their
+    reduction launched by DDP hooks) while the pipeline drains."""
+
+    def __init__(self, no_sync_func, ops: List[Op]):
+        grad_ops = [i for i, op in enumerate(ops) if op.kind in ("B", "W")]
+        self.exit_at: Dict[int, list] = {}
+        self.open: List[contextlib.AbstractContextManager] = []
+        if no_sync_func is None or not grad_ops:
+            return
+        per_chunk = isinstance(no_sync_func, (list, tuple))
+        for c, fn in enumerate(no_sync_func if per_chunk else [no_sync_func]):
+            idx = [i for i in grad_ops if ops[i].chunk == c or not per_chunk]
+            if idx:
+                cm = fn()
+                cm.__enter__()
+                self.open.append(cm)
+                self.exit_at.setdefault(idx[-1], []).append(cm)
+
+    def before(self, i: int) -> None:
+        for cm in self.exit_at.pop(i, []):
+            cm.__exit__(None, None, None)
+            self.open.remove(cm)
+
+    def close(self) -> None:
+        for cm in self.open:
+            cm.__exit__(None, None, None)
+        self.open = []
