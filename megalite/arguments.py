@@ -1,8 +1,9 @@
 """Command-line flags -> :class:`MegaliteConfig` (flag spellings follow Megatron-LM).
 
 Config flows one way (docs/design.md, "Conventions"): ``parse_args`` turns flags into the
-dataclasses of ``megalite.config`` and validates everything that does not depend on the world size;
-``validate_for_world`` (called by ``training.pretrain`` once the process group exists) checks the
+dataclasses of ``megalite.config`` and runs ``MegaliteConfig.validate`` (every check that does not
+depend on the world size); ``training.pretrain`` then builds the run's read-only configuration
+with ``MegaliteConfig.resolve`` once the process group and the tokenizer exist, which checks the
 rest (global batch divisibility by micro-batch x data-parallel size, TP x PP dividing the world).
 
 Any problem is a :class:`ConfigError` whose message names the flag; ``pretrain.py`` prints it as one
@@ -247,8 +248,6 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         raise ConfigError("--num-query-groups needs --group-query-attention")
     if a.group_query_attention and a.num_query_groups is None:
         raise ConfigError("--group-query-attention needs --num-query-groups N")
-    if a.recompute_method is not None and a.recompute_granularity != "full":
-        raise ConfigError("--recompute-method only applies to --recompute-granularity full")
     if a.num_layers_per_virtual_pipeline_stage and a.num_virtual_stages_per_pipeline_rank:
         raise ConfigError("give --num-layers-per-virtual-pipeline-stage or "
                           "--num-virtual-stages-per-pipeline-rank, not both")
@@ -270,23 +269,13 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         torch_compile=a.torch_compile, use_apex=a.use_apex,
     )
     vpp = a.num_virtual_stages_per_pipeline_rank
-    if a.num_layers_per_virtual_pipeline_stage is not None:
-        per = a.num_layers_per_virtual_pipeline_stage
-        pp = a.pipeline_model_parallel_size
-        if per <= 0 or a.num_layers % (per * pp) != 0:
-            raise ConfigError(
-                f"--num-layers ({a.num_layers}) must be divisible by "
-                f"--num-layers-per-virtual-pipeline-stage ({per}) x "
-                f"--pipeline-model-parallel-size ({pp})")
+    per, pp = a.num_layers_per_virtual_pipeline_stage, a.pipeline_model_parallel_size
+    if per is not None and per > 0 and a.num_layers % (per * pp) == 0:  # (else: validate says)
         vpp = a.num_layers // (per * pp)
-    if vpp is not None and vpp < 1:
-        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {vpp}")
-    if vpp is not None and a.pipeline_model_parallel_size == 1 and vpp > 1:
-        raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
     parallel = ParallelConfig(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        virtual_pipeline_model_parallel_size=None if vpp == 1 else vpp,
         sequence_parallel=a.sequence_parallel, distributed_backend=a.distributed_backend,
         device=a.device, distributed_timeout_minutes=a.distributed_timeout_minutes,
     )
@@ -314,8 +303,6 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         raise ConfigError("--data-path was given without a value: name at least one file, "
                           "directory, HF dataset or .bin/.idx prefix (or drop the flag to use "
                           "the built-in corpus)")
-    if a.mock_data and a.data_path:
-        raise ConfigError("--mock-data and --data-path are mutually exclusive")
     training = TrainingConfig(
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         train_iters=a.train_iters, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
@@ -333,10 +320,6 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         exit_on_missing_checkpoint=a.exit_on_missing_checkpoint,
         use_checkpoint_args=a.use_checkpoint_args,
     )
-    if a.use_checkpoint_args and not a.load:
-        raise ConfigError("--use-checkpoint-args needs --load DIR")
-    if a.finetune and not a.load:
-        raise ConfigError("--finetune needs --load DIR")
     logging = LoggingConfig(
         log_interval=a.log_interval, wandb_project=a.wandb_project,
         wandb_exp_name=a.wandb_exp_name, wandb_save_dir=a.wandb_save_dir,
@@ -347,63 +330,6 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
                           training=training, checkpoint=checkpoint, logging=logging)
 
 
-def validate(cfg: MegaliteConfig) -> MegaliteConfig:
-    """World-size-independent checks (the model against TP size included)."""
-    t = cfg.parallel.tensor_model_parallel_size
-    if t < 1 or cfg.parallel.pipeline_model_parallel_size < 1:
-        raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must "
-                          "be >= 1")
-    if cfg.optimizer.fp16 and cfg.optimizer.bf16:
-        raise ConfigError("--bf16 and --fp16 are mutually exclusive: choose one")
-    cfg.model.validate(t)
-    cfg.optimizer.validate()
-    cfg.data.validate()
-    cfg.checkpoint.validate()
-    cfg.logging.validate()
-    tr = cfg.training
-    if tr.micro_batch_size <= 0:
-        raise ConfigError(f"--micro-batch-size must be positive, got {tr.micro_batch_size}")
-    if tr.global_batch_size is not None and tr.global_batch_size <= 0:
-        raise ConfigError(f"--global-batch-size must be positive, got {tr.global_batch_size}")
-    if tr.global_batch_size is not None and tr.global_batch_size % tr.micro_batch_size != 0:
-        raise ConfigError(
-            f"--global-batch-size ({tr.global_batch_size}) must be a multiple of "
-            f"--micro-batch-size ({tr.micro_batch_size}) x data-parallel size")
-    if tr.train_iters < 0:
-        raise ConfigError(f"--train-iters must be >= 0, got {tr.train_iters}")
-    if tr.eval_interval <= 0 or tr.eval_iters < 0:
-        raise ConfigError("--eval-interval must be > 0 and --eval-iters >= 0")
-    if cfg.optimizer.loss_scale_window <= 0 or cfg.optimizer.hysteresis <= 0:
-        raise ConfigError("--loss-scale-window and --hysteresis must be positive")
-    if cfg.optimizer.min_loss_scale <= 0 or cfg.optimizer.initial_loss_scale <= 0:
-        raise ConfigError("--min-loss-scale and --initial-loss-scale must be positive")
-    if cfg.optimizer.lr_warmup_fraction is not None:
-        if not 0 <= cfg.optimizer.lr_warmup_fraction <= 1:
-            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
-                              f"{cfg.optimizer.lr_warmup_fraction}")
-        if cfg.optimizer.lr_warmup_iters not in (0, None) and cfg.optimizer.lr_warmup_fraction:
-            cfg.optimizer.lr_warmup_iters = 0  # the fraction wins, as in Megatron
-    if cfg.optimizer.lr_decay_style == "WSD" and cfg.optimizer.lr_wsd_decay_iters is None:
-        raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N")
-    return cfg
-
-
-def validate_for_world(cfg: MegaliteConfig, world_size: int) -> MegaliteConfig:
-    """Checks that need the world size (called once the process group exists)."""
-    cfg.parallel.validate(world_size)
-    dp = cfg.parallel.data_parallel_size(world_size)
-    cfg.training.validate(dp)
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        # Fail before any model is built: m, p, v and the schedule must fit together.
-        from megalite.pipeline_parallel.schedules import check_pipeline_args
-
-        check_pipeline_args(cfg.parallel.pipeline_model_parallel_size,
-                            cfg.training.num_micro_batches(dp),
-                            cfg.parallel.virtual_pipeline_model_parallel_size,
-                            cfg.training.pipeline_schedule)
-    return cfg
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
     """Flags -> validated MegaliteConfig. Raises ConfigError (one line) on any bad input."""
     parser = build_parser()
@@ -411,7 +337,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> MegaliteConfig:
     if ns.min_lr > ns.lr and parser.get_default("min_lr") == ns.min_lr:
         # the default floor is for the default --lr; a smaller --lr brings the floor down with it
         ns.min_lr = ns.lr
-    return validate(_config_from_namespace(ns))
+    return _config_from_namespace(ns).validate()
 
 
 # ------------------------------------------------------------------------------------------------

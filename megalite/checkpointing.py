@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -306,12 +307,26 @@ def read_checkpoint_config(load_dir: str, iteration: Optional[int] = None) -> Me
         raise CheckpointError(f"--load {load_dir}: {path} is corrupt ({e})")
 
 
-def apply_checkpoint_args(cfg: MegaliteConfig) -> MegaliteConfig:
-    """--use-checkpoint-args: take the model-shape flags from the checkpoint's args.json."""
-    saved = read_checkpoint_config(cfg.checkpoint.load)
-    for name in CHECKPOINT_ARGS_FIELDS:
-        setattr(cfg.model, name, getattr(saved.model, name))
-    return cfg
+def with_checkpoint_args(cfg: MegaliteConfig) -> MegaliteConfig:
+    """--use-checkpoint-args: ``cfg`` with the model shape and the tokenizer of ``--load``.
+
+    The model fields come from the checkpoint's args.json. The tokenizer is the one saved in
+    ``DIR/tokenizer/`` (pretrain.py and ``convert.py hf-to-megalite`` write it), else the one
+    args.json names; a ``--tokenizer-type`` or ``--tokenizer-model`` given on the command line wins.
+    """
+    load = cfg.checkpoint.load
+    saved = read_checkpoint_config(load)
+    model = replace(cfg.model, **{n: getattr(saved.model, n) for n in CHECKPOINT_ARGS_FIELDS})
+    data = cfg.data
+    if data.tokenizer_type is None and data.tokenizer_model is None:
+        folder = os.path.join(load, "tokenizer")
+        if os.path.isdir(folder):
+            data = replace(data, tokenizer_type="HuggingFaceTokenizer", tokenizer_model=folder)
+        else:
+            data = replace(data, tokenizer_type=saved.data.tokenizer_type,
+                           tokenizer_model=saved.data.tokenizer_model,
+                           vocab_size=saved.data.vocab_size)
+    return replace(cfg, model=model, data=data)
 
 
 def _load_file(path: str, what: str):

@@ -3,12 +3,17 @@
 Config flows one way (docs/design.md, "Conventions"): command-line flags -> these dataclasses
 (validated once, with errors that name the flag) -> the objects built from them. No module reads
 flags or environment variables on its own.
+
+Every check lives in a ``validate`` method here; ``MegaliteConfig.validate`` runs them all (and
+the checks that span sections). ``MegaliteConfig.resolve`` is the one place values are derived
+(global batch size, vocab size from the tokenizer, ...): it returns a new, validated
+config that is read-only from then on, so no part of a run can change what another part reads.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 
@@ -20,8 +25,23 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+class _Section:
+    """Read-only once frozen (``MegaliteConfig.resolve`` freezes what it returns)."""
+
+    _frozen = False
+
+    def __setattr__(self, name, value):
+        if self._frozen:
+            raise AttributeError(f"{type(self).__name__}.{name}: the configuration is read-only "
+                                 f"once resolved; build a new one with dataclasses.replace")
+        object.__setattr__(self, name, value)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """Shape and numerics of a GPT model (GPT-2 and Llama families).
 
     Field names follow Megatron-LM's flags (``num_layers`` is ``--num-layers``).
@@ -35,7 +55,10 @@ class ModelConfig:
     kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
     seq_length: int = 256
     max_position_embeddings: Optional[int] = None  # default seq_length
-    vocab_size: int = 8192  # the tokenizer's vocab; padded internally (see padded_vocab_size)
+    vocab_size: int = 8192  # embedding rows before padding (see padded_vocab_size)
+    # Ids the tokenizer produces when it has fewer than vocab_size (None: vocab_size). Rows at or
+    # beyond it are treated like the padding: never predicted, masked out of the softmax and loss.
+    tokenizer_vocab_size: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
     position_embedding_type: str = "learned_absolute"  # or "rope"
     rotary_base: float = 10000.0
@@ -82,6 +105,11 @@ class ModelConfig:
         return int(math.ceil(self.vocab_size / multiple) * multiple)
 
     @property
+    def output_vocab_size(self) -> int:
+        """The ids the model may predict: the logits and the loss stop here."""
+        return self.tokenizer_vocab_size or self.vocab_size
+
+    @property
     def tie_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
@@ -92,10 +120,11 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) is None or getattr(self, name) <= 0:
                 raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads != 0 and self.kv_channels is None:
+        if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size > self.vocab_size:
             raise ConfigError(
-                f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                f"({self.num_attention_heads}) (or set --kv-channels)")
+                f"the tokenizer has {self.tokenizer_vocab_size} ids but the model's vocabulary "
+                f"has {self.vocab_size} rows (--vocab-size / the checkpoint): every id the "
+                f"tokenizer produces needs an embedding row")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ConfigError(
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
@@ -143,9 +172,10 @@ class ModelConfig:
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(f"--recompute-granularity must be full or selective, got "
                               f"{self.recompute_granularity!r}")
-        if self.recompute_granularity == "full":
-            if self.recompute_method not in (None, "uniform", "block"):
-                raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ConfigError("--recompute-method only applies to --recompute-granularity full")
+        if self.recompute_method not in (None, "uniform", "block"):
+            raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"params dtype must be float32, bfloat16 or float16, got {self.params_dtype!r}")
         if self.torch_compile not in (None, "inductor", "aot_eager", "eager"):
@@ -175,12 +205,9 @@ class ModelConfig:
                 total += self.vocab_size * h
         return total
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
@@ -189,13 +216,19 @@ class ParallelConfig:
     device: Optional[str] = None  # None: cuda when available, else cpu
     distributed_timeout_minutes: float = 10.0
 
-    def validate(self, world_size: int = 1) -> "ParallelConfig":
+    def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
+        """``world_size`` None: the checks that do not depend on it."""
         t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        v = self.virtual_pipeline_model_parallel_size
         if t < 1 or p < 1:
             raise ConfigError(
                 f"--tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size ({p}) "
                 f"must be >= 1")
-        if world_size % (t * p) != 0:
+        if v is not None and v < 1:
+            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
+        if v is not None and v > 1 and p == 1:
+            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        if world_size is not None and world_size % (t * p) != 0:
             raise ConfigError(
                 f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
                 f"x --pipeline-model-parallel-size ({p}) = {t * p}")
@@ -210,12 +243,9 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     optimizer: str = "adam"  # AdamW with decoupled weight decay
     lr: float = 3e-4
     min_lr: float = 0.0
@@ -246,6 +276,10 @@ class OptimizerConfig:
     ddp_bucket_size: Optional[int] = None  # elements per bucket; None = one bucket per ~40M elems
     zero3_prefetch_depth: int = 1
 
+    def __post_init__(self) -> None:
+        if self.use_distributed_optimizer and self.zero_stage == 0:
+            self.zero_stage = 1  # Megatron's spelling of ZeRO-1
+
     def validate(self) -> "OptimizerConfig":
         if self.optimizer not in ("adam", "adamw", "sgd"):
             raise ConfigError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
@@ -267,10 +301,11 @@ class OptimizerConfig:
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"--adam-beta1/--adam-beta2 must be in [0, 1), got "
                               f"{self.adam_beta1}, {self.adam_beta2}")
-        if self.use_distributed_optimizer and self.zero_stage == 0:
-            self.zero_stage = 1
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage >= 1 and self.optimizer not in ("adam", "adamw"):
+            raise ConfigError(f"--optimizer {self.optimizer}: the distributed optimizer (ZeRO) "
+                              f"implements adam (AdamW); use --zero-stage 0 for sgd")
         if self.overlap_param_gather and self.zero_stage == 0:
             raise ConfigError("--overlap-param-gather needs the distributed optimizer "
                               "(--use-distributed-optimizer or --zero-stage 1/2/3)")
@@ -281,6 +316,15 @@ class OptimizerConfig:
             raise ConfigError(f"--zero3-prefetch-depth must be >= 0, got {self.zero3_prefetch_depth}")
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
+        if self.loss_scale_window <= 0 or self.hysteresis <= 0:
+            raise ConfigError("--loss-scale-window and --hysteresis must be positive")
+        if self.min_loss_scale <= 0 or self.initial_loss_scale <= 0:
+            raise ConfigError("--min-loss-scale and --initial-loss-scale must be positive")
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
+            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
+                              f"{self.lr_warmup_fraction}")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N")
         return self
 
     @property
@@ -289,7 +333,7 @@ class OptimizerConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     data_path: Optional[list] = None  # None: the built-in corpus (Python stdlib sources)
     split: str = "969,30,1"
     tokenizer_type: Optional[str] = None  # None: byte-level BPE trained on the corpus
@@ -312,6 +356,8 @@ class DataConfig:
                               f"sum, like 969,30,1; got {self.split!r}")
         if self.num_workers < 0:
             raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
+        if self.mock_data and self.data_path:
+            raise ConfigError("--mock-data and --data-path are mutually exclusive")
         if self.vocab_size is not None and self.vocab_size < 260:
             raise ConfigError(f"--vocab-size must be at least 260 for a byte-level BPE tokenizer, "
                               f"got {self.vocab_size}")
@@ -319,7 +365,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(_Section):
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default micro * dp
     train_iters: int = 500
@@ -338,25 +384,31 @@ class TrainingConfig:
     exit_signal_handler: bool = False  # SIGTERM/SIGINT: finish the iteration, save, exit 0
     check_for_nan_in_loss_and_grad: bool = True  # bf16/fp32: stop before applying a NaN step
 
-    def validate(self, data_parallel_size: int = 1) -> "TrainingConfig":
+    def validate(self, data_parallel_size: Optional[int] = None) -> "TrainingConfig":
+        """``data_parallel_size`` None: the checks that do not depend on it."""
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise ConfigError(f"--exit-duration-in-mins must be positive, got "
                               f"{self.exit_duration_in_mins}")
         if self.micro_batch_size <= 0:
             raise ConfigError(f"--micro-batch-size must be positive, got {self.micro_batch_size}")
-        if self.global_batch_size is None:
-            self.global_batch_size = self.micro_batch_size * data_parallel_size
-        if self.global_batch_size <= 0 or self.global_batch_size % (
-                self.micro_batch_size * data_parallel_size) != 0:
+        if self.global_batch_size is not None and self.global_batch_size <= 0:
+            raise ConfigError(f"--global-batch-size must be positive, got {self.global_batch_size}")
+        dp = data_parallel_size or 1
+        if self.global_batch_size is not None and self.global_batch_size % (
+                self.micro_batch_size * dp) != 0:
             raise ConfigError(
                 f"--global-batch-size ({self.global_batch_size}) must be a positive multiple of "
                 f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size "
-                f"({data_parallel_size}) = {self.micro_batch_size * data_parallel_size}")
+                f"({dp}) = {self.micro_batch_size * dp}")
         if self.train_iters < 0:
             raise ConfigError(f"--train-iters must be >= 0, got {self.train_iters}")
         if self.eval_interval <= 0 or self.eval_iters < 0:
             raise ConfigError(f"--eval-interval must be > 0 and --eval-iters >= 0, got "
                               f"{self.eval_interval}, {self.eval_iters}")
+        if self.num_layers_per_virtual_pipeline_stage is not None and \
+                self.num_layers_per_virtual_pipeline_stage <= 0:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage must be positive, got "
+                              f"{self.num_layers_per_virtual_pipeline_stage}")
         if self.pipeline_schedule not in (None, "1f1b", "interleaved", "zb-h1"):
             raise ConfigError(f"--pipeline-schedule must be 1f1b, interleaved or zb-h1, got "
                               f"{self.pipeline_schedule!r}")
@@ -367,7 +419,7 @@ class TrainingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
@@ -381,11 +433,15 @@ class CheckpointConfig:
     def validate(self) -> "CheckpointConfig":
         if self.save_interval is not None and self.save_interval <= 0:
             raise ConfigError(f"--save-interval must be positive, got {self.save_interval}")
+        if self.use_checkpoint_args and not self.load:
+            raise ConfigError("--use-checkpoint-args needs --load DIR")
+        if self.finetune and not self.load:
+            raise ConfigError("--finetune needs --load DIR")
         return self
 
 
 @dataclass
-class LoggingConfig:
+class LoggingConfig(_Section):
     log_interval: int = 10
     wandb_project: Optional[str] = None
     wandb_exp_name: Optional[str] = None
@@ -401,7 +457,7 @@ class LoggingConfig:
 
 
 @dataclass
-class MegaliteConfig:
+class MegaliteConfig(_Section):
     """Everything pretrain.py needs, built by megalite.arguments from the command line."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -412,5 +468,64 @@ class MegaliteConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    def validate(self, world_size: Optional[int] = None) -> "MegaliteConfig":
+        """Every check, in one place. ``world_size`` None (at parse time) skips those needing it."""
+        par, tr = self.parallel, self.training
+        self.model.validate(par.tensor_model_parallel_size)
+        par.validate(world_size)
+        self.optimizer.validate()
+        self.data.validate()
+        tr.validate(None if world_size is None else par.data_parallel_size(world_size))
+        self.checkpoint.validate()
+        self.logging.validate()
+        L, p, v = self.model.num_layers, par.pipeline_model_parallel_size, \
+            par.virtual_pipeline_model_parallel_size
+        per = tr.num_layers_per_virtual_pipeline_stage
+        if per is not None and L % (per * p) != 0:
+            raise ConfigError(f"--num-layers ({L}) must be divisible by "
+                              f"--num-layers-per-virtual-pipeline-stage ({per}) x "
+                              f"--pipeline-model-parallel-size ({p})")
+        if per is None and v is not None and L % (p * v) != 0:
+            raise ConfigError(f"--num-layers ({L}) must be divisible by "
+                              f"--pipeline-model-parallel-size ({p}) x "
+                              f"--num-virtual-stages-per-pipeline-rank ({v})")
+        if self.optimizer.zero_stage == 3 and tr.pipeline_schedule == "zb-h1":
+            raise ConfigError("--zero-stage 3 does not support --pipeline-schedule zb-h1 (deferred "
+                              "weight gradients would keep every unit gathered until its W pass); "
+                              "use 1f1b or interleaved, or --zero-stage 1/2")
+        if world_size is not None and p > 1 and tr.global_batch_size is not None:
+            # m, p, v and the schedule must fit together, before any model is built
+            from megalite.pipeline_parallel.schedules import check_pipeline_args
+
+            check_pipeline_args(p, tr.num_micro_batches(par.data_parallel_size(world_size)), v,
+                                tr.pipeline_schedule)
+        return self
+
+    def resolve(self, world_size: int, tokenizer_vocab_size: int) -> "MegaliteConfig":
+        """The run's configuration: derived values filled in, validated, read-only.
+
+        Derived here: the global batch (default micro-batch x data-parallel size), the layers per
+        virtual stage, and the vocabulary: the tokenizer's, unless the model's came from a
+        checkpoint (``--use-checkpoint-args``), which may be larger (the extra rows are never
+        predicted). (Defaults that need no outside facts are filled in at construction, in
+        ``__post_init__``.)
+        """
+        m, par, tr = self.model, self.parallel, self.training
+        vocab = m.vocab_size if self.checkpoint.use_checkpoint_args else tokenizer_vocab_size
+        model = replace(m, vocab_size=vocab, tokenizer_vocab_size=(
+            tokenizer_vocab_size if tokenizer_vocab_size != vocab else None))
+        per = tr.num_layers_per_virtual_pipeline_stage
+        v = par.virtual_pipeline_model_parallel_size
+        if per is None and v is not None and m.num_layers % (par.pipeline_model_parallel_size
+                                                             * v) == 0:
+            per = m.num_layers // (par.pipeline_model_parallel_size * v)
+        training = replace(tr, num_layers_per_virtual_pipeline_stage=per, global_batch_size=(
+            tr.global_batch_size or tr.micro_batch_size * par.data_parallel_size(world_size)))
+        out = replace(self, model=model, optimizer=replace(self.optimizer), training=training,
+                      parallel=replace(par), data=replace(self.data),
+                      checkpoint=replace(self.checkpoint), logging=replace(self.logging))
+        out.validate(world_size)
+        for section in (out, out.model, out.parallel, out.optimizer, out.data, out.training,
+                        out.checkpoint, out.logging):
+            object.__setattr__(section, "_frozen", True)
+        return out

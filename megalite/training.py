@@ -32,8 +32,7 @@ import torch
 
 from megalite import checkpointing
 from megalite import collectives as C
-from megalite.arguments import validate_for_world
-from megalite.config import ConfigError, MegaliteConfig
+from megalite.config import MegaliteConfig
 from megalite.logging import (
     MetricsLogger,
     cpu_peak_at_least,
@@ -95,17 +94,11 @@ def wrap_model_for_data_parallel(model_chunks: List[torch.nn.Module], cfg: Megal
     return wrap_chunks_zero3(model_chunks, cfg, ps)
 
 
-def build_data(cfg: MegaliteConfig, ps: ParallelState, seq_length: int):
-    """(tokenizer, train_ds, valid_ds, test_ds, loader_fn, get_batch_fn) from megalite.data."""
-    from megalite.data import (
-        build_data_loader,
-        build_pretraining_datasets,
-        build_tokenizer,
-        get_batch,
-    )
+def build_data(cfg: MegaliteConfig, tokenizer, seq_length: int):
+    """(train_ds, valid_ds, test_ds, loader_fn, get_batch_fn) from megalite.data."""
+    from megalite.data import build_data_loader, build_pretraining_datasets, get_batch
 
     tr = cfg.training
-    tokenizer = build_tokenizer(cfg.data, cache_dir=cfg.data.data_cache_path)
     gbs = tr.global_batch_size
     # Validation re-reads the same eval_iters global batches at every evaluation, so successive
     # validation losses are comparable (Megatron instead walks on through the validation set).
@@ -114,7 +107,7 @@ def build_data(cfg: MegaliteConfig, ps: ParallelState, seq_length: int):
     train_ds, valid_ds, test_ds = build_pretraining_datasets(
         cfg.data, tokenizer, seq_length, tr.seed, num_samples=(n_train, n_eval, n_eval),
         cache_dir=cfg.data.data_cache_path)
-    return tokenizer, train_ds, valid_ds, test_ds, build_data_loader, get_batch
+    return train_ds, valid_ds, test_ds, build_data_loader, get_batch
 
 
 def unigram_entropy(dataset, max_samples: int = 2000) -> Tuple[float, int]:
@@ -179,9 +172,10 @@ class Trainer:
     and saves the final state.
     """
 
-    def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger,
+    def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger, tokenizer,
                  t_start: float):
         self.cfg, self.ps, self.logger, self.t_start = cfg, ps, logger, t_start
+        self.tokenizer, self.eod = tokenizer, tokenizer.eod
         self.summary = {"train_losses": {}, "valid": {}}
         self.skipped = 0
         self.saved_at = None
@@ -195,20 +189,15 @@ class Trainer:
     # Set-up
     # --------------------------------------------------------------------------------------------
     def _build_data(self) -> None:
-        """Data first: the tokenizer fixes the vocab size, which fixes the embedding shape."""
-        cfg, ps = self.cfg, self.ps
-        (tokenizer, self.train_ds, self.valid_ds, _test, self.build_loader,
-         self.get_batch) = build_data(cfg, ps, cfg.model.seq_length)
-        cfg.model.vocab_size = int(tokenizer.vocab_size)
-        cfg.model.validate(ps.tp_size)
-        self.tokenizer, self.eod = tokenizer, tokenizer.eod
+        (self.train_ds, self.valid_ds, _test, self.build_loader,
+         self.get_batch) = build_data(self.cfg, self.tokenizer, self.cfg.model.seq_length)
 
     def _build_model_and_optimizer(self) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
         model_parallel_seed(tr.seed, ps.tp_rank, ps.pp_rank, ps.device)
         chunks = build_model_chunks(
             cfg.model, ps, seed=tr.seed,
-            num_layers_per_virtual_pipeline_stage=_vpp_layers_per_stage(cfg),
+            num_layers_per_virtual_pipeline_stage=tr.num_layers_per_virtual_pipeline_stage,
             decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
             device=ps.device)
@@ -499,39 +488,33 @@ class Trainer:
         return float(t[0]), float(t[1])
 
 
-def _vpp_layers_per_stage(cfg: MegaliteConfig) -> Optional[int]:
-    if cfg.training.num_layers_per_virtual_pipeline_stage is not None:
-        return cfg.training.num_layers_per_virtual_pipeline_stage
-    v = cfg.parallel.virtual_pipeline_model_parallel_size
-    if v is None:
-        return None
-    L, p = cfg.model.num_layers, cfg.parallel.pipeline_model_parallel_size
-    if L % (p * v) != 0:
-        raise ConfigError(f"--num-layers ({L}) must be divisible by --pipeline-model-parallel-size "
-                          f"({p}) x --num-virtual-stages-per-pipeline-rank ({v})")
-    return L // (p * v)
-
-
 # ------------------------------------------------------------------------------------------------
 # pretrain
 # ------------------------------------------------------------------------------------------------
 def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=None) -> dict:
-    """Train as configured; returns a summary (final iteration, last losses) for scripts/tests."""
-    par, ck = cfg.parallel, cfg.checkpoint
+    """Train as configured; returns a summary (final iteration, last losses) for scripts/tests.
+
+    The configuration is resolved once (megalite.config.MegaliteConfig.resolve) as soon as the
+    world size and the tokenizer are known: the tokenizer fixes the vocab, which fixes the
+    embedding shape. From there on it is read-only; ``cfg`` itself is not changed.
+    """
+    par = cfg.parallel
     if ps is None:
         ps = initialize_model_parallel(
             par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
             backend=par.distributed_backend, device=par.device,
             timeout_minutes=par.distributed_timeout_minutes)
-    validate_for_world(cfg, ps.world_size)
-    ps.vpp_size = par.virtual_pipeline_model_parallel_size
     t_start = time.time()
-    if ck.load and ck.use_checkpoint_args:
-        checkpointing.apply_checkpoint_args(cfg)
+    if cfg.checkpoint.load and cfg.checkpoint.use_checkpoint_args:
+        cfg = checkpointing.with_checkpoint_args(cfg)
+    from megalite.data import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.data, cache_dir=cfg.data.data_cache_path)
+    cfg = cfg.resolve(ps.world_size, tokenizer.vocab_size)
     logger = MetricsLogger(cfg, is_writer=(ps.rank == 0), stream=stream)
     set_active_logger(logger)
     try:
-        return Trainer(cfg, ps, logger, t_start).train()
+        return Trainer(cfg, ps, logger, tokenizer, t_start).train()
     finally:
         set_active_logger(None)
         logger.close()

@@ -6,7 +6,6 @@ from megalite.arguments import (
     config_from_dict,
     model_shape_differences,
     parse_args,
-    validate_for_world,
 )
 from megalite.config import ConfigError
 
@@ -65,15 +64,27 @@ def test_bad_flags_raise_one_line(argv, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_world_size_checks():
+def test_world_size_checks_and_the_resolved_config():
     cfg = parse_args(["--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                       "--global-batch-size", "6"])
     with pytest.raises(ConfigError, match="--global-batch-size"):
-        validate_for_world(cfg, 4)  # dp = 2: 6 is not a multiple of 2 x 2
+        cfg.resolve(4, 300)  # dp = 2: 6 is not a multiple of 2 x 2
     with pytest.raises(ConfigError, match="world size"):
-        validate_for_world(parse_args(["--tensor-model-parallel-size", "2"]), 3)
-    cfg = validate_for_world(parse_args(["--micro-batch-size", "2"]), 2)
+        parse_args(["--tensor-model-parallel-size", "2"]).resolve(3, 300)
+    raw = parse_args(["--micro-batch-size", "2"])
+    cfg = raw.resolve(2, 300)
     assert cfg.training.global_batch_size == 4  # default: micro x dp
+    assert cfg.model.vocab_size == 300 and cfg.model.output_vocab_size == 300  # the tokenizer's
+    assert raw.training.global_batch_size is None and raw.model.vocab_size != 300  # untouched
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.model.vocab_size = 512
+    # A model vocabulary from the checkpoint may exceed the tokenizer's: the extra rows are never
+    # predicted. Smaller is an error (the tokenizer would produce ids with no embedding row).
+    ck = parse_args(["--load", "x", "--use-checkpoint-args", "--vocab-size", "320"])
+    ck = ck.resolve(1, 300)
+    assert (ck.model.vocab_size, ck.model.output_vocab_size) == (320, 300)
+    with pytest.raises(ConfigError, match="the tokenizer has 400 ids"):
+        parse_args(["--load", "x", "--use-checkpoint-args", "--vocab-size", "320"]).resolve(1, 400)
 
 
 def test_args_json_roundtrip_and_shape_diff():

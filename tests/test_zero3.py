@@ -306,15 +306,13 @@ def test_zero3_single_process_matches_reference():
 def test_zero3_refuses_zero_bubble_schedule():
     """zb-h1 defers weight gradients to a W pass (a clear ConfigError); 1F1B/interleaved run
     (tests/test_zero3_pipeline.py)."""
-    from types import SimpleNamespace
+    from megalite.config import MegaliteConfig, ParallelConfig, TrainingConfig
 
-    from megalite.distributed.zero3 import wrap_chunks_zero3
-
-    cfg = SimpleNamespace(training=SimpleNamespace(pipeline_schedule="zb-h1"),
-                          optimizer=OptimizerConfig(zero_stage=3))
+    cfg = MegaliteConfig(parallel=ParallelConfig(pipeline_model_parallel_size=2),
+                         training=TrainingConfig(pipeline_schedule="zb-h1"),
+                         optimizer=OptimizerConfig(zero_stage=3))
     with pytest.raises(ConfigError, match="zb-h1"):
-        wrap_chunks_zero3([GPTModel(tiny_config("gpt2"), ParallelState(), seed=1)], cfg,
-                          ParallelState(pp_size=2))
+        cfg.validate()
 
 
 # ---------------------------------------------------------------------------- pretrain.py e2e

@@ -758,10 +758,9 @@ def _save_hf_tokenizer(src: HFSource, target: str, m: ModelConfig, log: Log) -> 
         raise ConversionError(f"{src.what}: the tokenizer files there cannot be loaded "
                               f"({' '.join(str(e).split())[:200]})")
     tok.save_pretrained(target)
-    if len(tok) != m.vocab_size:
-        log(f" note: the tokenizer has {len(tok)} ids but the model's vocab_size is "
-            f"{m.vocab_size}; pretrain.py sizes the embedding from the tokenizer, so training "
-            f"from this checkpoint needs a tokenizer of {m.vocab_size} ids")
+    if len(tok) > m.vocab_size:
+        log(f" note: the tokenizer has {len(tok)} ids but the model's vocab_size is only "
+            f"{m.vocab_size}; pretrain.py refuses to train with it (ids without an embedding row)")
 
 
 # =========================================================================== Hugging Face out

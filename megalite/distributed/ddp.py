@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import ConfigError, OptimizerConfig
+from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import (
@@ -71,16 +71,8 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.ddp_config = config  # (``config`` passes through to the chunk's ModelConfig)
         self.ps = parallel_state
-        self.zero_stage = config.zero_stage
-        if self.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"--zero-stage {self.zero_stage}: DistributedDataParallel implements "
-                              f"stages 0, 1 and 2 (gradient and optimizer-state sharding)")
-        if config.overlap_param_gather and self.zero_stage == 0:
-            raise ConfigError("--overlap-param-gather needs the distributed optimizer "
-                              "(--use-distributed-optimizer or --zero-stage 1/2)")
+        self.zero_stage = config.zero_stage  # 0-2 (stage 3 is megalite/distributed/zero3.py)
         size = bucket_size if bucket_size is not None else config.ddp_bucket_size
-        if size is not None and size <= 0:
-            raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got {size}")
         self.bucket_size = size if size is not None else DEFAULT_BUCKET_SIZE
         self.dp_group = parallel_state.dp_group
         self.dp_size = C.group_size(self.dp_group)

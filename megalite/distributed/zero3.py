@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import ConfigError, OptimizerConfig
+from megalite.config import OptimizerConfig
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import WeightGradStore
 
@@ -249,9 +249,6 @@ class Zero3Model(nn.Module):
 
     def __init__(self, model: nn.Module, ps: ParallelState, opt_cfg: OptimizerConfig):
         super().__init__()
-        if opt_cfg.optimizer not in ("adam", "adamw"):
-            raise ConfigError(f"--zero-stage 3 implements AdamW only, got --optimizer "
-                              f"{opt_cfg.optimizer}")
         self.module = model
         self.ps = ps
         self.opt_cfg = opt_cfg
@@ -684,10 +681,6 @@ def wrap_chunks_zero3(model_chunks, cfg, ps: ParallelState):
     wrap_model_for_data_parallel): (chunks, no_sync_func, finalize_model_grads_func). Each
     pipeline chunk (one per virtual stage) is sharded on its own: its layers, and its embedding
     or head where it has them, are its units."""
-    if getattr(cfg.training, "pipeline_schedule", None) == "zb-h1":
-        raise ConfigError("--zero-stage 3 does not support --pipeline-schedule zb-h1 (deferred "
-                          "weight gradients would keep every unit gathered until its W pass); "
-                          "use 1f1b or interleaved, or --zero-stage 1/2")
     models = [shard_model_zero3(chunk, ps, cfg.optimizer) for chunk in model_chunks]
 
     def finalize(chunks):

@@ -184,7 +184,7 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, self._output_weight())  # [s, b, Vp/t]
         if labels is not None:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group,
-                                                vocab_size=self.config.vocab_size)
+                                                vocab_size=self.config.output_vocab_size)
             return loss.t()  # [b, s]
         logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
-        return logits[..., : self.config.vocab_size].transpose(0, 1).contiguous()
+        return logits[..., : self.config.output_vocab_size].transpose(0, 1).contiguous()

@@ -8,9 +8,6 @@ DistributedOptimizer(model_chunks, opt_cfg, ps)``, which keeps the interface doc
 
 from __future__ import annotations
 
-import importlib.util
-
-from megalite.config import ConfigError
 from megalite.optimizer.lr_scheduler import OptimizerParamScheduler  # noqa: F401
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 
@@ -21,11 +18,7 @@ def build_optimizer(model_chunks, opt_cfg, ps):
         from megalite.optimizer.zero3_optimizer import Zero3Optimizer
 
         return Zero3Optimizer(list(model_chunks), opt_cfg, ps)
-    if opt_cfg.zero_stage >= 1 or opt_cfg.use_distributed_optimizer:
-        if importlib.util.find_spec("megalite.optimizer.distrib_optimizer") is None:
-            raise ConfigError(
-                f"--zero-stage {opt_cfg.zero_stage} / --use-distributed-optimizer: the distributed "
-                f"optimizer is not available in this build; use --zero-stage 0")
+    if opt_cfg.zero_stage >= 1:
         from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 
         return DistributedOptimizer(model_chunks, opt_cfg, ps)

@@ -101,22 +101,12 @@ class DistributedOptimizer:
 
     def __init__(self, model_chunks, config: OptimizerConfig, ps: ParallelState, **unused):
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        if config.zero_stage not in (0, 1, 2):
-            raise ConfigError(f"--zero-stage {config.zero_stage}: DistributedOptimizer implements "
-                              f"stages 0-2; stage 3 (parameter sharding) is "
-                              f"megalite.distributed.zero3")
         for c in chunks:
             if not isinstance(c, DistributedDataParallel):
                 raise ConfigError(
                     "--zero-stage >= 1 / --use-distributed-optimizer needs the model chunks wrapped "
                     "in megalite.distributed.DistributedDataParallel (training.py's "
                     "wrap_model_for_data_parallel does it)")
-            if c.zero_stage != config.zero_stage:
-                raise ConfigError(f"DistributedDataParallel was built for --zero-stage "
-                                  f"{c.zero_stage} but the optimizer for {config.zero_stage}")
-        if config.optimizer not in ("adam", "adamw"):
-            raise ConfigError(f"--optimizer {config.optimizer}: the distributed optimizer "
-                              f"implements adam (AdamW); use --zero-stage 0 for sgd")
         self.chunks = chunks
         self.cfg = config
         self.ps = ps

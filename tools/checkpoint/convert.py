@@ -27,8 +27,7 @@ EXAMPLES = {
                       "--pipeline-model-parallel-size 2\n"
                       "  then: torchrun --nproc-per-node 4 pretrain.py --load ./ckpt --finetune "
                       "--use-checkpoint-args --tensor-model-parallel-size 2 "
-                      "--pipeline-model-parallel-size 2 --tokenizer-type HuggingFaceTokenizer "
-                      "--tokenizer-model ./ckpt/tokenizer ...",
+                      "--pipeline-model-parallel-size 2 --data-path ...",
     "megalite-to-hf": "python tools/checkpoint/convert.py megalite-to-hf --load ./ckpt "
                       "--save ./exported-hf\n"
                       "  then: AutoModelForCausalLM.from_pretrained('./exported-hf')",
