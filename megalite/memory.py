@@ -200,19 +200,19 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
 class PeakTensorMemory:
     """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs.
 
-    GPU: ``torch.cuda.max_memory_allocated`` (the caching allocator's own count). CPU has no such
-    counter, and RSS is dominated by the interpreter and libraries, so the peak is rebuilt from
-    the allocations and frees ``torch.profiler(profile_memory=True)`` records, on top of the
-    storages already live when the block starts (found through the garbage collector, each once).
-    Frees of blocks allocated before the block are invisible to the profiler, so a tensor that
-    dies inside the block but was born before it is still counted: the result is an upper bound
-    by at most those tensors (the previous step's batches: kilobytes). The profiler slows the
-    block down; measure one iteration, not every one.
+    GPU: ``torch.cuda.max_memory_allocated``. CPU has no such counter (and RSS is mostly the
+    interpreter and libraries): the allocations and frees ``torch.profiler(profile_memory=True)``
+    records are replayed in time order on top of the storages live at the start (found through
+    the garbage collector, each once). Blocks born before the block and freed inside it are
+    invisible to the profiler, so they still count: an upper bound by kilobytes (last step's
+    batches). The profiler slows the block down: measure one iteration, not every one. Its own
+    C++ log lines on stderr are held back; everything else written there is passed on.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.peak_bytes: Optional[int] = None
+    _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp")
+
+    def __init__(self, device):
+        self.device, self.peak_bytes = torch.device(device), None
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -220,20 +220,19 @@ class PeakTensorMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
         import gc
-
-        from torch.profiler import ProfilerActivity, profile
+        import os
+        import sys
+        import tempfile
 
         gc.collect()
-        self.baseline = distinct_storage_bytes(
-            o for o in gc.get_objects()
-            if issubclass(type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta)
-        self._quiet = _QuietProfilerLog()
-        try:
-            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._prof.__enter__()
-        except BaseException:
-            self._quiet.close()
-            raise
+        self.baseline = distinct_storage_bytes(o for o in gc.get_objects() if issubclass(
+            type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta)
+        sys.stderr.flush()
+        self._err, self._saved = tempfile.TemporaryFile(), os.dup(2)
+        os.dup2(self._err.fileno(), 2)
+        self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                            profile_memory=True)
+        self._prof.__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -241,49 +240,24 @@ class PeakTensorMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return False
+        import os
+        import sys
+
         try:
             self._prof.__exit__(*exc)
         finally:
-            self._quiet.close()
-        events = sorted((e.start_ns(), e.nbytes()) for e in
-                        self._prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]" and e.device_type().name == "CPU")
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+            self._err.seek(0)
+            sys.stderr.write("".join(ln for ln in self._err.read().decode(errors="replace")
+                                     .splitlines(True) if not any(n in ln for n in self._NOISE)))
+            self._err.close()
         live = high = 0
-        for _, n in events:
+        for _, n in sorted((e.start_ns(), e.nbytes()) for e in
+                           self._prof.profiler.kineto_results.events()
+                           if e.name() == "[memory]" and e.device_type().name == "CPU"):
             live += n
             high = max(high, live)
-        self.peak_bytes = int(self.baseline + high)
-        self._prof = None
+        self.peak_bytes, self._prof = int(self.baseline + high), None
         return False
-
-
-class _QuietProfilerLog:
-    """Holds back the profiler's own C++ log lines (start/stop notices, 'memory block of unknown
-    size' warnings) while it runs; every other line written to stderr meanwhile is passed on."""
-
-    _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp", "profiler results will not include")
-
-    def __init__(self):
-        import os
-        import sys
-        import tempfile
-
-        sys.stderr.flush()
-        self._tmp = tempfile.TemporaryFile(mode="w+b")
-        self._saved = os.dup(2)
-        os.dup2(self._tmp.fileno(), 2)
-
-    def close(self) -> None:
-        import os
-        import sys
-
-        sys.stderr.flush()
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
-        self._tmp.seek(0)
-        kept = [ln for ln in self._tmp.read().decode(errors="replace").splitlines(True)
-                if not any(n in ln for n in self._NOISE)]
-        self._tmp.close()
-        if kept:
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()

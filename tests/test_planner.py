@@ -17,20 +17,30 @@ import sys
 
 import pytest
 
+from megalite.config import ModelConfig
 from megalite.planner import (
     GPUS,
     Cluster,
     GiB,
     Layout,
+    Model,
     in_flight,
     layer_activation_bytes,
     memory,
-    model_from_args,
     plan,
 )
 from tests.pretrain_utils import ROOT, read_metrics, run_cli
 
 A100, H100 = "A100-80GB", "H100-80GB"
+
+
+def model_from_args(L, h, a, s, V, flash_attention=True, **kw) -> Model:
+    """A bf16 GPT with dropout 0.1 (as the publications trained), on GPUs."""
+    cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
+                      vocab_size=V, params_dtype="bfloat16", hidden_dropout=0.1,
+                      attention_dropout=0.1, **kw)
+    return Model.from_config(cfg, "cuda", "flash" if flash_attention else "unfused")
+
 # name, gpu, layers, hidden, heads, seq, vocab, untied, TP, PP, GPUs, batch, TFLOP/s, backend,
 # what the publication fixes beyond TP/PP
 PUBLISHED = [

@@ -22,7 +22,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.arguments import _config_from_namespace, build_parser  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
-from megalite.planner import GPUS, GiB, Cluster, Model, plan  # noqa: E402
+from megalite.planner import (  # noqa: E402
+    GPUS,
+    USABLE_MEMORY_FRACTION,
+    Cluster,
+    GiB,
+    Model,
+    Plan,
+    plan,
+)
 
 # layout flags -> planner Layout fields; only the flags present on the command line are pinned
 _PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
@@ -34,6 +42,39 @@ _PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
            "--num-layers-per-virtual-pipeline-stage": "virtual_pipeline_model_parallel_size",
            "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
            "--pipeline-schedule": "pipeline_schedule"}
+
+
+def as_json(pl: Plan) -> dict:
+    """The --json record of one layout (keys in docs/planner.md)."""
+    out = {k: v for k, v in dataclasses.asdict(pl.layout).items() if k != "pipeline_schedule"}
+    out.update(fits=pl.fits, memory_gib={k: round(pl.memory[k] / GiB, 3) for k in (
+        "params", "grads", "optimizer", "activations", "total")},
+        step_time_s=round(pl.time["step_time_s"], 4),
+        tflops_per_gpu=round(pl.time["tflops_per_gpu"], 1), mfu=round(pl.time["mfu"], 4))
+    return out
+
+
+def why_lost(pl: Plan, best: Plan, cl: Cluster) -> str:
+    """One line, in the order the choice is made: memory first, then what costs the time (TP
+    collectives beyond a node, the batch budget's pipeline bubble, DP traffic, recompute)."""
+    lay, mem = pl.layout, pl.memory
+    if not pl.fits:
+        part = max(("params", "grads", "optimizer", "activations"), key=mem.get)
+        return (f"does not fit: {mem['total'] / GiB:.1f} GiB > "
+                f"{cl.gpu.memory_gib * USABLE_MEMORY_FRACTION:.1f} GiB usable (largest: {part} "
+                f"{mem[part] / GiB:.1f} GiB)")
+    dt = {k: pl.time[k] - best.time[k] for k in ("compute_s", "tp_comm_s", "bubble_s",
+                                                  "dp_comm_s")}
+    k = max(dt, key=dt.get)
+    t = lay.tensor_model_parallel_size
+    why = {"compute_s": f"recompute '{lay.recompute_granularity}' or smaller GEMMs",
+           "tp_comm_s": f"TP {t} collectives" + (" cross the node" if t > cl.gpus_per_node
+                                                  else ""),
+           "bubble_s": f"batch budget: PP {lay.pipeline_model_parallel_size} with "
+                       f"{pl.time['num_micro']} micro-batches idles in the bubble",
+           "dp_comm_s": f"DP {lay.data_parallel_size} / ZeRO {lay.zero_stage} traffic"}[k]
+    return (f"{100 * (pl.time['step_time_s'] / best.time['step_time_s'] - 1):.1f}% slower: "
+            f"{why} (+{dt[k]:.3f} s)")
 
 
 def build_plan_parser():
@@ -113,7 +154,7 @@ def main(argv=None) -> int:
         return 2
     shown = plans[: ns.top]
     if ns.json:
-        print(json.dumps({"layouts": [pl.as_json() for pl in shown]}))
+        print(json.dumps({"layouts": [as_json(pl) for pl in shown]}))
         return 0
     gpu = cluster.gpu
     print(f"{model.cfg.num_parameters() / 1e9:.2f}B parameters on {cluster.num_gpus} x "
@@ -129,8 +170,8 @@ def main(argv=None) -> int:
               f"{t['bubble_s']:.2f}/{t['dp_comm_s']:.2f})")
         print(f"{i + 1:>3} {pl.layout.short():<52} {'yes' if pl.fits else 'no':<4} {mem:<28} "
               f"{tm:<30} {t['tflops_per_gpu']:7.1f} {100 * t['mfu']:4.1f}%")
-        if pl.why:
-            print(f"{'':>4}why not first: {pl.why}")
+        if i:
+            print(f"{'':>4}why not first: {why_lost(pl, plans[0], cluster)}")
     return 0
 
 
