@@ -94,42 +94,17 @@ def wrap_model_for_data_parallel(model_chunks: List[torch.nn.Module], cfg: Megal
     return wrap_chunks_zero3(model_chunks, cfg, ps)
 
 
-def build_data(cfg: MegaliteConfig, tokenizer, seq_length: int):
-    """(train_ds, valid_ds, test_ds, loader_fn, get_batch_fn) from megalite.data."""
-    from megalite.data import build_data_loader, build_pretraining_datasets, get_batch
-
-    tr = cfg.training
-    gbs = tr.global_batch_size
-    # Validation re-reads the same eval_iters global batches at every evaluation, so successive
-    # validation losses are comparable (Megatron instead walks on through the validation set).
-    n_train = tr.train_iters * gbs
-    n_eval = max(tr.eval_iters, 1) * gbs  # (0 would mean 'one epoch' to the builder)
-    train_ds, valid_ds, test_ds = build_pretraining_datasets(
-        cfg.data, tokenizer, seq_length, tr.seed, num_samples=(n_train, n_eval, n_eval),
-        cache_dir=cfg.data.data_cache_path)
-    return train_ds, valid_ds, test_ds, build_data_loader, get_batch
-
-
 def unigram_entropy(dataset, max_samples: int = 2000) -> Tuple[float, int]:
     """Entropy (nats) of the token frequencies of the first samples of ``dataset``.
 
     A model that ignores context cannot beat this cross-entropy, so validation loss well below it
     shows the model learned more than token frequencies.
     """
-    counts = None
-    n = 0
-    for i in range(min(len(dataset), max_samples)):
-        tok = torch.as_tensor(dataset[i]["tokens"]).long().flatten()
-        bc = torch.bincount(tok)
-        if counts is None:
-            counts = bc
-        else:
-            if bc.numel() > counts.numel():
-                bc, counts = counts, bc
-            counts[: bc.numel()] += bc
-        n += tok.numel()
+    n = min(len(dataset), max_samples)
     if not n:
         return float("nan"), 0
+    tokens = torch.cat([torch.as_tensor(dataset[i]["tokens"]).long().flatten() for i in range(n)])
+    counts, n = torch.bincount(tokens), tokens.numel()
     p = counts[counts > 0].double() / n
     return float(-(p * p.log()).sum()), n
 
@@ -189,8 +164,17 @@ class Trainer:
     # Set-up
     # --------------------------------------------------------------------------------------------
     def _build_data(self) -> None:
-        (self.train_ds, self.valid_ds, _test, self.build_loader,
-         self.get_batch) = build_data(self.cfg, self.tokenizer, self.cfg.model.seq_length)
+        from megalite.data import build_data_loader, build_pretraining_datasets, get_batch
+
+        cfg, tr = self.cfg, self.cfg.training
+        self.build_loader, self.get_batch = build_data_loader, get_batch
+        # Validation re-reads the same eval_iters global batches at every evaluation, so successive
+        # validation losses are comparable (Megatron instead walks on through the validation set).
+        n_train = tr.train_iters * tr.global_batch_size
+        n_eval = max(tr.eval_iters, 1) * tr.global_batch_size  # (0: 'one epoch' to the builder)
+        self.train_ds, self.valid_ds, _test = build_pretraining_datasets(
+            cfg.data, self.tokenizer, cfg.model.seq_length, tr.seed,
+            num_samples=(n_train, n_eval, n_eval), cache_dir=cfg.data.data_cache_path)
 
     def _build_model_and_optimizer(self) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
