@@ -4,8 +4,9 @@ convert.py megalite-to-hf -> AutoModelForCausalLM, with no model or tokenizer fl
 The HF model (a tiny random Llama) and its tokenizer (a BPE trained on the test's own text) are
 built locally. The model's vocabulary is 24 rows larger than the tokenizer's, as padded
 vocabularies are: those rows are never predicted (masked out of the softmax like the TP padding),
-so they get no gradient and training changes them by weight decay alone, a uniform scaling,
-while the rows the tokenizer produces move each their own way.
+so they get no gradient, and with weight decay off training leaves them exactly as imported (which
+also needs this run's --weight-decay to win over the imported optimizer state's), while the rows
+the tokenizer produces move.
 """
 
 import os
@@ -55,7 +56,7 @@ def test_hf_to_megalite_to_hf_needs_no_model_or_tokenizer_flags(tmp_path):
                              "--save", imported]) == 0
     assert run_main(["--load", imported, "--use-checkpoint-args", "--data-path", str(text),
                      "--save", trained, "--train-iters", "4", "--micro-batch-size", "2",
-                     "--lr", "1e-2", "--lr-warmup-iters", "1",
+                     "--lr", "1e-2", "--lr-warmup-iters", "1", "--weight-decay", "0",
                      "--eval-iters", "1", "--log-interval", "1", "--no-log-throughput"]) == 0
     assert convert_cli.main(["megalite-to-hf", "--load", trained, "--save", out]) == 0
 
@@ -66,9 +67,4 @@ def test_hf_to_megalite_to_hf_needs_no_model_or_tokenizer_flags(tmp_path):
     for name in ("lm_head.weight", "model.embed_tokens.weight"):
         before, after = hf.state_dict()[name], back.state_dict()[name]
         assert not torch.allclose(after[:n], before[:n], rtol=1e-3), f"{name}: trained rows"
-        extra = after[n:] / before[n:]  # Llama's init has no exact zeros
-        assert extra.max() - extra.min() < 1e-5, f"{name}: rows the tokenizer never produces"
-        assert 0.99 < float(extra.mean()) <= 1.0
-    # ... and the trained rows did get gradients (their scaling is not uniform)
-    ratio = back.state_dict()["lm_head.weight"][:n] / hf.state_dict()["lm_head.weight"][:n]
-    assert ratio.max() - ratio.min() > 1e-2
+        assert torch.equal(after[n:], before[n:]), f"{name}: rows the tokenizer never produces"

@@ -157,7 +157,12 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        # torch restores the saved hyperparameters with the state; this run's flags win (betas,
+        # eps, weight decay; the LR schedule sets lr), as the ZeRO optimizers read them from cfg.
+        flags = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         self.inner.load_state_dict(sd["optimizer"])
+        for group, hyper in zip(self.inner.param_groups, flags):
+            group.update(hyper)
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
         if self.mixed:
