@@ -36,6 +36,14 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # a peer died or hung: one line, not a traceback per rank
+        from megalite.exit_conditions import peer_failure
+
+        line = peer_failure(e)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return 1
     finally:
         destroy_model_parallel()
     return 0

@@ -33,6 +33,7 @@ import torch
 from megalite import checkpointing
 from megalite import collectives as C
 from megalite.config import MegaliteConfig
+from megalite.exit_conditions import ExitConditions
 from megalite.logging import (
     MetricsLogger,
     cpu_peak_at_least,
@@ -42,6 +43,7 @@ from megalite.logging import (
     training_log_line,
 )
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
+from megalite.optimizer.grad_scaler import NonFiniteGradNorm
 from megalite.planner import measured_train_step
 from megalite.parallel_state import (
     ParallelState,
@@ -141,7 +143,7 @@ class Trainer:
     """One pretraining run. Construction is the set-up; :meth:`train` is the loop.
 
     The loop (:meth:`train`) reads as its steps: one timed :meth:`train_step`, then
-    :meth:`_record` (summary, divergence check), :meth:`_log` every ``--log-interval``,
+    :meth:`_record` (summary; NaN checks are in :meth:`train_step`), :meth:`_log` every ``--log-interval``,
     :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every ``--save-interval``,
     and :meth:`_stop_reason`, the one per-iteration "stop now?" check; :meth:`_finish` evaluates
     and saves the final state.
@@ -247,24 +249,26 @@ class Trainer:
         interval = _Interval()
         for c in self.chunks:
             c.train()
-        while self.iteration < tr.train_iters:
-            lr = self.scheduler.current_lr
-            loss, updated, grad_norm, dt = self._timed_train_step(data_it)
-            self._record(loss, updated, grad_norm, dt)
-            interval.add(loss, dt, updated, grad_norm)
-            if self.iteration % self.cfg.logging.log_interval == 0 \
-                    or self.iteration == tr.train_iters:
-                self._log(interval, lr)
-                interval = _Interval()
-            if self.iteration % tr.eval_interval == 0:
-                self._evaluate_and_log()
-            if self._save_due():
-                self._save()
-            reason = self._stop_reason()
-            if reason:
-                self.logger.print(f" exiting at iteration {self.iteration} ({reason})")
-                break
-        return self._finish()
+        # --exit-signal-handler / --exit-duration-in-mins, held until the final save is done
+        with ExitConditions(tr, self.ps, self.t_start) as self.exits:
+            while self.iteration < tr.train_iters:
+                lr = self.scheduler.current_lr
+                loss, updated, grad_norm, dt = self._timed_train_step(data_it)
+                self._record(loss, updated, grad_norm, dt)
+                interval.add(loss, dt, updated, grad_norm)
+                if self.iteration % self.cfg.logging.log_interval == 0 \
+                        or self.iteration == tr.train_iters:
+                    self._log(interval, lr)
+                    interval = _Interval()
+                if self.iteration % tr.eval_interval == 0:
+                    self._evaluate_and_log()
+                if self._save_due():
+                    self._save()
+                reason = self._stop_reason()
+                if reason:
+                    self.logger.print(f" exiting at iteration {self.iteration} ({reason})")
+                    break
+            return self._finish()
 
     def _timed_train_step(self, data_it):
         synchronize(self.ps.device)
@@ -285,12 +289,27 @@ class Trainer:
         self.optimizer.zero_grad()
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
         loss_sum, ntok = self._reduce_loss(stats)
+        loss = loss_sum / max(ntok, 1.0)
         # Here the loss (on every rank) and the reduced gradients exist but have not touched the
-        # weights: the place for checks that must stop a step before it corrupts the model.
-        updated, grad_norm, _num_zeros = self.optimizer.step()
+        # weights: a NaN/Inf loss, or grad norm (checked by the optimizer before it updates
+        # anything), stops every rank before the step and before any save. fp16 skips instead.
+        check = self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.optimizer.fp16
+        self.optimizer.check_for_nan = check
+        if check and not math.isfinite(loss):
+            raise self._diverged(f"loss {loss}")
+        try:
+            updated, grad_norm, _num_zeros = self.optimizer.step()
+        except NonFiniteGradNorm as e:
+            raise self._diverged(str(e)) from None
         if updated:
             self.scheduler.step()
-        return loss_sum / max(ntok, 1.0), updated, grad_norm
+        return loss, updated, grad_norm
+
+    def _diverged(self, what: str) -> TrainingError:
+        return TrainingError(
+            f"{what} at iteration {self.iteration + 1} in {self.cfg.optimizer.params_dtype}, "
+            f"stopped before the optimizer step (--check-for-nan-in-loss-and-grad): training "
+            f"diverged; lower --lr, raise --lr-warmup-iters or set --clip-grad")
 
     def _record(self, loss: float, updated: bool, grad_norm, dt: float) -> None:
         self.iteration += 1
@@ -302,13 +321,6 @@ class Trainer:
             from megalite.memory import memory_report
 
             self.logger.log(memory_report(self.chunks, self.optimizer), 1, split="memory")
-        diverged = not math.isfinite(loss) or (updated and grad_norm is not None
-                                               and not math.isfinite(grad_norm))
-        if diverged and not self.cfg.optimizer.fp16:  # fp16's loss scaler skips such steps
-            raise TrainingError(
-                f"loss became {loss} (grad norm {grad_norm}) at iteration {self.iteration} in "
-                f"{self.cfg.optimizer.params_dtype}: training diverged; lower --lr, raise "
-                f"--lr-warmup-iters or set --clip-grad")
 
     def _save_due(self) -> bool:
         ck = self.cfg.checkpoint
@@ -323,7 +335,7 @@ class Trainer:
         tr = self.cfg.training
         if tr.exit_interval and self.iteration % tr.exit_interval == 0:
             return f"--exit-interval {tr.exit_interval}"
-        return None
+        return self.exits.stop_reason()  # signals, time limit: agreed over all ranks
 
     def _finish(self) -> dict:
         if self.iteration % self.cfg.training.eval_interval != 0:

@@ -1,13 +1,17 @@
-"""Faults a cluster run meets (docs/clusters.md, "Faults"): a failing save, durable saves."""
+"""Faults a cluster run meets (docs/clusters.md, "Faults"): a failing save, durable saves,
+preemption signals, a killed rank, a time limit, a diverging run."""
 
 import contextlib
 import errno
 import io
 import os
+import signal
+import subprocess
+import sys
 import time
 
-from dist_utils import run_distributed
-from pretrain_utils import flags, run_main, train_losses
+from dist_utils import free_port, run_distributed
+from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_main, train_losses
 
 from megalite import checkpointing
 
@@ -31,11 +35,11 @@ def _save_fails_on_rank(rank, world, argv, bad_rank, iteration):
 
 
 def test_save_failing_on_one_rank_stops_every_rank(tmp_path):
-    """Rank 1 (of TP2) runs out of space saving iteration 4: both ranks exit at once with its
+    """Rank 1 (of DP2) runs out of space saving iteration 4: both ranks exit at once with its
     error, no iter_4 is left, the tracker still names iteration 2, and a resume from it works."""
     ck = tmp_path / "ck"
-    argv = [str(a) for a in flags("--tensor-model-parallel-size", "2", train_iters=4, save=ck,
-                                  save_interval=2, distributed_timeout_minutes=1)]
+    argv = [str(a) for a in flags(train_iters=4, save=ck, save_interval=2,
+                                  distributed_timeout_minutes=1)]
     out = run_distributed(_save_fails_on_rank, 2, argv, 1, 4, timeout=240)
     for rank, (rc, err, t_end) in enumerate(out):
         lines = [ln for ln in err.splitlines() if ln.strip()]
@@ -44,11 +48,8 @@ def test_save_failing_on_one_rank_stops_every_rank(tmp_path):
     assert abs(out[0][2] - out[1][2]) < 20  # together, not rank 0 at the 60 s timeout
     assert not [n for n in os.listdir(ck) if n.startswith("iter_0000004")], os.listdir(ck)
     assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "2"
-    resumed = tmp_path / "resumed.jsonl"
-    argv = [str(a) for a in flags("--tensor-model-parallel-size", "2", train_iters=4, save=ck,
-                                  load=ck, metrics_file=resumed)]
-    out = run_distributed(_save_fails_on_rank, 2, argv, -1, 4, timeout=240)
-    assert [rc for rc, _, _ in out] == [0, 0], out
+    resumed = tmp_path / "resumed.jsonl"  # (the data-parallel size may change on a resume)
+    assert run_main(flags(train_iters=4, save=ck, load=ck, metrics_file=resumed)) == 0
     assert sorted(train_losses(resumed)) == [3, 4]
     assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "4"
 
@@ -92,3 +93,129 @@ def test_saves_are_durable_and_resaves_never_unloadable(tmp_path, monkeypatch):
 
 
 TRACKER = checkpointing.TRACKER_FILE
+
+
+# ------------------------------------------------------------------ signals, SIGKILL, NaN, time
+class Job:
+    """pretrain.py as ``nproc`` ranks started directly (as srun would), output in files."""
+
+    def __init__(self, tmp_path, name, argv, nproc=2):
+        self.tag = f"megalite-fault-test-{os.getpid()}-{name}"
+        self.out = [tmp_path / f"{name}.{r}.out" for r in range(nproc)]
+        self.err = [tmp_path / f"{name}.{r}.err" for r in range(nproc)]
+        port = free_port()
+        self.procs = []
+        for r in range(nproc):
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RANK=str(r),
+                       WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), MEGALITE_FAULT_TEST_TAG=self.tag)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, PRETRAIN] + [str(a) for a in argv], cwd=ROOT, env=env,
+                stdout=open(self.out[r], "w"), stderr=open(self.err[r], "w")))
+
+    def wait_for(self, text, timeout=180):
+        t0 = time.time()
+        while text not in self.out[0].read_text():
+            assert time.time() - t0 < timeout and self.procs[0].poll() is None, \
+                f"never saw {text!r}: {self.err[0].read_text()[-2000:]}"
+            time.sleep(0.05)
+
+    def finish(self, timeout=180):
+        try:
+            for p in self.procs:
+                p.wait(timeout=timeout)
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        return [p.returncode for p in self.procs]
+
+    def alive(self):
+        """Processes still carrying this job's tag (children included)."""
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if self.tag.encode() in f.read():
+                        found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+
+def _lines(path):
+    return [ln for ln in path.read_text().splitlines() if ln.strip()]
+
+
+FAULT_FLAGS = ("--hidden-dropout", "0.1", "--train-iters", "12", "--distributed-timeout-minutes",
+               "0.2")
+
+
+def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
+    """Preempted (SIGTERM to rank 1, SIGINT to rank 0): both finish the iteration, save, exit 0.
+    Resumed, then rank 1 SIGKILLed: rank 0 exits non-zero within the timeout, in one line, no
+    process left. Resumed again from the last complete checkpoint: every iteration equals an
+    uninterrupted run's, bit for bit."""
+    ck = tmp_path / "ck"
+    ref = Job(tmp_path, "ref", flags(*FAULT_FLAGS, metrics_file=tmp_path / "ref.jsonl"))
+    assert ref.finish() == [0, 0]
+    ref_losses = train_losses(tmp_path / "ref.jsonl")
+
+    a = Job(tmp_path, "a", flags(*FAULT_FLAGS, "--exit-signal-handler", save=ck,
+                                 save_interval=100, metrics_file=tmp_path / "a.jsonl"))
+    a.wait_for("iteration        2/")
+    a.procs[1].send_signal(signal.SIGTERM)
+    a.procs[0].send_signal(signal.SIGINT)
+    assert a.finish() == [0, 0], a.err[0].read_text()[-2000:] + a.err[1].read_text()[-2000:]
+    k = int((ck / checkpointing.TRACKER_FILE).read_text())
+    assert 2 <= k < 8 and "SIGTERM received" in a.out[0].read_text()
+    assert max(train_losses(tmp_path / "a.jsonl")) == k  # stopped right after the iteration
+
+    b = Job(tmp_path, "b", flags(*FAULT_FLAGS, save=ck, load=ck, save_interval=1,
+                                 metrics_file=tmp_path / "b.jsonl"))
+    b.wait_for(f"saved checkpoint {ck}/iter_{k + 2:07d}")
+    t_kill = time.time()
+    b.procs[1].kill()
+    rcs = b.finish(timeout=60)
+    assert rcs[0] not in (0, None) and time.time() - t_kill < 0.2 * 60 + 15
+    err = _lines(b.err[0])
+    assert len(err) == 1 and "another rank died or stopped responding" in err[0], err
+    assert not b.alive() and not a.alive()
+    j = int((ck / checkpointing.TRACKER_FILE).read_text())
+    assert j >= k + 2 and (ck / f"iter_{j:07d}" / "args.json").exists()
+
+    c = Job(tmp_path, "c", flags(*FAULT_FLAGS, save=ck, load=ck, metrics_file=tmp_path / "c.jsonl"))
+    assert c.finish() == [0, 0], c.err[0].read_text()[-2000:]
+    got = {**train_losses(tmp_path / "b.jsonl"), **train_losses(tmp_path / "c.jsonl")}
+    assert sorted(got) == list(range(k + 1, 13))
+    for it in got:
+        assert got[it] == ref_losses[it], (it, got[it], ref_losses[it])
+
+
+def test_exit_duration_saves_and_exits_zero(tmp_path):
+    ck = tmp_path / "ck"
+    assert run_main(flags("--exit-duration-in-mins", "0.0001", train_iters=50, save=ck)) == 0
+    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "1"
+
+
+def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path):
+    """fp32 diverging (lr 1e30) on 2 ranks: every rank names the iteration and exits non-zero
+    before the step, so the last checkpoint (saved every iteration) is the one before; fp16
+    instead keeps skipping steps and lowering the loss scale."""
+    ck = tmp_path / "ck"
+    boom = ("--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
+            "--train-iters", "6")
+    job = Job(tmp_path, "fp32", flags(*boom, save=ck, save_interval=1))
+    rcs = job.finish()
+    errs = [_lines(e) for e in job.err]
+    assert all(rc == 1 for rc in rcs) and all(len(e) == 1 for e in errs), errs
+    bad = int(errs[0][0].split("at iteration ")[1].split()[0])
+    assert "before the optimizer step" in errs[0][0] and errs[0] == errs[1]
+    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == str(bad - 1)
+    assert not [n for n in os.listdir(ck) if n.startswith(f"iter_{bad:07d}")]
+    # fp16 (one process: the overflow flag's agreement over ranks is the fp32 path's reduction)
+    assert run_main(flags(*boom, "--fp16", metrics_file=tmp_path / "fp16.jsonl")) == 0
+    recs = read_metrics(tmp_path / "fp16.jsonl")
+    assert sum(r["skipped_iterations"] for r in recs) >= 3
+    assert recs[-1]["loss_scale"] < recs[0]["loss_scale"]
