@@ -304,11 +304,11 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
         dataclasses.replace(m.cfg, sequence_parallel=lay.sequence_parallel).validate(t)
     except ConfigError as e:
         return str(e)
-    if t * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b):
-        return "TP x PP x DP must equal the GPUs, PP x VPP divide the layers, DP x mb the batch"
-    if v > 1 and (gbs // (d * b)) % p:
-        return "interleaving needs a multiple of PP micro-batches"
-    return "ZeRO needs DP > 1" if lay.zero_stage and d == 1 else None
+    if (t * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b)
+            or (v > 1 and (gbs // (d * b)) % p) or (lay.zero_stage and d == 1)):
+        return ("TP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the batch, "
+                "PP the micro-batches when interleaved; ZeRO needs DP > 1")
+    return None
 
 
 @dataclass
