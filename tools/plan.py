@@ -67,7 +67,14 @@ def why_lost(pl: Plan, best: Plan, cl: Cluster) -> str:
                                                   "dp_comm_s")}
     k = max(dt, key=dt.get)
     t = lay.tensor_model_parallel_size
-    why = {"compute_s": f"recompute '{lay.recompute_granularity}' or smaller GEMMs",
+    b = best.layout
+    compute = (f"recompute '{lay.recompute_granularity}'"
+               if lay.recompute_granularity != b.recompute_granularity else
+               f"micro-batch {lay.micro_batch_size}: smaller GEMMs"
+               if lay.micro_batch_size < b.micro_batch_size else
+               f"ZeRO {lay.zero_stage}: a longer optimizer step"
+               if lay.zero_stage != b.zero_stage else "smaller GEMMs per GPU")
+    why = {"compute_s": compute,
            "tp_comm_s": f"TP {t} collectives" + (" cross the node" if t > cl.gpus_per_node
                                                   else ""),
            "bubble_s": f"batch budget: PP {lay.pipeline_model_parallel_size} with "
