@@ -8,6 +8,7 @@ FLOPs are megalite.logging's. docs/planner.md: derivations, constants, validatio
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -22,19 +23,10 @@ from megalite.memory import theoretical_model_state_bytes
 GiB = 2 ** 30
 
 
-@dataclass(frozen=True)
-class GPU:
-    """Datasheet: dense 16-bit TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, network Gb/s
-    per GPU; and the fraction of peak large GEMMs sustain in training (docs/planner.md)."""
-    name: str
-    peak_tflops: float
-    memory_gib: float
-    hbm_gbps: float
-    intra_node_bandwidth_gbps: float
-    inter_node_bandwidth_gbps: float
-    gemm_efficiency: float
-
-
+# Datasheet: dense 16-bit TFLOP/s, GiB, HBM GB/s, NVLink GB/s per direction, network Gb/s per
+# GPU; and the fraction of peak large GEMMs sustain in training (docs/planner.md).
+GPU = collections.namedtuple("GPU", "name peak_tflops memory_gib hbm_gbps "
+                             "intra_node_bandwidth_gbps inter_node_bandwidth_gbps gemm_efficiency")
 GPUS = {g.name: g for g in (GPU("A100-80GB", 312.0, 80.0, 2039.0, 300.0, 200.0, 0.70),
                             GPU("H100-80GB", 989.0, 80.0, 3350.0, 450.0, 400.0, 0.62),
                             GPU("H200", 989.0, 141e9 / GiB, 4800.0, 450.0, 400.0, 0.62))}
@@ -311,12 +303,7 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
     return None
 
 
-@dataclass
-class Plan:
-    layout: Layout
-    memory: Dict
-    time: Dict
-    fits: bool
+Plan = collections.namedtuple("Plan", "layout memory time fits")
 
 
 def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[Plan]:

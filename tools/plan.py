@@ -130,7 +130,7 @@ def parse(argv):
     for k, v in over.items():
         if v is not None and v <= 0:
             raise ConfigError(f"--{k.replace('_', '-')} must be positive, got {v}")
-    gpu = dataclasses.replace(gpu, **{k: v for k, v in over.items() if v is not None})
+    gpu = gpu._replace(**{k: v for k, v in over.items() if v is not None})
     cluster = Cluster(ns.num_gpus, min(ns.gpus_per_node, ns.num_gpus), gpu)
     fixed = {}
     for flag, field in _PINNED.items():
