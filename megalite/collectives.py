@@ -116,6 +116,11 @@ def _tensors(args, kwargs):
             yield from (x for x in a if isinstance(x, torch.Tensor))
 
 
+def _is_host_device(dev) -> bool:
+    dev = torch.device(dev)
+    return dev.type == "cpu" and dev.index is None
+
+
 class EmulatedDevice(TorchFunctionMode):
     """A GPU stand-in on CPU: tracks which tensors would be host (CPU) tensors on a GPU run.
 
@@ -129,11 +134,6 @@ class EmulatedDevice(TorchFunctionMode):
     """
 
     COMPUTE = torch.device("cpu", 0)
-
-    @staticmethod
-    def _is_host_device(dev) -> bool:
-        dev = torch.device(dev)
-        return dev.type == "cpu" and dev.index is None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -150,7 +150,7 @@ class EmulatedDevice(TorchFunctionMode):
             else:
                 dev = torch._C._nn._parse_to(*rest, **kwargs)[0]
                 host = getattr(src, _HOST_MARK, False) if dev is None else \
-                    self._is_host_device(dev)
+                    _is_host_device(dev)
             if out is src and host != getattr(src, _HOST_MARK, False):
                 out = out.clone()  # a GPU copies between host and device
         elif func is torch.Tensor.cpu:
@@ -158,7 +158,7 @@ class EmulatedDevice(TorchFunctionMode):
             if out is args[0] and not getattr(out, _HOST_MARK, False):
                 out = out.clone()
         elif kwargs.get("device") is not None:
-            host = self._is_host_device(kwargs["device"])
+            host = _is_host_device(kwargs["device"])
         else:
             ins = list(_tensors(args, kwargs))
             if any(out is t for t in ins):  # in place: the tensor stays where it is
