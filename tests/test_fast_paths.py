@@ -133,6 +133,18 @@ def test_blocked_cross_entropy_matches_torch_and_keeps_only_the_logits(dtype, mo
     torch.testing.assert_close(x.grad[..., :vocab].float(), ref_x.grad, **TOL[dtype])
 
 
+def test_use_apex_needs_cuda_and_is_never_imported_on_cpu():
+    import sys
+
+    from megalite.config import ConfigError
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    with pytest.raises(ConfigError, match="^--use-apex needs a CUDA device"):
+        GPTModel(tiny_config("llama", use_apex=True), ParallelState(device=torch.device("cpu")))
+    assert "apex" not in sys.modules
+
+
 @pytest.mark.parametrize("family,backend", [("llama", "aot_eager"), ("gpt2", "inductor")])
 def test_compiled_layers_match_eager(family, backend):
     """--torch-compile: the same model with each layer compiled gives the eager losses and

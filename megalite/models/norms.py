@@ -16,27 +16,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megalite.config import ConfigError
 
-def _apex_norm_functions():
-    """apex's fused (layer_norm, rms_norm) affine functions, or a one-line error."""
+
+def _apex_norm_functions(device):
+    if torch.device(device if device is not None else "cpu").type != "cuda":
+        raise ConfigError("--use-apex needs a CUDA device (--device cuda): apex's norms are "
+                          "CUDA kernels")
     try:
-        from apex.normalization.fused_layer_norm import (
-            fused_layer_norm_affine,
-            fused_rms_norm_affine,
-        )
-        import fused_layer_norm_cuda  # noqa: F401  (the CUDA extension itself, not a stub)
+        import fused_layer_norm_cuda  # noqa: F401  (apex's CUDA extension, not a Python stub)
+        from apex.normalization.fused_layer_norm import fused_layer_norm_affine as ln
+        from apex.normalization.fused_layer_norm import fused_rms_norm_affine as rms
     except ImportError as e:
-        raise RuntimeError(f"--use-apex: NVIDIA apex with its CUDA extensions is not importable "
-                           f"({e}); build apex with --cuda_ext or drop the flag") from e
-    return fused_layer_norm_affine, fused_rms_norm_affine
+        raise ConfigError(f"--use-apex: NVIDIA apex with its CUDA extensions is not importable "
+                          f"({e}); build apex with --cuda_ext or drop the flag") from e
+    return ln, rms
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool, params_dtype,
-                 device, bias: bool, use_apex: bool):
+    def __init__(self, hidden_size, eps, sequence_parallel, params_dtype, device, bias, use_apex):
         super().__init__()
-        self.eps = eps
-        self.shape = (hidden_size,)
+        self.eps, self.shape = eps, (hidden_size,)
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
         self.weight.init_method = ("ones",)
         self.bias = None
@@ -45,11 +45,7 @@ class _Norm(nn.Module):
             self.bias.init_method = ("zeros",)
         for p in self.parameters():
             p.sequence_parallel = sequence_parallel
-        self.apex = None
-        if use_apex:
-            if torch.device(device if device is not None else "cpu").type != "cuda":
-                raise RuntimeError("--use-apex needs a CUDA device (apex's norms are CUDA kernels)")
-            self.apex = _apex_norm_functions()
+        self.apex = _apex_norm_functions(device) if use_apex else None
 
 
 class LayerNorm(_Norm):

@@ -11,6 +11,7 @@ row-parallel output projection sums the partial results.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -75,17 +76,14 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
-        gqa = {}
-        if self.heads_per_group > 1:
-            if _SDPA_HAS_GQA:  # the kernel maps each query head to its group: no K/V copies
-                gqa = {"enable_gqa": True}
-            else:
-                k = k.repeat_interleave(self.heads_per_group, dim=1)
-                v = v.repeat_interleave(self.heads_per_group, dim=1)
+        gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
+        if self.heads_per_group > 1 and not gqa:
+            k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         p = self.config.attention_dropout if self.training else 0.0
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
         with get_rng_tracker().fork():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                  **({"enable_gqa": True} if gqa else {}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
@@ -115,19 +113,19 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_SWIGLU_FUSED = []
+@functools.lru_cache(maxsize=None)
+def _compiled_swiglu():
+    return torch.compile(swiglu, dynamic=True)  # on first use: importing the compiler costs seconds
 
 
 def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
-    """On CUDA, one generated kernel each way instead of chunk/silu/mul and their backward
-    (inductor fuses them; dynamic shapes, so a new micro-batch or sequence length does not
-    recompile). Compiled on first use: importing torch's compiler costs seconds. The CPU keeps the
-    eager reference; tests/test_fast_paths.py compares the two where a GPU exists."""
-    if not h.is_cuda:
-        return swiglu(h)
-    if not _SWIGLU_FUSED:
-        _SWIGLU_FUSED.append(torch.compile(swiglu, dynamic=True))
-    return _SWIGLU_FUSED[0](h)
+    """On CUDA, one inductor kernel each way instead of chunk/silu/mul and their backward (dynamic
+    shapes: no recompile per batch shape). The CPU, and a layer already being compiled
+    (--torch-compile fuses it there), run the reference; tests/test_fast_paths.py compares the two
+    where a GPU exists."""
+    if h.is_cuda and not torch.compiler.is_compiling():
+        return _compiled_swiglu()(h)
+    return swiglu(h)
 
 
 class MLP(nn.Module):

@@ -27,13 +27,12 @@ import torch
 
 from megalite import collectives as C
 
-# Rows per block: about this many logits are upcast to fp32 at a time (64 MiB in fp32).
-BLOCK_ELEMENTS = 1 << 24
+BLOCK_ELEMENTS = 1 << 24  # logits upcast to fp32 at a time (64 MiB)
 
 
 def _blocks(n_rows: int, n_cols: int):
     step = max(1, BLOCK_ELEMENTS // max(1, n_cols))
-    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+    return [slice(i, i + step) for i in range(0, n_rows, step)]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -44,8 +43,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = rank * part
         # Only the last ranks can hold padding; a rank may hold none of the real vocab at all.
         real = max(0, min(part, vocab_size - start))
-        x = logits.reshape(-1, part)
-        tgt = target.reshape(-1)
+        x, tgt = logits.reshape(-1, part), target.reshape(-1)
         n = x.shape[0]
         blocks = _blocks(n, part)
 
@@ -79,9 +77,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth_loss
 
         ctx.save_for_backward(logits, row_max, log_sum_exp, local_target, outside)
-        ctx.label_smoothing = label_smoothing
-        ctx.vocab_size = vocab_size
-        ctx.real = real
+        ctx.label_smoothing, ctx.vocab_size, ctx.real = label_smoothing, vocab_size, real
         return loss.view(target.shape)
 
     @staticmethod

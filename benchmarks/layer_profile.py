@@ -1,0 +1,186 @@
+"""Per-layer kernel counts and cross-entropy peak memory, for docs/performance.md.
+
+    python benchmarks/layer_profile.py kernels [--dtype bfloat16] [--compile inductor]
+    python benchmarks/layer_profile.py ce-memory --tokens 4096 --vocab 32768
+    python benchmarks/layer_profile.py startup --sizes 125m,350m [--device cuda]
+
+``kernels``: one Llama-shaped TransformerLayer (and, separately, the loss head: final norm, output
+layer, vocab-parallel cross entropy), forward + backward under torch.profiler. On CUDA it counts
+device kernels; on the CPU it counts leaf ATen ops that compute (views and metadata ops are not
+kernels), the CPU analogue of kernel launches. ``ce-memory``: peak resident memory of this
+process around one cross-entropy forward + backward on bf16 logits (read it from an otherwise
+idle process). ``startup``: for GPT-2-shaped models of each size, the seconds to build the model
+and draw its initial weights (megalite/models/init.py), and the seconds from launching
+``pretrain.py`` (bf16 on CUDA, fp32 on CPU, ``--mock-data``) to its first logged iteration
+(process wall time minus that iteration's own time; interpreter and import time included), with
+CPU seconds beside the wall times (a loaded machine inflates wall time, much less CPU time). Runs against whatever ``megalite`` is on PYTHONPATH, so two checkouts compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+
+import torch
+
+# appended, not prepended: a megalite on PYTHONPATH (another checkout) wins
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Ops that only make views or read metadata: no kernel is launched for them.
+_NO_KERNEL = {"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::permute",
+              "aten::transpose", "aten::t", "aten::split", "aten::split_with_sizes",
+              "aten::chunk", "aten::unflatten", "aten::as_strided", "aten::expand",
+              "aten::squeeze", "aten::unsqueeze", "aten::slice", "aten::select", "aten::detach",
+              "aten::empty", "aten::empty_strided", "aten::alias", "aten::flatten",
+              "aten::lift_fresh", "aten::result_type", "aten::_unsafe_view", "aten::unbind",
+              "aten::narrow", "aten::expand_as", "aten::view_as", "aten::resolve_conj",
+              "aten::resolve_neg", "aten::empty_like", "aten::is_nonzero", "aten::item",
+              "aten::_local_scalar_dense", "aten::size", "aten::stride", "detach"}
+
+
+def _count(prof, cuda: bool):
+    if cuda:
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(evs), {}
+    def computes(e):
+        return e.name.startswith("aten::") and e.name not in _NO_KERNEL
+
+    def has_computing_descendant(e):
+        return any(computes(c) or has_computing_descendant(c) for c in e.cpu_children)
+
+    per_op = {}
+    for e in prof.events():
+        if computes(e) and not has_computing_descendant(e):  # the op that does the work
+            per_op[e.name] = per_op.get(e.name, 0) + 1
+    return sum(per_op.values()), dict(sorted(per_op.items(), key=lambda kv: -kv[1]))
+
+
+def kernels(args):
+    from megalite.config import ModelConfig
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    kw = dict(num_layers=1, hidden_size=256, num_attention_heads=8, num_query_groups=2,
+              ffn_hidden_size=512, seq_length=128, vocab_size=4096, hidden_dropout=0.0,
+              attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm",
+              swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
+              params_dtype=args.dtype)
+    if args.compile:
+        kw["torch_compile"] = args.compile
+    model = GPTModel(ModelConfig(**kw), ParallelState(device=dev), seed=1, device=dev)
+    layer = model.layers["0"]
+    x = torch.randn(128, 2, 256, device=dev, dtype=getattr(torch, args.dtype), requires_grad=True)
+    labels = torch.randint(0, 4096, (128, 2), device=dev)
+    from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    def run_layer():
+        layer(x).float().sum().backward()
+
+    def run_head():
+        h = model.final_layernorm(x)
+        logits = model.output_layer(h, model.output_layer.weight)
+        vocab_parallel_cross_entropy(logits, labels, None, vocab_size=4096).sum().backward()
+
+    out = {"device": str(dev), "dtype": args.dtype, "compile": args.compile}
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, fn in (("layer", run_layer), ("loss_head", run_head)):
+        fn()  # warm-up (and compilation)
+        with profile(activities=acts) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        out[name], out[name + "_ops"] = _count(prof, cuda)
+    print(json.dumps(out))
+
+
+def ce_memory(args):
+    from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.empty(args.tokens, 1, args.vocab, dtype=torch.bfloat16).normal_(generator=g)
+    labels = torch.randint(0, args.vocab, (args.tokens, 1), generator=g)
+    logits.requires_grad_(True)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    vocab_parallel_cross_entropy(logits, labels, None).sum().backward()
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    mib = lambda kb: kb / 1024  # noqa: E731  (ru_maxrss is KiB on Linux)
+    print(json.dumps({"tokens": args.tokens, "vocab": args.vocab,
+                      "logits_mib": logits.numel() * 2 / 2 ** 20,
+                      "peak_rss_growth_mib": round(mib(after - before), 1)}))
+
+
+SIZES = {"25m": (4, 512, 8), "125m": (12, 768, 12), "350m": (24, 1024, 16),
+         "760m": (24, 1536, 16), "1.3b": (24, 2048, 16)}  # layers, hidden, heads (V 50257)
+
+
+def startup(args):
+    import subprocess
+    import tempfile
+    import time
+
+    from megalite.config import ModelConfig
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel_state import ParallelState, synchronize
+
+    dev = torch.device(args.device)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for size in args.sizes.split(","):
+        L, h, n = SIZES[size]
+        cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=n, seq_length=1024,
+                          vocab_size=50257)
+        t0, c0 = time.perf_counter(), time.process_time()
+        model = GPTModel(cfg, ParallelState(device=dev), seed=1, device=dev)
+        synchronize(dev)
+        init_s, init_cpu = time.perf_counter() - t0, time.process_time() - c0
+        params = sum(p.numel() for p in model.parameters())
+        del model
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = os.path.join(tmp, "m.jsonl")
+            argv = [sys.executable, os.path.join(root, "pretrain.py"), "--mock-data",
+                    "--num-layers", str(L), "--hidden-size", str(h), "--num-attention-heads",
+                    str(n), "--seq-length", "128", "--max-position-embeddings", "1024",
+                    "--vocab-size", "50257", "--micro-batch-size", "1", "--global-batch-size",
+                    "1", "--train-iters", "1", "--eval-iters", "0", "--log-interval", "1",
+                    "--device", args.device, "--metrics-file", metrics] + (
+                        ["--bf16"] if dev.type == "cuda" else [])
+            t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True)
+            wall, c1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+            child_cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
+            if proc.returncode != 0:
+                raise SystemExit(proc.stderr[-2000:])
+            it = [json.loads(line) for line in open(metrics)
+                  if json.loads(line).get("split") == "train"][0]["iteration_time_ms"] / 1000
+        print(json.dumps({"size": size, "params": params, "device": str(dev),
+                          "build_and_init_s": round(init_s, 2), "build_and_init_cpu_s":
+                          round(init_cpu, 2), "launch_to_first_iteration_s": round(wall - it, 2),
+                          "whole_run_cpu_s": round(child_cpu, 2),
+                          "load_average": os.getloadavg()[0]}), flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("kernels")
+    k.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    k.add_argument("--compile", default=None, choices=["inductor", "aot_eager"])
+    m = sub.add_parser("ce-memory")
+    m.add_argument("--tokens", type=int, default=4096)
+    m.add_argument("--vocab", type=int, default=32768)
+    st = sub.add_parser("startup")
+    st.add_argument("--sizes", default="25m,125m,350m", help=f"of {', '.join(SIZES)}")
+    st.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    {"kernels": kernels, "ce-memory": ce_memory, "startup": startup}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
