@@ -323,8 +323,7 @@ class DistributedOptimizer:
     def _load_common(self, sd: dict) -> None:
         self.step_count = int(sd["step"])
         for g, saved in zip(self.param_groups, sd["param_groups"]):
-            for k, v in saved.items():
-                g[k] = v
+            g["lr"] = saved["lr"]  # weight decay stays this run's flag
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 

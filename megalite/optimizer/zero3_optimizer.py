@@ -236,7 +236,7 @@ class Zero3Optimizer:
     def _load_common(self, sd: dict) -> None:
         self.step_count = int(sd["step"])
         for g, s in zip(self.param_groups, sd["param_groups"]):
-            g["lr"], g["weight_decay"] = s["lr"], s["weight_decay"]
+            g["lr"] = s["lr"]  # weight decay stays this run's flag
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 
