@@ -242,16 +242,12 @@ def _agree_on_save(ps, error: Optional[BaseException], iteration: int, tmp: str)
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
 
 
 def save_tokenizer(save_dir: str, tokenizer, ps) -> None:
-    """Once per run, rank 0: tools/generate.py decodes with the run's own tokenizer.
-
-    The new copy is written aside; an identical existing one is kept; a different one is swapped
-    out only once the new one is complete.
-    """
+    """Once per run, rank 0: tools/generate.py decodes with the run's own tokenizer. Written
+    aside; an identical copy is kept, a different one swapped out only once the new is complete."""
     if ps.rank != 0 or tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         return
     import filecmp

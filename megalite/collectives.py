@@ -6,15 +6,10 @@ in docs/theory.md (all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*
 full array size). A group of ``None`` or size 1 means "no peers": the call is a local no-op, which
 is how single-process runs skip communication (docs/design.md, contract 7).
 
-Two paths (docs/clusters.md, "Which collectives run where"). The *device path* (the default)
-carries tensors on the compute device: on GPUs every group is NCCL, which accepts CUDA tensors
-only. The *host path* (``host=True``) carries small control messages (run id, error agreement) as
-CPU tensors over the world group, whose ``cpu:gloo,cuda:nccl`` backend map sends CPU tensors over
-gloo. Strict mode (``MEGALITE_STRICT_COLLECTIVES=1``) rejects a tensor on any other device than
-the one its path serves. On a CPU-only machine it emulates a GPU (:class:`EmulatedDevice`): the
-compute device becomes ``cpu:0`` and every tensor the code creates without naming a device (which
-on a GPU would be a CPU tensor) is tracked as a host tensor, so the CPU suite catches a host
-tensor handed to a device collective, the bug that kills multi-GPU runs.
+Two paths (docs/clusters.md, "Which collectives run where"): the *device path* (default) carries
+compute-device tensors (NCCL on GPUs); the *host path* (``host=True``) carries CPU control
+messages over the world group's gloo. Strict mode (``MEGALITE_STRICT_COLLECTIVES=1``) rejects a
+tensor on another device than its path serves, and on CPU emulates a GPU (:class:`EmulatedDevice`).
 """
 
 from __future__ import annotations
@@ -45,16 +40,11 @@ class CollectiveDeviceError(RuntimeError):
     """A collective was handed a tensor on a device its path does not serve."""
 
 
-def strict_requested() -> bool:
-    return os.environ.get("MEGALITE_STRICT_COLLECTIVES", "0") not in ("", "0")
-
-
 def configure(device: torch.device, strict: Optional[bool] = None) -> torch.device:
-    """Declare the compute device the device path serves; returns the device to compute on.
-
-    In strict mode on a CPU-only run, that is ``cpu:0`` with :class:`EmulatedDevice` active.
-    """
-    strict = strict_requested() if strict is None else strict
+    """Declare the device the device path serves; returns the device to compute on (``cpu:0``
+    with :class:`EmulatedDevice` active in strict mode on CPU)."""
+    if strict is None:
+        strict = os.environ.get("MEGALITE_STRICT_COLLECTIVES", "0") not in ("", "0")
     _STATE.update(strict=strict, device=device)
     if strict and device.type == "cpu":
         if _STATE["emulated"] is None:
@@ -97,15 +87,9 @@ _DEVICE = torch.Tensor.device  # its __get__ is a fresh object at each access: c
 
 
 def _mark(out, host: bool) -> None:
-    if isinstance(out, torch.Tensor):
-        if host:
-            setattr(out, _HOST_MARK, True)
-        elif getattr(out, _HOST_MARK, False):
-            delattr(out, _HOST_MARK)
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            if isinstance(o, torch.Tensor):
-                _mark(o, host)
+    for t in (out,) if isinstance(out, torch.Tensor) else out:
+        if isinstance(t, torch.Tensor) and (host or getattr(t, _HOST_MARK, False)):
+            setattr(t, _HOST_MARK, host)
 
 
 def _tensors(args, kwargs):
@@ -122,15 +106,13 @@ def _is_host_device(dev) -> bool:
 
 
 class EmulatedDevice(TorchFunctionMode):
-    """A GPU stand-in on CPU: tracks which tensors would be host (CPU) tensors on a GPU run.
+    """A GPU stand-in on CPU: tracks which tensors a GPU run would hold on the host.
 
-    The rule is the GPU's: a factory with no ``device=`` (or ``device="cpu"``) makes a host
-    tensor; ``device=`` the compute device (``cpu:0`` here) or another tensor's ``.device`` makes
-    a device tensor; ``.to()``/``.cpu()`` move (copying, as a GPU would); any other op's result
-    is on the host only if all its tensor inputs are. ``Tensor.device`` reports ``cpu`` or
-    ``cpu:0`` accordingly. Autograd runs backward (and its hooks) outside the mode, and tensors
-    made there are not tracked: unknown tensors count as device tensors, so the check can miss a
-    bug but does not flag correct code.
+    A factory without ``device=`` (or with ``"cpu"``) makes a host tensor, ``device=`` the compute
+    device (``cpu:0``) or a tensor's ``.device`` a device one; ``.to()``/``.cpu()`` copy across;
+    other results are on the host only if all tensor inputs are; ``Tensor.device`` reports it.
+    Backward runs outside the mode, untracked: unknown tensors count as device tensors, so the
+    check can miss a bug but does not flag correct code (docs/clusters.md).
     """
 
     COMPUTE = torch.device("cpu", 0)
@@ -143,14 +125,12 @@ class EmulatedDevice(TorchFunctionMode):
         if not isinstance(out, (torch.Tensor, tuple, list)):
             return out
         if func is torch.Tensor.to:
-            src = args[0]
-            rest = args[1:]
+            src, rest = args[0], args[1:]
             if rest and isinstance(rest[0], torch.Tensor):
                 host = getattr(rest[0], _HOST_MARK, False)
             else:
                 dev = torch._C._nn._parse_to(*rest, **kwargs)[0]
-                host = getattr(src, _HOST_MARK, False) if dev is None else \
-                    _is_host_device(dev)
+                host = getattr(src, _HOST_MARK, False) if dev is None else _is_host_device(dev)
             if out is src and host != getattr(src, _HOST_MARK, False):
                 out = out.clone()  # a GPU copies between host and device
         elif func is torch.Tensor.cpu:

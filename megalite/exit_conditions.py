@@ -1,13 +1,8 @@
-"""Stopping a run cleanly, and saying clearly why it stopped (docs/clusters.md, "Faults").
+"""Stopping a run cleanly, and saying why it stopped (docs/clusters.md, "Faults").
 
-* ``--exit-signal-handler``: SIGTERM or SIGINT (what schedulers send before preemption, and
-  Ctrl-C) only sets a flag; the loop finishes the iteration, saves a checkpoint and exits 0.
-* ``--exit-duration-in-mins``: the same once the run has lasted that long.
-
-The flags are agreed over all ranks once per iteration (a MAX all-reduce on the host path), so a
-signal delivered to one rank, or a clock that crosses the limit on one rank first, stops every
-rank after the same iteration: a rank that stopped alone would leave its peers waiting in a
-collective until the distributed timeout.
+``--exit-signal-handler`` (SIGTERM/SIGINT only set a flag) and ``--exit-duration-in-mins``: the
+loop finishes the iteration, saves and exits 0. The flags are agreed over all ranks after each
+iteration (host-path MAX all-reduce): a rank that stopped alone would leave its peers waiting.
 """
 
 from __future__ import annotations
@@ -80,8 +75,6 @@ def peer_failure(e: BaseException) -> Optional[str]:
     if not (isinstance(e, dist.DistError) or any(m in text for m in markers)):
         return None
     first = text.splitlines()[0] if text else type(e).__name__
-    if "] " in first:  # drop gloo's source-file prefix
-        first = first.split("] ", 1)[1]
-    first = first.split(". This is typically")[0]
+    first = first.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's prefix, advice
     return (f"rank {dist.get_rank()}: a collective failed because another rank died or stopped "
             f"responding ({first[:200]}); resume from the last checkpoint with --load")
