@@ -60,13 +60,6 @@ from megalite.tensor_parallel.random import (
 )
 
 
-def world_group():
-    """The world as a group for megalite.collectives (whose ``None`` means "no peers")."""
-    import torch.distributed as dist
-
-    return dist.group.WORLD if dist.is_initialized() else None
-
-
 class TrainingError(RuntimeError):
     """Training cannot continue (e.g. a NaN loss in bf16/fp32); the message says why."""
 
@@ -480,7 +473,7 @@ class Trainer:
             for s in stats_list:
                 t[0] += float(s["lm_loss_sum"])
                 t[1] += float(s["num_tokens"])
-        C.all_reduce(t, group=world_group(), tag="loss_report")
+        C.all_reduce(t, group=C.world_group(), tag="loss_report")
         return float(t[0]), float(t[1])
 
 
