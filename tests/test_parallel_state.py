@@ -66,12 +66,30 @@ def _mappings_worker(rank, world_size):
     full = torch.arange(4.0 * n).view(1, 4 * n)
     assert torch.equal(M.gather_from_tensor_model_parallel_region(
         M.scatter_to_tensor_model_parallel_region(full, g), g), full)
-    C.reset_bytes_sent()
-    buf = torch.zeros(1024)
-    C.all_reduce(buf, group=g)
-    # ring all-reduce: each rank sends 2(n-1)/n of the array (docs/theory.md)
-    assert C.bytes_sent()["all_reduce"] == 2 * (n - 1) * 1024 * 4 // n
+    # The byte counter, checked from first principles and against the bytes this process really
+    # writes to its sockets (Linux /proc/self/io "wchar"), for n = 4 ranks and a 65536-element
+    # fp32 array, S = 262144 bytes. Ring all-reduce: a reduce-scatter phase of 3 steps and an
+    # all-gather phase of 3 steps, each step sending one S/4 = 65536-byte chunk: 6 x 65536 =
+    # 393216 bytes. All-gather of a 262144-byte shard from each rank: 3 steps of 262144 bytes =
+    # 786432. (Gloo's reduce-scatter is an all-reduce internally, so only these two are measured.)
+    assert n == 4
+    for kind, call, expect in (
+            ("all_reduce", lambda: C.all_reduce(torch.ones(65536), group=g), 393216),
+            ("all_gather", lambda: C.all_gather_into_tensor(torch.empty(4 * 65536),
+                                                            torch.ones(65536), group=g), 786432)):
+        dist.barrier(group=g)
+        C.reset_bytes_sent()
+        before = _socket_bytes_written()
+        call()
+        written = _socket_bytes_written() - before
+        assert C.bytes_sent() == {kind: expect}, C.bytes_sent()
+        assert expect <= written <= 1.02 * expect, (kind, written, expect)  # + message headers
     return True
+
+
+def _socket_bytes_written() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("wchar:")).split()[1])
 
 
 def test_conjugate_pairs_forward_and_backward():

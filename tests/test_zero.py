@@ -429,16 +429,6 @@ def test_bad_config_is_a_clear_error():
 
 
 # ------------------------------------------------------------------------------ pp=2 x dp=2
-def _pipeline_available() -> bool:
-    from megalite.pipeline_parallel import schedules
-
-    try:
-        schedules.get_forward_backward_func(2)
-        return True
-    except (NotImplementedError, Exception):
-        return False
-
-
 def _pp2_dp2_worker(rank, world_size):
     from megalite.pipeline_parallel.partition import build_model_chunks
     from megalite.pipeline_parallel.schedules import get_forward_backward_func
@@ -487,6 +477,5 @@ def _pp2_dp2_worker(rank, world_size):
     return True
 
 
-@pytest.mark.skipif(not _pipeline_available(), reason="pipeline schedules (pp > 1) not available")
 def test_pp2_dp2_zero_stages_match_single_process():
     assert all(run_distributed(_pp2_dp2_worker, 4))

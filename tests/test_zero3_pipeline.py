@@ -71,8 +71,8 @@ def test_zero3_pp2_dp2_matches_single_device(tmp_path, layers, extra):
         sd = torch.load(ck / "iter_0000003" / ckpt.shard_dir_name(0, r) / "distrib_optim_dp001.pt",
                         weights_only=True)
         saved = [(k, u["names"], [tuple(s) for s in u["shapes"]]) for k, u in sd["units"].items()]
-        rebuilt = [(u.name, [n for n, _ in u.slots], [tuple(s) for _, s in u.slots])
-                   for u in zero3_units(cfg.model, chunks, layout.pp, layout.tp)]
+        rebuilt = [(unit, [n for n, _ in slots], [tuple(s) for _, s in slots])
+                   for unit, slots in zero3_units(cfg.model, chunks, layout.pp, layout.tp)]
         assert saved == rebuilt, (r, saved, rebuilt)
     names = list(torch.load(ck / "iter_0000003" / ckpt.shard_dir_name(0, 1)
                             / "distrib_optim_dp000.pt", weights_only=True)["units"])

@@ -47,6 +47,7 @@ from megalite.convert.hf import (
     megalite_layer_keys,
     megalite_non_layer_keys,
     model_config_to_hf_config,
+    special_token_ids,
     SUPPORTED_ARCHITECTURES,
 )
 from megalite.convert.layout import (
@@ -62,24 +63,22 @@ from megalite.convert.layout import (
 )
 from megalite.convert.optimizer_state import (
     OptimCommon,
+    OptimizerStateError,
     PlainIndex,
     build_plain,
     build_zero,
     build_zero3,
     check_plain,
-    check_zero,
     plain_common,
     read_plain,
-    read_zero,
-    read_zero3,
-    zero3_units,
-    zero_buckets,
     zero_common,
-    ZERO3_SHARD_FORMAT,
 )
+from megalite.optimizer.distrib_optimizer import check_shard_set, zero12_pieces
+from megalite.optimizer.optimizer import ADAM_KINDS, merge_pieces
+from megalite.optimizer.zero3_optimizer import SHARD_FORMAT as ZERO3_SHARD_FORMAT, zero3_pieces
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME
+from megalite.tensor_parallel.layers import dtype_from_name
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
                     "spiece.model")
 Log = Callable[[str], None]
@@ -91,6 +90,11 @@ class ConversionError(ConfigError):
 
 def _quiet(_msg: str) -> None:
     pass
+
+
+def _brief(e: BaseException) -> str:
+    """An exception's message on one short line (error messages here are one line)."""
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 # ============================================================================== atomic output
@@ -240,13 +244,10 @@ class MegaliteSource:
                 # ZeRO-1/2 files are bucket-flat, ZeRO-3 files unit-flat with names
                 self.optim_kind = "zero3" if dp0.get("format") == ZERO3_SHARD_FORMAT else "zero"
                 self.optim_common = zero_common(dp0)
-                self.zero_stage = int(dp0.get("zero_stage", 3 if self.optim_kind == "zero3"
-                                              else self.cfg.optimizer.zero_stage))
                 del dp0
         del head
         self._checked: set = set()
         self._plain_index = [None] * self.layout.pp
-        self._zero_buckets = [None] * self.layout.pp
 
     # ------------------------------------------------------------------------------ files
     def _path(self, t: int, r: int) -> str:
@@ -261,8 +262,7 @@ class MegaliteSource:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # truncated zip, bad pickle, disallowed global, ...
-            msg = " ".join(str(e).split())[:200] or type(e).__name__
-            raise ConversionError(f"{self.what}: {path} is corrupt or truncated ({msg})")
+            raise ConversionError(f"{self.what}: {path} is corrupt or truncated ({_brief(e)})")
 
     def _open(self, t: int, r: int) -> dict:
         return self._load(self._path(t, r))
@@ -291,13 +291,6 @@ class MegaliteSource:
             self._plain_index[r] = PlainIndex.build(
                 rank_param_order(self.model_cfg, self.chunks[r], self.layout.pp))
         return self._plain_index[r]
-
-    def _buckets(self, r: int):
-        if self._zero_buckets[r] is None:
-            self._zero_buckets[r] = zero_buckets(
-                self.model_cfg, self.chunks[r], self.layout.pp, self.layout.tp, self.dp_size,
-                self.cfg.optimizer.ddp_bucket_size)
-        return self._zero_buckets[r]
 
     # ------------------------------------------------------------------------------ reads
     def read(self, names: Sequence[str], with_optim: bool = False
@@ -355,23 +348,25 @@ class MegaliteSource:
                     per_t[n].setdefault(k, []).append(v)
             return
         sds = [self._load(self._dp_path(t, r, d)) for d in range(self.dp_size)]
-        if self.optim_kind == "zero3":
-            for n in names:
-                shape = specs[n].local_shape(self.model_cfg, self.layout.tp)
-                for k, v in read_zero3(sds, n, shape).items():
-                    per_t[n].setdefault(k, []).append(v)
-            del sds
-            return
-        buckets = self._buckets(r)
-        if (t, r) not in self._checked:
-            for d, dsd in enumerate(sds):
-                check_zero(dsd, buckets, f"{self.what}: {self._dp_path(t, r, d)}")
-            self._checked.add((t, r))
+        # The files name each piece: the optimizers' own merge reads them (no layout rebuilt).
+        key = (lambda n: n) if self.optim_kind == "zero3" or self.num_chunks == 1 else (
+            lambda n: f"chunk{c}.{n}")
+        try:
+            pieces = (zero3_pieces(sds) if self.optim_kind == "zero3"
+                      else zero12_pieces(check_shard_set(sds)))
+            merged = merge_pieces(pieces, names=[key(n) for n in names])
+        except (KeyError, ValueError) as e:
+            raise OptimizerStateError(f"{where}: the distrib_optim_dp*.pt files cannot be merged "
+                                      f"({e}); pass --no-optim")
         for n in names:
-            shape = specs[n].local_shape(self.model_cfg, self.layout.tp)
-            got = read_zero(sds, buckets, self.zero_stage, n, c, self.num_chunks, shape)
-            for k, v in got.items():
-                per_t[n].setdefault(k, []).append(v)
+            expect = specs[n].local_shape(self.model_cfg, self.layout.tp)
+            entry = merged[key(n)]
+            if tuple(entry["param"].shape) != expect:
+                raise OptimizerStateError(f"{where}: the optimizer state of {n} has shape "
+                                          f"{tuple(entry['param'].shape)}, args.json implies "
+                                          f"{expect}")
+            for k in ADAM_KINDS:
+                per_t[n].setdefault(k, []).append(entry[k])
         del sds
 
 
@@ -453,16 +448,11 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                         mixed=mixed and optim == "plain")
                 files[t]["opt_param_scheduler"] = (scheduler if scheduler is not None
                                                    else _fresh_scheduler_state(cfg))
-            if optim == "zero":
-                buckets = zero_buckets(m, chunks[r], layout.pp, layout.tp, dp,
-                                       cfg.optimizer.ddp_bucket_size)
-                zero_files = [build_zero(buckets, lambda n, k, t=t: local[t].get(n, {}).get(k),
-                                         common, cfg.optimizer, dp, cfg.optimizer.zero_stage)
-                              for t in range(layout.tp)]
-            if optim == "zero3":
-                units = zero3_units(m, chunks[r], layout.pp, layout.tp)
-                zero_files = [build_zero3(units, lambda n, k, t=t: local[t].get(n, {}).get(k),
-                                          common or OptimCommon(), cfg.optimizer, dp)
+            if optim in ("zero", "zero3"):
+                build = build_zero3 if optim == "zero3" else build_zero
+                zero_files = [build(m, chunks[r], layout.pp, layout.tp, dp,
+                                    lambda n, k, t=t: local[t].get(n, {}).get(k),
+                                    common or OptimCommon(), cfg.optimizer)
                               for t in range(layout.tp)]
         for t in range(layout.tp):
             if rng is not None:
@@ -576,7 +566,7 @@ class HFSource:
             self.hf_config = AutoConfig.from_pretrained(self.dir, local_files_only=True)
         except Exception as e:
             raise ConversionError(f"{self.what}: config.json cannot be read by transformers "
-                                  f"({' '.join(str(e).split())[:200]})")
+                                  f"({_brief(e)})")
         self.family = _hf_family(self.hf_config)
         self.model_cfg = hf_config_to_model_config(self.hf_config, **config_overrides)
         self.key_file = self._index_weights()
@@ -620,22 +610,19 @@ class HFSource:
                     return list(f.keys())
             except Exception as e:
                 raise ConversionError(f"{self.what}: {os.path.basename(path)} is not a readable "
-                                      f"safetensors file ({' '.join(str(e).split())[:150]})")
+                                      f"safetensors file ({_brief(e)})")
         return list(self._load_bin(path).keys())
 
     def _load_bin(self, path: str) -> dict:
         # weights_only: a checkpoint never executes code on load (docs/design.md, contract 9)
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:
-            try:  # legacy (pre-zip) torch files cannot be memory-mapped
-                return torch.load(path, map_location="cpu", weights_only=True)
+        for mmap in (True, False):  # legacy (pre-zip) torch files cannot be memory-mapped
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
             except Exception as e:
+                if mmap and isinstance(e, RuntimeError):
+                    continue
                 raise ConversionError(f"{self.what}: {os.path.basename(path)} cannot be loaded "
-                                      f"({' '.join(str(e).split())[:150]})")
-        except Exception as e:
-            raise ConversionError(f"{self.what}: {os.path.basename(path)} cannot be loaded "
-                                  f"({' '.join(str(e).split())[:150]})")
+                                      f"({_brief(e)})")
 
     def get(self, keys: Sequence[str], where: str) -> Dict[str, torch.Tensor]:
         """Copies of the named tensors (HF LM-head names), reading only those."""
@@ -675,7 +662,7 @@ class HFSource:
             return convert_layer_hf_to_megalite(i, hf, self.model_cfg)
         except (RuntimeError, ValueError) as e:
             raise ConversionError(f"{self.what}: {where} tensors do not fit config.json "
-                                  f"({' '.join(str(e).split())[:150]})")
+                                  f"({_brief(e)})")
 
     def read_non_layer(self) -> Dict[str, torch.Tensor]:
         hf = self.get(hf_non_layer_keys(self.model_cfg), "embeddings / final norm / lm_head")
@@ -683,7 +670,7 @@ class HFSource:
             out = convert_non_layer_hf_to_megalite(hf, self.model_cfg)
         except (RuntimeError, ValueError) as e:
             raise ConversionError(f"{self.what}: embedding or output tensors do not fit "
-                                  f"config.json ({' '.join(str(e).split())[:150]})")
+                                  f"config.json ({_brief(e)})")
         # canonical vocab tensors are unpadded
         return {k: (v[: self.model_cfg.vocab_size].clone() if k in (
             EMBEDDING_WEIGHT_NAME, "output_layer.weight") else v) for k, v in out.items()}
@@ -696,14 +683,9 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
                    seq_length: Optional[int] = None, params_dtype: Optional[str] = None,
                    make_vocab_size_divisible_by: Optional[int] = None, log: Log = _quiet) -> str:
     """Import an HF model as a megalite checkpoint at iteration 0 (fresh optimizer state)."""
-    overrides = {}
-    if seq_length is not None:
-        overrides["seq_length"] = seq_length
-    if params_dtype is not None:
-        overrides["params_dtype"] = params_dtype
-    if make_vocab_size_divisible_by is not None:
-        overrides["make_vocab_size_divisible_by"] = make_vocab_size_divisible_by
-    src = HFSource(hf_dir, **overrides)
+    overrides = dict(seq_length=seq_length, params_dtype=params_dtype,
+                     make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    src = HFSource(hf_dir, **{k: v for k, v in overrides.items() if v is not None})
     m = src.model_cfg
     cfg = MegaliteConfig(model=m)
     check_target_layout(cfg, layout)
@@ -731,7 +713,7 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
             out[name] = {"weight": tensors[name]}
         return out
 
-    dtype = _DTYPES[m.params_dtype]
+    dtype = dtype_from_name(m.params_dtype)
     with atomic_output(save_dir) as tmp:
         _write_stages(tmp, cfg, layout, 0, read_group, optim="fresh", weight_dtype=dtype,
                       what=f"{src.what} (config.json and weights disagree)", log=log)
@@ -756,7 +738,7 @@ def _save_hf_tokenizer(src: HFSource, target: str, m: ModelConfig, log: Log) -> 
         tok = AutoTokenizer.from_pretrained(src.dir, local_files_only=True)
     except Exception as e:
         raise ConversionError(f"{src.what}: the tokenizer files there cannot be loaded "
-                              f"({' '.join(str(e).split())[:200]})")
+                              f"({_brief(e)})")
     tok.save_pretrained(target)
     if len(tok) > m.vocab_size:
         log(f" note: the tokenizer has {len(tok)} ids but the model's vocab_size is only "
@@ -826,13 +808,9 @@ def megalite_to_hf(load_dir: str, save_dir: str, *, iteration: Optional[int] = N
             tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
         except Exception as e:
             raise ConversionError(f"--load {load_dir}: tokenizer/ cannot be loaded "
-                                  f"({' '.join(str(e).split())[:200]})")
-    hf_overrides = {}
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        value = getattr(tokenizer, attr, None) if tokenizer is not None else None
-        if value is not None:
-            hf_overrides[attr] = value
-    hf_config = model_config_to_hf_config(m, **hf_overrides)  # ConfigError if no HF class fits
+                                  f"({_brief(e)})")
+    # ConfigError if no HF class fits
+    hf_config = model_config_to_hf_config(m, **special_token_ids(tokenizer))
     log(f" exporting {load_dir} (iteration {src.iteration}, {src.layout.describe()}) as "
         f"{hf_config.architectures[0]}")
     with atomic_output(save_dir) as tmp:

@@ -488,24 +488,6 @@ def megalite_to_hf_state_dict(full_state_dict: Mapping[str, torch.Tensor],
 
 
 # =================================================================================== models
-def _read_hf_dir(path: Path) -> Dict[str, torch.Tensor]:
-    """All tensors of a local HF checkpoint directory (safetensors, else pytorch_model*.bin loaded
-    with weights_only=True: checkpoints never execute code, docs/design.md, contract 9)."""
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    loader = load_file
-    if not files:
-        files = sorted(path.glob("pytorch_model*.bin"))
-        loader = lambda f: torch.load(f, map_location="cpu", weights_only=True)  # noqa: E731
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
-    sd: Dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(loader(str(f)))
-    return sd
-
-
 def from_hf(hf_model_or_dir, **config_overrides):
     """A single-process :class:`GPTModel` (eval mode) with the weights of an HF
     ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (an instance, or a local directory holding
@@ -513,26 +495,27 @@ def from_hf(hf_model_or_dir, **config_overrides):
     from megalite.models import GPTModel
     from megalite.parallel_state import ParallelState
 
-    if isinstance(hf_model_or_dir, (str, os.PathLike)):
-        path = Path(hf_model_or_dir)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: not a Hugging Face model directory (no config.json)")
-        from transformers import AutoConfig
+    if isinstance(hf_model_or_dir, (str, os.PathLike)):  # the converter's reader of HF dirs
+        from megalite.convert.checkpoint_tools import HFSource
 
-        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        _hf_family(hf_config)  # unsupported architectures fail before the weights are read
-        hf_sd = _read_hf_dir(path)
+        src = HFSource(str(hf_model_or_dir), **config_overrides)
+        cfg, hf_sd = src.model_cfg, src.get(list(src.key_file), "weights")
     else:
         name = type(hf_model_or_dir).__name__
         if name not in SUPPORTED_ARCHITECTURES:
             raise _unsupported(name)
-        hf_config = hf_model_or_dir.config
+        cfg = hf_config_to_model_config(hf_model_or_dir.config, **config_overrides)
         hf_sd = hf_model_or_dir.state_dict()
-    cfg = hf_config_to_model_config(hf_config, **config_overrides)
     model = GPTModel(cfg, ParallelState(), seed=None)  # every parameter comes from the checkpoint
     sd = hf_to_megalite_state_dict(hf_sd, cfg)
     load_full_state_dict_into(model, sd, tp_rank=0, tp_size=1)
     return model.eval()
+
+
+def special_token_ids(tokenizer) -> Dict[str, int]:
+    """The tokenizer's bos/eos/pad ids, for the exported config.json."""
+    return {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if (v := getattr(tokenizer, k, None)) is not None}
 
 
 def to_hf(model, out_dir: Union[str, os.PathLike], tokenizer=None) -> Path:
@@ -541,13 +524,7 @@ def to_hf(model, out_dir: Union[str, os.PathLike], tokenizer=None) -> Path:
     from safetensors.torch import save_file
 
     cfg = model.config
-    hf_overrides = {}
-    if tokenizer is not None:
-        for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            value = getattr(tokenizer, attr, None)
-            if value is not None:
-                hf_overrides[attr] = value
-    hf_config = model_config_to_hf_config(cfg, **hf_overrides)
+    hf_config = model_config_to_hf_config(cfg, **special_token_ids(tokenizer))
     sd = megalite_to_hf_state_dict(full_state_dict(model), cfg)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     out = Path(out_dir)
@@ -558,12 +535,3 @@ def to_hf(model, out_dir: Union[str, os.PathLike], tokenizer=None) -> Path:
         tokenizer.save_pretrained(str(out))
     return out
 
-
-__all__ = [
-    "SUPPORTED_ARCHITECTURES", "model_family", "hf_config_to_model_config",
-    "model_config_to_hf_config", "hf_to_megalite_state_dict", "megalite_to_hf_state_dict",
-    "convert_layer_hf_to_megalite", "convert_layer_megalite_to_hf",
-    "convert_non_layer_hf_to_megalite", "convert_non_layer_megalite_to_hf", "hf_layer_keys",
-    "hf_non_layer_keys", "megalite_layer_keys", "megalite_non_layer_keys", "fuse_qkv",
-    "split_qkv", "from_hf", "to_hf", "load_full_state_dict_into",
-]

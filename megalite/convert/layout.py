@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -137,13 +137,12 @@ class ParamSpec:
         return out.clone() if out.data_ptr() == full.data_ptr() or not out.is_contiguous() else out
 
 
-def _tied(cfg: ModelConfig) -> bool:
-    return cfg.tie_embeddings
-
-
 @lru_cache(maxsize=256)
-def _chunk_specs_cached(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, int],
-                        shared: bool) -> Tuple[ParamSpec, ...]:
+def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, int],
+                shared: bool) -> Tuple[tuple, tuple]:
+    """A chunk's parameters and its ZeRO-3 units (name, parameter names), read off a GPTModel
+    built on the meta device; the units come from distributed/zero3.py's own ``unit_plan``."""
+    from megalite.distributed.zero3 import unit_plan
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
 
@@ -158,23 +157,35 @@ def _chunk_specs_cached(cfg_key: tuple, pre: bool, post: bool, layer_range: Tupl
                           "the checkpoint converter does not know how to reshard them")
     specs = []
     for name, p in model.named_parameters():
+        # build_model_chunks flags both copies of a tied embedding when pp > 1
+        p.shared_embedding = shared and name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
         specs.append(ParamSpec(
             name=name, shape=tuple(p.shape), dtype=p.dtype,
             tp_split=bool(getattr(p, "tensor_model_parallel", False)),
             dim=int(getattr(p, "partition_dim", 0)), stride=int(getattr(p, "partition_stride", 1)),
             is_vocab=name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME),
-            # build_model_chunks flags both copies of a tied embedding when pp > 1
-            shared_embedding=shared and name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)))
-    return tuple(specs)
+            shared_embedding=p.shared_embedding))
+    units = tuple((unit, tuple(n for _, _, nps in uses for n, _ in nps))
+                  for unit, uses in unit_plan(model))
+    return tuple(specs), units
+
+
+def _chunk_key(cfg: ModelConfig, chunk: Chunk, pp: int) -> tuple:
+    d = cfg.to_dict()
+    d["sequence_parallel"] = False
+    return (tuple(sorted(d.items())), chunk.pre, chunk.post, tuple(chunk.layer_range),
+            cfg.tie_embeddings and pp > 1)
 
 
 def chunk_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
     """The parameters of ``chunk`` in registration order (= state_dict order)."""
-    d = cfg.to_dict()
-    d["sequence_parallel"] = False
-    key = tuple(sorted(d.items()))
-    return _chunk_specs_cached(key, chunk.pre, chunk.post, tuple(chunk.layer_range),
-                               _tied(cfg) and pp > 1)
+    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[0]
+
+
+def chunk_zero3_units(cfg: ModelConfig, chunk: Chunk, pp: int
+                      ) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
+    """``chunk``'s ZeRO-3 sharding units: (unit name, its parameter names in flat order)."""
+    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[1]
 
 
 def layer_of(name: str) -> Optional[int]:
@@ -201,7 +212,3 @@ def rank_param_order(cfg: ModelConfig, chunks: List[Chunk], pp: int) -> List[Par
                 seen.add(s.name)
                 out.append(s)
     return out
-
-
-def specs_by_name(cfg: ModelConfig, chunks: List[Chunk], pp: int) -> Dict[str, ParamSpec]:
-    return {s.name: s for s in rank_param_order(cfg, chunks, pp)}

@@ -55,6 +55,16 @@ from megalite.tensor_parallel.layers import (
 DEFAULT_BUCKET_SIZE = 40_000_000
 
 
+def params_by_dtype(named_params):
+    """One buffer per parameter dtype, in order of first appearance; names are the chunk's own
+    (no "module." prefix). Items are (name, anything with a ``.dtype``), so the checkpoint
+    converter lays out its parameter descriptions with the same rule."""
+    by_dtype: Dict[torch.dtype, list] = {}
+    for name, p in named_params:
+        by_dtype.setdefault(p.dtype, []).append((name, p))
+    return list(by_dtype.values())
+
+
 def _queue_end_of_backward(fn: Callable[[], None]) -> bool:
     """Run ``fn`` when the current backward pass finishes; False when no backward is running."""
     try:
@@ -85,16 +95,10 @@ class DistributedDataParallel(nn.Module):
         self.record_events = False
         self.events: List[tuple] = []
 
-        # One buffer per parameter dtype; names are the module's own (no "module." prefix).
-        seen = set()
-        by_dtype: Dict[torch.dtype, list] = {}
-        for name, p in module.named_parameters():
-            if not p.requires_grad or id(p) in seen:
-                continue
-            seen.add(id(p))
-            by_dtype.setdefault(p.dtype, []).append((name, p))
         self.grad_buffers: List[ParamAndGradBuffer] = []
-        for dtype, named in by_dtype.items():
+        named_params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for named in params_by_dtype(named_params):
+            dtype = named[0][1].dtype
             grad_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
             self.grad_buffers.append(ParamAndGradBuffer(
                 named, grad_dtype=grad_dtype, dp_group=self.dp_group, zero_stage=self.zero_stage,

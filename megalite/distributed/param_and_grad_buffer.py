@@ -82,6 +82,30 @@ class Bucket:
         return self.numel - sum(s.numel for s in self.slots)
 
 
+def bucket_layout(params: List[Tuple[str, int, bool]], bucket_size: Optional[int], dp_size: int
+                  ) -> List[Tuple[List[str], int]]:
+    """The layout rules above, as data: ``params`` are (name, numel, shared_embedding) in
+    registration order; returns each bucket's parameter names (in buffer order) and its padded
+    numel. The buffer below and the checkpoint converter (convert/optimizer_state.py) both lay
+    buckets out with this function."""
+    groups: List[List[Tuple[str, int]]] = []
+    current: List[Tuple[str, int]] = []  # a bucket closes once it holds >= bucket_size
+    limit = bucket_size if bucket_size is not None else math.inf
+    for name, numel, shared in reversed(params):
+        if shared:
+            groups += [current, [(name, numel)]] if current else [[(name, numel)]]
+            current = []
+            continue
+        current.append((name, numel))
+        if sum(n for _, n in current) >= limit:
+            groups.append(current)
+            current = []
+    if current:
+        groups.append(current)
+    return [([n for n, _ in g], int(math.ceil(sum(k for _, k in g) / dp_size) * dp_size))
+            for g in groups]
+
+
 class ParamAndGradBuffer:
     """The param and grad buffers of one group of same-dtype parameters of one model chunk."""
 
@@ -97,44 +121,23 @@ class ParamAndGradBuffer:
         self.device = named_params[0][1].device
         N = self.dp_size
 
-        # ---- layout: reverse registration order, whole params, padded buckets --------------------
-        groups: List[List[Tuple[str, torch.nn.Parameter]]] = []
-        current: List[Tuple[str, torch.nn.Parameter]] = []
-        current_numel = 0
-        limit = bucket_size if bucket_size is not None else math.inf
-        for name, p in reversed(named_params):
-            if getattr(p, "shared_embedding", False):
-                if current:
-                    groups.append(current)
-                    current, current_numel = [], 0
-                groups.append([(name, p)])
-                continue
-            current.append((name, p))
-            current_numel += p.numel()
-            if current_numel >= limit:
-                groups.append(current)
-                current, current_numel = [], 0
-        if current:
-            groups.append(current)
-
         self.buckets: List[Bucket] = []
         self.slots: Dict[torch.nn.Parameter, ParamSlot] = {}
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        by_name = dict(named_params)
         offset = 0
-        for i, group in enumerate(groups):
-            start = offset
-            slots = []
-            for name, p in group:
-                slot = ParamSlot(name, p, offset, offset + p.numel())
-                slots.append(slot)
-                self.slots[p] = slot
-                offset += p.numel()
-            numel = int(math.ceil((offset - start) / N) * N)
-            offset = start + numel
-            bucket = Bucket(i, slots, start, numel, N, self.dp_rank)
-            self.buckets.append(bucket)
+        for i, (names, numel) in enumerate(bucket_layout(
+                [(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
+                bucket_size, N)):
+            slots, end = [], offset
+            for name in names:
+                slots.append(ParamSlot(name, by_name[name], end, end + by_name[name].numel()))
+                end = slots[-1].end
+            self.buckets.append(Bucket(i, slots, offset, numel, N, self.dp_rank))
             for s in slots:
-                self.param_to_bucket[s.param] = bucket
+                self.slots[s.param] = s
+                self.param_to_bucket[s.param] = self.buckets[-1]
+            offset += numel
         self.numel = offset
         self.numel_unpadded = sum(p.numel() for _, p in named_params)
 

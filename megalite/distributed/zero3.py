@@ -64,9 +64,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite.config import OptimizerConfig
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import WeightGradStore
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from megalite.tensor_parallel.layers import WeightGradStore, dtype_from_name
 
 SHARDED, GATHERING, FULL = "sharded", "gathering", "full"
 IDLE, FORWARD, BACKWARD = "idle", "forward", "backward"
@@ -239,6 +237,53 @@ class ShardedUnit:
         self._free(self.full_grad)
 
 
+def unit_plan(model: nn.Module) -> List[Tuple[str, List[Tuple[nn.Module, nn.Module, list]]]]:
+    """The sharding units of a GPTModel chunk, in flat-buffer order (the rules of the module
+    docstring): ``(unit name, uses)`` with one ``(first module, last module, [(param name,
+    param)])`` per forward use. Zero3Model and the checkpoint converter (which runs it on a model
+    built on the meta device) both take the layout from here."""
+
+    def params_of(prefix: str, module: nn.Module):
+        return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
+
+    def shared(p) -> bool:
+        return bool(getattr(p, "shared_embedding", False))
+
+    pre = getattr(model, "pre_process", True)
+    post = getattr(model, "post_process", True)
+    tied = pre and post and model.output_layer.weight is None
+    units = []
+    if pre:
+        emb = params_of("embedding", model.embedding)
+        if tied:
+            head = (params_of("final_layernorm", model.final_layernorm)
+                    + params_of("output_layer", model.output_layer))
+            units.append(("embedding+output", [(model.embedding, model.embedding, emb),
+                                               (model.final_layernorm, model.output_layer, head)]))
+        else:
+            # A tied embedding split over pipeline stages (pp > 1) has a copy on the last stage
+            # too: each copy is a unit of its own, so both have the same flat layout and their
+            # reduce-scattered gradient shards line up element for element for the all-reduce
+            # over the embedding group (finalize_grads).
+            own = [np_ for np_ in emb if shared(np_[1])]
+            rest = [np_ for np_ in emb if not shared(np_[1])]
+            units += [(name, [(model.embedding, model.embedding, nps)]) for name, nps in
+                      (("embedding.word_embeddings", own), ("embedding", rest)) if nps]
+    units += [(f"layers.{k}", [(layer, layer, params_of(f"layers.{k}", layer))])
+              for k, layer in model.layers.items()]
+    if post and not tied:
+        norm, out = model.final_layernorm, model.output_layer
+        norm_params, out_params = params_of("final_layernorm", norm), params_of("output_layer", out)
+        if any(shared(p) for _, p in out_params):  # the last stage's copy (see above)
+            if len(out_params) != 1:
+                raise RuntimeError("ZeRO-3: a shared output layer must hold its weight only")
+            units += [("output", [(norm, norm, norm_params)]),
+                      ("output_layer", [(out, out, out_params)])]
+        else:
+            units.append(("output", [(norm, out, norm_params + out_params)]))
+    return units
+
+
 class Zero3Model(nn.Module):
     """A GPTModel whose parameters are ZeRO-3 sharded; forward/backward as the plain model.
 
@@ -259,13 +304,14 @@ class Zero3Model(nn.Module):
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)
         self.overlap = self.prefetch_depth > 0
         model_dtype = next(model.parameters()).dtype
-        compute = _DTYPES[opt_cfg.params_dtype] if (opt_cfg.bf16 or opt_cfg.fp16) else model_dtype
+        compute = (dtype_from_name(opt_cfg.params_dtype) if (opt_cfg.bf16 or opt_cfg.fp16)
+                   else model_dtype)
         self.compute_dtype = compute
         self.units: List[ShardedUnit] = []
         self.uses: List[Use] = []
         self._build_units(model, compute)
         self.phase = IDLE
-        self._pending_rs: List[Tuple[ShardedUnit, torch.Tensor, object]] = []
+        self._pending_rs: List[tuple] = []  # (unit, fp32 out, work, fp32 send)
         self._grads_finalized = True
         self._handles = []
         self._install_hooks()
@@ -287,76 +333,23 @@ class Zero3Model(nn.Module):
 
     # ----------------------------------------------------------------------------- structure
     def _build_units(self, model: nn.Module, dtype: torch.dtype) -> None:
-        named = dict(model.named_parameters())
         device = next(model.parameters()).device
-
-        def params_of(prefix: str, module: nn.Module):
-            return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
-
-        def add_unit(name, groups):
-            """groups: [(first, last, named_params)] in forward order, one per use."""
-            all_named = [np_ for _, _, nps in groups for np_ in nps]
-            unit = ShardedUnit(name, all_named, self.ps, dtype, device)
+        for name, uses in unit_plan(model):
+            unit = ShardedUnit(name, [np_ for _, _, nps in uses for np_ in nps], self.ps, dtype,
+                               device)
             k = 0
-            for first, last, nps in groups:
-                use = Use(unit, -1, first, last, list(range(k, k + len(nps))),
-                          backward_reads_params=first is not getattr(model, "embedding", None))
+            for first, last, nps in uses:
+                unit.uses.append(Use(unit, -1, first, last, list(range(k, k + len(nps))),
+                                     backward_reads_params=first is not getattr(
+                                         model, "embedding", None)))
                 k += len(nps)
-                unit.uses.append(use)
             self.units.append(unit)
-            return unit
-
-        def shared(p) -> bool:
-            return bool(getattr(p, "shared_embedding", False))
-
-        pre = getattr(model, "pre_process", True)
-        post = getattr(model, "post_process", True)
-        tied = pre and post and model.output_layer.weight is None
-        order: List[Use] = []
-        head_use = None
-        if pre:
-            emb = params_of("embedding", model.embedding)
-            if tied:
-                head = (params_of("final_layernorm", model.final_layernorm)
-                        + params_of("output_layer", model.output_layer))
-                unit = add_unit("embedding+output", [
-                    (model.embedding, model.embedding, emb),
-                    (model.final_layernorm, model.output_layer, head)])
-                order.append(unit.uses[0])
-                head_use = unit.uses[1]
-            else:
-                # A tied embedding split over pipeline stages (pp > 1) has a copy on the last
-                # stage too: each copy is a unit of its own, so both have the same flat layout
-                # and their reduce-scattered gradient shards line up element for element for
-                # the all-reduce over the embedding group (finalize_grads).
-                own = [np_ for np_ in emb if shared(np_[1])]
-                rest = [np_ for np_ in emb if not shared(np_[1])]
-                for name, nps in (("embedding.word_embeddings", own), ("embedding", rest)):
-                    if nps:
-                        order.append(add_unit(name, [(model.embedding, model.embedding,
-                                                      nps)]).uses[0])
-        order += [add_unit(f"layers.{k}", [(layer, layer, params_of(f"layers.{k}", layer))]
-                           ).uses[0] for k, layer in model.layers.items()]
-        if post and not tied:
-            norm = params_of("final_layernorm", model.final_layernorm)
-            out = params_of("output_layer", model.output_layer)
-            if any(shared(p) for _, p in out):  # the last stage's copy (see above)
-                if len(out) != 1:
-                    raise RuntimeError("ZeRO-3: a shared output layer must hold its weight only")
-                order.append(add_unit("output", [(model.final_layernorm, model.final_layernorm,
-                                                  norm)]).uses[0])
-                order.append(add_unit("output_layer", [(model.output_layer, model.output_layer,
-                                                        out)]).uses[0])
-            else:
-                order.append(add_unit("output", [(model.final_layernorm, model.output_layer,
-                                                  norm + out)]).uses[0])
-        if head_use is not None:
-            order.append(head_use)
-        for i, use in enumerate(order):
+        # forward order: every unit's first use in plan order, then a tied head's second use
+        self.uses = [u.uses[0] for u in self.units] + [x for u in self.units for x in u.uses[1:]]
+        for i, use in enumerate(self.uses):
             use.index = i
-        self.uses = order
         covered = {id(p) for u in self.units for p in u.params}
-        missing = [n for n, p in named.items() if id(p) not in covered]
+        missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
             raise RuntimeError(f"ZeRO-3 units do not cover parameters {missing}")
 
@@ -491,13 +484,18 @@ class Zero3Model(nn.Module):
     def _reduce_scatter(self, unit: ShardedUnit) -> None:
         self._complete_reduce_scatters()  # at most one in flight: bounded full-gradient memory
         unit.collect_stray_grads()
-        out = torch.empty(unit.shard_size, dtype=unit.compute_dtype, device=unit.device)
+        # Reduced in fp32, as stages 0-2 reduce their fp32 main_grad buffers: summing N 16-bit
+        # partial gradients in 16 bits would round at every hop of the ring, so bf16 results
+        # would depend on the ZeRO stage. The fp32 copy lives only until this reduce-scatter
+        # completes (one at a time), and the traffic is 4 bytes per element as in stages 0-2.
+        send = unit.full_grad.float()
+        out = torch.empty(unit.shard_size, dtype=torch.float32, device=unit.device)
         # SUM, not mean: the loss is already divided by the global batch's token count
         # (docs/design.md, contract 4), so summing over DP ranks gives the global gradient.
-        work = C.reduce_scatter_tensor(out, unit.full_grad, group=unit.dp_group,
+        work = C.reduce_scatter_tensor(out, send, group=unit.dp_group,
                                        async_op=self.overlap, tag="zero3_reduce_scatter")
         self._event("rs_issue", unit)
-        self._pending_rs.append((unit, out, work))
+        self._pending_rs.append((unit, out, work, send))
         unit.done.clear()
         unit.reshard()
         self._event("reshard", unit)
@@ -505,10 +503,10 @@ class Zero3Model(nn.Module):
             self._complete_reduce_scatters()
 
     def _complete_reduce_scatters(self) -> None:
-        for unit, out, work in self._pending_rs:
+        for unit, out, work, _send in self._pending_rs:
             if work is not None:
                 work.wait()
-            unit.grad.add_(out.float())  # fp32 accumulation across micro-batches
+            unit.grad.add_(out)  # fp32 accumulation across micro-batches
             unit.release_grad_buffer()
             self._event("rs_done", unit)
         self._pending_rs = []
@@ -517,7 +515,7 @@ class Zero3Model(nn.Module):
         """End of backward (autograd callback): flush what the hooks did not (a parameter that got
         no gradient), wait for the last reduce-scatters, free everything still gathered."""
         for unit in self.units:
-            if unit.grad_views is not None and unit not in [u for u, _, _ in self._pending_rs]:
+            if unit.grad_views is not None and unit not in [p[0] for p in self._pending_rs]:
                 self._reduce_scatter(unit)
         self._complete_reduce_scatters()
         self._reshard_all()
@@ -665,7 +663,7 @@ class Zero3Model(nn.Module):
             fwd += len(unit.uses) * b
             bwd += b * sum(1 for use in unit.uses
                            if use.backward_reads_params and use.index != last)
-            rs += b
+            rs += unit.padded * 4 * (n - 1) // n  # gradients are reduced in fp32
         m = num_microbatches
         return {"zero3_all_gather_fwd": m * fwd, "zero3_all_gather_bwd": m * bwd,
                 "zero3_reduce_scatter": m * rs}

@@ -19,11 +19,10 @@ Per-rank model-state bytes (megalite's layout; measured by megalite/memory.py):
     bf16/fp16:   params 2Ψ + fp32 grads 4Ψ (stage 2: 4Ψ/N) + masters 4Ψ/N + Adam 8Ψ/N
                  (stage 0: 4Ψ + 8Ψ), i.e. Megatron's 6 + 12/N bytes per parameter for stage 1.
 
-The AdamW update is written on the flat shard with torch's ``_foreach`` kernels in exactly the
-order of ``torch.optim.AdamW``'s foreach path, so a DP run matches a single-process
-``torch.optim.AdamW`` run. Shards straddle parameters, so weight decay is applied per segment
-(the part of a parameter inside the shard): matrices decay, biases and norm weights (dim <= 1) do
-not — the same rule as the plain optimizer (optimizer.py).
+The step (unscale, overflow check, norm, clipping, AdamW on the flat shards) is
+``optimizer.ShardedAdamW``'s, shared with ZeRO-3. Shards straddle parameters, so weight decay is
+applied per segment (the part of a parameter inside the shard): matrices decay, biases and norm
+weights (dim <= 1) do not — the same rule as the plain optimizer.
 
 Checkpoints: :meth:`state_dict` is this DP rank's shard (``sharded_state_dict_per_dp_rank``: the
 checkpoint writer saves one file per DP rank) and loads only at the same DP size and layout. To
@@ -34,12 +33,10 @@ re-splits it for the new layout without communication. See docs/data_parallel.md
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from megalite import collectives as C
@@ -47,10 +44,11 @@ from megalite.config import ConfigError, OptimizerConfig
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.optimizer.clip_grads import counts_for_norm
-from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm
+from megalite.optimizer.optimizer import ADAM_KINDS, ShardedAdamW, merge_pieces
 from megalite.parallel_state import ParallelState
 
 FULL_STATE_FORMAT = "megalite.zero.full/v1"
+SHARD_FORMAT = "megalite.zero.shard/v1"
 
 
 @dataclass
@@ -63,8 +61,6 @@ class Segment:
     hi: int
     plo: int
     phi: int
-    decay: bool
-    counts_for_norm: bool
 
 
 @dataclass
@@ -90,14 +86,8 @@ class Shard:
         return self.buffer.grad_shard(self.bucket)
 
 
-def _world_group():
-    return dist.group.WORLD if dist.is_initialized() else None
-
-
-class DistributedOptimizer:
+class DistributedOptimizer(ShardedAdamW):
     """AdamW over this rank's ZeRO shards; the interface of megalite/optimizer/optimizer.py."""
-
-    sharded_state_dict_per_dp_rank = True
 
     def __init__(self, model_chunks, config: OptimizerConfig, ps: ParallelState, **unused):
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -107,21 +97,13 @@ class DistributedOptimizer:
                     "--zero-stage >= 1 / --use-distributed-optimizer needs the model chunks wrapped "
                     "in megalite.distributed.DistributedDataParallel (training.py's "
                     "wrap_model_for_data_parallel does it)")
+        self._init_shared(config, ps)
         self.chunks = chunks
-        self.cfg = config
-        self.ps = ps
         self.zero_stage = config.zero_stage
+        self.dp_sharded = self.zero_stage >= 1
         self.dp_group = ps.dp_group
         self.dp_size = C.group_size(ps.dp_group)
         self.dp_rank = C.group_rank(ps.dp_group)
-        self.step_count = 0
-        self.grad_scaler = build_grad_scaler(config)
-        # Two groups like the plain optimizer; the LR scheduler writes group["lr"] and step() reads
-        # lr and weight_decay from here. "params" holds the segments for inspection only.
-        self.param_groups = [
-            {"params": [], "lr": config.lr, "weight_decay": config.weight_decay, "name": "decay"},
-            {"params": [], "lr": config.lr, "weight_decay": 0.0, "name": "no_decay"},
-        ]
         names: Dict[str, nn.Parameter] = {}
         self.shards: List[Shard] = []
         for ci, ddp in enumerate(chunks):
@@ -129,7 +111,14 @@ class DistributedOptimizer:
                 for b in buf.buckets:
                     self.shards.append(self._make_shard(ci, ddp, buf, b, names))
         self.param_names = names
-        self._shard_of_segment = {id(seg): s for s in self.shards for seg in s.segments}
+        self.masters = [s.master for s in self.shards]
+        self.exp_avg = [s.exp_avg for s in self.shards]
+        self.exp_avg_sq = [s.exp_avg_sq for s in self.shards]
+        self.runs = [[(g.lo, g.hi, 0 if g.param.dim() > 1 else 1) for g in s.segments]
+                     for s in self.shards]
+        self.norm_runs = [[(g.lo, g.hi) for g in s.segments
+                           if counts_for_norm(g.param, ps.tp_rank, ps.is_pipeline_first_stage)]
+                          for s in self.shards]
 
     # ------------------------------------------------------------------------------ layout
     def _key(self, ci: int, name: str) -> str:
@@ -151,129 +140,34 @@ class DistributedOptimizer:
             if key in names and names[key] is not slot.param:
                 raise ValueError(f"parameter name {key} appears twice among the model chunks")
             names[key] = slot.param
-            if a >= b:
-                continue
-            seg = Segment(key, slot.param, a - start, b - start, a - slot.start, b - slot.start,
-                          decay=slot.param.dim() > 1,
-                          counts_for_norm=counts_for_norm(slot.param, self.ps.tp_rank,
-                                                          self.ps.is_pipeline_first_stage))
-            shard.segments.append(seg)
-            self.param_groups[0 if seg.decay else 1]["params"].append(seg)
+            if a < b:
+                shard.segments.append(Segment(key, slot.param, a - start, b - start,
+                                              a - slot.start, b - slot.start))
         return shard
 
     # ---------------------------------------------------------------------------- interface
-    def get_loss_scale(self) -> float:
-        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         for c in self.chunks:
             c.zero_grad_buffer()
 
-    def _finish_grad_sync(self) -> None:
-        # Normally done by finalize_model_grads_ddp (the schedule's finalize hook); harmless twice.
-        for c in self.chunks:
+    def _finish_grads(self) -> None:
+        for c in self.chunks:  # normally done by the schedule's finalize hook; harmless twice
             c.finish_grad_sync()
-
-    @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
-        self._finish_grad_sync()
         for c in self.chunks:
             c.finish_param_sync()  # never write params while last step's gather is in flight
-        grads = [s.grad for s in self.shards]
 
-        if self.grad_scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / self.grad_scaler.scale)
-            # Each rank sees only its shard, so the flag must be agreed by every rank (MAX over
-            # the world), or some ranks would step and others skip.
-            flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-            for g in grads:
-                if not torch.isfinite(g).all():
-                    flag.fill_(1.0)
-                    break
-            C.all_reduce(flag, group=_world_group(), op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
-            found_inf = bool(flag.item() > 0)
-            self.grad_scaler.update(found_inf)
-            if found_inf:
-                self.zero_grad()
-                return False, None, None
+    def _grads(self) -> List[torch.Tensor]:
+        return [s.grad for s in self.shards]
 
-        grad_norm = self._global_grad_norm()
-        check_grad_norm(self, grad_norm)
-        if self.cfg.clip_grad > 0:
-            coef = self.cfg.clip_grad / (grad_norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        self._adamw(grads)
-        if self.shards[0].master is not self.shards[0].model_param_shard:
-            for s in self.shards:
-                if s.master.data_ptr() != s.model_param_shard.data_ptr():
-                    s.model_param_shard.copy_(s.master)
+    def _publish(self) -> None:
+        self._copy_masters_to_model()
         for c in self.chunks:
             c.start_param_sync()
-        return True, grad_norm, None
 
-    def _global_grad_norm(self) -> float:
-        """L2 norm of the full model's gradient, each element counted once over the world.
-
-        Stages 1/2: the DP ranks hold disjoint shards, so the squares are summed over DP and then
-        over model parallelism (clip_grads.counts_for_norm's TP/replicated/shared-embedding rule).
-        Stage 0: DP replicas are equal, so only over model parallelism.
-        """
-        views = [s.grad[seg.lo:seg.hi] for s in self.shards for seg in s.segments
-                 if seg.counts_for_norm]
-        device = self.shards[0].grad.device
-        if views:
-            norms = torch._foreach_norm(views)
-            sq = torch.stack(norms).double().pow(2).sum().float().reshape(1)
-        else:
-            sq = torch.zeros(1, dtype=torch.float32, device=device)
-        if self.zero_stage >= 1:
-            C.all_reduce(sq, group=self.dp_group, tag="grad_norm_all_reduce")
-        C.all_reduce(sq, group=self.ps.mp_group, tag="grad_norm_all_reduce")
-        return float(sq.sqrt().item())
-
-    def _adamw(self, grads: List[torch.Tensor]) -> None:
-        """torch.optim.AdamW (foreach path) on the flat shards, decay applied per segment."""
-        cfg = self.cfg
-        beta1, beta2, eps = cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps
-        self.step_count += 1
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd != 0 and group["params"]:
-                views = [self._shard_of_segment[id(seg)].master[seg.lo:seg.hi]
-                         for seg in group["params"]]
-                torch._foreach_mul_(views, 1 - lr * wd)
-        masters = [s.master for s in self.shards]
-        exp_avgs = [s.exp_avg for s in self.shards]
-        exp_avg_sqs = [s.exp_avg_sq for s in self.shards]
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        bias_correction1 = 1 - beta1 ** self.step_count
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** self.step_count)
-        lrs = {g["lr"] for g in self.param_groups}
-        if len(lrs) == 1:
-            denom = torch._foreach_sqrt(exp_avg_sqs)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(masters, exp_avgs, denom, -lrs.pop() / bias_correction1)
-            return
-        # Different learning rates per group: update segment by segment (padding stays 0).
-        for group in self.param_groups:
-            segs = group["params"]
-            if not segs:
-                continue
-            shards = self._shard_of_segment
-            p = [shards[id(g)].master[g.lo:g.hi] for g in segs]
-            m = [shards[id(g)].exp_avg[g.lo:g.hi] for g in segs]
-            v = [shards[id(g)].exp_avg_sq[g.lo:g.hi] for g in segs]
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(p, m, denom, -group["lr"] / bias_correction1)
+    def _copy_masters_to_model(self) -> None:
+        for s in self.shards:
+            if s.master.data_ptr() != s.model_param_shard.data_ptr():
+                s.model_param_shard.copy_(s.master)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -284,15 +178,9 @@ class DistributedOptimizer:
             if s.master.data_ptr() != s.model_param_shard.data_ptr():
                 s.master.copy_(s.model_param_shard.float())
 
-    # ------------------------------------------------------------------------- accounting
-    def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
-        """The tensors megalite/memory.py counts as masters and optimizer states."""
-        return {"master_params": [s.master for s in self.shards],
-                "optimizer_states": [t for s in self.shards for t in (s.exp_avg, s.exp_avg_sq)]}
-
     # -------------------------------------------------------------------------- checkpoints
-    def _layout(self) -> List[Tuple[int, int, int]]:
-        return [(s.bucket.numel, s.start - s.bucket.offset, s.end - s.bucket.offset)
+    def _layout(self) -> List[List[int]]:
+        return [[s.bucket.numel, s.start - s.bucket.offset, s.end - s.bucket.offset]
                 for s in self.shards]
 
     def state_dict(self) -> dict:
@@ -300,13 +188,8 @@ class DistributedOptimizer:
         for c in self.chunks:
             c.finish_param_sync()
         return {
-            "format": "megalite.zero.shard/v1",
-            "zero_stage": self.zero_stage, "dp_size": self.dp_size, "dp_rank": self.dp_rank,
-            "step": self.step_count,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
-            "layout": [list(x) for x in self._layout()],
+            "format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
+            "dp_rank": self.dp_rank, **self._common_state(), "layout": self._layout(),
             "shards": [{"master": s.master.detach().clone(), "exp_avg": s.exp_avg.clone(),
                         "exp_avg_sq": s.exp_avg_sq.clone(),
                         # enough to rebuild the unsharded state from all DP ranks' files
@@ -316,16 +199,9 @@ class DistributedOptimizer:
 
     def shard_fits(self, sd: dict) -> bool:
         """Whether a per-DP-rank state dict was saved with this DP size and bucket layout."""
-        return (sd.get("format") == "megalite.zero.shard/v1" and sd.get("dp_size") == self.dp_size
+        return (sd.get("format") == SHARD_FORMAT and sd.get("dp_size") == self.dp_size
                 and sd.get("dp_rank") == self.dp_rank
-                and [tuple(x) for x in sd.get("layout", [])] == self._layout())
-
-    def _load_common(self, sd: dict) -> None:
-        self.step_count = int(sd["step"])
-        for g, saved in zip(self.param_groups, sd["param_groups"]):
-            g["lr"] = saved["lr"]  # weight decay stays this run's flag
-        if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(sd["grad_scaler"])
+                and [list(x) for x in sd.get("layout", [])] == self._layout())
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
@@ -343,8 +219,7 @@ class DistributedOptimizer:
             s.exp_avg.copy_(saved["exp_avg"])
             s.exp_avg_sq.copy_(saved["exp_avg_sq"])
             s.master.copy_(saved["master"])
-            if s.master.data_ptr() != s.model_param_shard.data_ptr():
-                s.model_param_shard.copy_(s.master)
+        self._copy_masters_to_model()
         for c in self.chunks:
             c.start_param_sync(overlap=False)
 
@@ -360,28 +235,20 @@ class DistributedOptimizer:
         out: Dict[str, Dict[str, torch.Tensor]] = {}
         for s in self.shards:
             full = {}
-            for kind in ("master", "exp_avg", "exp_avg_sq"):
-                local = getattr(s, kind)
+            for kind, local in zip(ADAM_KINDS, (s.master, s.exp_avg, s.exp_avg_sq)):
                 if self.zero_stage == 0:
                     full[kind] = local.detach().clone()
                 else:
-                    t = torch.empty(s.bucket.numel, dtype=torch.float32, device=local.device)
-                    C.all_gather_into_tensor(t, local.detach().float(), group=self.dp_group,
-                                             tag="checkpoint_all_gather")
-                    full[kind] = t
+                    full[kind] = torch.empty(s.bucket.numel, dtype=torch.float32,
+                                             device=local.device)
+                    C.all_gather_into_tensor(full[kind], local.detach().float(),
+                                             group=self.dp_group, tag="checkpoint_all_gather")
             ci = self.chunks.index(s.ddp)
             for slot in s.bucket.slots:
                 lo = slot.start - s.bucket.offset
-                key = self._key(ci, slot.name)
-                out[key] = {("param" if k == "master" else k): v[lo:lo + slot.numel]
-                            .view(slot.param.shape).clone() for k, v in full.items()}
-        return {
-            "format": FULL_STATE_FORMAT, "step": self.step_count,
-            "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in self.param_groups],
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
-            "params": out,
-        }
+                out[self._key(ci, slot.name)] = {k: v[lo:lo + slot.numel].view(slot.param.shape)
+                                                 .clone() for k, v in full.items()}
+        return {"format": FULL_STATE_FORMAT, **self._common_state(), "params": out}
 
     @torch.no_grad()
     def load_full_optimizer_state(self, full: dict) -> None:
@@ -408,10 +275,33 @@ class DistributedOptimizer:
             p.data.copy_(saved.to(p.dtype))
         for s in self.shards:
             for seg in s.segments:
-                entry = params[seg.name]
-                s.exp_avg[seg.lo:seg.hi].copy_(entry["exp_avg"].reshape(-1)[seg.plo:seg.phi])
-                s.exp_avg_sq[seg.lo:seg.hi].copy_(entry["exp_avg_sq"].reshape(-1)[seg.plo:seg.phi])
-                s.master[seg.lo:seg.hi].copy_(entry["param"].reshape(-1)[seg.plo:seg.phi])
+                for kind, local in zip(ADAM_KINDS, (s.master, s.exp_avg, s.exp_avg_sq)):
+                    local[seg.lo:seg.hi].copy_(params[seg.name][kind].reshape(-1)[seg.plo:seg.phi])
+
+
+def zero12_pieces(sds: List[dict]):
+    """The per-parameter pieces (optimizer.merge_pieces) of DistributedOptimizer files: each
+    shard lists its segments, so the files are read without rebuilding the bucket layout."""
+    for sd in sds:
+        if sd.get("format") != SHARD_FORMAT:
+            raise ValueError(f"not a ZeRO-1/2 optimizer shard (format {sd.get('format')!r})")
+        for shard in sd["shards"]:
+            for name, lo, hi, plo, _phi, shape in shard["segments"]:
+                yield name, shape, plo, {k: shard[f][lo:hi] for k, f in
+                                         zip(ADAM_KINDS, ("master", "exp_avg", "exp_avg_sq"))}
+
+
+def check_shard_set(sds: List[dict]) -> List[dict]:
+    """Every DP rank's file exactly once, in rank order (stage 0: rank 0's, which holds all)."""
+    if not sds:
+        raise ValueError("no optimizer shards to merge")
+    sds = sorted(sds, key=lambda sd: int(sd["dp_rank"]))
+    n = int(sds[0]["dp_size"])
+    if [int(sd["dp_rank"]) for sd in sds] != list(range(n)) or any(
+            int(sd["dp_size"]) != n for sd in sds):
+        raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} do not "
+                         f"make up one DP group of {n} (missing or mixed files?)")
+    return sds[:1] if sds[0].get("zero_stage") == 0 else sds
 
 
 def merge_shard_state_dicts(shard_state_dicts: List[dict]) -> dict:
@@ -422,38 +312,8 @@ def merge_shard_state_dicts(shard_state_dicts: List[dict]) -> dict:
     :meth:`DistributedOptimizer.load_full_optimizer_state` (through ``load_state_dict``), which
     re-splits it. No communication: each rank merges the files itself.
     """
-    if not shard_state_dicts:
-        raise ValueError("no optimizer shards to merge")
-    sds = sorted(shard_state_dicts, key=lambda sd: sd["dp_rank"])
-    n = sds[0]["dp_size"]
-    if [sd["dp_rank"] for sd in sds] != list(range(n)):
-        raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} found, "
-                         f"expected all of 0..{n - 1}")
-    if sds[0].get("zero_stage") == 0:
-        sds = sds[:1]  # stage 0: every DP rank holds the whole state
-    params: Dict[str, Dict[str, torch.Tensor]] = {}
-    covered: Dict[str, int] = {}
-    for sd in sds:
-        for shard in sd["shards"]:
-            for name, lo, hi, plo, phi, shape in shard["segments"]:
-                if name not in params:
-                    numel = math.prod(shape)
-                    params[name] = {k: torch.zeros(numel, dtype=torch.float32)
-                                    for k in ("param", "exp_avg", "exp_avg_sq")}
-                    params[name]["_shape"] = shape
-                    covered[name] = 0
-                for kind, key in (("master", "param"), ("exp_avg", "exp_avg"),
-                                  ("exp_avg_sq", "exp_avg_sq")):
-                    params[name][key][plo:phi].copy_(shard[kind][lo:hi].float())
-                covered[name] += phi - plo
-    for name, entry in params.items():
-        shape = entry.pop("_shape")
-        if covered[name] != math.prod(shape):
-            raise ValueError(f"optimizer shards cover {covered[name]} of {math.prod(shape)} "
-                             f"elements of {name}")
-        for k in list(entry):
-            entry[k] = entry[k].view(shape)
+    sds = check_shard_set(shard_state_dicts)
     first = sds[0]
     return {"format": FULL_STATE_FORMAT, "step": first["step"],
             "param_groups": first["param_groups"], "grad_scaler": first["grad_scaler"],
-            "params": params}
+            "params": merge_pieces(zero12_pieces(sds))}

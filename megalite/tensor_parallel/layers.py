@@ -5,10 +5,12 @@ the activations between blocks are sharded along ``s``; the column-parallel laye
 on the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
 arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
 
-The weight gradient of the linear layers is computed by its own step. Normally it runs inside the
-backward pass; inside :meth:`WeightGradStore.capture` it is queued instead, so a zero-bubble
-pipeline schedule can run the input-gradient half ("B") now and the weight-gradient half ("W")
-later (Qi et al., arXiv:2401.10241).
+The layers call the mapping operators of mappings.py (f, g, ḡ and its conjugate) for every
+collective; the autograd function below does only the local matmuls. The weight gradient of the
+linear layers is computed by its own step. Normally it runs inside the backward pass; inside
+:meth:`WeightGradStore.capture` it is queued instead, so a zero-bubble pipeline schedule can run
+the input-gradient half ("B") now and the weight-gradient half ("W") later (Qi et al.,
+arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
@@ -26,11 +28,13 @@ import torch.nn.functional as F
 
 from megalite import collectives as C
 from megalite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
     gather_first_dim,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
-    reduce_scatter_first_dim,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
 )
 from megalite.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 
@@ -95,36 +99,29 @@ def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.
 
 
 class LinearWithDeferrableWeightGrad(torch.autograd.Function):
-    """y = x W^T + b, with the TP/SP collectives of the input gradient folded in.
+    """y = x W^T + b on this rank's weight: the matmuls only, with the weight gradient as its own
+    step. The TP/SP collectives are the mapping operators the layers put around it (f or ḡ in
+    front of a column-parallel layer, g or its SP form after a row-parallel one).
 
-    forward:  SP: all-gather x along s first (g-bar).  Output is local to this rank's columns.
-    backward: dgrad = dy W; SP: reduce-scatter it along s; plain TP column layer: all-reduce it
-              (that is the f operator's backward); wgrad = dy^T x (SP: x re-gathered first, since
-              only the local shard was saved — trading one all-gather for s/t memory).
+    ``local_x`` (sequence parallelism): x is ḡ(local_x), the all-gather of this rank's sequence
+    shard. Only the shard is saved and x is re-gathered for ``dW = dyᵀ x`` in backward: one extra
+    all-gather buys s/t activation memory (Korthikanti et al. §4.2.2).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, allreduce_dgrad):
+    def forward(ctx, x, weight, bias, local_x, group):
         ctx.group = group
-        ctx.sequence_parallel = sequence_parallel
-        ctx.allreduce_dgrad = allreduce_dgrad
+        ctx.gathered = local_x is not None
         ctx.has_bias = bias is not None
         ctx.weight = weight
-        total_input = gather_first_dim(x, group) if sequence_parallel else x
-        ctx.save_for_backward(x, weight)
-        return F.linear(total_input, weight, bias)
+        ctx.save_for_backward(local_x if ctx.gathered else x, weight)
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_output):
-        x, weight = ctx.saved_tensors
-        group = ctx.group
-        total_input = gather_first_dim(x, group) if ctx.sequence_parallel else x
+        saved, weight = ctx.saved_tensors
+        total_input = gather_first_dim(saved, ctx.group) if ctx.gathered else saved
         grad_input = grad_output.matmul(weight)
-        if ctx.sequence_parallel:
-            grad_input = reduce_scatter_first_dim(grad_input, group)
-        elif ctx.allreduce_dgrad and C.group_size(group) > 1:
-            grad_input = grad_input.contiguous()
-            C.all_reduce(grad_input, group=group, tag="tp_all_reduce")
         grad_bias = None
         if ctx.has_bias:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
@@ -134,12 +131,11 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             grad_weight = None
         else:
             grad_weight = _weight_grad(grad_output, total_input)
-        return grad_input, grad_weight, grad_bias, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
-def linear_with_tp(x, weight, bias, group, sequence_parallel=False, allreduce_dgrad=False):
-    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, group, sequence_parallel,
-                                                allreduce_dgrad)
+def linear(x, weight, bias=None, local_x=None, group=None):
+    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, local_x, group)
 
 
 # ----------------------------------------------------------------------------------- the layers
@@ -180,9 +176,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        out = linear_with_tp(x, weight, self.bias, self.tp_group,
-                             sequence_parallel=self.sequence_parallel,
-                             allreduce_dgrad=self.tp_size > 1 and not self.sequence_parallel)
+        if self.sequence_parallel:  # ḡ: all-gather along s, reduce-scatter dX in backward
+            total = gather_from_sequence_parallel_region(x, self.tp_group)
+            out = linear(total, weight, self.bias, local_x=x, group=self.tp_group)
+        else:  # f: identity, all-reduce dX in backward
+            out = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), weight, self.bias)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out
@@ -223,10 +221,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            from megalite.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
-
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = linear_with_tp(x, self.weight, None, self.tp_group)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

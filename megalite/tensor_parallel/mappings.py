@@ -79,98 +79,40 @@ def reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ autograd pairs
-class _CopyToRegion(torch.autograd.Function):
-    """f: identity forward, all-reduce backward."""
+def _pair(name: str, forward, backward):
+    """An autograd function that runs ``forward(x, group)`` and, in backward, its conjugate
+    ``backward(grad, group)``."""
 
-    @staticmethod
-    def forward(ctx, x, group):
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
 
-
-class _ReduceFromRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x.clone() if C.group_size(group) > 1 else x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd),
+                                                   "backward": staticmethod(bwd)})
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the last dim; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+def _identity(x: torch.Tensor, group) -> torch.Tensor:
+    return x
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    """All-gather along the last dim; backward keeps this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+def _sum(x: torch.Tensor, group) -> torch.Tensor:
+    return _all_reduce(x.clone(), group)  # the input may be saved for backward elsewhere
 
 
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Keep this rank's chunk of the sequence (dim 0); backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_first_dim(grad, ctx.group), None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """g-bar: all-gather along the sequence; backward reduce-scatters (the conjugate)."""
-
-    @staticmethod
-    def forward(ctx, x, group, grad_reduce_scatter: bool = True):
-        ctx.group = group
-        ctx.grad_reduce_scatter = grad_reduce_scatter
-        return gather_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.grad_reduce_scatter:
-            return reduce_scatter_first_dim(grad, ctx.group), None, None
-        # The consumer's gradient is already identical on every rank: just keep our chunk.
-        return _split_first_dim(grad, ctx.group), None, None
-
-
-class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Reduce-scatter along the sequence; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_first_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return gather_first_dim(grad, ctx.group), None
+# (forward, backward) of each operator; every backward is its forward's conjugate.
+_CopyToRegion = _pair("_CopyToRegion", _identity, _all_reduce)  # f
+_ReduceFromRegion = _pair("_ReduceFromRegion", _sum, _identity)  # g
+_ScatterToRegion = _pair("_ScatterToRegion", _split_last_dim, _gather_last_dim)
+_GatherFromRegion = _pair("_GatherFromRegion", _gather_last_dim, _split_last_dim)
+_ScatterToSequenceParallelRegion = _pair("_ScatterToSequenceParallelRegion", _split_first_dim,
+                                         gather_first_dim)
+_GatherFromSequenceParallelRegion = _pair("_GatherFromSequenceParallelRegion", gather_first_dim,
+                                          reduce_scatter_first_dim)  # ḡ
+_ReduceScatterToSequenceParallelRegion = _pair("_ReduceScatterToSequenceParallelRegion",
+                                               reduce_scatter_first_dim, gather_first_dim)
 
 
 # ---------------------------------------------------------------------------------- public API
@@ -194,10 +136,8 @@ def scatter_to_sequence_parallel_region(x, group):
     return _ScatterToSequenceParallelRegion.apply(x, group) if C.group_size(group) > 1 else x
 
 
-def gather_from_sequence_parallel_region(x, group, grad_reduce_scatter: bool = True):
-    if C.group_size(group) == 1:
-        return x
-    return _GatherFromSequenceParallelRegion.apply(x, group, grad_reduce_scatter)
+def gather_from_sequence_parallel_region(x, group):
+    return _GatherFromSequenceParallelRegion.apply(x, group) if C.group_size(group) > 1 else x
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group):
