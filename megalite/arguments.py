@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "interleaved", "zb-h1"], default=None)
+    g.add_argument("--pipeline-schedule", default=None,
+                   choices=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
 
     g = p.add_argument_group("batch")

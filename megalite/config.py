@@ -374,7 +374,7 @@ class TrainingConfig(_Section):
     skip_train: bool = False
     seed: int = 1234
     # pipeline schedule
-    pipeline_schedule: Optional[str] = None  # 1f1b | interleaved | zb-h1 (None: 1f1b or interleaved)
+    pipeline_schedule: Optional[str] = None  # 1f1b|interleaved|zb-h1|zb-v|dualpipev (None: auto)
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
@@ -409,9 +409,10 @@ class TrainingConfig(_Section):
                 self.num_layers_per_virtual_pipeline_stage <= 0:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage must be positive, got "
                               f"{self.num_layers_per_virtual_pipeline_stage}")
-        if self.pipeline_schedule not in (None, "1f1b", "interleaved", "zb-h1"):
-            raise ConfigError(f"--pipeline-schedule must be 1f1b, interleaved or zb-h1, got "
-                              f"{self.pipeline_schedule!r}")
+        if self.pipeline_schedule not in (None, "1f1b", "interleaved", "zb-h1", "zb-v",
+                                          "dualpipev"):
+            raise ConfigError(f"--pipeline-schedule must be 1f1b, interleaved, zb-h1, zb-v or "
+                              f"dualpipev, got {self.pipeline_schedule!r}")
         return self
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
@@ -489,10 +490,12 @@ class MegaliteConfig(_Section):
             raise ConfigError(f"--num-layers ({L}) must be divisible by "
                               f"--pipeline-model-parallel-size ({p}) x "
                               f"--num-virtual-stages-per-pipeline-rank ({v})")
-        if self.optimizer.zero_stage == 3 and tr.pipeline_schedule == "zb-h1":
-            raise ConfigError("--zero-stage 3 does not support --pipeline-schedule zb-h1 (deferred "
-                              "weight gradients would keep every unit gathered until its W pass); "
-                              "use 1f1b or interleaved, or --zero-stage 1/2")
+        if self.optimizer.zero_stage == 3 and tr.pipeline_schedule in ("zb-h1", "zb-v",
+                                                                        "dualpipev"):
+            raise ConfigError(f"--zero-stage 3 does not support --pipeline-schedule "
+                              f"{tr.pipeline_schedule} (deferred weight gradients would keep every "
+                              f"unit gathered until its W pass); use 1f1b or interleaved, or "
+                              f"--zero-stage 1/2")
         if world_size is not None and p > 1 and tr.global_batch_size is not None:
             # m, p, v and the schedule must fit together, before any model is built
             from megalite.pipeline_parallel.schedules import check_pipeline_args

@@ -51,7 +51,7 @@ from megalite.parallel_state import (
     peak_memory_bytes,
     synchronize,
 )
-from megalite.pipeline_parallel.partition import build_model_chunks
+from megalite.pipeline_parallel.partition import V_SCHEDULES, build_model_chunks
 from megalite.pipeline_parallel.schedules import get_forward_backward_func
 from megalite.tensor_parallel.random import (
     get_all_rng_states,
@@ -179,7 +179,7 @@ class Trainer:
             num_layers_per_virtual_pipeline_stage=tr.num_layers_per_virtual_pipeline_stage,
             decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
-            device=ps.device)
+            device=ps.device, v_shape=tr.pipeline_schedule in V_SCHEDULES)
         self.chunks, self.no_sync_func, self.finalize_fn = wrap_model_for_data_parallel(
             chunks, cfg, ps)
         self.optimizer = build_optimizer(self.chunks, cfg.optimizer, ps)
@@ -464,12 +464,13 @@ class Trainer:
     def _reduce_loss(self, stats_list) -> Tuple[float, float]:
         """(sum of token losses, token count) over the whole global batch, on every rank.
 
-        Only the last pipeline stage has losses, and its TP ranks hold identical copies: TP rank 0
-        of the last stage contributes, then a world all-reduce hands the result to every rank
-        (rank 0 logs; every rank sees a NaN and stops together).
+        Only the stage that computes the loss has stats (the last, or rank 0 under the V of
+        zb-v / dualpipev), and its TP ranks hold identical copies: TP rank 0 of it contributes,
+        then a world all-reduce hands the result to every rank (rank 0 logs; every rank sees a
+        NaN and stops together).
         """
         t = torch.zeros(2, dtype=torch.float64, device=self.ps.device)
-        if self.ps.is_pipeline_last_stage and self.ps.tp_rank == 0:
+        if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage
             for s in stats_list:
                 t[0] += float(s["lm_loss_sum"])
                 t[1] += float(s["num_tokens"])

@@ -52,6 +52,9 @@ LAYOUTS_4 = {
     "pp2_dp2_zbh1_m2_tied": (1, 2, False, "zb-h1", 4, None, None, None, 2, True),
     "tp2_pp2_sp_1f1b_m4_tied": (2, 2, True, "1f1b", 4, None, None, None, 4, True),
     "tp2_pp2_sp_v2_interleaved_m2_untied": (2, 2, True, "interleaved", 4, 1, None, None, 2, False),
+    "pp4_zbv_m8_untied": (1, 4, False, "zb-v", 8, None, None, None, 8, False),
+    "pp2_dp2_dualpipev_m6_untied": (1, 2, False, "dualpipev", 4, None, None, None, 6, False),
+    "tp2_pp2_sp_zbv_m4_untied": (2, 2, True, "zb-v", 4, None, None, None, 4, False),
 }
 # These run the batched p2p program (NCCL's) on gloo; the others run gloo's eager one
 # (schedules.eager_program). Both must give the same losses, gradients and op order.
@@ -77,14 +80,15 @@ def _run_layout(name, layout):
     chunks = build_model_chunks(tiny_config("gpt2", sequence_parallel=sp, **cfg), ps, seed=7,
                                 num_layers_per_virtual_pipeline_stage=per_v,
                                 decoder_first_pipeline_num_layers=first,
-                                decoder_last_pipeline_num_layers=last)
+                                decoder_last_pipeline_num_layers=last,
+                                v_shape=schedule in V_SCHEDULES)
     ref = GPTModel(tiny_config("gpt2", **cfg), ParallelState(), seed=7)
     fb = get_forward_backward_func(pp, ps.vpp_size, schedule)
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.Adam(params, lr=1e-3)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
     n = m * MBS * ps.dp_size
-    last_stage = ps.pp_rank == pp - 1
+    last_stage = ps.pp_rank == (0 if schedule in V_SCHEDULES else pp - 1)  # the loss's stage
     result = {"pp_rank": ps.pp_rank, "tp_rank": ps.tp_rank, "dp_rank": ps.dp_rank}
 
     for it in range(ITERS):
@@ -330,6 +334,8 @@ def test_layer_partition():
     assert virtual_layer_ranges(8, 4) == [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 8)]]
     # chunk c of rank r holds virtual stage c*p + r
     assert virtual_layer_ranges(8, 2, 2) == [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    # the V: rank r holds virtual stages r and 2p-1-r
+    assert virtual_layer_ranges(8, 2, v_shape=True) == [[(0, 2), (6, 8)], [(2, 4), (4, 6)]]
     assert stage_layer_counts(8, 4, 1, 3) == [1, 2, 2, 3]
     assert stage_layer_counts(6, 2, 2, 4) == [2, 4]
     assert stage_layer_counts(7, 3, decoder_first_pipeline_num_layers=1) == [1, 3, 3]
@@ -345,6 +351,11 @@ def test_layer_partition():
     (lambda: check_pipeline_args(4, 2, None, "1f1b"), "fewer than"),
     (lambda: check_pipeline_args(2, 4, 2, "zb-h1"), "does not support virtual stages"),
     (lambda: check_pipeline_args(2, 4, None, "gpipe"), "--pipeline-schedule"),
+    (lambda: check_pipeline_args(2, 3, 2, "zb-v"), "at least 2 x"),
+    (lambda: virtual_layer_ranges(6, 2, v_shape=True), "divisible by 4"),
+    (lambda: build_model_chunks(tiny_config("gpt2", num_layers=4),
+                                ParallelState(pp_size=2, pp_ranks=[0, 1]), v_shape=True),
+     "--untie-embeddings-and-output-weights"),
     (lambda: get_forward_backward_func(2, None, "interleaved"), "needs"),
     (lambda: build_model_chunks(tiny_config("gpt2", num_layers=3),
                                 ParallelState(pp_size=2, pp_ranks=[0, 1])),

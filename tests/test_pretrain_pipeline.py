@@ -156,6 +156,11 @@ BAD = {
          "--global-batch-size", "6"], "multiple of --pipeline-model-parallel-size"),
     "layers_not_divisible": (["--num-layers", "3"], "--num-layers (3) must be divisible"),
     "p_exceeds_layers": (["--num-layers", "1"], "exceeds --num-layers (1)"),
+    "v_schedule_tied": (["--num-layers", "4", "--pipeline-schedule", "zb-v"],
+                        "--untie-embeddings-and-output-weights"),
+    "v_schedule_zero3": (["--num-layers", "4", "--pipeline-schedule", "dualpipev",
+                          "--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
+                          "--zero-stage", "3"], "does not support --pipeline-schedule dualpipev"),
 }
 
 
@@ -173,3 +178,59 @@ def test_bad_pipeline_layouts_fail_in_one_line(tmp_path):
             assert rc != 0, f"{name} rank {r} exited 0"
             assert len(lines) == 1 and "error:" in lines[0] and expect in lines[0], \
                 f"{name} rank {r}: {se[-2000:]}"
+
+
+def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
+    """zb-v and dualpipev through pretrain.py (untied: the V puts both ends on rank 0): pp2 with
+    TP2 + SP under zb-v with full recompute, and pp2 x DP2 with ZeRO-2 under dualpipev, equal one
+    process; the dualpipev checkpoint resumes to the same losses, and resharded to pp=1 it
+    resumes in one process to the same losses too (tools/checkpoint/convert.py)."""
+    V = dict(BASE, global_batch_size=16)  # m = 16 / 2 = 8 per pipeline without DP, 4 with DP2
+    untied = ["--untie-embeddings-and-output-weights"]
+    ck = tmp_path / "dpv"
+    jobs = {
+        "single": _start(flags(*untied, metrics_file=tmp_path / "single.jsonl", **V), 1),
+        "zb-v tp2 sp recompute": _start(flags(
+            *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--recompute-granularity", "full", metrics_file=tmp_path / "zbv.jsonl", **V), 4),
+        "dualpipev dp2 zero2": _start(flags(
+            *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+            "--use-distributed-optimizer", "--zero-stage", "2", "--save-interval", "3",
+            save=ck, metrics_file=tmp_path / "dpv.jsonl", **V), 4),
+    }
+    for name, ranks in _finish(jobs, timeout=300).items():
+        for r, (rc, _so, se) in enumerate(ranks):
+            assert rc == 0, f"{name} rank {r} exit {rc}:\n{se[-3000:]}"
+    ref = train_losses(tmp_path / "single.jsonl")
+    for name in ("zbv", "dpv"):
+        got = train_losses(tmp_path / f"{name}.jsonl")
+        assert sorted(got) == sorted(ref) == list(range(1, ITERS + 1))
+        for it in ref:
+            assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (name, it, got[it], ref[it])
+
+    # resume the V checkpoint (iteration 3) as it is, and resharded to one process
+    conv = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"),
+                           "reshard", "--load", str(ck), "--save", str(tmp_path / "pp1"),
+                           "--iteration", "3", "--tensor-model-parallel-size", "1",
+                           "--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
+                           "--zero-stage", "0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    jobs = {
+        "resume V": _start(flags(
+            *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+            "--use-distributed-optimizer", "--zero-stage", "2", load=ck,
+            metrics_file=tmp_path / "resume_v.jsonl", **V), 4),
+        "resume pp1": _start(flags(*untied, load=tmp_path / "pp1",
+                                   metrics_file=tmp_path / "resume_pp1.jsonl", **V), 1),
+    }
+    for name, ranks in _finish(jobs, timeout=300).items():
+        for r, (rc, _so, se) in enumerate(ranks):
+            assert rc == 0, f"{name} rank {r} exit {rc}:\n{se[-3000:]}"
+    whole = train_losses(tmp_path / "dpv.jsonl")
+    for name in ("resume_v", "resume_pp1"):
+        got = train_losses(tmp_path / f"{name}.jsonl")
+        assert sorted(got) == [4, 5], (name, got)
+        for it in got:
+            assert abs(got[it] - whole[it]) <= 1e-5 * abs(whole[it]), (name, it, got[it])

@@ -141,6 +141,10 @@ def check_target_layout(cfg: MegaliteConfig, layout: Layout, dp: Optional[int] =
         m.sequence_parallel = cfg.parallel.sequence_parallel = False
     m.validate(layout.tp)  # heads, query groups, ffn % t: messages name the flags
     layout.ranges(m.num_layers)  # layers % (p * v), p <= layers
+    if layout.v_schedule and m.tie_embeddings:
+        raise ConversionError(f"--pipeline-schedule {layout.v_schedule} puts the embedding and the "
+                              f"output layer on rank 0 as two chunks; a checkpoint with tied "
+                              f"embeddings cannot take that layout yet")
     tr = cfg.training
     if dp is not None and tr.global_batch_size and tr.micro_batch_size:
         if tr.global_batch_size % (tr.micro_batch_size * dp) != 0:
@@ -157,12 +161,14 @@ def _set_layout(cfg: MegaliteConfig, layout: Layout) -> None:
     cfg.parallel.tensor_model_parallel_size = layout.tp
     cfg.parallel.pipeline_model_parallel_size = layout.pp
     v = layout.num_chunks(L)
-    cfg.parallel.virtual_pipeline_model_parallel_size = v if v > 1 else None
+    vpp = v > 1 and not layout.v_schedule
+    cfg.parallel.virtual_pipeline_model_parallel_size = v if vpp else None
     cfg.training.num_layers_per_virtual_pipeline_stage = layout.layers_per_virtual_stage
     cfg.training.decoder_first_pipeline_num_layers = layout.decoder_first
     cfg.training.decoder_last_pipeline_num_layers = layout.decoder_last
-    if v == 1 and cfg.training.pipeline_schedule == "interleaved":
-        cfg.training.pipeline_schedule = None
+    if layout.v_schedule or cfg.training.pipeline_schedule in ("zb-v", "dualpipev") or (
+            v == 1 and cfg.training.pipeline_schedule == "interleaved"):
+        cfg.training.pipeline_schedule = layout.v_schedule  # the V goes with its schedule
 
 
 def _groups(specs: Sequence[ParamSpec], location: Callable[[str], tuple]
@@ -282,9 +288,8 @@ class MegaliteSource:
             if i not in self._loc:
                 raise ConversionError(f"{self.what}: no layer {i} in this checkpoint")
             return self._loc[i]
-        if name.startswith("embedding."):
-            return 0, 0
-        return self.layout.pp - 1, self.num_chunks - 1
+        want = "pre" if name.startswith("embedding.") else "post"
+        return next((c.pp_rank, c.index) for row in self.chunks for c in row if getattr(c, want))
 
     def _index(self, r: int) -> PlainIndex:
         if self._plain_index[r] is None:

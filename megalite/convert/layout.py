@@ -23,7 +23,7 @@ import torch
 
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, pad_vocab
-from megalite.pipeline_parallel.partition import virtual_layer_ranges
+from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_layer_ranges, virtual_stage
 from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
 
 
@@ -36,18 +36,21 @@ class Layout:
     layers_per_virtual_stage: Optional[int] = None
     decoder_first: Optional[int] = None  # uneven first/last stage (--decoder-first/last-...)
     decoder_last: Optional[int] = None
+    v_schedule: Optional[str] = None  # zb-v / dualpipev: two chunks per rank in a V
 
     def ranges(self, num_layers: int) -> List[List[Tuple[int, int]]]:
         """``ranges[pp_rank][chunk]`` = global layer range; raises ConfigError if impossible."""
         return virtual_layer_ranges(num_layers, self.pp, self.layers_per_virtual_stage,
-                                    self.decoder_first, self.decoder_last)
+                                    self.decoder_first, self.decoder_last,
+                                    v_shape=self.v_schedule is not None)
 
     def num_chunks(self, num_layers: int) -> int:
         return len(self.ranges(num_layers)[0])
 
     def describe(self) -> str:
         v = f" vpp-layers={self.layers_per_virtual_stage}" if self.layers_per_virtual_stage else ""
-        return f"tp={self.tp} pp={self.pp}{v}"
+        vee = f" {self.v_schedule}" if self.v_schedule else ""
+        return f"tp={self.tp} pp={self.pp}{v}{vee}"
 
 
 def layout_of_config(cfg: MegaliteConfig) -> Layout:
@@ -57,14 +60,16 @@ def layout_of_config(cfg: MegaliteConfig) -> Layout:
     v = par.virtual_pipeline_model_parallel_size
     if per is None and v and v > 1:
         per = cfg.model.num_layers // (par.pipeline_model_parallel_size * v)
-    return Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size, per,
-                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers)
+    v_schedule = tr.pipeline_schedule if tr.pipeline_schedule in V_SCHEDULES else None
+    return Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                  None if v_schedule else per, tr.decoder_first_pipeline_num_layers,
+                  tr.decoder_last_pipeline_num_layers, v_schedule)
 
 
 @dataclass(frozen=True)
 class Chunk:
     pp_rank: int
-    index: int  # chunk index on its pipeline rank (virtual stage index * p + pp_rank)
+    index: int  # chunk index on its pipeline rank (partition.virtual_stage gives its stage)
     layer_range: Tuple[int, int]
     pre: bool  # owns the embedding
     post: bool  # owns the final norm and output layer
@@ -77,8 +82,9 @@ def chunk_key(index: int, num_chunks: int) -> str:
 
 def chunks_of(layout: Layout, num_layers: int) -> List[List[Chunk]]:
     ranges = layout.ranges(num_layers)
-    p, v = layout.pp, len(ranges[0])
-    return [[Chunk(r, c, ranges[r][c], pre=(r == 0 and c == 0), post=(r == p - 1 and c == v - 1))
+    p, v, vee = layout.pp, len(ranges[0]), layout.v_schedule is not None
+    vs = [[virtual_stage(p, r, c, v, vee) for c in range(v)] for r in range(p)]
+    return [[Chunk(r, c, ranges[r][c], pre=vs[r][c] == 0, post=vs[r][c] == p * v - 1)
              for c in range(v)] for r in range(p)]
 
 

@@ -80,11 +80,20 @@ def stage_layer_counts(num_layers: int, pp_size: int,
 def virtual_layer_ranges(num_layers: int, pp_size: int,
                          num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                          decoder_first_pipeline_num_layers: Optional[int] = None,
-                         decoder_last_pipeline_num_layers: Optional[int] = None
-                         ) -> List[List[Tuple[int, int]]]:
+                         decoder_last_pipeline_num_layers: Optional[int] = None,
+                         v_shape: bool = False) -> List[List[Tuple[int, int]]]:
     """``ranges[r][c]`` = global layer range [start, end) of chunk c on pipeline rank r."""
     L, p = num_layers, pp_size
     per_vstage = num_layers_per_virtual_pipeline_stage
+    if v_shape:  # two chunks of L/(2p) layers per rank, in a V (V_SCHEDULES)
+        if per_vstage is not None or decoder_first_pipeline_num_layers is not None or \
+                decoder_last_pipeline_num_layers is not None or L % (2 * p) != 0:
+            raise ConfigError(f"--pipeline-schedule zb-v/dualpipev cut --num-layers ({L}) into "
+                              f"2 x --pipeline-model-parallel-size ({p}) equal chunks: it must be "
+                              f"divisible by {2 * p}, without virtual-stage or uneven-split flags")
+        n = L // (2 * p)
+        return [[(virtual_stage(p, r, c, 2, True) * n, (virtual_stage(p, r, c, 2, True) + 1) * n)
+                 for c in range(2)] for r in range(p)]
     if per_vstage is None:
         counts = stage_layer_counts(L, p, decoder_first_pipeline_num_layers,
                                     decoder_last_pipeline_num_layers)
@@ -119,7 +128,7 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
                        num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                        decoder_first_pipeline_num_layers: Optional[int] = None,
                        decoder_last_pipeline_num_layers: Optional[int] = None,
-                       device=None) -> List[GPTModel]:
+                       device=None, v_shape: bool = False) -> List[GPTModel]:
     """This rank's model chunks (one per virtual stage; one chunk without pipelining).
 
     Sets ``ps.vpp_size`` (v, or None) so the schedules and the checkpoint code know the layout.
@@ -135,13 +144,17 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
     ranges = virtual_layer_ranges(model_config.num_layers, ps.pp_size,
                                   num_layers_per_virtual_pipeline_stage,
                                   decoder_first_pipeline_num_layers,
-                                  decoder_last_pipeline_num_layers)[ps.pp_rank]
+                                  decoder_last_pipeline_num_layers, v_shape)[ps.pp_rank]
     v = len(ranges)
-    ps.vpp_size = v if num_layers_per_virtual_pipeline_stage is not None else None
+    ps.vpp_size = v if num_layers_per_virtual_pipeline_stage is not None or v_shape else None
+    if v_shape and model_config.tie_embeddings:
+        raise ConfigError("--pipeline-schedule zb-v/dualpipev put the embedding and the output "
+                          "layer on rank 0 as two chunks; tying them is not supported yet: pass "
+                          "--untie-embeddings-and-output-weights")
     chunks = []
     for c, layer_range in enumerate(ranges):
-        pre = ps.pp_rank == 0 and c == 0
-        post = ps.pp_rank == ps.pp_size - 1 and c == v - 1
+        vs = virtual_stage(ps.pp_size, ps.pp_rank, c, v, v_shape)
+        pre, post = vs == 0, vs == ps.pp_size * v - 1
         chunk = GPTModel(model_config, ps, pre_process=pre, post_process=post,
                          layer_range=layer_range, seed=seed, device=device)
         if model_config.tie_embeddings:

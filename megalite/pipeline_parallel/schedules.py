@@ -79,7 +79,7 @@ def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
                           f"{schedule!r}")
     if schedule in V_SCHEDULES:
-        if v != 2:
+        if v not in (1, 2):  # 1: not given (the CLI); the V always builds 2 chunks per rank
             raise ConfigError(f"--pipeline-schedule {schedule} places exactly 2 chunks per rank "
                               f"(in a V); it does not take --num-layers-per-virtual-pipeline-stage")
         if p > 1 and m < 2 * p:
@@ -396,7 +396,5 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
         return ForwardBackwardFunc(forward_backward_no_pipelining, None)
     if schedule is None:
         schedule = "interleaved" if v > 1 else "1f1b"
-    if schedule in V_SCHEDULES:
-        v = v if v > 1 else 2  # the V places two chunks per rank (partition.build_model_chunks)
     check_pipeline_args(p, 2 * p, v, schedule)  # validates the name and v; m is checked per call
     return ForwardBackwardFunc(forward_backward_pipelining, schedule)

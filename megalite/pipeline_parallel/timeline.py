@@ -156,8 +156,8 @@ def schedule_idle_times(schedule: str, p: int, m: int, v: int = 1, t_f: float = 
                        "B": ("B", vs + 1) if vs < last else ("F", vs)}[op.kind]
                 if dep[1] >= 0 and (*dep, op.microbatch) not in end:
                     break
-                deferred = any(o.kind == "W" and (o.chunk, o.microbatch) == (op.chunk, op.microbatch)
-                               for o in orders[r])
+                deferred = any(o.kind == "W" and (o.chunk, o.microbatch) == (
+                    op.chunk, op.microbatch) for o in orders[r])
                 dur = {"F": t_f, "W": t_w, "B": t_b if deferred else t_b + t_w}[op.kind]
                 clock[r] = max(clock[r], end.get((*dep, op.microbatch), 0.0)) + dur
                 end[op.kind, vs, op.microbatch] = clock[r]

@@ -56,6 +56,9 @@ def _layout_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    dest="pp", type=int, required=required, help="target PP size")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", dest="vpp_layers", type=int,
                    default=None, help="target interleaved layout: layers per virtual stage")
+    p.add_argument("--pipeline-schedule", dest="v_schedule", choices=["zb-v", "dualpipev"],
+                   default=None, help="target V layout (two chunks per rank, rank r holding "
+                                      "stages r and 2p-1-r) for that schedule")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +116,8 @@ def _layout(a, default_tp: int = 1, default_pp: int = 1):
     from megalite.convert.layout import Layout
 
     return Layout(a.tp if a.tp is not None else default_tp,
-                  a.pp if a.pp is not None else default_pp, a.vpp_layers)
+                  a.pp if a.pp is not None else default_pp, a.vpp_layers,
+                  v_schedule=a.v_schedule)
 
 
 def run(a) -> str:
