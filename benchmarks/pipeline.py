@@ -1,4 +1,4 @@
-"""Pipeline schedules measured: bubble vs docs/theory.md, ZB-H1 vs 1F1B, vs torch pipelining.
+"""Pipeline schedules measured: bubble vs theory, ZB-H1 / ZB-V / DualPipeV vs 1F1B, vs torch.
 
     python benchmarks/pipeline.py --pp 2 [--micro-batches 2,4,8,16] [--trace-dir docs/img]
 
@@ -10,12 +10,14 @@ jobs on a shared machine hits all of them alike):
   * step time (slowest rank, median over timed steps);
   * measured bubble (idle / step time, from the recorded F/B/W timeline) next to the theory:
     1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)(T_F+T_B-T_W)/step with the
-    measured mean op times T_F, T_B, T_W;
-  * ZB-H1 step time / 1F1B step time;
+    measured mean op times T_F, T_B, T_W; ZB-V and DualPipeV: the idle time their op orders imply
+    with those op times (timeline.schedule_idle_times) over the step;
+  * each schedule's step time / 1F1B's;
   * with --compare-batched, each schedule again with the batched p2p program that NCCL needs
     (gloo runs the eager program by default: receives posted ahead, outputs sent at once);
-  * torch.distributed.pipelining Schedule1F1B and ScheduleInterleaved1F1B on the same model
-    (the same GPTModel chunks wrapped as stage modules) and processes: megalite / torch time.
+  * torch.distributed.pipelining Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+    and ScheduleDualPipeV on the same model (the same GPTModel chunks, in the same places,
+    wrapped as stage modules) and processes: megalite / torch time.
 Results go to stdout as a table and, with --json, to a file; --trace-dir writes one Chrome trace
 per schedule (largest m that is <= 8) for tools/plot_pipeline.py.
 """
@@ -31,6 +33,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+V_SCHEDULES = ("zb-v", "dualpipev")  # = megalite.pipeline_parallel.partition.V_SCHEDULES
 
 
 def _model_config(args):
@@ -59,7 +62,8 @@ def _megalite_runner(args, ps, schedule, m, p2p_mode=None):
 
     per_v = args.layers // (ps.pp_size * args.vpp) if schedule == "interleaved" else None
     chunks = build_model_chunks(_model_config(args), ps, seed=1,
-                                num_layers_per_virtual_pipeline_stage=per_v)
+                                num_layers_per_virtual_pipeline_stage=per_v,
+                                v_shape=schedule in V_SCHEDULES)
     fb = get_forward_backward_func(ps.pp_size, ps.vpp_size, schedule)
     tokens, labels = _batches(args, m, 0)
     ntok = labels.numel()
@@ -85,14 +89,14 @@ def _torch_pipelining_runner(args, ps, schedule, m):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed import pipelining as tp
 
-    from megalite.pipeline_parallel.partition import build_model_chunks
+    from megalite.pipeline_parallel.partition import build_model_chunks, virtual_stage
 
     per_v = args.layers // (ps.pp_size * args.vpp) if schedule == "interleaved" else None
+    v_shape = schedule in V_SCHEDULES
     chunks = build_model_chunks(_model_config(args), ps, seed=1,
-                                num_layers_per_virtual_pipeline_stage=per_v)
+                                num_layers_per_virtual_pipeline_stage=per_v, v_shape=v_shape)
 
     class StageModule(nn.Module):
         def __init__(self, chunk):
@@ -106,21 +110,24 @@ def _torch_pipelining_runner(args, ps, schedule, m):
             return self.chunk()  # hidden [s, b, h], or logits [b, s, V] on the last stage
 
     p, r, v = ps.pp_size, ps.pp_rank, len(chunks)
-    stages = [PipelineStage(StageModule(c), c_idx * p + r, p * v, torch.device("cpu"),
-                            group=ps.pp_group) for c_idx, c in enumerate(chunks)]
+    stages = [tp.PipelineStage(StageModule(c), virtual_stage(p, r, c_idx, v, v_shape), p * v,
+                               torch.device("cpu"), group=ps.pp_group)
+              for c_idx, c in enumerate(chunks)]
     vocab = args.vocab
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, vocab).float(), target.reshape(-1))
 
-    if schedule == "interleaved":
-        sched = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    if schedule == "1f1b":
+        sched = tp.Schedule1F1B(stages[0], m, loss_fn=loss_fn)
     else:
-        sched = Schedule1F1B(stages[0], m, loss_fn=loss_fn)
+        sched = _torch_schedules()[schedule](stages, m, loss_fn=loss_fn)
     tokens, labels = _batches(args, m, 0)
 
     def step():
-        if r == 0:
+        if r == 0 and v_shape:  # the V: rank 0 holds the first and the last stage
+            sched.step(tokens, target=labels, losses=[])
+        elif r == 0:
             sched.step(tokens)
         elif r == p - 1:
             sched.step(target=labels, losses=[])
@@ -129,6 +136,14 @@ def _torch_pipelining_runner(args, ps, schedule, m):
         return None
 
     return step, chunks
+
+
+def _torch_schedules():
+    from torch.distributed import pipelining as tp
+
+    names = {"interleaved": "ScheduleInterleaved1F1B", "zb-v": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
+    return {k: getattr(tp, n) for k, n in names.items() if hasattr(tp, n)}
 
 
 def _measure(args, ps, m):
@@ -141,13 +156,15 @@ def _measure(args, ps, m):
 
     p = ps.pp_size
     variants = {}
-    for schedule in ("1f1b", "interleaved", "zb-h1"):
+    for schedule in args.schedules:
         if schedule == "interleaved" and (m % p or args.layers % (p * args.vpp)):
             continue
+        if schedule in V_SCHEDULES and (m < 2 * p or args.layers % (2 * p)):
+            continue
         variants[schedule] = _megalite_runner(args, ps, schedule, m)
-        if args.compare_batched:
+        if args.compare_batched and schedule not in V_SCHEDULES:
             variants[schedule + " batched"] = _megalite_runner(args, ps, schedule, m, "batched")
-        if schedule != "zb-h1" and not args.no_torch_pipelining:
+        if (schedule == "1f1b" or schedule in _torch_schedules()) and not args.no_torch_pipelining:
             variants["torch " + schedule] = _torch_pipelining_runner(args, ps, schedule, m)
     times = {k: [] for k in variants}
     timelines = {k: [] for k in variants}
@@ -191,13 +208,13 @@ def _worker(rank, world, port, args, queue):
     try:
         for m in args.micro_batches:
             res = _measure(args, ps, m)
-            for schedule in ("1f1b", "interleaved", "zb-h1", "1f1b batched",
-                             "interleaved batched", "zb-h1 batched"):
+            for schedule in args.schedules + [s + " batched" for s in args.schedules]:
                 if schedule not in res:
                     continue
                 st = res[schedule]["stats"]
                 base_schedule = schedule.split()[0]
-                v = args.vpp if base_schedule == "interleaved" else 1
+                v = (args.vpp if base_schedule == "interleaved" else
+                     2 if base_schedule in V_SCHEDULES else 1)
                 row = {"schedule": schedule, "m": m, "p": world, "v": v,
                        "step_s": res[schedule]["step_s"], "steps_s": res[schedule]["steps_s"],
                        "bubble": st["bubble_fraction"],
@@ -235,6 +252,7 @@ def main(argv=None):
     ap.add_argument("--micro-batches", default="2,4,8,16")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--schedules", default="1f1b,interleaved,zb-h1,zb-v,dualpipev")
     ap.add_argument("--no-torch-pipelining", action="store_true")
     ap.add_argument("--compare-batched", action="store_true",
                     help="also run each schedule with the batched p2p program that NCCL uses "
@@ -244,6 +262,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the result rows here")
     args = ap.parse_args(argv)
     args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
+    args.schedules = args.schedules.split(",")
     cpus = os.cpu_count() or 1
     if args.pp < 2:
         raise SystemExit("--pp must be >= 2 to measure a pipeline")
@@ -293,10 +312,12 @@ def main(argv=None):
         print(f"| {name} | {r['m']} | {r['step_s']:.3f} | {100 * r['bubble']:.1f}% | "
               f"{100 * r['theory']:.1f}% | {r['step_s'] / base[r['m']]:.3f} | {t_col} | "
               f"{ratio} |")
-    zb = [r for r in rows if r["schedule"] == "zb-h1"]
-    if zb:
-        print("ZB-H1 measured op times (s): " + ", ".join(
-            f"m={r['m']}: T_F {r['t_f']:.3f} T_B {r['t_b']:.3f} T_W {r['t_w']:.3f}" for r in zb))
+    for sched in ("zb-h1", "zb-v", "dualpipev"):
+        zb = [r for r in rows if r["schedule"] == sched]
+        if zb:
+            print(f"{sched} measured op times (s): " + ", ".join(
+                f"m={r['m']}: T_F {r['t_f']:.3f} T_B {r['t_b']:.3f} T_W {r['t_w']:.3f}"
+                for r in zb))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "cpus": cpus, "rows": rows}, f, indent=1)

@@ -10,13 +10,17 @@ The runs of one test start together: they are tiny, so start-up dominates and ov
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from dist_utils import free_port
 from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, train_losses
+
+from megalite.checkpointing import TRACKER_FILE
 
 ITERS = 5
 # 4 layers so that p=2 with 1 layer per virtual stage gives v=2; m = 8 / 2 = 4 micro-batches
@@ -209,7 +213,10 @@ def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
         for it in ref:
             assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (name, it, got[it], ref[it])
 
-    # resume the V checkpoint (iteration 3) as it is, and resharded to one process
+    # resume the V checkpoint at iteration 3 as it is (as if the run had stopped there) and
+    # resharded to one process; and back from one process to a V, weights unchanged
+    shutil.rmtree(ck / "iter_0000005")
+    (ck / TRACKER_FILE).write_text("3")
     conv = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"),
                            "reshard", "--load", str(ck), "--save", str(tmp_path / "pp1"),
                            "--iteration", "3", "--tensor-model-parallel-size", "1",
@@ -217,6 +224,18 @@ def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
                            "--zero-stage", "0"], cwd=ROOT, capture_output=True, text=True,
                           timeout=240, env=dict(os.environ, PYTHONPATH=ROOT))
     assert conv.returncode == 0, conv.stderr[-3000:]
+    back = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py"),
+                           "reshard", "--load", str(tmp_path / "pp1"), "--save", str(tmp_path / "v2"),
+                           "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+                           "2", "--pipeline-schedule", "zb-v", "--no-optim"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert back.returncode == 0, back.stderr[-3000:]
+    for r in ("mp_rank_00_000", "mp_rank_00_001"):
+        a, b = (torch.load(d / "iter_0000003" / r / "model_optim_rng.pt", weights_only=False)
+                for d in (ck, tmp_path / "v2"))
+        for k in ("model0", "model1"):  # the V's two chunks, each layer where it was
+            assert list(a[k]) == list(b[k]) and all(torch.equal(a[k][n], b[k][n]) for n in a[k])
     jobs = {
         "resume V": _start(flags(
             *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",

@@ -1,19 +1,12 @@
-"""Point-to-point communication between pipeline stages.
+"""Point-to-point communication between pipeline ranks.
 
-Activations flow forward (rank r -> r+1) and their gradients flow backward (r+1 -> r). Shapes are
-known before the first message (``[s, b, h]``, or ``[s/t, b, h]`` under sequence parallelism), so
-there is no shape handshake: the receiver allocates the buffer and posts the receive.
-
-Everything one rank has to exchange between two consecutive compute units (the output of the unit
-that just ran, and the input of the one that runs next; schedules.comm_units) goes out as ONE
-``batch_isend_irecv`` batch. Why: a send completes only once its receive is posted (NCCL, and gloo
-too), so a rank blocked on sending an activation while its neighbour is blocked on sending a
-gradient deadlocks. Batching the send with the receive it pairs with
-(``send_forward_recv_backward``) lets both sides' batches complete together. Within a batch the
-ops are posted in a fixed order, activation ops before gradient ops, so when one peer is both
-"next" and "prev" (p = 2 with interleaving) both ranks post their two messages to each other in the
-same order. Activations and gradients also get different tags, which is how gloo matches messages
-between the same pair.
+Shapes are known before the first message (``[s, b, h]``, or ``[s/t, b, h]`` under sequence
+parallelism), so the receiver allocates its buffer and posts the receive without a handshake.
+``post`` sends and receives one batch (``batch_isend_irecv``); which messages travel together is
+the p2p program's choice (schedules.p2p_program). Within a batch the ops are posted in a fixed
+order on every rank, activations before gradients and sends before receives, so two ranks that
+exchange several messages post them in the same order; activations and gradients have different
+tags, which is how gloo tells apart messages between the same pair.
 """
 
 from __future__ import annotations

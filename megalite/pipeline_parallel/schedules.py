@@ -17,26 +17,11 @@ the sends and receives go. The orders follow docs/theory.md "Pipeline bubbles":
     partition.virtual_stage), so rank 0 both starts and ends a micro-batch; W ops fill the
     bubbles left (docs/pipeline_parallel.md).
 
-The schedule contract the training loop and the tests rely on (``get_forward_backward_func``)::
-
-    fb = get_forward_backward_func(pp_size, vpp_size, schedule)
-    stats = fb(forward_step_func=forward_step,   # (data_iterator, model) -> (output, loss_func)
-               data_iterator=it,                 # one iterator per rank, or one per chunk
-               model=[chunk, ...] or module,     # this rank's chunks (build_model_chunks)
-               num_microbatches=m, seq_length=s, micro_batch_size=b,  # p2p shapes
-               parallel_state=ps, forward_only=False,
-               grad_scale_func=None,             # loss -> scaled loss (fp16), last stage
-               no_sync_func=None,                # context manager (or one per chunk): no DP sync
-               finalize_model_grads_func=None,   # called with the chunk list after the last B/W
-               timing_log_level=0)               # >= 1 records the F/B/W timeline
-    timeline = fb.last_timeline()                # StageTimeline of the last call, or None
-
-``loss_func(output) -> (loss, stats)``: ``loss`` is the scalar to back-propagate (already divided
-by the global batch's loss-token count), ``stats`` a dict the caller sums over micro-batches. The
-schedule returns the ``stats`` of this rank's micro-batches in order (empty off the loss stage).
-With one iterator, ``next()`` is called exactly m times per step on every rank, in micro-batch
-order, and each chunk that runs micro-batch j gets ``iter([batch_j])``; with a list, chunk c gets
-``data_iterator[c]`` itself (Megatron's interleaved convention).
+The contract the training loop relies on (``get_forward_backward_func``'s callable, its keyword
+arguments, the data and ``loss_func`` conventions) is docs/pipeline_parallel.md "API for the
+training loop": one iterator per rank (``next()`` exactly m times per step on every rank, each
+chunk running micro-batch j gets ``iter([batch_j])``) or one per chunk; ``loss_func(output) ->
+(loss, stats)``; the ``stats`` of the loss stage's micro-batches are returned in order, [] elsewhere.
 """
 
 from __future__ import annotations

@@ -127,9 +127,14 @@ def theory_bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 0.0, t
         return (p - 1) / (m + p - 1)
     if schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if step_time <= 0:
+        return 0.0
     if schedule == "zb-h1":
         # idle time (p-1)(T_F + T_B - T_W) on each stage (Qi et al. 2024), over the step
-        return max(0.0, (p - 1) * (t_f + t_b - t_w)) / step_time if step_time > 0 else 0.0
+        return max(0.0, (p - 1) * (t_f + t_b - t_w)) / step_time
+    if schedule in ("zb-v", "dualpipev"):  # the idle time their op orders imply (see below)
+        idle = schedule_idle_times(schedule, p, m, v, t_f, t_b, t_w)
+        return sum(idle) / len(idle) / step_time
     raise ValueError(f"unknown schedule {schedule!r}")
 
 
