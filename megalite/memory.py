@@ -225,8 +225,11 @@ class PeakTensorMemory:
         import tempfile
 
         gc.collect()
+        from torch._subclasses.fake_tensor import is_fake  # torch.compile's tracing tensors
+
         self.baseline = distinct_storage_bytes(o for o in gc.get_objects() if issubclass(
-            type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta)
+            type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta
+            and not is_fake(o))
         sys.stderr.flush()
         self._err, self._saved = tempfile.TemporaryFile(), os.dup(2)
         os.dup2(self._err.fileno(), 2)
