@@ -169,3 +169,23 @@ def test_compiled_layers_match_eager(family, backend):
     torch.testing.assert_close(loss, ref_loss, **tol)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-side init draw needs CUDA")
+def test_cuda_init_is_deterministic_and_distributed_like_the_cpu_draw():
+    """megalite/models/init.py draws on the parameter's device: on CUDA a different sample from
+    the CPU's, but the same on every build (every rank) and with the same spread."""
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    def build(dev):
+        dev = torch.device(dev)
+        model = GPTModel(tiny_config("llama", hidden_size=256, ffn_hidden_size=512), ParallelState(
+            device=dev), seed=3, device=dev)
+        return {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+
+    a, b, cpu = build("cuda"), build("cuda"), build("cpu")
+    for name in cpu:
+        assert torch.equal(a[name], b[name]), name
+        if cpu[name].numel() >= 10000:
+            assert abs(a[name].std() / cpu[name].std() - 1) < 0.05, name
