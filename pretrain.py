@@ -27,6 +27,11 @@ def main(argv=None) -> int:
 
     try:
         pretrain(cfg)
+        # Leave together: a rank that tears down its groups while a peer is still finishing its
+        # last collective resets that peer's connections, which gloo answers with an abort.
+        from megalite.collectives import barrier
+
+        barrier()
     except ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2

@@ -359,8 +359,16 @@ def measured_train_step(trainer, batches):
         return trainer.train_step(batches)
     from megalite.memory import PeakTensorMemory
 
+    # No collective may cross the profiler's boundaries: gloo's in-flight work keeps a pointer to
+    # the profiler's record and crashes when waited on after the profiler is gone.
+    def settle():
+        for chunk in trainer.chunks:
+            getattr(chunk, "finish_param_sync", lambda: None)()
+
+    settle()
     with PeakTensorMemory(ps.device) as probe:
         out = trainer.train_step(batches)
+        settle()
     est = estimate_for_run(cfg, ps.world_size, ps.device.type, ps.pp_rank)
     trainer.logger.print(
         f" memory at iteration {it} (rank 0): planner estimate {est['total'] / GiB:.3f} GiB, "
