@@ -162,7 +162,7 @@ def _measure(args, ps, m):
         if schedule in V_SCHEDULES and (m < 2 * p or args.layers % (2 * p)):
             continue
         variants[schedule] = _megalite_runner(args, ps, schedule, m)
-        if args.compare_batched and schedule not in V_SCHEDULES:
+        if args.compare_batched:
             variants[schedule + " batched"] = _megalite_runner(args, ps, schedule, m, "batched")
         if (schedule == "1f1b" or schedule in _torch_schedules()) and not args.no_torch_pipelining:
             variants["torch " + schedule] = _torch_pipelining_runner(args, ps, schedule, m)

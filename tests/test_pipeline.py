@@ -59,7 +59,7 @@ LAYOUTS_4 = {
 # These run the batched p2p program (NCCL's) on gloo; the others run gloo's eager one
 # (schedules.eager_program). Both must give the same losses, gradients and op order.
 BATCHED = {"pp4_v2_interleaved_m4_tied", "pp2_dp2_zbh1_m2_tied", "tp2_pp2_sp_1f1b_m4_tied",
-           "tp2_pp2_dp2_sp_zbh1_m2_untied"}
+           "tp2_pp2_dp2_sp_zbh1_m2_untied", "pp4_zbv_m8_untied", "pp2_dp2_dualpipev_m6_untied"}
 LAYOUTS_8 = {
     "tp2_pp2_dp2_sp_1f1b_m4_tied": (2, 2, True, "1f1b", 4, None, None, None, 4, True),
     "tp2_pp2_dp2_sp_zbh1_m2_untied": (2, 2, True, "zb-h1", 4, None, None, None, 2, False),
@@ -375,20 +375,19 @@ def test_bad_pipeline_config_is_one_clear_line(call, flag):
 # "wait" for a batch, "run" an op. Replayed here under the backend's rules: each send or receive
 # is matched by the counterpart with the same index on its (src, dst, tag) channel, a batch
 # completes once all its ops are matched, and a rank blocks at "wait" until its batch completes.
-# NCCL (batched program) adds that a rank's batches run in order on one stream: a batch is not
-# even posted until the rank's earlier batches have completed. The replay also checks that the
+# NCCL (batched program) ignores tags (one channel per (src, dst), in posting order) and runs a
+# rank's batches in order on one stream: a batch is not even posted until the rank's earlier
+# batches have completed. The replay also checks that the
 # k-th message on each channel is the (virtual stage, micro-batch) the receiver expects, and that
 # a hand-over inside a rank (the V's tip) comes from an op that rank already ran.
 def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", pair=None, lookahead=None):
     v_shape = schedule in V_SCHEDULES
-    if pair is None:
-        pair = schedule == "interleaved" and not forward_only
     progs = []
     for r in range(p):
         ops = schedule_order(schedule, p, r, m, v, forward_only)
         peers = [op_peers(op, schedule, p, r, v) for op in ops]
         if lookahead is None:
-            prog = p2p_program(mode, ops, peers, r, pair)
+            prog = p2p_program(mode, schedule, p, r, m, v, forward_only, pair)
         else:
             prog = eager_program([s not in (None, r) for s, _ in peers],
                                  [d not in (None, r) for _, d in peers], lookahead)
@@ -398,11 +397,12 @@ def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", pair=None, lo
                 steps.append(step)
                 continue
             msgs = []
-            for i in step[2] + step[3]:
+            # p2p.post's order inside a batch: activations before gradients, sends first
+            for i in sorted(step[2] + step[3], key=lambda i: (ops[i].kind != "F", i in step[3])):
                 op, (src, dst) = ops[i], peers[i]
                 vs = virtual_stage(p, r, op.chunk, v, v_shape)
                 up = vs - 1 if op.kind == "F" else vs + 1
-                tag = "act" if op.kind == "F" else "grad"
+                tag = "any" if mode == "batched" else "act" if op.kind == "F" else "grad"
                 if i in step[2]:
                     msgs.append(("send", (r, dst, tag), (vs, op.microbatch)))
                 else:
@@ -457,10 +457,12 @@ def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", pair=None, lo
 
 @pytest.mark.parametrize("schedule, v, mode", [
     (s, v, mode) for s, v in (("1f1b", 1), ("zb-h1", 1), ("interleaved", 2), ("interleaved", 3))
-    for mode in ("eager", "batched")] + [("zb-v", 2, "eager"), ("dualpipev", 2, "eager")])
+    for mode in ("eager", "batched")] + [(s, 2, mode) for s in V_SCHEDULES
+                                         for mode in ("eager", "batched")])
 def test_p2p_programs_cannot_deadlock_and_match(schedule, v, mode):
     for p in (2, 3, 4):
-        for m in ((2 * p, 3 * p) if schedule in V_SCHEDULES else (p, 2 * p, 3 * p)):
+        v_ms = (2 * p, 2 * p + 1, 3 * p, 4 * p)
+        for m in (v_ms if schedule in V_SCHEDULES else (p, 2 * p, 3 * p)):
             for forward_only in (False, True):
                 res = _replay(schedule, p, m, v, forward_only, mode)
                 assert res is True, f"{schedule} {mode} p={p} m={m} v={v}: deadlock at {res}"

@@ -199,8 +199,8 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
             C.barrier(group=ps.pp_group)  # a common step start for all stages
     ex = PipelineExecutor(schedule, chunks, ps, num_microbatches, forward_only, forward_step_func,
                           data_iterator, grad_scale_func, no_sync_func, p2p, timing)
-    pair = schedule == "interleaved" and not forward_only
-    stats = ex.execute(p2p_program(mode, ex.ops, ex.peers, ps.pp_rank, pair))
+    stats = ex.execute(p2p_program(mode, schedule, ps.pp_size, ps.pp_rank, num_microbatches,
+                                   len(chunks), forward_only))
     if timing:
         set_last_timeline(ex.timeline)
     if not forward_only and finalize_model_grads_func is not None:

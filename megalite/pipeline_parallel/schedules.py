@@ -31,7 +31,7 @@ import contextlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -283,18 +283,87 @@ def batched_program(ops: Sequence[Op], needs_recv: Sequence[bool], sends: Sequen
     return prog
 
 
-def p2p_program(mode: str, ops: Sequence[Op], peers: Sequence[tuple], r: int,
-                pair_f_with_b: bool) -> List[tuple]:
-    """The ``mode`` ("eager" or "batched") program for ``ops`` whose ``peers`` are op_peers'."""
+def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
+                     forward_only: bool = False) -> List[tuple]:
+    """A batched program for the V, built by running every rank's order together in lockstep:
+    at each step every rank runs its next op if that op's input was produced at an earlier step
+    (unit op times). Batch t of a rank carries exactly the messages of step t: the output of
+    the op it ran at step t and the inputs its neighbours produced at step t; it is posted
+    after the rank's step-t op and waited before the first op that needs one of its receives.
+
+    So each batch's sends and receives meet their counterparts in the peers' batch t, and
+    batch t of every rank can be posted once its batches before t completed: by induction on t
+    no rank waits forever even under NCCL, whose batches complete in order on one stream. A
+    rank sends one message per step, so a batch holds at most one message per direction of a
+    pair and matching never depends on tags. The unit batches (``batched_program``) cannot do
+    this for the V, where a rank exchanges with both neighbours in both directions: a warm-up
+    send of chunk 0 would wait for a receive its neighbour posts only after a backward.
+    """
+    v_shape = schedule in V_SCHEDULES
+    orders = [schedule_order(schedule, p, q, m, v, forward_only) for q in range(p)]
+
+    def source(q: int, op: Op):  # (kind, virtual stage, micro-batch) of the op feeding op
+        vs = virtual_stage(p, q, op.chunk, v, v_shape)
+        up = vs - 1 if op.kind == "F" else vs + 1
+        return (op.kind, up, op.microbatch) if op.kind != "W" and 0 <= up < p * v else None
+
+    ran_at = {}  # (kind, virtual stage, micro-batch) -> step
+    mine = {}  # step -> index of the op rank r ran
+    pos, t = [0] * p, 0
+    while any(pos[q] < len(orders[q]) for q in range(p)):
+        ran = []
+        for q in range(p):
+            if pos[q] < len(orders[q]):
+                src = source(q, orders[q][pos[q]])
+                if src is None or ran_at.get(src, t) < t:
+                    ran.append(q)
+        assert ran, f"{schedule}: the orders of p={p} m={m} wait on each other"
+        for q in ran:
+            op = orders[q][pos[q]]
+            ran_at[op.kind, virtual_stage(p, q, op.chunk, v, v_shape), op.microbatch] = t
+            if q == r:
+                mine[t] = pos[q]
+            pos[q] += 1
+        t += 1
+
+    ops = orders[r]
+    peers = [op_peers(op, schedule, p, r, v) for op in ops]
+    batch_of = {i: ran_at[source(r, op)] for i, op in enumerate(ops)
+                if peers[i][0] not in (None, r)}  # the step its input was sent at
+    recvs_at: Dict[int, List[int]] = {}
+    for i, b in batch_of.items():
+        recvs_at.setdefault(b, []).append(i)
+    prog: List[tuple] = []
+    waited = set()
+    for step in range(t):
+        i = mine.get(step)
+        if i is not None:
+            if i in batch_of and batch_of[i] not in waited:
+                waited.add(batch_of[i])
+                prog.append(("wait", batch_of[i]))
+            prog.append(("run", i))
+        sends = (i,) if i is not None and peers[i][1] not in (None, r) else ()
+        if sends or step in recvs_at:
+            prog.append(("post", step, sends, tuple(recvs_at.get(step, ()))))
+    return prog
+
+
+def p2p_program(mode: str, schedule: str, p: int, r: int, m: int, v: int = 1,
+                forward_only: bool = False, pair_f_with_b: Optional[bool] = None) -> List[tuple]:
+    """Rank ``r``'s ``mode`` ("eager" or "batched") program for ``schedule_order``'s ops. The
+    batched one is ``lockstep_program`` for the V, unit batches (``batched_program``; steady F
+    and B paired in interleaved 1F1B unless ``pair_f_with_b`` says otherwise) for the rest."""
+    ops = schedule_order(schedule, p, r, m, v, forward_only)
+    peers = [op_peers(op, schedule, p, r, v) for op in ops]
     needs = [src not in (None, r) for src, _ in peers]
     sends = [dst not in (None, r) for _, dst in peers]
+    if pair_f_with_b is None:
+        pair_f_with_b = schedule == "interleaved" and not forward_only
     if mode == "eager":
         return eager_program(needs, sends)
     if mode == "batched":
-        if any(src == r or dst == r for src, dst in peers):  # only the V hands over in-rank
-            raise ValueError("the V schedules (zb-v, dualpipev) need a backend whose p2p ops "
-                             "complete independently (gloo); their batched program is not "
-                             "proven deadlock-free yet")
+        if schedule in V_SCHEDULES:
+            return lockstep_program(schedule, p, r, m, v, forward_only)
         return batched_program(ops, needs, sends, pair_f_with_b)
     raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {mode!r}")
 
