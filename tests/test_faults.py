@@ -169,7 +169,10 @@ def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
     a.procs[0].send_signal(signal.SIGINT)
     assert a.finish() == [0, 0], a.err[0].read_text()[-2000:] + a.err[1].read_text()[-2000:]
     k = int((ck / checkpointing.TRACKER_FILE).read_text())
-    assert 2 <= k < 8 and "SIGTERM received" in a.out[0].read_text()
+    # the two signals may land on either side of an iteration's agreement: whichever the ranks
+    # agreed on first is named
+    out = a.out[0].read_text()
+    assert 2 <= k < 8 and ("SIGTERM received" in out or "SIGINT received" in out), out[-1500:]
     assert max(train_losses(tmp_path / "a.jsonl")) == k  # stopped right after the iteration
 
     b = Job(tmp_path, "b", flags(*FAULT_FLAGS, save=ck, load=ck, save_interval=1,
