@@ -172,7 +172,9 @@ def _train_stats(path):
     timed = train[1:] or train  # the first logged interval holds warm-up and compilation
     if not timed:
         return {"records": 0}
-    med = lambda k: statistics.median(r[k] for r in timed if r.get(k) is not None)  # noqa: E731
+    def med(k):  # None when no record has it (MFU on a GPU missing from the peak table)
+        vals = [r[k] for r in timed if r.get(k) is not None]
+        return statistics.median(vals) if vals else None
     return {"records": len(train), "iteration_time_ms": med("iteration_time_ms"),
             "tokens_per_sec": med("tokens_per_sec"), "tflops_per_device": med("tflops_per_device"),
             "mfu": med("mfu"), "peak_memory_gib": max(r["peak_memory_bytes"] for r in timed) / 2 ** 30,
@@ -213,8 +215,9 @@ def cmd_summarize(args):
     for s in steps:
         r, detail = s.get("result", {}), s["note"]
         if "tokens_per_sec" in r:
+            mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             detail = (f"{r['tokens_per_sec']:,.0f} tok/s  {r['tflops_per_device']:.1f} TFLOP/s  "
-                      f"MFU {100 * r['mfu']:.1f}%  {r['iteration_time_ms']:.1f} ms/it  "
+                      f"MFU {mfu}  {r['iteration_time_ms']:.1f} ms/it  "
                       f"peak {r['peak_memory_gib']:.2f} GiB  loss {r['lm_loss_first']:.3f}->"
                       f"{r['lm_loss_last']:.3f}  {detail}")
         elif s["step"] == "correctness" and "gpt2_fp32" in r:
