@@ -15,6 +15,10 @@ jobs on a shared machine hits all of them alike):
   * each schedule's step time / 1F1B's;
   * with --compare-batched, each schedule again with the batched p2p program that NCCL needs
     (gloo runs the eager program by default: receives posted ahead, outputs sent at once);
+  * peak activation memory per stage, in micro-batches: the most bytes of tensors saved for
+    backward (each storage once, parameters excluded) held at once during one extra untimed step,
+    over one micro-batch's share (all such bytes the step saved / m), next to each schedule's
+    claim (activation_claim); output gradients kept by deferred W ops are not counted;
   * torch.distributed.pipelining Schedule1F1B, ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
     and ScheduleDualPipeV on the same model (the same GPTModel chunks, in the same places,
     wrapped as stage modules) and processes: megalite / torch time.
@@ -30,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -146,6 +151,70 @@ def _torch_schedules():
     return {k: getattr(tp, n) for k, n in names.items() if hasattr(tp, n)}
 
 
+class SavedActivations:
+    """Bytes of tensors autograd saves for backward inside the chunks' forwards, each storage
+    counted once (parameters excluded): ``peak`` held at once while the ``with`` block runs,
+    ``total`` saved in it. Counted until the saved tensor dies, so inputs a deferred W op keeps
+    count until that W (the graph a W op may record on the side is not an activation)."""
+
+    def __init__(self, chunks):
+        from megalite.memory import _storage_key
+
+        self.key, self.chunks, self.depth = _storage_key, chunks, 0
+        self.params = {_storage_key(q) for c in chunks for q in c.parameters()}
+        self.live, self.seen, self.peak, self.total = {}, set(), 0, 0
+
+    def _enter_forward(self, *_):
+        self.depth += 1
+
+    def _leave_forward(self, *_):
+        self.depth -= 1
+
+    def _pack(self, t):
+        k = self.key(t)
+        if self.depth and k not in self.params and id(t) not in self.seen:
+            self.seen.add(id(t))
+            n, refs = self.live.get(k, (t.untyped_storage().nbytes(), 0))
+            self.live[k] = (n, refs + 1)
+            if refs == 0:  # first tensor on this storage: its bytes are new
+                self.total += n
+            self.peak = max(self.peak, sum(b for b, _ in self.live.values()))
+            weakref.finalize(t, self._release, k, id(t))
+        return t
+
+    def _release(self, k, tid):
+        self.seen.discard(tid)
+        n, refs = self.live.pop(k)
+        if refs > 1:
+            self.live[k] = (n, refs - 1)
+
+    def __enter__(self):
+        import torch
+
+        self._handles = [h for c in self.chunks for h in (
+            c.register_forward_pre_hook(self._enter_forward),
+            c.register_forward_hook(self._leave_forward))]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        return self._hooks.__exit__(*exc)
+
+
+def activation_claim(schedule, p, r, m, v):
+    """Micro-batches' worth of activations stage r holds at its peak, as each schedule claims."""
+    if schedule == "interleaved":  # Megatron's warm-up: 2(p-r-1) + (v-1)p chunk forwards, +1
+        return min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1) / v
+    if schedule == "zb-v":  # the V: every rank holds what 1F1B's stage 0 holds (2p half-chunks)
+        return min(m, p)
+    if schedule == "dualpipev":  # DeepSeek's DualPipe README: PP + 1
+        return p + 1
+    return min(m, p - r)  # 1F1B, ZB-H1
+
+
 def _measure(args, ps, m):
     """Round-robin over the variants, so that load from other jobs hits all of them alike."""
     import torch
@@ -181,10 +250,18 @@ def _measure(args, ps, m):
                 times[name].append(dt.item())
                 if tl is not None:
                     timelines[name].append(gather_timelines(tl, ps))
+    mem = {}
+    for name, (step, chunks) in variants.items():  # one untimed step each: hooks cost time
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        C.barrier(group=ps.pp_group)
+        with SavedActivations(chunks) as acts:
+            step()
+        mem[name] = acts.peak / (acts.total / m)
     out = {}
     for name in variants:
         med = statistics.median(times[name])
-        entry = {"step_s": med, "steps_s": times[name]}
+        entry = {"step_s": med, "steps_s": times[name], "act_peak": mem[name]}
         if timelines[name]:
             # the timeline of the step closest to the median step time
             i = min(range(len(times[name])), key=lambda j: abs(times[name][j] - med))
@@ -221,9 +298,12 @@ def _worker(rank, world, port, args, queue):
                        "theory": theory_bubble(base_schedule, world, m, v, st["t_f"], st["t_b"],
                                                st["t_w"], st["step_time"]),
                        "t_f": st["t_f"], "t_b": st["t_b"], "t_w": st["t_w"],
-                       "peak_in_flight_stage0": st["peak_in_flight"][0]}
+                       "peak_in_flight_stage0": st["peak_in_flight"][0],
+                       "act_peak": res[schedule]["act_peak"],
+                       "act_claim": activation_claim(base_schedule, world, rank, m, v)}
                 if "torch " + schedule in res:
                     row["torch_step_s"] = res["torch " + schedule]["step_s"]
+                    row["torch_act_peak"] = res["torch " + schedule]["act_peak"]
                 rows.append(row)
                 if rank == 0 and args.trace_dir and m == args.trace_m and " " not in schedule:
                     os.makedirs(args.trace_dir, exist_ok=True)
@@ -312,6 +392,17 @@ def main(argv=None):
         print(f"| {name} | {r['m']} | {r['step_s']:.3f} | {100 * r['bubble']:.1f}% | "
               f"{100 * r['theory']:.1f}% | {r['step_s'] / base[r['m']]:.3f} | {t_col} | "
               f"{ratio} |")
+    print("\npeak activations per stage, in micro-batches of that stage's activations "
+          "(measured / claimed; torch: measured)")
+    print("| schedule | m | " + " | ".join(f"stage {r}" for r in range(args.pp)) +
+          " | torch.pipelining |")
+    print("|---|---|" + "---|" * (args.pp + 1))
+    for i, r in enumerate(rows):
+        per_stage = [results[k][i] for k in range(args.pp)]
+        torch_col = " / ".join(f"{x['torch_act_peak']:.2f}" for x in per_stage
+                               if "torch_act_peak" in x) or "-"
+        print(f"| {r['schedule']} | {r['m']} | " + " | ".join(
+            f"{x['act_peak']:.2f} / {x['act_claim']:.2f}" for x in per_stage) + f" | {torch_col} |")
     for sched in ("zb-h1", "zb-v", "dualpipev"):
         zb = [r for r in rows if r["schedule"] == sched]
         if zb:
@@ -320,7 +411,8 @@ def main(argv=None):
                 for r in zb))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cpus": cpus, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "cpus": cpus, "rows": rows,
+                       "rows_per_rank": [results[k] for k in range(args.pp)]}, f, indent=1)
 
 
 if __name__ == "__main__":
