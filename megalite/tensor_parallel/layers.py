@@ -92,6 +92,7 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         hook(param)
 
 
+@torch.no_grad()  # a deferred W runs outside backward: its matmul must not record a graph
 def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.Tensor:
     go = grad_output.reshape(-1, grad_output.shape[-1])
     x = total_input.reshape(-1, total_input.shape[-1])
