@@ -35,12 +35,16 @@ def _repo_files() -> list[Path]:
     return [f for f in files if f.is_file()]
 
 
-def _text_files() -> list[Path]:
-    out = []
+def _text_lines():
+    """(file, line number, line) for every line of every tracked text file."""
     for f in _repo_files():
         if f.suffix in TEXT_SUFFIXES or (f.suffix == "" and f.parent.name == ".ci"):
-            out.append(f)
-    return out
+            try:
+                text = f.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                continue
+            for no, line in enumerate(text.splitlines(), 1):
+                yield f, no, line
 
 
 def _doc_pages() -> list[Path]:
@@ -121,21 +125,16 @@ def test_no_file_names_a_document_the_repository_lacks():
     the repository root (a bare page name like ``zero3.md`` in docs/ counts as docs/zero3.md), and
     nothing points outside the repository."""
     missing = []
-    for f in _text_files():
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
+    for f, no, line in _text_lines():
         rel = f.relative_to(ROOT)
-        for no, line in enumerate(text.splitlines(), 1):
-            line = _URL.sub("", line)
-            if _OUTSIDE.search(line):
-                missing.append(f"{rel}:{no}: points outside the repository: {line.strip()}")
-            for name in _MD_NAME.findall(line):
-                candidates = [f.parent / name, ROOT / name, ROOT / "docs" / name]
-                if not any(c.resolve().is_file() and ROOT in c.resolve().parents
-                           for c in candidates):
-                    missing.append(f"{rel}:{no}: names {name}, which the repository lacks")
+        line = _URL.sub("", line)
+        if _OUTSIDE.search(line):
+            missing.append(f"{rel}:{no}: points outside the repository: {line.strip()}")
+        for name in _MD_NAME.findall(line):
+            candidates = [f.parent / name, ROOT / name, ROOT / "docs" / name]
+            if not any(c.resolve().is_file() and ROOT in c.resolve().parents
+                       for c in candidates):
+                missing.append(f"{rel}:{no}: names {name}, which the repository lacks")
     assert not missing, "references to missing documents:\n" + "\n".join(missing)
 
 
@@ -143,15 +142,10 @@ def test_every_repository_path_a_file_names_exists():
     """A path into the repository (``megalite/...py``, ``tools/...``, ``docs/...``) named in code,
     tests or docs exists: a renamed or deleted module must not leave its readers a dead end."""
     missing = []
-    for f in _text_files():
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            continue
-        for no, line in enumerate(text.splitlines(), 1):
-            for path in _REPO_PATH.findall(_URL.sub("", line)):
-                if not (ROOT / path).exists():
-                    missing.append(f"{f.relative_to(ROOT)}:{no}: names {path}, which does not exist")
+    for f, no, line in _text_lines():
+        for path in _REPO_PATH.findall(_URL.sub("", line)):
+            if not (ROOT / path).exists():
+                missing.append(f"{f.relative_to(ROOT)}:{no}: names {path}, which does not exist")
     assert not missing, "paths to missing files:\n" + "\n".join(missing)
 
 
