@@ -5,7 +5,7 @@ the activations between blocks are sharded along ``s``; the column-parallel laye
 on the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
 arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
 
-The layers call the mapping operators of mappings.py (f, g, ḡ and its conjugate) for every
+The layers call the mapping operators of mappings.py (f and g; under SP the paper's g and ḡ) for every
 collective; the autograd function below does only the local matmuls. The weight gradient of the
 linear layers is computed by its own step. Normally it runs inside the backward pass; inside
 :meth:`WeightGradStore.capture` it is queued instead, so a zero-bubble pipeline schedule can run
@@ -101,10 +101,10 @@ def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.
 
 class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     """y = x W^T + b on this rank's weight: the matmuls only, with the weight gradient as its own
-    step. The TP/SP collectives are the mapping operators the layers put around it (f or ḡ in
+    step. The TP/SP collectives are the mapping operators the layers put around it (f, or SP's g, in
     front of a column-parallel layer, g or its SP form after a row-parallel one).
 
-    ``local_x`` (sequence parallelism): x is ḡ(local_x), the all-gather of this rank's sequence
+    ``local_x`` (sequence parallelism): x is g(local_x), SP's all-gather of this rank's sequence
     shard. Only the shard is saved and x is re-gathered for ``dW = dyᵀ x`` in backward: one extra
     all-gather buys s/t activation memory (Korthikanti et al. §4.2.2).
     """
@@ -177,7 +177,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        if self.sequence_parallel:  # ḡ: all-gather along s, reduce-scatter dX in backward
+        if self.sequence_parallel:  # SP's g: all-gather along s, reduce-scatter dX in backward
             total = gather_from_sequence_parallel_region(x, self.tp_group)
             out = linear(total, weight, self.bias, local_x=x, group=self.tp_group)
         else:  # f: identity, all-reduce dX in backward
@@ -191,7 +191,7 @@ class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows: rank r holds A_r (input features [r*i/t, (r+1)*i/t)).
 
     Input: ``[s, b, i/t]`` (``input_is_parallel``) or full ``[s, b, i]`` (then scattered first).
-    The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s``
+    The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s`` (SP's ḡ)
     under SP; the bias is added after the sum, once.
     """
 

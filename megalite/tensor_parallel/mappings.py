@@ -7,9 +7,11 @@ Shoeybi et al. (arXiv:1909.08053, Fig. 3) name two operators:
 * ``g`` = :func:`reduce_from_tensor_model_parallel_region`: all-reduce forward, identity backward.
   It sits after a row-parallel layer whose outputs are partial sums.
 
-Sequence parallelism (Korthikanti et al., arXiv:2205.05198 §4.2.2) replaces ``f``/``g`` by
-``g-bar``/``g``: an all-gather along the sequence (dim 0 of ``[s, b, h]``) whose backward is a
-reduce-scatter, and a reduce-scatter whose backward is an all-gather.
+Sequence parallelism (Korthikanti et al., arXiv:2205.05198 §4.2.2, Fig. 5) replaces ``f`` and
+``g`` by its own conjugate pair, which the paper names ``g`` and ``g-bar`` (ḡ): ``g`` is an
+all-gather along the sequence (dim 0 of ``[s, b, h]``) whose backward is a reduce-scatter, and
+``ḡ`` is a reduce-scatter whose backward is an all-gather. (The SP ``g`` takes the place of
+Megatron-LM's ``f``; the letters are the paper's.)
 
 Every function takes the TP group explicitly; ``None`` or a group of one makes it the identity.
 """
@@ -110,9 +112,9 @@ _GatherFromRegion = _pair("_GatherFromRegion", _gather_last_dim, _split_last_dim
 _ScatterToSequenceParallelRegion = _pair("_ScatterToSequenceParallelRegion", _split_first_dim,
                                          gather_first_dim)
 _GatherFromSequenceParallelRegion = _pair("_GatherFromSequenceParallelRegion", gather_first_dim,
-                                          reduce_scatter_first_dim)  # ḡ
+                                          reduce_scatter_first_dim)  # g (SP)
 _ReduceScatterToSequenceParallelRegion = _pair("_ReduceScatterToSequenceParallelRegion",
-                                               reduce_scatter_first_dim, gather_first_dim)
+                                               reduce_scatter_first_dim, gather_first_dim)  # ḡ
 
 
 # ---------------------------------------------------------------------------------- public API
