@@ -1,10 +1,17 @@
 """Run a function on N CPU processes joined by a real gloo process group.
 
-Every multi-process test goes through :func:`run_distributed`: it spawns the workers (fresh
-interpreters, one thread each), gives them a free TCP port, sets torchrun's environment variables
+Every multi-process test goes through :func:`run_distributed`: it starts the workers (separate
+processes, one thread each), gives them a free TCP port, sets torchrun's environment variables
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) so code under test initialises exactly as
 under torchrun, and returns each rank's return value (or raises with the failing rank's traceback).
 A worker that hangs is killed after ``timeout`` seconds, so a deadlock fails the test, never CI.
+
+The workers are forked from a server process that imported torch and megalite once
+(multiprocessing's "forkserver") rather than spawned as fresh interpreters that each import them
+again: those imports cost seconds of CPU per worker, and the suite starts about a hundred workers
+on two cores. The server only imports; every worker is a fork of that same untouched state and
+takes the caller's environment, working directory and ``sys.path`` as they are at the call, as a
+spawned worker would.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, List
@@ -26,7 +34,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, result_queue, args, kwargs):
+# imported once by the server the workers are forked from (what nearly every worker needs anyway:
+# torch.optim imports torch._dynamo on first use)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.parallel_state",
+            "megalite.training"]
+
+
+def _context():
+    if "forkserver" not in mp.get_all_start_methods():  # (Windows)
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _worker(call, caller, rank, world_size, port, result_queue):
+    env, cwd, path = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ.update({
         "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -37,6 +64,7 @@ def _worker(fn, rank, world_size, port, result_queue, args, kwargs):
 
     torch.set_num_threads(1)
     try:
+        fn, args, kwargs = pickle.loads(call)  # after sys.path: fn's module may be anywhere on it
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         out = fn(rank, world_size, *args, **kwargs)
@@ -57,11 +85,13 @@ def _worker(fn, rank, world_size, port, result_queue, args, kwargs):
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300,
                     **kwargs) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     result_queue = ctx.Queue()
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, result_queue, args, kwargs),
+    call = pickle.dumps((fn, args, kwargs))
+    caller = (dict(os.environ), os.getcwd(), list(sys.path))
+    procs = [ctx.Process(target=_worker, args=(call, caller, r, world_size, port, result_queue),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
