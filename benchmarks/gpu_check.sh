@@ -20,7 +20,15 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_check.sh: unknown argument '$1'; valid: --dry-run, --out DIR, --help" >&2; exit 2;;
   esac
 done
-PY=${PYTHON:-python3}
+# The interpreter: $PYTHON, else the first of python / python3 that imports torch (a machine's
+# python3 can be the system one while `python` is the environment's).
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for c in python python3; do
+    command -v $c >/dev/null 2>&1 && $c -c "import torch" >/dev/null 2>&1 && { PY=$c; break; }
+  done
+  [ -n "$PY" ] || { echo "gpu_check.sh: neither python nor python3 imports torch; set PYTHON=/path/to/python" >&2; exit 2; }
+fi
 LIMIT=${GC_TIME_LIMIT:-420}
 case $LIMIT in ''|*[!0-9]*) echo "gpu_check.sh: GC_TIME_LIMIT='$LIMIT' is not a whole number of seconds" >&2; exit 2;; esac
 WORK=$(mktemp -d)
@@ -70,8 +78,12 @@ for g in none selective full; do
     $PY pretrain.py --device $DEV --mock-data $MODEL $ITERS $extra --lr-warmup-iters 5 \
       --eval-interval 100000 --eval-iters 0 --metrics-file "$WORK/train_$g.jsonl"
 done
-step gloo_tp_parity 150 "CPU gloo, 4 procs; NCCL needs 2+ GPUs (skipped)" \
-  env CUDA_VISIBLE_DEVICES= $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k match_single_device
+if $PY -c "import pytest" >/dev/null 2>&1; then
+  step gloo_tp_parity 150 "CPU gloo, 4 procs; NCCL needs 2+ GPUs (skipped)" \
+    env CUDA_VISIBLE_DEVICES= $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k match_single_device
+else
+  printf 'gloo_tp_parity\tskip\t0\t0\t%s\n' "not run: pytest is not installed" >>"$WORK/steps.tsv"
+fi
 step single_device_vs_hf 150 "CPU only: script has no --device flag" \
   bash -o pipefail -c "$PY benchmarks/single_device.py --json $SD | tee /dev/stderr | tail -1 > '$WORK/single_device_vs_hf.json'"
 

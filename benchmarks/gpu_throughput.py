@@ -1,14 +1,26 @@
 """Single-GPU training throughput: megalite against Hugging Face (eager and torch.compile).
 
-One invocation runs every selected system on every selected row, each in a fresh process (so
-peak memory and compile caches are per run), and prints one table plus a JSON document:
+One invocation runs a plan of (row, system) runs, each in a fresh process (so each peak memory is
+that run's own), and prints one table plus a JSON document:
 
-    python benchmarks/gpu_throughput.py                       # on a GPU: the rows of docs/performance.md
+    python benchmarks/gpu_throughput.py --json out.json       # on a GPU: the default plan, < 8 min
     python benchmarks/gpu_throughput.py --rows llama-1.5b --systems megalite,megalite-compile,hf
-    python benchmarks/gpu_throughput.py --json out.json       # also write the JSON to a file
+    python benchmarks/gpu_throughput.py --rows gpt2-350m,gpt2-1.3b,gpt2-1.3b-mbs8,llama-1.5b \
+        --time-budget 1500 --json all.json                    # every system on every row
 
 Without CUDA it runs the tiny rows (fp32, a few steps) so the script stays working on any machine;
 those CPU figures are not comparable with the GPU rows.
+
+Plan. Given --rows or --systems, every selected system runs on every selected row. Otherwise, on
+a GPU, DEFAULT_GPU_PLAN: the comparisons the targets are read from, cheapest and most important
+first (the eager runs of every row, then the compiled ones), so a slow compile costs the least
+important figures. Time (docs/performance.md, "GPU throughput"): each run may take --run-timeout
+seconds and the whole plan --time-budget; no run starts with less than MIN_RUN_S seconds left and
+none runs past the budget, so the command ends within the budget whatever hangs. A run cut short
+keeps the timed iterations it logged (status ``partial``), or is recorded as an error with the
+tail of its output; a run the budget leaves no time for is recorded as skipped. With --json the
+document is rewritten after every run (``"complete": false`` until the end), so an interrupted
+benchmark (Ctrl-C, SIGTERM, a lost session) still leaves every finished run's figures.
 
 Systems. ``megalite``: ``pretrain.py`` with ``--mock-data`` and the row's flags (``--bf16`` on a
 GPU), throughput from its metrics records after ``--warmup`` iterations. ``megalite-compile``: the
@@ -29,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,6 +85,13 @@ ROWS = {  # name -> (description, megalite flags); the GPU rows are docs/perform
 GPU_ROWS = ["gpt2-350m", "gpt2-1.3b", "gpt2-1.3b-mbs8", "llama-1.5b"]
 CPU_ROWS = ["tiny-gpt2", "tiny-llama"]
 SYSTEMS = ["megalite", "megalite-compile", "hf", "hf-compile"]
+DEFAULT_GPU_PLAN = [
+    ("llama-1.5b", "megalite"), ("llama-1.5b", "hf"), ("gpt2-1.3b", "megalite"),
+    ("gpt2-1.3b", "hf"), ("gpt2-350m", "megalite"), ("gpt2-350m", "hf"),
+    ("llama-1.5b", "megalite-compile"), ("llama-1.5b", "hf-compile"),
+    ("gpt2-1.3b", "hf-compile"), ("gpt2-350m", "hf-compile"),
+]
+MIN_RUN_S = 10  # less than a process needs to start and build its model
 
 
 def _flags(row):
@@ -90,28 +110,106 @@ def _flops_per_token(cfg):
     return model_flops_per_sequence(cfg, cfg.vocab_size) / cfg.seq_length
 
 
-# ----------------------------------------------------------------------------------- megalite
-def run_megalite(row, args, compile_layers, workdir, cuda):
-    metrics = os.path.join(workdir, f"{row}-megalite{'-compile' if compile_layers else ''}.jsonl")
-    argv = ([sys.executable, os.path.join(ROOT, "pretrain.py")] + _flags(row)
-            + ["--mock-data", "--train-iters", str(args.warmup + args.iters), "--log-interval", "1",
-               "--eval-interval", str(10 ** 9), "--eval-iters", "0", "--lr", "1e-4",
-               "--lr-warmup-iters", "0", "--metrics-file", metrics]
-            + (["--bf16", "--device", "cuda"] if cuda else ["--device", "cpu"])
-            + (["--torch-compile"] if compile_layers else []))
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    recs = [r for r in map(json.loads, open(metrics)) if r.get("split") == "train"]
-    timed = recs[args.warmup:] or recs
+# -------------------------------------------------------------------------------- one process
+def _child_env():
+    """This environment, with the checkout first on PYTHONPATH (the rest kept) and the hub offline:
+    nothing in a run needs the network, and a machine without one would wait on a request."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.setdefault(k, "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["PYTHONUNBUFFERED"] = "1"  # a killed run's log still ends where it stopped
+    return env
+
+
+def _run_process(argv, timeout, log_path, cwd):
+    """Run ``argv`` in its own session, output to ``log_path``. Returns its exit code, or None when
+    it ran past ``timeout`` seconds. At a timeout, or when this process is interrupted, the whole
+    session is killed: compile workers included, so nothing is left holding the GPU or the CPUs."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=cwd, env=_child_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+
+
+def _train_records(path):
+    """The per-iteration records a run has written so far (a line cut off by a kill is dropped)."""
+    recs = []
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return recs
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and r.get("split") == "train":
+            recs.append(r)
+    return recs
+
+
+def summarize(recs, warmup):
+    """Median iteration time over the records after ``warmup`` (which hold compilation and
+    allocation), peak memory over all; None when no timed iteration was recorded."""
+    timed = recs[warmup:]
+    if not timed:
+        return None
     return {"iteration_ms": statistics.median(r["iteration_time_ms"] for r in timed),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in recs)}
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in recs),
+            "timed_iterations": len(timed)}
+
+
+def run_one(row, system, args, workdir, cuda, timeout):
+    """One (row, system) run in a fresh process; its result (see the module docstring)."""
+    tag = f"{row}-{system}"
+    records = os.path.join(workdir, f"{tag}.jsonl")
+    if system.startswith("megalite"):
+        argv = ([sys.executable, os.path.join(ROOT, "pretrain.py")] + _flags(row)
+                + ["--mock-data", "--train-iters", str(args.warmup + args.iters),
+                   "--log-interval", "1", "--eval-interval", str(10 ** 9), "--eval-iters", "0",
+                   "--lr", "1e-4", "--lr-warmup-iters", "0", "--metrics-file", records]
+                + (["--bf16", "--device", "cuda"] if cuda else ["--device", "cpu"])
+                + (["--torch-compile"] if system.endswith("compile") else []))
+    else:
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--iters",
+                str(args.iters), "--warmup", str(args.warmup), "--worker-result", records] + (
+            ["--worker-compile"] if system.endswith("compile") else [])
+    t0 = time.time()
+    log = os.path.join(workdir, f"{tag}.log")
+    rc = _run_process(argv, timeout, log, workdir)
+    recs = _train_records(records)
+    res = summarize(recs, args.warmup) or {}
+    res["wall_s"] = round(time.time() - t0, 1)
+    if rc == 0 and res.get("timed_iterations") == args.iters:
+        return res
+    tail = open(log, errors="replace").read().strip().splitlines()[-40:]
+    res["log_tail"] = tail
+    if rc is None:
+        res["timed_out"] = True
+        n = args.warmup + args.iters
+        what = f"timed out after {timeout:.0f} s ({len(recs)} of {n} iterations)"
+    else:
+        what = f"exit {rc}: {tail[-1] if tail else 'no output'}"
+    res["error"] = what
+    return res
 
 
 # ----------------------------------------------------------------------------- Hugging Face
-def run_hf_worker(row, args, compile_model):
-    """In this (fresh) process: train the HF model and return the timing record."""
+def run_hf_worker(row, args, compile_model, out_path):
+    """In this (fresh) process: train the HF model, one JSON line per iteration to ``out_path``
+    (the same fields as megalite's metrics records, so a run cut short keeps what it did)."""
     import torch
 
     from megalite.convert.hf import model_config_to_hf_config
@@ -134,55 +232,36 @@ def run_hf_worker(row, args, compile_model):
                             **({"fused": True} if cuda else {}))
     fwd = torch.compile(model) if compile_model else model
     g = torch.Generator().manual_seed(0)
-    times = []
-    for it in range(args.warmup + args.iters):
-        batches = [torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_length), generator=g)
-                   for _ in range(gbs // mbs)]
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for ids in batches:
-            ids = ids.to(device, non_blocking=True)
-            with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
-                loss = fwd(input_ids=ids, labels=ids).loss / len(batches)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    timed = times[args.warmup:] or times
-    return {"iteration_ms": 1000 * statistics.median(timed),
-            "peak_memory_bytes": peak_memory_bytes(device)}
-
-
-def run_hf(row, args, compile_model, workdir):
-    out = os.path.join(workdir, f"{row}-hf{'-compile' if compile_model else ''}.json")
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", row, "--iters", str(args.iters),
-            "--warmup", str(args.warmup), "--worker-result", out] + (
-        ["--worker-compile"] if compile_model else [])
-    proc = subprocess.run(argv, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
-    return json.load(open(out))
+    with open(out_path, "a", buffering=1) as out:
+        for it in range(args.warmup + args.iters):
+            batches = [torch.randint(0, cfg.vocab_size, (mbs, cfg.seq_length), generator=g)
+                       for _ in range(gbs // mbs)]
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for ids in batches:
+                ids = ids.to(device, non_blocking=True)
+                with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
+                    loss = fwd(input_ids=ids, labels=ids).loss / len(batches)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            out.write(json.dumps({"split": "train", "iteration": it + 1,
+                                  "iteration_time_ms": 1000 * (time.perf_counter() - t0),
+                                  "peak_memory_bytes": peak_memory_bytes(device)}) + "\n")
 
 
 # ---------------------------------------------------------------------------------- the table
-def finish(row, res, cuda):
+def finish(row, res, peak):
     """Derived figures for one row: tokens/s, TFLOP/s, MFU, GiB, ratios to each HF system."""
-    import torch
-
-    from megalite.logging import peak_flops_per_device
-
     cfg = _model_config(row)
     a = _flags(row)
     tokens = int(a[a.index("--global-batch-size") + 1]) * cfg.seq_length
-    peak = peak_flops_per_device(torch.device("cuda" if cuda else "cpu"),
-                                 "bfloat16" if cuda else "float32")
     for r in res.values():
-        if "error" in r:
+        if "iteration_ms" not in r:
             continue
         r["tokens_per_sec"] = tokens / (r["iteration_ms"] / 1000)
         r["tflops"] = r["tokens_per_sec"] * _flops_per_token(cfg) / 1e12
@@ -195,32 +274,52 @@ def finish(row, res, cuda):
     return res
 
 
+def _status(r):
+    if "skipped" in r:
+        return f"skipped: {r['skipped']}"
+    if "error" not in r:
+        return "ok"
+    if "iteration_ms" in r:  # cut short, but with timed iterations: partial figures
+        return f"partial ({r['timed_iterations']} timed it): {r['error']}"
+    return f"error: {r['error']}"
+
+
 def table(results):
-    lines = ["| row | system | tokens/s | TFLOP/s | MFU | peak GiB | vs HF | vs HF+compile |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | system | tokens/s | TFLOP/s | MFU | peak GiB | vs HF | vs HF+compile "
+             "| status |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row, res in results.items():
         for name, r in res.items():
-            if "error" in r:
-                lines.append(f"| {row} | {name} | error: {' '.join(r['error'])} | | | | | |")
+            if "tokens_per_sec" not in r:
+                lines.append(f"| {row} | {name} | | | | | | | {_status(r)} |")
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
             ratio = lambda k: f"{r[k]:.2f}x" if k in r else ""  # noqa: E731
             lines.append(f"| {row} | {name} | {r['tokens_per_sec']:,.0f} | {r['tflops']:.3g} | "
                          f"{mfu} | {r['peak_memory_gib']:.2f} | {ratio('ratio_to_hf')} | "
-                         f"{ratio('ratio_to_hf-compile')} |")
+                         f"{ratio('ratio_to_hf-compile')} | {_status(r)} |")
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default=None,
-                   help=f"comma-separated, of {', '.join(ROWS)} (default: the GPU rows on a GPU, "
-                        f"the tiny rows without one)")
-    p.add_argument("--systems", default="megalite,megalite-compile,hf,hf-compile",
-                   help=f"comma-separated, of {', '.join(SYSTEMS)}")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 20, CPU 2)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (GPU 5, CPU 1)")
-    p.add_argument("--json", default=None, help="also write the JSON document here")
+                   help=f"comma-separated, of {', '.join(ROWS)} (default: on a GPU the plan "
+                        f"of docs/performance.md, 'GPU throughput'; without one the tiny rows)")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, of {', '.join(SYSTEMS)} (default: all); with --rows "
+                        f"or --systems every selected system runs on every selected row")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU 10, CPU 2)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed iterations first: compilation, and iteration 2, whose memory "
+                        "is measured (GPU 3, CPU 2)")
+    p.add_argument("--run-timeout", type=float, default=None,
+                   help="seconds one run may take before it is killed (GPU 210, CPU 600; 0: none)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help=f"seconds for all runs: none starts with less than {MIN_RUN_S} s left and "
+                        f"none runs past it (GPU 450, CPU 0 = no limit)")
+    p.add_argument("--json", default=None, help="also write the JSON document here (rewritten "
+                                                "after every run)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-compile", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-result", default=None, help=argparse.SUPPRESS)
@@ -228,50 +327,89 @@ def parse_args(argv=None):
     import torch
 
     cuda = torch.cuda.is_available()
-    args.rows = (args.rows or ",".join(GPU_ROWS if cuda else CPU_ROWS)).split(",")
-    args.systems = args.systems.split(",")
-    for kind, given, valid in (("--rows", args.rows, ROWS), ("--systems", args.systems, SYSTEMS)):
-        bad = [x for x in given if x not in valid]
-        if bad:
-            p.error(f"{kind}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
-    args.iters = args.iters if args.iters is not None else (20 if cuda else 2)
-    args.warmup = args.warmup if args.warmup is not None else (5 if cuda else 1)
+    if args.rows is None and args.systems is None and cuda:
+        args.plan = list(DEFAULT_GPU_PLAN)
+    else:
+        rows = (args.rows or ",".join(GPU_ROWS if cuda else CPU_ROWS)).split(",")
+        systems = (args.systems or ",".join(SYSTEMS)).split(",")
+        for kind, given, valid in (("--rows", rows, ROWS), ("--systems", systems, SYSTEMS)):
+            bad = [x for x in given if x not in valid]
+            if bad:
+                p.error(f"{kind}: unknown {', '.join(bad)}; valid: {', '.join(valid)}")
+        args.plan = [(r, s) for r in rows for s in systems]
+    pick = lambda v, gpu, cpu: v if v is not None else (gpu if cuda else cpu)  # noqa: E731
+    args.iters, args.warmup = pick(args.iters, 10, 2), pick(args.warmup, 3, 2)
+    args.run_timeout = pick(args.run_timeout, 210.0, 600.0)
+    args.time_budget = pick(args.time_budget, 450.0, 0.0)
     if args.iters < 1 or args.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if args.run_timeout < 0 or args.time_budget < 0:
+        p.error("--run-timeout and --time-budget must be >= 0 seconds (0: no limit)")
     return args, cuda
+
+
+def _write_json(path, doc):
+    """Replace ``path`` whole (a reader never sees half a document)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the running child is killed, the table printed
 
 
 def main(argv=None):
     args, cuda = parse_args(argv)
     if args.worker:
-        with open(args.worker_result, "w") as f:
-            json.dump(run_hf_worker(args.worker, args, args.worker_compile), f)
+        run_hf_worker(args.worker, args, args.worker_compile, args.worker_result)
         return 0
-    results = {}
-    with tempfile.TemporaryDirectory() as workdir:
-        for row in args.rows:
-            res = {}
-            for system in args.systems:
-                t0 = time.time()
-                if system.startswith("megalite"):
-                    res[system] = run_megalite(row, args, system.endswith("compile"), workdir, cuda)
-                else:
-                    res[system] = run_hf(row, args, system.endswith("compile"), workdir)
-                res[system]["wall_s"] = round(time.time() - t0, 1)
-                print(f"# {row} {system}: {res[system]}", file=sys.stderr, flush=True)
-            results[row] = finish(row, res, cuda)
     import torch
 
+    from megalite.logging import peak_flops_per_device
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    t_start = time.time()
+    peak = peak_flops_per_device(torch.device("cuda" if cuda else "cpu"),
+                                 "bfloat16" if cuda else "float32")
     doc = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-           "iters": args.iters, "warmup": args.warmup,
-           "rows": {row: {"shape": ROWS[row][0], "results": results[row]} for row in results}}
+           "iters": args.iters, "warmup": args.warmup, "run_timeout_s": args.run_timeout,
+           "time_budget_s": args.time_budget, "plan": [f"{r}/{s}" for r, s in args.plan],
+           "complete": False, "elapsed_s": 0.0, "rows": {}}
+    if args.json:
+        _write_json(args.json, doc)  # an unwritable path fails now, not after the runs
+    results = {}
+    try:
+        with tempfile.TemporaryDirectory() as workdir:
+            for row, system in args.plan:
+                left = args.time_budget - (time.time() - t_start) if args.time_budget else None
+                if left is not None and left < MIN_RUN_S:
+                    r = {"skipped": f"--time-budget {args.time_budget:.0f} s spent"}
+                else:
+                    limits = [t for t in (args.run_timeout or None, left) if t is not None]
+                    r = run_one(row, system, args, workdir, cuda, min(limits) if limits else None)
+                res = results.setdefault(row, {})
+                res[system] = r
+                results[row] = finish(row, {s: res[s] for s in SYSTEMS if s in res}, peak)
+                print(f"# {row} {system}: {_status(r)}, {r.get('wall_s', 0)} s"
+                      + (f", {r['tokens_per_sec']:,.0f} tokens/s" if "tokens_per_sec" in r else ""),
+                      file=sys.stderr, flush=True)
+                doc["rows"] = {rw: {"shape": ROWS[rw][0], "results": results[rw]} for rw in results}
+                doc["elapsed_s"] = round(time.time() - t_start, 1)
+                if args.json:
+                    _write_json(args.json, doc)
+    except KeyboardInterrupt:
+        print(table(results))
+        print(f"interrupted after {time.time() - t_start:.0f} s; finished runs are in the JSON "
+              f"(\"complete\": false)", file=sys.stderr)
+        return 130
+    doc["complete"] = True
+    if args.json:
+        _write_json(args.json, doc)
     print(table(results))
     print(json.dumps(doc))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-    errors = [f"{row}/{s}" for row, res in results.items() for s, r in res.items() if "error" in r]
-    return 1 if errors else 0
+    return 1 if any(_status(r) != "ok" for res in results.values() for r in res.values()) else 0
 
 
 if __name__ == "__main__":

@@ -1,37 +1,123 @@
-"""benchmarks/gpu_throughput.py stays runnable: its tiny CPU row, megalite and Hugging Face."""
+"""benchmarks/gpu_throughput.py stays runnable: its tiny CPU row, megalite and Hugging Face.
+
+Every run here happens with ``datasets`` and ``wandb`` unimportable (a meta-path blocker in a
+sitecustomize on PYTHONPATH, which the benchmark passes on to its runs), as on a GPU machine
+that has neither: a hard import of either on the --mock-data path fails these tests.
+"""
 
 import json
 import os
 import subprocess
 import sys
+import time
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_throughput.py")
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import gpu_throughput  # noqa: E402
+
+BLOCKER = '''import sys
+class _Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("datasets", "wandb"):
+            raise ImportError(f"{name} is blocked: a GPU machine may not have it")
+sys.meta_path.insert(0, _Blocked())
+'''
 
 
-def _run(*argv):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES="")
+@pytest.fixture
+def env(tmp_path):
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(BLOCKER)
+    e = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+             PYTHONPATH=os.pathsep.join([str(block), ROOT]))
+    proc = subprocess.run([sys.executable, "-c", "import wandb"], env=e, capture_output=True,
+                          text=True)
+    assert proc.returncode != 0 and "wandb is blocked" in proc.stderr  # the blocker is in force
+    return e
+
+
+def _run(env, *argv):
     return subprocess.run([sys.executable, SCRIPT, *argv], env=env, capture_output=True,
                           text=True, timeout=300)
 
 
-def test_tiny_row_on_cpu_prints_table_and_json(tmp_path):
+def test_tiny_row_on_cpu_prints_table_and_json(tmp_path, env):
     out = tmp_path / "result.json"
-    proc = _run("--rows", "tiny-llama", "--systems", "megalite,hf", "--iters", "2",
+    proc = _run(env, "--rows", "tiny-llama", "--systems", "megalite,hf", "--iters", "2",
                 "--warmup", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
+    assert doc["complete"] and doc["plan"] == ["tiny-llama/megalite", "tiny-llama/hf"]
     res = doc["rows"]["tiny-llama"]["results"]
     for system in ("megalite", "hf"):
         assert res[system]["tokens_per_sec"] > 0 and res[system]["peak_memory_bytes"] > 0
-        assert 0 < res[system]["mfu"] <= 1
+        assert 0 < res[system]["mfu"] <= 1 and res[system]["timed_iterations"] == 2
     assert abs(res["megalite"]["ratio_to_hf"]
                - res["megalite"]["tokens_per_sec"] / res["hf"]["tokens_per_sec"]) < 1e-9
     assert "| tiny-llama | megalite |" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == doc
 
 
-def test_unknown_row_fails_in_one_line():
-    proc = _run("--rows", "gpt2-7t")
+def test_timeouts_budget_and_json_written_after_each_run(tmp_path, env):
+    """Runs that cannot finish in --run-timeout are killed and recorded; the plan stops at
+    --time-budget; the JSON holds each finished run while the next one is still going."""
+    out = tmp_path / "result.json"
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "--rows", "tiny-gpt2", "--systems", "megalite,hf,hf-compile",
+         "--iters", "5000", "--warmup", "1", "--run-timeout", "4", "--time-budget", "16",
+         "--json", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen_in_flight = False
+    while proc.poll() is None and not seen_in_flight:
+        time.sleep(0.2)
+        try:
+            rows = json.loads(out.read_text())["rows"]
+        except (OSError, ValueError):
+            continue
+        seen_in_flight = "megalite" in rows.get("tiny-gpt2", {}).get("results", {}) \
+            and proc.poll() is None
+    stdout, stderr = proc.communicate(timeout=120)
+    assert seen_in_flight, "the JSON had no megalite result while the hf run was in flight"
+    assert proc.returncode == 1, stderr[-2000:]
+    doc = json.loads(out.read_text())
+    res = doc["rows"]["tiny-gpt2"]["results"]
+    assert doc["complete"] and list(res) == ["megalite", "hf", "hf-compile"]
+    for system in ("megalite", "hf"):
+        assert res[system]["timed_out"] and res[system]["error"].startswith("timed out after 4 s")
+        assert res[system]["wall_s"] < 15
+    assert res["hf-compile"] == {"skipped": "--time-budget 16 s spent"}
+    assert "| tiny-gpt2 | hf-compile | | | | | | | skipped: --time-budget 16 s spent |" in stdout
+
+
+def test_a_run_cut_short_keeps_its_timed_iterations(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"split": "train", "iteration_time_ms": t, "peak_memory_bytes": m}
+            for t, m in ((900.0, 5), (12.0, 7), (10.0, 6), (11.0, 6))]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs)
+                    + '{"split": "memory"}\n{"split": "train", "iteration_ti')  # killed mid-line
+    got = gpu_throughput._train_records(str(path))
+    assert got == recs
+    assert gpu_throughput.summarize(got, 1) == {"iteration_ms": 11.0, "peak_memory_bytes": 7,
+                                                "timed_iterations": 3}
+    assert gpu_throughput.summarize(got, 4) is None  # nothing after warm-up: no figure at all
+
+
+def test_default_gpu_plan_has_the_target_comparisons():
+    plan = gpu_throughput.DEFAULT_GPU_PLAN
+    assert len(set(plan)) == len(plan)
+    need = [("llama-1.5b", s) for s in gpu_throughput.SYSTEMS] + [
+        (r, s) for r in ("gpt2-1.3b", "gpt2-350m") for s in ("megalite", "hf", "hf-compile")]
+    assert sorted(need) == sorted(plan)
+    # eager runs first: a slow compile can only cost the figures planned after it
+    first_compile = min(i for i, (_, s) in enumerate(plan) if s.endswith("compile"))
+    assert all(s.endswith("compile") for _, s in plan[first_compile:])
+
+
+def test_unknown_row_fails_in_one_line(env):
+    proc = _run(env, "--rows", "gpt2-7t")
     assert proc.returncode == 2
     assert "--rows: unknown gpt2-7t; valid:" in proc.stderr.strip().splitlines()[-1]

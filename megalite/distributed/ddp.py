@@ -123,8 +123,10 @@ class DistributedDataParallel(nn.Module):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
             p.deferred_grad_hook = self._deferred_grad_hook
         # Parameter all-gathers issued at the end of a step are waited on by the first module
-        # that uses the bucket's params in the next forward (overlap_param_gather).
-        for m in module.modules():
+        # that uses the bucket's params in the next forward (overlap_param_gather). Only then:
+        # inside a --torch-compile'd layer the hook's parameter lookups guard on each parameter's
+        # identity, which would recompile every layer.
+        for m in module.modules() if self.overlap_param_gather else ():
             if any(True for _ in m.parameters(recurse=False)):
                 self._hook_handles.append(m.register_forward_pre_hook(self._param_gather_pre_hook))
 
