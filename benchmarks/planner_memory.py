@@ -6,8 +6,9 @@ Each case runs pretrain.py (torchrun on CPU/gloo when it needs several processes
 iterations of a model big enough that model states and activations dominate (8 layers, hidden
 512, 8 heads, sequence 256, vocab 8192, fp32 unless noted), and reads the ``memory`` record of
 metrics.jsonl: ``estimated_memory_bytes`` (megalite/planner.py, rank 0's stage) beside
-``measured_memory_bytes`` (megalite.memory.PeakTensorMemory: torch.profiler's allocation and
-free events on CPU, ``torch.cuda.max_memory_allocated`` on GPU). Prints a markdown table.
+``measured_memory_bytes`` (megalite.memory.PeakTensorMemory: on CPU the storages live at the
+start plus the CPU allocator's highest count of live bytes, as torch.profiler's memory events
+stamp it; ``torch.cuda.max_memory_allocated`` on GPU). Prints a markdown table.
 """
 
 from __future__ import annotations

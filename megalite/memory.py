@@ -197,16 +197,38 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
     return report
 
 
+def _cpu_allocator_count_switch():
+    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (a ctypes bool): on, the CPU allocator
+    counts the allocations and frees of every thread; None where the library does not export it
+    (then a free on a thread the profiler does not run on is missed, see PeakTensorMemory)."""
+    import ctypes
+    import glob
+    import os
+
+    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*")):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class PeakTensorMemory:
     """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs.
 
-    GPU: ``torch.cuda.max_memory_allocated``. CPU has no such counter (and RSS is mostly the
-    interpreter and libraries): the allocations and frees ``torch.profiler(profile_memory=True)``
-    records are replayed in time order on top of the storages live at the start (found through
-    the garbage collector, each once). Blocks born before the block and freed inside it are
-    invisible to the profiler, so they still count: an upper bound by kilobytes (last step's
-    batches). The profiler slows the block down: measure one iteration, not every one. Its own
-    C++ log lines on stderr are held back; everything else written there is passed on.
+    GPU: ``torch.cuda.max_memory_allocated``. CPU (where RSS is mostly the interpreter and
+    libraries): the storages live at the start (found through the garbage collector, each once)
+    plus the highest value of the CPU allocator's count of live bytes over the block, which
+    ``torch.profiler(profile_memory=True)`` stamps on every allocation and free it records.
+    Replaying the profiler's alloc/free events instead is wrong with collectives: the profiler
+    records only on threads it runs on, so a buffer freed on a gloo worker thread (a
+    reduce-scatter's flat copy, an all-gather's output, an all-reduced gradient buffer) has no
+    free event and would count as live to the end, by an amount that depends on which thread
+    drops it last. c10's ``caffe2_report_cpu_memory_usage`` switch, on during the block, makes the
+    allocator's count include frees on every thread. Blocks born before the block and freed
+    inside it are unknown to the allocator's count, so they still count: an upper bound by
+    kilobytes (last step's batches). The profiler slows the block down: measure one iteration,
+    not every one. Its own C++ log lines on stderr are held back; everything else is passed on.
     """
 
     _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp")
@@ -235,6 +257,10 @@ class PeakTensorMemory:
         os.dup2(self._err.fileno(), 2)
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                             profile_memory=True)
+        self._count = _cpu_allocator_count_switch()
+        self._was_counting = self._count is not None and self._count.value
+        if self._count is not None:
+            self._count.value = True
         self._prof.__enter__()
         return self
 
@@ -249,6 +275,8 @@ class PeakTensorMemory:
         try:
             self._prof.__exit__(*exc)
         finally:
+            if self._count is not None:
+                self._count.value = self._was_counting
             sys.stderr.flush()
             os.dup2(self._saved, 2)
             os.close(self._saved)
@@ -256,11 +284,19 @@ class PeakTensorMemory:
             sys.stderr.write("".join(ln for ln in self._err.read().decode(errors="replace")
                                      .splitlines(True) if not any(n in ln for n in self._NOISE)))
             self._err.close()
-        live = high = 0
-        for _, n in sorted((e.start_ns(), e.nbytes()) for e in
-                           self._prof.profiler.kineto_results.events()
-                           if e.name() == "[memory]" and e.device_type().name == "CPU"):
-            live += n
-            high = max(high, live)
-        self.peak_bytes, self._prof = int(self.baseline + high), None
+        from torch._C._profiler import _EventType
+
+        stamps, todo = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while todo:
+            e = todo.pop()
+            todo.extend(e.children)
+            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+                f = e.extra_fields
+                stamps.append((e.start_time_ns, f.alloc_size, f.total_allocated))
+        stamps.sort()
+        # the count before the block: the first event's, less its own bytes
+        start = stamps[0][2] - stamps[0][1] if stamps else 0
+        high = max([0] + [total - start for _, _, total in stamps])
+        self.peak_bytes = int(self.baseline + high)
+        self._prof = None
         return False

@@ -4,8 +4,9 @@ Published rows (docs/planner.md "Published results"): the published layout fits 
 memory model, its predicted TFLOP/s per GPU is within 15% of the published figure, and the
 planner's first choice is that layout or one it predicts faster that also fits. Korthikanti et
 al.'s activation figures are checked to 5%. Then the JSON schema, one-line CLI errors, the
-closed-form in-flight count against the real schedules, and one 2-process pretrain run whose
-logged estimate must be within 10% of the measured peak of tensor memory.
+closed-form in-flight count against the real schedules, the CPU peak measurement with frees on
+other threads, and one 2-process pretrain run whose logged estimate must be within 10% of the
+measured peak of tensor memory.
 """
 
 from __future__ import annotations
@@ -157,6 +158,25 @@ def test_cli_bad_input_one_line(capsys):
         out = capsys.readouterr()
         lines = out.err.strip().splitlines()
         assert out.out == "" and len(lines) == 1 and needle in lines[0], out.err
+
+
+def test_peak_memory_counts_frees_on_other_threads():
+    """A tensor freed on another thread is gone: gloo's worker threads free a reduce-scatter's
+    flat copy or a sent tensor, and the profiler records no free event there (replaying its
+    events counted all ten 4 MiB blocks, 40 MiB, and a varying share of them under SP)."""
+    import threading
+
+    import torch
+
+    from megalite.memory import PeakTensorMemory
+
+    with PeakTensorMemory("cpu") as probe:
+        for _ in range(10):
+            box = [torch.empty(2 ** 20)]  # 4 MiB, dropped on the other thread
+            t = threading.Thread(target=box.clear)
+            t.start()
+            t.join()
+    assert 4 * 2 ** 20 <= probe.peak_bytes - probe.baseline < 5 * 2 ** 20, probe.peak_bytes
 
 
 def test_pretrain_estimate_within_10_percent(tmp_path):
