@@ -1,15 +1,18 @@
 """Per-layer kernel counts and cross-entropy peak memory, for docs/performance.md.
 
     python benchmarks/layer_profile.py kernels [--dtype bfloat16] [--compile inductor]
-    python benchmarks/layer_profile.py ce-memory --tokens 4096 --vocab 32768
+    python benchmarks/layer_profile.py ce --tokens 2048 --vocabs 32768,50257 [--compiled]
     python benchmarks/layer_profile.py startup --sizes 125m,350m [--device cuda]
 
 ``kernels``: one Llama-shaped TransformerLayer (and, separately, the loss head: final norm, output
 layer, vocab-parallel cross entropy), forward + backward under torch.profiler. On CUDA it counts
 device kernels; on the CPU it counts leaf ATen ops that compute (views and metadata ops are not
-kernels), the CPU analogue of kernel launches. ``ce-memory``: peak resident memory of this
-process around one cross-entropy forward + backward on bf16 logits (read it from an otherwise
-idle process). ``startup``: for GPT-2-shaped models of each size, the seconds to build the model
+kernels), the CPU analogue of kernel launches. ``ce``: one vocab-parallel cross-entropy
+forward + backward on ``[tokens, 1, V]`` logits per (V, dtype): median wall and CPU milliseconds
+over ``--repeat`` calls after a warm-up, and the largest growth of memory above the logits (on
+Linux the process's resident high-water mark is reset before each call; on CUDA, the allocator's
+peak). ``--compiled`` runs the per-block math through torch.compile (the CUDA path) on any device.
+``startup``: for GPT-2-shaped models of each size, the seconds to build the model
 and draw its initial weights (megalite/models/init.py), and the seconds from launching
 ``pretrain.py`` (bf16 on CUDA, fp32 on CPU, ``--mock-data``) to its first logged iteration
 (process wall time minus that iteration's own time; interpreter and import time included), with
@@ -100,20 +103,59 @@ def kernels(args):
     print(json.dumps(out))
 
 
-def ce_memory(args):
-    from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+def ce(args):
+    import re
+    import statistics
+    import time
 
-    g = torch.Generator().manual_seed(0)
-    logits = torch.empty(args.tokens, 1, args.vocab, dtype=torch.bfloat16).normal_(generator=g)
-    labels = torch.randint(0, args.vocab, (args.tokens, 1), generator=g)
-    logits.requires_grad_(True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    vocab_parallel_cross_entropy(logits, labels, None).sum().backward()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    mib = lambda kb: kb / 1024  # noqa: E731  (ru_maxrss is KiB on Linux)
-    print(json.dumps({"tokens": args.tokens, "vocab": args.vocab,
-                      "logits_mib": logits.numel() * 2 / 2 ** 20,
-                      "peak_rss_growth_mib": round(mib(after - before), 1)}))
+    from megalite.parallel_state import synchronize
+    from megalite.tensor_parallel import cross_entropy as ce_mod
+
+    if args.compiled:
+        ce_mod.COMPILE_BLOCKS = True
+    dev = torch.device(args.device)
+
+    def kib(field):  # VmRSS (now) or VmHWM (high-water mark since the last reset)
+        return int(re.search(field + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+    def reset_peak():
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return kib("VmRSS") * 1024
+
+    def peak():
+        return torch.cuda.max_memory_allocated() if dev.type == "cuda" else kib("VmHWM") * 1024
+
+    for vocab in map(int, args.vocabs.split(",")):
+        for dtype in args.dtypes.split(","):
+            g = torch.Generator(device=dev).manual_seed(0)
+            logits = torch.empty(args.tokens, 1, vocab, dtype=getattr(torch, dtype), device=dev)
+            logits.normal_(generator=g).mul_(4)
+            labels = torch.randint(0, vocab, (args.tokens, 1), generator=g, device=dev)
+            logits.requires_grad_(True)
+            wall, cpu, growth = [], [], []
+            for i in range(args.repeat + 1):
+                logits.grad = None
+                base = reset_peak()
+                t0, c0 = time.perf_counter(), time.process_time()
+                ce_mod.vocab_parallel_cross_entropy(logits, labels, None).sum().backward()
+                synchronize(dev)
+                if i:  # the first call warms up (and compiles)
+                    wall.append(time.perf_counter() - t0)
+                    cpu.append(time.process_time() - c0)
+                    growth.append(peak() - base)
+            print(json.dumps({
+                "tokens": args.tokens, "vocab": vocab, "dtype": dtype, "device": str(dev),
+                "compiled": args.compiled,
+                "logits_mib": round(logits.numel() * logits.element_size() / 2 ** 20, 1),
+                "wall_ms": round(statistics.median(wall) * 1e3, 1),
+                "cpu_ms": round(statistics.median(cpu) * 1e3, 1),
+                "peak_growth_mib": round(max(growth) / 2 ** 20, 1),
+                "load_average": os.getloadavg()[0]}), flush=True)
+            del logits, labels
 
 
 SIZES = {"25m": (4, 512, 8), "125m": (12, 768, 12), "350m": (24, 1024, 16),
@@ -171,15 +213,19 @@ def main(argv=None):
     k = sub.add_parser("kernels")
     k.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     k.add_argument("--compile", default=None, choices=["inductor", "aot_eager"])
-    m = sub.add_parser("ce-memory")
-    m.add_argument("--tokens", type=int, default=4096)
-    m.add_argument("--vocab", type=int, default=32768)
+    c = sub.add_parser("ce")
+    c.add_argument("--tokens", type=int, default=2048)
+    c.add_argument("--vocabs", default="32768,50257")
+    c.add_argument("--dtypes", default="bfloat16,float32")
+    c.add_argument("--repeat", type=int, default=3)
+    c.add_argument("--compiled", action="store_true")
+    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     st = sub.add_parser("startup")
     st.add_argument("--sizes", default="25m,125m,350m", help=f"of {', '.join(SIZES)}")
     st.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    {"kernels": kernels, "ce-memory": ce_memory, "startup": startup}[args.cmd](args)
+    {"kernels": kernels, "ce": ce, "startup": startup}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,38 +1,84 @@
 """Cross entropy on logits sharded over the vocab (docs/theory.md, "Vocab-parallel cross entropy").
 
-Forward, with the vocab split across the TP group and only three scalar-per-token all-reduces:
-  1. all-reduce MAX of each row's local max (numerical stability);
-  2. all-reduce SUM of the target logit (zero on ranks that do not own the target id);
-  3. all-reduce SUM of sum(exp(logit - max));
-  loss = log(sum exp) - target logit.
-Backward needs no communication: grad = softmax - onehot(target), on the local shard.
+Forward reads the logits once. For each row (token) a rank computes, over its real columns, the
+local max m_r, s_r = sum exp(x - m_r), the target's raw logit (0 where another rank owns the
+target) and, for label smoothing, sum x. Then two scalar-per-token all-reduces:
+  1. MAX of m_r gives the global max m;
+  2. SUM of [s_r * exp(m_r - m), target logit, sum x] (one stacked buffer)
+and log-sum-exp = m + log(sum), loss = log-sum-exp - target logit. A rank with no real column has
+m_r = -inf and s_r = 0, so its rescaled share is 0 * exp(-inf) = 0, never NaN.
+Backward needs no communication: grad = softmax - onehot(target) on the local shard, with
+softmax = exp(x - log-sum-exp).
 
 Memory. The logits ``[s, b, V/t]`` are the largest activation of a large-vocab model (V = 128k:
-gigabytes per micro-batch), so they are never copied whole: every pass walks blocks of rows,
-upcasting one block at a time to fp32, and the only tensor kept for backward is the logits
-themselves, in their own dtype (plus per-token max and log-sum-exp). Backward recomputes the
-softmax block by block and writes the gradient straight into one buffer of the logits' dtype.
-Peak: the logits, their gradient and one fp32 block, instead of several fp32 copies.
+gigabytes per micro-batch), so they are never copied whole: both directions walk blocks of rows,
+upcasting one block at a time to fp32, and backward keeps only the logits (their own dtype) and
+per-token fp32 log-sum-exp, writing the gradient straight into one buffer of the logits' dtype.
+On CUDA each block's math is one torch.compile'd function (the same Python the CPU runs eagerly,
+on blocks that fit in L2), so the upcast, exp and sums fuse into a kernel reading the block once.
 
-Padded vocab entries (ids >= the tokenizer's vocab size) never count: every pass reads only the
-real columns, so their probability (and gradient) is exactly 0. Optional label smoothing mixes in
-the mean negative log-probability over the real vocab (as torch.nn.functional.cross_entropy does).
+Padded vocab entries (ids >= the tokenizer's vocab size) never count: only the real columns are
+read, so their probability (and gradient) is exactly 0. Optional label smoothing mixes in the mean
+negative log-probability over the real vocab (as torch.nn.functional.cross_entropy does).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
 from megalite import collectives as C
 
-BLOCK_ELEMENTS = 1 << 24  # logits upcast to fp32 at a time (64 MiB)
+BLOCK_ELEMENTS = 1 << 24  # logits upcast to fp32 at a time (64 MiB) at most
+# On the CPU, blocks small enough to stay in a core's L2 cache (4 MiB in fp32) through the eager
+# passes over them: 2-3x faster than 64 MiB blocks (docs/performance.md).
+CPU_BLOCK_ELEMENTS = 1 << 20
+# Compile the per-block functions: None = on CUDA only (the CPU runs them eagerly, as the
+# reference); True/False force it (tests compile them on the CPU to check the CUDA path's code).
+COMPILE_BLOCKS: Optional[bool] = None
 
 
-def _blocks(n_rows: int, n_cols: int):
-    step = max(1, BLOCK_ELEMENTS // max(1, n_cols))
+def _blocks(x: torch.Tensor):
+    n_rows, n_cols = x.shape
+    limit = BLOCK_ELEMENTS if x.is_cuda else min(BLOCK_ELEMENTS, CPU_BLOCK_ELEMENTS)
+    step = max(1, limit // max(1, n_cols))
     return [slice(i, i + step) for i in range(0, n_rows, step)]
+
+
+def block_stats(x: torch.Tensor, local_target: torch.Tensor, with_sum: bool):
+    """Per row of one block of real columns, in fp32, stacked: max, sum exp(x - max), target
+    logit and, ``with_sum`` (label smoothing), sum x."""
+    xf = x.float()
+    m = xf.amax(dim=-1)
+    target = xf.gather(-1, local_target[:, None]).squeeze(-1)
+    total = (xf.sum(dim=-1),) if with_sum else ()
+    return torch.stack((m, (xf - m[:, None]).exp_().sum(dim=-1), target) + total)
+
+
+def block_grad(out: torch.Tensor, x: torch.Tensor, log_sum_exp: torch.Tensor, g: torch.Tensor,
+               local_target: torch.Tensor, onehot: torch.Tensor, smooth: float) -> torch.Tensor:
+    """Write (softmax - smooth) * g into ``out`` for one block; return the target column's value
+    (the same minus its one-hot weight, fp32), for the caller to scatter (a scatter inside would
+    make a fused kernel keep an fp32 copy of the block)."""
+    p = (x.float() - log_sum_exp[:, None]).exp_()
+    if smooth:
+        p.sub_(smooth)
+    out.copy_(p.mul_(g[:, None]))
+    at_target = (x.gather(-1, local_target[:, None]).float() - log_sum_exp[:, None]).exp_()
+    return (at_target - smooth) * g[:, None] - onehot[:, None]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn):
+    # on first use (importing the compiler costs seconds); dynamic: no recompile per block shape
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _maybe_compiled(fn, x: torch.Tensor):
+    use = x.is_cuda if COMPILE_BLOCKS is None else COMPILE_BLOCKS
+    return _compiled(fn) if use and not torch.compiler.is_compiling() else fn
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -45,60 +91,51 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         real = max(0, min(part, vocab_size - start))
         x, tgt = logits.reshape(-1, part), target.reshape(-1)
         n = x.shape[0]
-        blocks = _blocks(n, part)
-
-        row_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
-        if real > 0:
-            for r in blocks:
-                row_max[r] = x[r, :real].float().amax(dim=-1)
-        C.all_reduce(row_max, group=group, op=C.ReduceOp.MAX, tag="tp_all_reduce")
-
         outside = (tgt < start) | (tgt >= start + part)
         local_target = (tgt - start).masked_fill(outside, 0)
-        target_logit = torch.zeros(n, dtype=torch.float32, device=x.device)
-        sum_exp = torch.zeros_like(target_logit)
-        sum_shifted = torch.zeros_like(target_logit) if label_smoothing > 0 else None
+
+        # rows: local max, sum exp(x - local max), target logit[, sum x]
+        k = 4 if label_smoothing > 0 else 3
         if real > 0:
-            for r in blocks:
-                shifted = x[r, :real].float() - row_max[r, None]
-                target_logit[r] = shifted.gather(-1, local_target[r, None]).squeeze(-1)
-                if sum_shifted is not None:
-                    sum_shifted[r] = shifted.sum(dim=-1)
-                sum_exp[r] = shifted.exp_().sum(dim=-1)
-        target_logit.masked_fill_(outside, 0.0)
-        C.all_reduce(target_logit, group=group, tag="tp_all_reduce")
-        C.all_reduce(sum_exp, group=group, tag="tp_all_reduce")
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - target_logit
-        if label_smoothing > 0:
-            # mean over the real vocab of -log p = log_sum_exp - mean(shifted)
-            C.all_reduce(sum_shifted, group=group, tag="tp_all_reduce")
-            smooth_loss = log_sum_exp - sum_shifted / vocab_size
+            stats_fn = _maybe_compiled(block_stats, x)
+            parts = [stats_fn(x[r, :real], local_target[r], k == 4) for r in _blocks(x)]
+            stats = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        else:  # no real column on this rank
+            stats = torch.zeros(k, n, dtype=torch.float32, device=x.device)
+            stats[0] = float("-inf")
+        local_max, sums = stats[0], stats[1:]
+        sums[1].masked_fill_(outside, 0.0)
+        row_max = local_max.clone()
+        C.all_reduce(row_max, group=group, op=C.ReduceOp.MAX, tag="tp_all_reduce")
+        sums[0].mul_((local_max - row_max).exp_())  # exp(-inf) = 0 where a rank has no real vocab
+        C.all_reduce(sums, group=group, tag="tp_all_reduce")
+        log_sum_exp = row_max + sums[0].log()
+        loss = log_sum_exp - sums[1]
+        if label_smoothing > 0:  # mean over the real vocab of -log p = log_sum_exp - mean(x)
+            smooth_loss = log_sum_exp - sums[2] / vocab_size
             loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth_loss
 
-        ctx.save_for_backward(logits, row_max, log_sum_exp, local_target, outside)
+        ctx.save_for_backward(logits, log_sum_exp, local_target, outside)
         ctx.label_smoothing, ctx.vocab_size, ctx.real = label_smoothing, vocab_size, real
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, row_max, log_sum_exp, local_target, outside = ctx.saved_tensors
+        logits, log_sum_exp, local_target, outside = ctx.saved_tensors
         eps, real = ctx.label_smoothing, ctx.real
         part = logits.shape[-1]
         x = logits.reshape(-1, part)
         grad = torch.empty_like(x)
         grad[:, real:] = 0.0  # padded columns: probability exactly 0
         g = grad_loss.reshape(-1).float()
-        onehot_weight = ((1.0 - eps) * (~outside).float() * g).unsqueeze(-1)
+        onehot = (1.0 - eps) * (~outside).float() * g
         if real > 0:
-            shift = row_max + log_sum_exp  # softmax = exp(x - max - log sum exp)
-            for r in _blocks(x.shape[0], part):
-                block = (x[r, :real].float() - shift[r, None]).exp_()
-                if eps > 0:
-                    block.sub_(eps / ctx.vocab_size)
-                block.mul_(g[r, None])
-                block.scatter_add_(-1, local_target[r, None], -onehot_weight[r])
-                grad[r, :real] = block
+            grad_fn = _maybe_compiled(block_grad, x)
+            for r in _blocks(x):
+                out = grad[r, :real]
+                at_target = grad_fn(out, x[r, :real], log_sum_exp[r], g[r], local_target[r],
+                                    onehot[r], eps / ctx.vocab_size)
+                out.scatter_(-1, local_target[r, None], at_target.to(out.dtype))
         return grad.view(logits.shape), None, None, None, None
 
 
