@@ -1,5 +1,6 @@
 """Vocab-parallel cross entropy equals torch.nn.functional.cross_entropy, value and gradient."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -116,3 +117,26 @@ def test_compiled_block_functions_match_the_eager_reference_on_cpu(monkeypatch):
     # one bf16 rounding of the same fp32 value: equal, or one unit apart where exp differs in ulps
     torch.testing.assert_close(out[True][1], out[False][1], rtol=2 ** -8, atol=1e-6)
     assert (out[True][1][..., vocab:] == 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled cross entropy is CUDA's")
+def test_cuda_cross_entropy_matches_the_cpu_reference():
+    """CUDA's default path (compiled blocks) against the CPU's eager one: several blocks of a
+    padded, bf16 shard, label smoothing; losses in fp32 agree to rounding, gradients to one bf16
+    unit."""
+    from megalite.tensor_parallel import cross_entropy as ce
+
+    vocab, padded, tokens = 50000, 50048, 700  # 700 rows: 3 CUDA blocks of 335, 335 and 30
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(tokens, 1, padded, generator=g) * 4).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (tokens, 1), generator=g)
+    weights = torch.linspace(0.5, 1.5, tokens).view(tokens, 1)
+    out = []
+    for device in ("cpu", "cuda"):
+        x = logits.to(device).requires_grad_(True)
+        loss = ce.vocab_parallel_cross_entropy(x, target.to(device), vocab_size=vocab,
+                                               label_smoothing=0.1)
+        (loss * weights.to(device)).sum().backward()
+        out.append((loss.detach().cpu(), x.grad.cpu()))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1][1].float(), out[0][1].float(), rtol=2 ** -7, atol=1e-7)
