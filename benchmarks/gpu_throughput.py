@@ -369,7 +369,6 @@ def main(argv=None):
 
     from megalite.logging import peak_flops_per_device
 
-    signal.signal(signal.SIGTERM, _interrupt)
     t_start = time.time()
     peak = peak_flops_per_device(torch.device("cuda" if cuda else "cpu"),
                                  "bfloat16" if cuda else "float32")
@@ -377,8 +376,14 @@ def main(argv=None):
            "iters": args.iters, "warmup": args.warmup, "run_timeout_s": args.run_timeout,
            "time_budget_s": args.time_budget, "plan": [f"{r}/{s}" for r, s in args.plan],
            "complete": False, "elapsed_s": 0.0, "rows": {}}
-    if args.json:
-        _write_json(args.json, doc)  # an unwritable path fails now, not after the runs
+    if args.json:  # an unwritable path fails now, not after the runs
+        try:
+            _write_json(args.json, doc)
+        except OSError as e:
+            print(f"gpu_throughput.py: error: --json {args.json}: cannot write it ({e})",
+                  file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, _interrupt)
     results = {}
     try:
         with tempfile.TemporaryDirectory() as workdir:

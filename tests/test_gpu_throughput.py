@@ -121,3 +121,11 @@ def test_unknown_row_fails_in_one_line(env):
     proc = _run(env, "--rows", "gpt2-7t")
     assert proc.returncode == 2
     assert "--rows: unknown gpt2-7t; valid:" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_unwritable_json_path_fails_before_any_run(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "out.json"
+    assert gpu_throughput.main(["--rows", "tiny-gpt2", "--json", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"gpu_throughput.py: error: --json {bad}: ")
