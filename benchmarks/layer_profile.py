@@ -1,7 +1,7 @@
 """Per-layer kernel counts and cross-entropy peak memory, for docs/performance.md.
 
     python benchmarks/layer_profile.py kernels [--dtype bfloat16] [--compile inductor]
-    python benchmarks/layer_profile.py ce --tokens 2048 --vocabs 32768,50257 [--compiled]
+    python benchmarks/layer_profile.py ce --tokens 2048 --vocabs 32768,50257 [--blocks compiled]
     python benchmarks/layer_profile.py startup --sizes 125m,350m [--device cuda]
 
 ``kernels``: one Llama-shaped TransformerLayer (and, separately, the loss head: final norm, output
@@ -11,7 +11,8 @@ kernels), the CPU analogue of kernel launches. ``ce``: one vocab-parallel cross-
 forward + backward on ``[tokens, 1, V]`` logits per (V, dtype): median wall and CPU milliseconds
 over ``--repeat`` calls after a warm-up, and the largest growth of memory above the logits (on
 Linux the process's resident high-water mark is reset before each call; on CUDA, the allocator's
-peak). ``--compiled`` runs the per-block math through torch.compile (the CUDA path) on any device.
+peak). ``--blocks compiled|eager`` forces the per-block math through torch.compile (the CUDA
+path) or eagerly (the CPU path) on any device; ``auto`` (default) is what training does.
 ``startup``: for GPT-2-shaped models of each size, the seconds to build the model
 and draw its initial weights (megalite/models/init.py), and the seconds from launching
 ``pretrain.py`` (bf16 on CUDA, fp32 on CPU, ``--mock-data``) to its first logged iteration
@@ -111,8 +112,7 @@ def ce(args):
     from megalite.parallel_state import synchronize
     from megalite.tensor_parallel import cross_entropy as ce_mod
 
-    if args.compiled:
-        ce_mod.COMPILE_BLOCKS = True
+    ce_mod.COMPILE_BLOCKS = {"auto": None, "compiled": True, "eager": False}[args.blocks]
     dev = torch.device(args.device)
 
     def kib(field):  # VmRSS (now) or VmHWM (high-water mark since the last reset)
@@ -149,7 +149,7 @@ def ce(args):
                     growth.append(peak() - base)
             print(json.dumps({
                 "tokens": args.tokens, "vocab": vocab, "dtype": dtype, "device": str(dev),
-                "compiled": args.compiled,
+                "blocks": args.blocks,
                 "logits_mib": round(logits.numel() * logits.element_size() / 2 ** 20, 1),
                 "wall_ms": round(statistics.median(wall) * 1e3, 1),
                 "cpu_ms": round(statistics.median(cpu) * 1e3, 1),
@@ -218,7 +218,7 @@ def main(argv=None):
     c.add_argument("--vocabs", default="32768,50257")
     c.add_argument("--dtypes", default="bfloat16,float32")
     c.add_argument("--repeat", type=int, default=3)
-    c.add_argument("--compiled", action="store_true")
+    c.add_argument("--blocks", default="auto", choices=["auto", "compiled", "eager"])
     c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     st = sub.add_parser("startup")
     st.add_argument("--sizes", default="25m,125m,350m", help=f"of {', '.join(SIZES)}")
