@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_throughput.py")
@@ -129,3 +130,46 @@ def test_unwritable_json_path_fails_before_any_run(tmp_path, capsys):
     assert gpu_throughput.main(["--rows", "tiny-gpt2", "--json", str(bad)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"gpu_throughput.py: error: --json {bad}: ")
+
+
+def test_a_machine_that_cannot_compile_runs_the_fast_paths_eagerly(monkeypatch, capsys):
+    """SwiGLU and the cross entropy's blocks are compiled on a GPU; if compiling fails there (a
+    toolchain or torch release the CPU tests cannot see), megalite warns once and runs them
+    eagerly instead of losing the run."""
+    from megalite import compiled
+    from megalite.models.transformer import swiglu
+    from megalite.tensor_parallel import cross_entropy as ce
+
+    tried = []
+
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            tried.append(fn.__name__)
+            raise RuntimeError("Failed to find C compiler. Please specify via CC environment "
+                               "variable.\n(more lines)")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    f = compiled.compile_or_eager(swiglu, dynamic=True)
+    h = torch.randn(3, 8)
+    assert torch.equal(f(h), swiglu(h)) and torch.equal(f(h), swiglu(h))
+    assert tried == ["swiglu"]  # tried once, eager from then on
+    assert capsys.readouterr().err.splitlines() == [
+        "megalite: torch.compile of swiglu failed (RuntimeError: Failed to find C compiler. "
+        "Please specify via CC environment variable.); it runs eagerly from now on"]
+    with pytest.raises(RuntimeError, match="size of tensor"):  # eager fails too: a real error
+        compiled.compile_or_eager(swiglu)(torch.randn(3, 7))  # odd width: gate 4, up 3
+
+    logits = torch.randn(2, 5, 64, requires_grad=True)
+    target = torch.randint(0, 60, (2, 5))
+    ref = ce.vocab_parallel_cross_entropy(logits, target, vocab_size=60)
+    (g_ref,) = torch.autograd.grad(ref.sum(), logits)
+    monkeypatch.setattr(ce, "COMPILE_BLOCKS", True)
+    ce._compiled.cache_clear()
+    try:
+        loss = ce.vocab_parallel_cross_entropy(logits, target, vocab_size=60)
+        (g,) = torch.autograd.grad(loss.sum(), logits)
+    finally:
+        ce._compiled.cache_clear()
+    assert torch.equal(loss, ref) and torch.equal(g, g_ref)
+    assert tried == ["swiglu", "swiglu", "block_stats", "block_grad"]

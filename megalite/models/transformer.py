@@ -11,7 +11,6 @@ row-parallel output projection sums the partial results.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -19,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite import collectives as C
+from megalite.compiled import compile_or_eager
 from megalite.config import ModelConfig
 from megalite.models.norms import build_norm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
@@ -113,9 +113,7 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_swiglu():
-    return torch.compile(swiglu, dynamic=True)  # on first use: importing the compiler costs seconds
+_compiled_swiglu = compile_or_eager(swiglu, dynamic=True)  # eager if it cannot compile here
 
 
 def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
@@ -124,7 +122,7 @@ def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
     (--torch-compile fuses it there), run the reference; tests/test_fast_paths.py compares the two
     where a GPU exists."""
     if h.is_cuda and not torch.compiler.is_compiling():
-        return _compiled_swiglu()(h)
+        return _compiled_swiglu(h)
     return swiglu(h)
 
 

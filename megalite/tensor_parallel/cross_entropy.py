@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from megalite import collectives as C
+from megalite.compiled import compile_or_eager
 
 BLOCK_ELEMENTS = 1 << 24  # logits upcast to fp32 at a time (64 MiB) at most
 # On the CPU, blocks small enough to stay in a core's L2 cache (4 MiB in fp32) through the eager
@@ -72,8 +73,8 @@ def block_grad(out: torch.Tensor, x: torch.Tensor, log_sum_exp: torch.Tensor, g:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn):
-    # on first use (importing the compiler costs seconds); dynamic: no recompile per block shape
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    # dynamic: no recompile per block shape; eager if this machine cannot compile (compiled.py)
+    return compile_or_eager(fn, dynamic=True, fullgraph=True)
 
 
 def _maybe_compiled(fn, x: torch.Tensor):
