@@ -11,8 +11,9 @@ differ, and Adam turns rounding-level differences in near-zero gradients into fu
 
 Measured per rank:
   * peak memory: live bytes of every CPU allocation made from the start of the system's
-    construction (profiler memory events, ``profile_memory=True``), peak within the training
-    steps — parameters, gradients, optimizer state, gathered buffers and activations alike;
+    construction (the allocator's count, with frees on gloo's threads, megalite.memory.
+    cpu_live_bytes), peak within the training steps — parameters, gradients, optimizer state,
+    gathered buffers and activations alike;
   * model-state bytes after a step (params + grads + optimizer state, distinct storages);
   * step time: median over repetitions of the max over ranks, the two systems alternating so
     that drifting load on a shared machine hits both alike.
@@ -130,20 +131,17 @@ def measure_memory(a, build, ps, rank, world):
     """Peak live bytes (allocations since construction began) during the training steps."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from megalite.memory import CountingCPUFrees, cpu_live_bytes
+
     losses = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with CountingCPUFrees(), profile(activities=[ProfilerActivity.CPU],
+                                     profile_memory=True) as prof:
         step, state_bytes = build(a, ps)
         with record_function("bench_steps"):
             for k in range(a.memory_steps):
                 tokens, labels, n = _batch(a, k, rank, world)
                 losses.append(_loss_sum(step(tokens, labels, n)))
-    events = list(prof.profiler.kineto_results.events())
-    start = min(e.start_ns() for e in events if e.name() == "bench_steps")
-    live, peak = 0, 0
-    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        if e.start_ns() >= start:
-            peak = max(peak, live)
+    peak = max([0] + [n for _, n in cpu_live_bytes(prof, since="bench_steps")])
     return step, state_bytes, peak, losses
 
 

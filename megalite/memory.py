@@ -197,20 +197,54 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
     return report
 
 
-def _cpu_allocator_count_switch():
-    """c10's ``FLAGS_caffe2_report_cpu_memory_usage`` (a ctypes bool): on, the CPU allocator
-    counts the allocations and frees of every thread; None where the library does not export it
-    (then a free on a thread the profiler does not run on is missed, see PeakTensorMemory)."""
-    import ctypes
-    import glob
-    import os
+class CountingCPUFrees:
+    """While active, c10's ``caffe2_report_cpu_memory_usage`` is on: the CPU allocator counts the
+    allocations and frees of every thread, and ``torch.profiler(profile_memory=True)`` stamps
+    that count on each memory event it records (``cpu_live_bytes``). A no-op where the library
+    does not export the switch (then a free on a thread the profiler does not run on is
+    missed, see PeakTensorMemory)."""
 
-    for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*")):
-        try:
-            return ctypes.c_bool.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_report_cpu_memory_usage")
-        except (OSError, ValueError):
-            continue
-    return None
+    def __enter__(self):
+        import ctypes
+        import glob
+        import os
+
+        self.flag = None
+        for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*")):
+            try:
+                self.flag = ctypes.c_bool.in_dll(ctypes.CDLL(path),
+                                                 "FLAGS_caffe2_report_cpu_memory_usage")
+                break
+            except (OSError, ValueError):
+                continue
+        if self.flag is not None:
+            self.was, self.flag.value = self.flag.value, True
+        return self
+
+    def __exit__(self, *exc):
+        if self.flag is not None:
+            self.flag.value = self.was
+        return False
+
+
+def cpu_live_bytes(prof, since: Optional[str] = None) -> List[tuple]:
+    """``[(time_ns, bytes)]``: the CPU allocator's live bytes at each memory event of ``prof``
+    (profiled under CountingCPUFrees), counted from just before the first event; with ``since``,
+    only from the start of the first op or ``record_function`` of that name on."""
+    from torch._C._profiler import _EventType
+
+    stamps, begin, todo = [], None, list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        e = todo.pop()
+        todo.extend(e.children)
+        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
+            stamps.append((e.start_time_ns, e.extra_fields.alloc_size,
+                           e.extra_fields.total_allocated))
+        elif since is not None and e.name == since:
+            begin = min(e.start_time_ns, begin or e.start_time_ns)
+    stamps.sort()
+    before = stamps[0][2] - stamps[0][1] if stamps else 0  # the first event's count less its own
+    return [(t, total - before) for t, _, total in stamps if begin is None or t >= begin]
 
 
 class PeakTensorMemory:
@@ -224,11 +258,11 @@ class PeakTensorMemory:
     records only on threads it runs on, so a buffer freed on a gloo worker thread (a
     reduce-scatter's flat copy, an all-gather's output, an all-reduced gradient buffer) has no
     free event and would count as live to the end, by an amount that depends on which thread
-    drops it last. c10's ``caffe2_report_cpu_memory_usage`` switch, on during the block, makes the
-    allocator's count include frees on every thread. Blocks born before the block and freed
-    inside it are unknown to the allocator's count, so they still count: an upper bound by
-    kilobytes (last step's batches). The profiler slows the block down: measure one iteration,
-    not every one. Its own C++ log lines on stderr are held back; everything else is passed on.
+    drops it last; under CountingCPUFrees the allocator's count includes frees on every thread.
+    Blocks born before the block and freed inside it are unknown to the allocator's count, so
+    they still count: an upper bound by kilobytes (last step's batches). The profiler slows the
+    block down: measure one iteration, not every one. Its own C++ log lines on stderr are held
+    back; everything else is passed on.
     """
 
     _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp")
@@ -257,10 +291,7 @@ class PeakTensorMemory:
         os.dup2(self._err.fileno(), 2)
         self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                             profile_memory=True)
-        self._count = _cpu_allocator_count_switch()
-        self._was_counting = self._count is not None and self._count.value
-        if self._count is not None:
-            self._count.value = True
+        self._count = CountingCPUFrees().__enter__()
         self._prof.__enter__()
         return self
 
@@ -275,8 +306,7 @@ class PeakTensorMemory:
         try:
             self._prof.__exit__(*exc)
         finally:
-            if self._count is not None:
-                self._count.value = self._was_counting
+            self._count.__exit__()
             sys.stderr.flush()
             os.dup2(self._saved, 2)
             os.close(self._saved)
@@ -284,19 +314,7 @@ class PeakTensorMemory:
             sys.stderr.write("".join(ln for ln in self._err.read().decode(errors="replace")
                                      .splitlines(True) if not any(n in ln for n in self._NOISE)))
             self._err.close()
-        from torch._C._profiler import _EventType
-
-        stamps, todo = [], list(self._prof.profiler.kineto_results.experimental_event_tree())
-        while todo:
-            e = todo.pop()
-            todo.extend(e.children)
-            if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-                f = e.extra_fields
-                stamps.append((e.start_time_ns, f.alloc_size, f.total_allocated))
-        stamps.sort()
-        # the count before the block: the first event's, less its own bytes
-        start = stamps[0][2] - stamps[0][1] if stamps else 0
-        high = max([0] + [total - start for _, _, total in stamps])
+        high = max([0] + [n for _, n in cpu_live_bytes(self._prof)])
         self.peak_bytes = int(self.baseline + high)
         self._prof = None
         return False
