@@ -118,6 +118,16 @@ def test_default_gpu_plan_has_the_target_comparisons():
     assert all(s.endswith("compile") for _, s in plan[first_compile:])
 
 
+def test_gpu_defaults(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args, cuda = gpu_throughput.parse_args([])
+    assert cuda and args.plan == gpu_throughput.DEFAULT_GPU_PLAN
+    assert (args.iters, args.warmup, args.run_timeout, args.time_budget) == (10, 3, 210, 450)
+    args, _ = gpu_throughput.parse_args(["--rows", "gpt2-350m,llama-1.5b"])  # a cross product
+    systems = gpu_throughput.SYSTEMS
+    assert args.plan == [(r, s) for r in ("gpt2-350m", "llama-1.5b") for s in systems]
+
+
 def test_unknown_row_fails_in_one_line(env):
     proc = _run(env, "--rows", "gpt2-7t")
     assert proc.returncode == 2
