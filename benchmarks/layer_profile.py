@@ -3,6 +3,8 @@
     python benchmarks/layer_profile.py kernels [--dtype bfloat16] [--compile inductor]
     python benchmarks/layer_profile.py ce --tokens 2048 --vocabs 32768,50257 [--blocks compiled]
     python benchmarks/layer_profile.py startup --sizes 125m,350m [--device cuda]
+    python benchmarks/layer_profile.py host-overhead [--seq 16 --batch 1 --hidden 64]
+    [torchrun --nproc-per-node 2] benchmarks/layer_profile.py graph-breaks [--sequence-parallel]
 
 ``kernels``: one Llama-shaped TransformerLayer (and, separately, the loss head: final norm, output
 layer, vocab-parallel cross entropy), forward + backward under torch.profiler. On CUDA it counts
@@ -17,12 +19,21 @@ path) or eagerly (the CPU path) on any device; ``auto`` (default) is what traini
 and draw its initial weights (megalite/models/init.py), and the seconds from launching
 ``pretrain.py`` (bf16 on CUDA, fp32 on CPU, ``--mock-data``) to its first logged iteration
 (process wall time minus that iteration's own time; interpreter and import time included), with
-CPU seconds beside the wall times (a loaded machine inflates wall time, much less CPU time). Runs against whatever ``megalite`` is on PYTHONPATH, so two checkouts compare.
+CPU seconds beside the wall times (a loaded machine inflates wall time, much less CPU time).
+``host-overhead``: forward + backward wall time of one eager layer at a tiny shape, where the time
+is Python and op dispatch rather than arithmetic (the launch-bound regime of a small model on a
+GPU): megalite's TransformerLayer against Hugging Face's ``GPT2Block`` / ``LlamaDecoderLayer``
+built from the same shape (SDPA attention, fp32, dropout 0, training mode; HF's rotary tables
+computed once outside the timed call), best of several blocks of repetitions, with the ATen ops
+each dispatches. ``graph-breaks``: graphs and graph breaks of one compiled TransformerLayer in
+training mode (``torch._dynamo.explain``), GPT-2 and Llama shaped, with and without selective
+recompute and attention dropout; under torchrun the processes form the TP group (gloo). Runs against whatever ``megalite`` is on PYTHONPATH, so two checkouts compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -207,6 +218,151 @@ def startup(args):
                           "load_average": os.getloadavg()[0]}), flush=True)
 
 
+def _best_us(fns: dict, reps: int, blocks: int) -> dict:
+    """name -> (wall, CPU) microseconds per call, each the best block's mean. The systems take
+    turns block by block, so load from other jobs hits them alike; the process's CPU time leaves
+    out the time a loaded machine keeps it descheduled (on a quiet one the two agree)."""
+    import time
+
+    for fn in fns.values():
+        for _ in range(max(10, reps)):
+            fn()  # warm-up: caches, allocator
+    best = {name: [float("inf"), float("inf")] for name in fns}
+    for _ in range(blocks):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(reps):
+                fn()
+            wall, cpu = (time.perf_counter() - t0) / reps, (time.process_time() - c0) / reps
+            best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
+    return {name: (round(w * 1e6, 1), round(c * 1e6, 1)) for name, (w, c) in best.items()}
+
+
+def _ops_dispatched(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def _native_linear(fn):
+    """fn with megalite's linear layers calling F.linear (native autograd) instead of
+    LinearWithDeferrableWeightGrad: right only at TP = 1 without zero-bubble W deferral."""
+    import torch.nn.functional as F
+
+    from megalite.tensor_parallel import layers
+
+    def run():
+        saved = layers.linear
+        layers.linear = lambda x, weight, bias=None, local_x=None, group=None: F.linear(
+            x, weight, bias)
+        try:
+            fn()
+        finally:
+            layers.linear = saved
+    return run
+
+
+def host_overhead(args):
+    from transformers import GPT2Config, LlamaConfig
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from megalite.config import ModelConfig
+    from megalite.models.transformer import TransformerLayer
+    from megalite.tensor_parallel.random import model_parallel_seed
+
+    model_parallel_seed(1, 0)  # as in a training run: the tracked RNG stream exists
+    s, b, h, n = args.seq, args.batch, args.hidden, args.heads
+    common = dict(num_layers=1, hidden_size=h, num_attention_heads=n, seq_length=s,
+                  vocab_size=128, hidden_dropout=0.0, attention_dropout=0.0)
+    families = {
+        "gpt2": (ModelConfig(**common),
+                 GPT2Block(GPT2Config(n_embd=h, n_head=n, n_inner=4 * h, n_positions=s,
+                                      activation_function="gelu", resid_pdrop=0.0,
+                                      attn_pdrop=0.0, embd_pdrop=0.0, layer_norm_epsilon=1e-5,
+                                      attn_implementation="sdpa"), layer_idx=0)),
+        "llama": (ModelConfig(**common, num_query_groups=n // 2, ffn_hidden_size=2 * h,
+                              position_embedding_type="rope", normalization="RMSNorm",
+                              swiglu=True, add_bias_linear=False, norm_epsilon=1e-6),
+                  LlamaConfig(hidden_size=h, intermediate_size=2 * h, num_attention_heads=n,
+                              num_key_value_heads=n // 2, rms_norm_eps=1e-6,
+                              max_position_embeddings=s, attn_implementation="sdpa")),
+    }
+    for family, (cfg, hf) in families.items():
+        ours = TransformerLayer(cfg, 0).train()
+        x = torch.randn(s, b, h, requires_grad=True)
+        xb = torch.randn(b, s, h, requires_grad=True)  # HF is batch-first
+        if family == "llama":
+            hf_cfg, hf = hf, LlamaDecoderLayer(hf, layer_idx=0)
+            pos = torch.arange(s)[None].expand(b, s)
+            rope = LlamaRotaryEmbedding(hf_cfg)(xb, pos)
+            hf_call = lambda: hf(xb, position_embeddings=rope, position_ids=pos)  # noqa: E731
+        else:
+            hf_call = lambda: hf(xb)  # noqa: E731
+        for mod in (ours, hf):
+            for p in mod.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+        hf.train()
+        runs = {"megalite": lambda: ours(x).sum().backward(),
+                "hf": lambda: (lambda o: (o[0] if isinstance(o, tuple) else o))(hf_call())
+                .sum().backward()}
+        if args.native_linear:  # what the custom autograd function of the linears costs
+            runs["megalite_native_linear"] = _native_linear(runs["megalite"])
+        if args.compile:  # the same layer under --torch-compile (same weights)
+            compiled = TransformerLayer(dataclasses.replace(cfg, torch_compile=args.compile), 0)
+            compiled.load_state_dict(ours.state_dict())
+            runs["megalite_compiled"] = lambda: compiled.train()(x).sum().backward()
+        out = {"family": family, "shape": [s, b, h], "heads": n, "threads":
+               torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 2)}
+        for name, (wall, cpu) in _best_us(runs, args.reps, args.blocks).items():
+            out[f"{name}_wall_us"], out[f"{name}_cpu_us"] = wall, cpu
+            out[f"{name}_aten_ops"] = _ops_dispatched(runs[name])
+        out["megalite_over_hf_cpu"] = round(out["megalite_cpu_us"] / out["hf_cpu_us"], 3)
+        print(json.dumps(out), flush=True)
+
+
+def graph_breaks(args):
+    import torch._dynamo as dynamo
+    import torch.distributed as dist
+
+    from megalite.config import ModelConfig
+    from megalite.models.transformer import TransformerLayer
+    from megalite.tensor_parallel.random import model_parallel_seed
+
+    group, rank, tp = None, 0, 1
+    if "WORLD_SIZE" in os.environ:  # torchrun: all processes are one TP group
+        dist.init_process_group("gloo")
+        group, rank, tp = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    model_parallel_seed(1, rank)  # as in training: the tracked RNG stream exists
+    s = 16
+    base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=s, vocab_size=128,
+                hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=args.sequence_parallel)
+    llama = dict(num_query_groups=2, ffn_hidden_size=128, position_embedding_type="rope",
+                 normalization="RMSNorm", swiglu=True, add_bias_linear=False)
+    cases = [("gpt2", {}), ("llama", llama),
+             ("llama, selective recompute", dict(llama, recompute_granularity="selective")),
+             ("llama, attention dropout 0.1", dict(llama, attention_dropout=0.1))]
+    for name, extra in cases:
+        layer = TransformerLayer(ModelConfig(**{**base, **extra}), 0, tp_group=group).train()
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        x = torch.randn(s // tp if args.sequence_parallel else s, 2, 64, requires_grad=True)
+        dynamo.reset()
+        ex = dynamo.explain(layer._layer_forward)(x)
+        where = sorted({f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                        for b in ex.break_reasons for f in b.user_stack[-1:]})
+        if rank == 0:
+            print(json.dumps({"layer": name, "tp": tp, "sp": args.sequence_parallel,
+                              "graphs": ex.graph_count, "breaks": ex.graph_break_count,
+                              "break_sites": where,
+                              "reasons": sorted({str(b.reason).split("\n")[0][:120]
+                                                 for b in ex.break_reasons})}), flush=True)
+    if group is not None:
+        dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -223,9 +379,23 @@ def main(argv=None):
     st = sub.add_parser("startup")
     st.add_argument("--sizes", default="25m,125m,350m", help=f"of {', '.join(SIZES)}")
     st.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ho = sub.add_parser("host-overhead")
+    ho.add_argument("--seq", type=int, default=16)
+    ho.add_argument("--batch", type=int, default=1)
+    ho.add_argument("--hidden", type=int, default=64)
+    ho.add_argument("--heads", type=int, default=4)
+    ho.add_argument("--reps", type=int, default=20, help="calls per timed block")
+    ho.add_argument("--blocks", type=int, default=50, help="timed blocks; the best is reported")
+    ho.add_argument("--compile", default=None, choices=["inductor", "aot_eager", "eager"],
+                    help="also time megalite's layer compiled with this backend")
+    ho.add_argument("--native-linear", action="store_true",
+                    help="also time megalite with its linears on native autograd (F.linear)")
+    gb = sub.add_parser("graph-breaks")
+    gb.add_argument("--sequence-parallel", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    {"kernels": kernels, "ce": ce, "startup": startup}[args.cmd](args)
+    {"kernels": kernels, "ce": ce, "startup": startup, "host-overhead": host_overhead,
+     "graph-breaks": graph_breaks}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """--torch-compile composes with the parallel layouts: each run below, with every transformer
 layer compiled, reports the per-iteration losses and grad norms of one eager process (fp32).
 
+At TP = 1 a compiled layer must be one graph (no graph breaks): every break is a separate graph
+with its own launch and Python overhead, which is what a small model on a GPU pays for.
+
 The aot_eager backend is used: it runs the same graph capture (dynamo, AOTAutograd, and the graph
 breaks at TP collectives, recompute and ZeRO hooks) as inductor but executes the captured ops
 eagerly, so the comparison is tight and CPU compile time stays seconds. Inductor's own kernels
@@ -8,7 +11,11 @@ are compared with eager in tests/test_fast_paths.py.
 """
 
 import pytest
+import torch
 
+from megalite.models.transformer import TransformerLayer
+from megalite.tensor_parallel.random import get_rng_tracker, model_parallel_seed
+from model_utils import tiny_config
 from pretrain_utils import flags, read_metrics, run_cli, run_main
 
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
@@ -51,3 +58,78 @@ def test_compiled_layers_match_eager_in_parallel_layouts(nproc, layout, eager, t
         assert abs(got[it][0] - loss) <= 1e-5 * abs(loss), (it, got[it], loss)
         assert abs(got[it][1] - gnorm) <= 1e-4 * gnorm, (it, got[it], gnorm)
     assert len({round(v[0], 6) for v in eager.values()}) == ITERS  # the losses do move
+
+
+@pytest.fixture
+def seeded_tracker():
+    """The tracked (per-TP-rank) RNG stream seeded as training.py does, restored afterwards."""
+    tracker = get_rng_tracker()
+    saved, cpu = tracker.get_states(), torch.get_rng_state()
+    model_parallel_seed(1234, tp_rank=0)
+    yield
+    tracker.set_states(saved)
+    torch.set_rng_state(cpu)
+
+
+def _explain(family, **overrides):
+    layer = TransformerLayer(tiny_config(family, **overrides), 0).train()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(16, 2, layer.input_layernorm.weight.numel(), requires_grad=True)
+    torch._dynamo.reset()
+    return torch._dynamo.explain(layer._layer_forward)(x)
+
+
+@pytest.mark.parametrize("family,recompute", [("gpt2", None), ("llama", None),
+                                               ("llama", "selective")])
+def test_tp1_layer_compiles_to_one_graph(family, recompute, seeded_tracker):
+    """No dropout: nothing random is drawn, so attention does not fork the RNG state (dynamo
+    cannot trace get/set_rng_state: it broke the layer into 4 graphs), and selective recompute
+    uses the compiler's checkpoint (megalite's own saves RNG states: 5 graphs)."""
+    ex = _explain(family, recompute_granularity=recompute)
+    assert ex.graph_break_count == 0, [str(b.reason)[:300] for b in ex.break_reasons]
+    assert ex.graph_count == 1
+
+
+def test_attention_dropout_breaks_only_at_the_tracked_rng_call(seeded_tracker):
+    """With attention dropout the fork into the tracked stream is one opaque call, and the
+    compiled layer still gives the eager layer's values and gradients (same masks)."""
+    ex = _explain("llama", hidden_dropout=0.1, attention_dropout=0.1)
+    assert ex.graph_break_count > 0
+    assert all("_in_tracked_rng" in str(b.reason) for b in ex.break_reasons), ex.break_reasons
+    out = []
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        layer = TransformerLayer(tiny_config("llama", hidden_dropout=0.1, attention_dropout=0.1,
+                                             torch_compile=backend), 0).train()
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        x = torch.randn(16, 2, layer.input_layernorm.weight.numel(), requires_grad=True)
+        model_parallel_seed(5, tp_rank=0)
+        for _ in range(2):  # the second call runs the cached graphs
+            layer.zero_grad()
+            x.grad = None
+            y = layer(x)
+            y.sum().backward()
+        out.append([y.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for got, ref in zip(out[1], out[0]):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_all_layers_share_one_compiled_graph(family):
+    """Every layer and every iteration runs the code compiled once (no recompilation: RoPE's
+    table cache is not read inside the traced layer)."""
+    from torch._dynamo.utils import counters
+
+    from megalite.models.gpt import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = GPTModel(tiny_config(family, num_layers=3, torch_compile="eager"),
+                     ParallelState(device=torch.device("cpu")), seed=7)
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

@@ -21,16 +21,23 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, seq_len: int, device, dtype):
         """cos, sin_signed of shape [s, 1, 1, d] for positions 0..seq_len-1."""
+        if torch.compiler.is_compiling():
+            # --torch-compile: built inside the graph (a few fused elementwise ops). Reading the
+            # cache there would guard on its contents: the layer traced with an empty cache is
+            # recompiled once the cache is filled.
+            return self._tables(seq_len, device, dtype)
         key = (torch.device(device), dtype)
         hit = self._cache.get(key)
         if hit is None or hit[0].shape[0] < seq_len:
-            pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-            freqs = torch.outer(pos, self.inv_freq.to(device))
-            cos, sin = freqs.cos(), freqs.sin()
-            hit = (torch.cat([cos, cos], -1)[:, None, None, :].to(dtype),
-                   torch.cat([-sin, sin], -1)[:, None, None, :].to(dtype))
-            self._cache[key] = hit
+            hit = self._cache[key] = self._tables(seq_len, device, dtype)
         return hit[0][:seq_len], hit[1][:seq_len]
+
+    def _tables(self, seq_len: int, device, dtype):
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.to(device))
+        cos, sin = freqs.cos(), freqs.sin()
+        return (torch.cat([cos, cos], -1)[:, None, None, :].to(dtype),
+                torch.cat([-sin, sin], -1)[:, None, None, :].to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,13 @@ from megalite.tensor_parallel.utils import divide
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
+@torch.compiler.disable  # dynamo cannot trace swapping the global RNG state (get/set_rng_state):
+def _in_tracked_rng(fn, *args, **kwargs):  # one graph break here instead of one per swap
+    """fn(*args) with its random draws taken from the tracked, per-TP-rank RNG stream."""
+    with get_rng_tracker().fork():
+        return fn(*args, **kwargs)
+
+
 def _activation(name: str):
     if name == "gelu":
         return F.gelu
@@ -80,10 +87,11 @@ class SelfAttention(nn.Module):
         if self.heads_per_group > 1 and not gqa:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         p = self.config.attention_dropout if self.training else 0.0
+        kw = dict(dropout_p=p, is_causal=True, **({"enable_gqa": True} if gqa else {}))
+        if p == 0.0:  # nothing random drawn: no RNG fork (under --torch-compile, no graph break)
+            return F.scaled_dot_product_attention(q, k, v, **kw)
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
-        with get_rng_tracker().fork():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                  **({"enable_gqa": True} if gqa else {}))
+        return _in_tracked_rng(F.scaled_dot_product_attention, q, k, v, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
@@ -99,10 +107,16 @@ class SelfAttention(nn.Module):
         k, v = k.squeeze(3), v.squeeze(3)
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if self.selective_recompute and self.training:
-            ctx = checkpoint(self.core_attention, x.device, q, k, v)
-        else:
+        if not (self.selective_recompute and self.training):
             ctx = self.core_attention(q, k, v)
+        elif torch.compiler.is_compiling() and self.config.attention_dropout == 0.0:
+            # The compiler's own checkpoint region, traced into the layer's graph: random.py's
+            # checkpoint saves and replays RNG states, which dynamo cannot trace (a graph break),
+            # and without dropout there is no RNG state to replay.
+            ctx = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v,
+                                                    use_reentrant=False)
+        else:
+            ctx = checkpoint(self.core_attention, x.device, q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * d)
         return self.linear_proj(ctx)
 
@@ -182,8 +196,7 @@ class TransformerLayer(nn.Module):
         if not self.training or self.hidden_dropout == 0.0:
             return x
         if self.sequence_parallel:  # each rank holds a different sequence shard
-            with get_rng_tracker().fork():
-                return F.dropout(x, self.hidden_dropout, True)
+            return _in_tracked_rng(F.dropout, x, self.hidden_dropout, True)
         return F.dropout(x, self.hidden_dropout, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
