@@ -16,6 +16,12 @@ from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_main, train_
 from megalite import checkpointing
 
 
+def _main_on_rank(rank, world, argv):
+    import pretrain
+
+    return pretrain.main(argv)
+
+
 def _save_fails_on_rank(rank, world, argv, bad_rank, iteration):
     """pretrain.main on every rank; ``bad_rank``'s disk is full when it writes ``iteration``."""
     import pretrain
@@ -158,8 +164,9 @@ def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
     process left. Resumed again from the last complete checkpoint: every iteration equals an
     uninterrupted run's, bit for bit."""
     ck = tmp_path / "ck"
-    ref = Job(tmp_path, "ref", flags(*FAULT_FLAGS, metrics_file=tmp_path / "ref.jsonl"))
-    assert ref.finish() == [0, 0]
+    # the uninterrupted reference: the same pretrain.main on 2 ranks, in run_distributed's workers
+    ref_argv = [str(a) for a in flags(*FAULT_FLAGS, metrics_file=tmp_path / "ref.jsonl")]
+    assert run_distributed(_main_on_rank, 2, ref_argv, timeout=240) == [0, 0]
     ref_losses = train_losses(tmp_path / "ref.jsonl")
 
     a = Job(tmp_path, "a", flags(*FAULT_FLAGS, "--exit-signal-handler", save=ck,
