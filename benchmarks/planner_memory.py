@@ -9,6 +9,10 @@ metrics.jsonl: ``estimated_memory_bytes`` (megalite/planner.py, rank 0's stage) 
 ``measured_memory_bytes`` (megalite.memory.PeakTensorMemory: on CPU the storages live at the
 start plus the CPU allocator's highest count of live bytes, as torch.profiler's memory events
 stamp it; ``torch.cuda.max_memory_allocated`` on GPU). Prints a markdown table.
+
+pretrain.py logs rank 0 only, whose stage holds the loss head (output layer and cross entropy)
+only without pipeline parallelism; each pipeline case therefore runs a second time with the
+first rank of the last stage as the writer of metrics.jsonl (a row "... last stage").
 """
 
 from __future__ import annotations
@@ -50,14 +54,22 @@ CASES = [  # name, processes, flags
 ]
 
 
-def run(name, nproc, extra, out_dir):
+# Runs pretrain.py with global rank WRITER_RANK, not 0, as the one process that logs.
+WRITER_SHIM = ("import os, runpy, sys; import megalite.logging as L; init = "
+               "L.MetricsLogger.__init__; L.MetricsLogger.__init__ = lambda self, cfg, is_writer, "
+               "stream=None: init(self, cfg, os.environ['RANK'] == os.environ['WRITER_RANK'], "
+               "stream); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def run(name, nproc, extra, out_dir, writer=0):
     path = os.path.join(out_dir, name.replace(" ", "_").replace("/", "") + ".jsonl")
     if os.path.exists(path):
         os.remove(path)
     cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
                                f"--nproc-per-node={nproc}"] if nproc > 1 else []) \
+        + (["--no-python", sys.executable, "-c", WRITER_SHIM] if writer else []) \
         + [os.path.join(ROOT, "pretrain.py")] + BASE + extra + ["--metrics-file", path]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, WRITER_RANK=str(writer))
     t0 = time.time()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
@@ -78,12 +90,15 @@ def main(argv=None):
     for name, nproc, extra in CASES:
         if a.only and name not in a.only:
             continue
-        rec, dt = run(name, nproc, extra, a.out)
-        est, got = rec["estimated_memory_bytes"], rec["measured_memory_bytes"]
-        states = sum(rec[f"estimated_{k}_bytes"] for k in ("params", "grads", "optimizer"))
-        print(f"| {name} | {nproc} | {est / 2**20:.1f} | {got / 2**20:.1f} | {got / est:.3f} | "
-              f"{states / 2**20:.1f} / {rec['estimated_activations_bytes'] / 2**20:.1f} |",
-              flush=True)
+        # global ranks are pipeline-stage-major: the last of 2 stages starts at nproc / 2
+        for writer in (0, nproc // 2) if "--pipeline-model-parallel-size" in extra else (0,):
+            label = name + " last stage" * (writer > 0)
+            rec, dt = run(label, nproc, extra, a.out, writer)
+            est, got = rec["estimated_memory_bytes"], rec["measured_memory_bytes"]
+            states = sum(rec[f"estimated_{k}_bytes"] for k in ("params", "grads", "optimizer"))
+            print(f"| {label} | {nproc} | {est / 2**20:.1f} | {got / 2**20:.1f} | "
+                  f"{got / est:.3f} | {states / 2**20:.1f} / "
+                  f"{rec['estimated_activations_bytes'] / 2**20:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from megalite.config import ConfigError, ModelConfig
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
+from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
 
 GiB = 2 ** 30
 
@@ -81,15 +82,16 @@ class Model:
     mask_bytes: int = 1           # dropout masks: bool on CUDA, the activation dtype on CPU
     flash_attention: bool = True  # fused attention keeps no a*s^2 score matrix
     device: str = "cuda"
+    cross_entropy: str = "megalite"  # or "megatron": Megatron-LM's unfused, fp32 softmax kept
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, device: str = "cuda",
-                    attention_backend: str = "flash") -> "Model":
+    def from_config(cls, cfg: ModelConfig, device: str = "cuda", attention_backend: str = "flash",
+                    cross_entropy: str = "megalite") -> "Model":
         e = 4 if cfg.params_dtype == "float32" else 2
         # CPU SDPA takes its flash kernel only without attention dropout
         flash = attention_backend == "flash" and (device == "cuda" or cfg.attention_dropout == 0)
-        return cls(cfg, e, 1 if device == "cuda" else e, flash, device)
+        return cls(cfg, e, 1 if device == "cuda" else e, flash, device, cross_entropy)
 
     def flops(self, t: int) -> Dict[str, float]:
         """model_flops_per_sequence split (without a second copy of the formula): logits = the
@@ -153,6 +155,24 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
     return outside + (s * b * (attn + mlp) * E + scores) / t
 
 
+def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
+    """Peak bytes of one micro-batch's logits and cross entropy, alive from the output layer's
+    forward to its backward (before any layer's backward, so a working set of its own)."""
+    cfg, E = m.cfg, m.bytes_per_value
+    n, h, vt = cfg.seq_length * b, cfg.hidden_size, cfg.padded_vocab_size(t) // t
+    if m.cross_entropy == "megatron":  # logits upcast to fp32, kept as the softmax, then made the
+        ce = n * vt * (4 + E)          # gradient in place and cast back to E bytes
+    else:  # tensor_parallel/cross_entropy.py backward: the saved logits (E), fp32 log-sum-exp,
+        # int64 local target, bool mask (13 B/token), g and one-hot weight (8 B/token), the
+        # logits' gradient (E); on the CPU one fp32 block in flight (two when a 16-bit block is
+        # upcast first; CUDA fuses each block into one kernel with no fp32 block)
+        rows = min(n, max(1, CPU_BLOCK_ELEMENTS // vt))
+        ce = n * (2 * vt * E + 21) + (m.device != "cuda") * rows * vt * 4 * (1 + (E != 4))
+    # then the output layer's backward (tensor_parallel/layers.py), the logits freed: their
+    # gradient, the [V/t, h] weight gradient, the input gradient (+ the re-gathered input, SP)
+    return max(ce, n * vt * E + vt * h * E + n * h * E * (1 + sp))
+
+
 def in_flight(lay: Layout, num_micro: int, r: int = 0) -> float:
     """Micro-batches (in stage-equivalents) stage r holds at its peak, as the schedules run:
     1F1B/ZB-H1 warm up p - r - 1 forwards, interleaved 2(p - r - 1) + (v - 1)p chunk forwards."""
@@ -191,9 +211,15 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     work = [s * b * (2 * fl + 2 * h) * E + fl * h * E
             + (layer_activation_bytes(m, b, t, sp) if lay.recompute_granularity == "full" else 0)]
     vt = cfg.padded_vocab_size(t) / t
-    if r == p - 1:  # ... or the logits with cross entropy's fp32 copies; its softmax is kept
-        act += s * b * (vt * 4 + 2 * h * E / (t if sp else 1))
-        work.append(s * b * vt * (E + 4 + 4 * (E != 4)))
+    if r == p - 1:  # ... or the loss head; the final norm's input and output are kept
+        act += s * b * 2 * h * E / (t if sp else 1)
+        work.append(loss_head_bytes(m, b, t, sp))
+    if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1); each
+        # keeps its linears' inputs and output gradients (layers.py), the output layer's too
+        q, kv, f = cfg.num_attention_heads * cfg.kv_channels, \
+            cfg.num_query_groups * cfg.kv_channels, cfg.ffn_hidden_size
+        act += r * s * b * E * (cfg.num_layers / p * ((2 * q + 2 * kv + (2 + cfg.swiglu) * f) / t
+                                                      + 4 * h) + (vt + h) * (r == p - 1))
     grads = st["grads_bytes"]
     if lay.zero_stage == 2:  # fp32 storage of the buckets being filled and reduced
         grads += 4 * min(2 * DEFAULT_BUCKET_SIZE, psi)
@@ -243,9 +269,12 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
             + cfg.num_attention_heads / t * s * M * UNFUSED_SOFTMAX_BYTES / hbm
     fwd = gemm + attn + M * (12 * h / (t if lay.sequence_parallel else 1) + 3 * fc1 / t) * E / hbm
     again = fwd if rc == "full" else attn if rc == "selective" else 0.0
-    # logits (last stage): the GEMM and ~6 fp32 passes of cross entropy
+    # logits (last stage): the GEMM and the cross entropy's bytes per logit: megalite's reads
+    # them once forward, reads them and writes their gradient backward (cross_entropy.py);
+    # Megatron's casts to fp32 and back and makes ~10 fp32 passes (docs/planner.md)
     vt = cfg.padded_vocab_size(t) / t
-    logits = 3 * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) + 24 * M * vt / hbm
+    ce_bytes = 48 + 2 * E if m.cross_entropy == "megatron" else 3 * E
+    logits = 3 * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) + ce_bytes * M * vt / hbm
     num_micro, layers = gbs // (d * b), L / p
     per_micro = layers * (3 * fwd + again) + logits  # backward = 2 x forward
     # TP: 2 all-reduces per layer and pass (SP: all-gather + reduce-scatter, the same bytes)

@@ -5,8 +5,9 @@ memory model, its predicted TFLOP/s per GPU is within 15% of the published figur
 planner's first choice is that layout or one it predicts faster that also fits. Korthikanti et
 al.'s activation figures are checked to 5%. Then the JSON schema, one-line CLI errors, the
 closed-form in-flight count against the real schedules, the CPU peak measurement with frees on
-other threads, and one 2-process pretrain run whose logged estimate must be within 10% of the
-measured peak of tensor memory.
+other threads, the loss head's working set against a measured output layer + cross entropy, and
+one 2-process pretrain run whose logged estimate must be within 10% of the measured peak of
+tensor memory.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megalite.config import ModelConfig
+from megalite.memory import PeakTensorMemory
 from megalite.planner import (
     GPUS,
     Cluster,
@@ -27,20 +30,24 @@ from megalite.planner import (
     Model,
     in_flight,
     layer_activation_bytes,
+    loss_head_bytes,
     memory,
     plan,
 )
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import linear
 from tests.pretrain_utils import ROOT, read_metrics, run_cli
 
 A100, H100 = "A100-80GB", "H100-80GB"
 
 
 def model_from_args(L, h, a, s, V, flash_attention=True, **kw) -> Model:
-    """A bf16 GPT with dropout 0.1 (as the publications trained), on GPUs."""
+    """A bf16 GPT with dropout 0.1 and Megatron-LM's cross entropy (as the publications trained),
+    on GPUs."""
     cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
                       vocab_size=V, params_dtype="bfloat16", hidden_dropout=0.1,
                       attention_dropout=0.1, **kw)
-    return Model.from_config(cfg, "cuda", "flash" if flash_attention else "unfused")
+    return Model.from_config(cfg, "cuda", "flash" if flash_attention else "unfused", "megatron")
 
 # name, gpu, layers, hidden, heads, seq, vocab, untied, TP, PP, GPUs, batch, TFLOP/s, backend,
 # what the publication fixes beyond TP/PP
@@ -166,10 +173,6 @@ def test_peak_memory_counts_frees_on_other_threads():
     events counted all ten 4 MiB blocks, 40 MiB, and a varying share of them under SP)."""
     import threading
 
-    import torch
-
-    from megalite.memory import PeakTensorMemory
-
     with PeakTensorMemory("cpu") as probe:
         for _ in range(10):
             box = [torch.empty(2 ** 20)]  # 4 MiB, dropped on the other thread
@@ -177,6 +180,23 @@ def test_peak_memory_counts_frees_on_other_threads():
             t.start()
             t.join()
     assert 4 * 2 ** 20 <= probe.peak_bytes - probe.baseline < 5 * 2 ** 20, probe.peak_bytes
+
+
+@pytest.mark.parametrize("dtype,h", [("bfloat16", 256), ("float32", 1024)])
+def test_loss_head_bytes_measured(dtype, h):
+    """loss_head_bytes against the measured peak of one output layer + cross entropy, forward and
+    backward, on the CPU: bf16 peaks in the cross entropy's backward (two fp32 blocks), fp32 with
+    a wide hidden size in the output layer's backward (the weight gradient)."""
+    cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=256,
+                      vocab_size=8000, params_dtype=dtype)
+    dt = getattr(torch, dtype)
+    x = torch.randn(256, 2, h, dtype=dt)
+    w = (0.02 * torch.randn(cfg.padded_vocab_size(1), h, dtype=dt)).requires_grad_()
+    target = torch.randint(8000, (256, 2))
+    with PeakTensorMemory("cpu") as probe:
+        vocab_parallel_cross_entropy(linear(x, w), target, vocab_size=8000).sum().backward()
+    est = loss_head_bytes(Model.from_config(cfg, "cpu"), 2, 1, False)
+    assert abs((probe.peak_bytes - probe.baseline) / est - 1) < 0.03, (probe.peak_bytes, est)
 
 
 def test_pretrain_estimate_within_10_percent(tmp_path):

@@ -102,6 +102,9 @@ def build_plan_parser():
     g.add_argument("--attention-backend", choices=["flash", "unfused"], default="flash",
                    help="unfused: softmax over a stored a*s^2 score matrix (Megatron before "
                         "fused attention)")
+    g.add_argument("--cross-entropy", choices=["megalite", "megatron"], default="megalite",
+                   help="megatron: Megatron-LM's unfused vocab-parallel cross entropy (fp32 "
+                        "softmax kept, ~52 bytes moved per logit), as the published rows ran")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--top", type=int, default=10, help="layouts to print")
     return p
@@ -142,7 +145,7 @@ def parse(argv):
                             "recompute_granularity": cfg.model.recompute_granularity,
                             "pipeline_schedule": cfg.training.pipeline_schedule,
                             }.get(field, getattr(ns, field, None))
-    model = Model.from_config(cfg.model, "cuda", ns.attention_backend)
+    model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy)
     return model, cluster, ns.global_batch_size, fixed, ns
 
 
