@@ -161,6 +161,9 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def bytes_sent() -> Dict[str, int]:
+    """Bytes sent per tag since the last reset, except by collectives traced into a compiled
+    graph (a --torch-compile'd layer's TP collectives): counting there would be a Python side
+    effect inside an autograd function, which breaks the graph at every collective."""
     return dict(_BYTES_SENT)
 
 
@@ -169,6 +172,8 @@ def reset_bytes_sent() -> None:
 
 
 def _count(kind: str, full_bytes: int, n: int, factor: float) -> None:
+    if torch.compiler.is_compiling():  # see bytes_sent
+        return
     _BYTES_SENT[kind] += int(round(factor * (n - 1) / n * full_bytes))
 
 

@@ -1,12 +1,12 @@
 """--torch-compile composes with the parallel layouts: each run below, with every transformer
 layer compiled, reports the per-iteration losses and grad norms of one eager process (fp32).
 
-At TP = 1 a compiled layer must be one graph (no graph breaks): every break is a separate graph
-with its own launch and Python overhead, which is what a small model on a GPU pays for.
+A compiled layer must be one graph (no graph breaks), at TP = 1 and at TP = 2 with its
+collectives: every break is a separate graph with its own launch and Python overhead, which is
+what a small model on a GPU pays for.
 
-The aot_eager backend is used: it runs the same graph capture (dynamo, AOTAutograd, and the graph
-breaks at TP collectives, recompute and ZeRO hooks) as inductor but executes the captured ops
-eagerly, so the comparison is tight and CPU compile time stays seconds. Inductor's own kernels
+The aot_eager backend is used: it runs the same graph capture (dynamo, AOTAutograd) as inductor
+but executes the captured ops eagerly, so the comparison is tight and CPU compile time stays seconds. Inductor's own kernels
 are compared with eager in tests/test_fast_paths.py.
 """
 
@@ -37,7 +37,7 @@ def eager(tmp_path_factory):
 
 
 @pytest.mark.parametrize("nproc,layout", [
-    # TP with sequence parallelism (collectives inside the layer: graph breaks) x pipeline
+    # TP with sequence parallelism (collectives traced inside the layer's graph) x pipeline
     (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
          "--pipeline-model-parallel-size", "2"]),
     # ZeRO-3: parameter gathers in module hooks around the compiled forward; selective recompute
@@ -133,3 +133,48 @@ def test_all_layers_share_one_compiled_graph(family):
     for _ in range(2):
         model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _tp2_layer(rank, world_size):
+    import torch.distributed as dist
+
+    from megalite import collectives as C
+
+    model_parallel_seed(1234, tp_rank=rank)
+    out = {}
+    for sp in (False, True):
+        layer = TransformerLayer(tiny_config("llama", sequence_parallel=sp), 0,
+                                 tp_group=dist.group.WORLD).train()
+        x = torch.randn(8 if sp else 16, 2, 32, requires_grad=True)
+        torch._dynamo.reset()
+        ex = torch._dynamo.explain(layer._layer_forward)(x)
+        out[f"graphs sp={sp}"] = ex.graph_count
+    grads = []  # compiled against eager at TP = 2 (SP is compared in a full run above)
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)  # both builds: the same shard on this rank
+        layer = TransformerLayer(tiny_config("llama", torch_compile=backend), 0,
+                                 tp_group=dist.group.WORLD).train()
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        x = torch.linspace(-1, 1, 16 * 2 * 32).view(16, 2, 32).requires_grad_()
+        C.reset_bytes_sent()
+        for _ in range(2):  # the second call runs the cached graph
+            layer.zero_grad()
+            x.grad = None
+            y = layer(x)
+            (y * y).sum().backward()
+        out[f"bytes {backend}"] = sum(C.bytes_sent().values())
+        grads.append([y.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for got, ref in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    return out
+
+
+def test_tp2_layer_compiles_to_one_graph_with_its_collectives():
+    """The f/g collectives (all-reduce; all-gather and reduce-scatter under SP) are traced into the
+    layer's graph; the byte counter skips them there (a side effect would break the graph)."""
+    from dist_utils import run_distributed
+
+    for out in run_distributed(_tp2_layer, 2, timeout=300):
+        assert out["graphs sp=False"] == out["graphs sp=True"] == 1, out
+        assert out["bytes None"] > 0 and out["bytes aot_eager"] == 0, out

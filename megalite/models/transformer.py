@@ -186,8 +186,8 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
         self.mlp = MLP(config, tp_group, device)
         # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,
-        # recompute's checkpoint around the layer) stay eager around it. TP collectives inside
-        # the layer split it into graphs (graph breaks), each still fused.
+        # recompute's checkpoint around the layer) stay eager around it. The layer is one graph,
+        # its TP collectives included; only a dropout drawn from the tracked RNG breaks it.
         self._forward = self._layer_forward
         if config.torch_compile:
             self._forward = torch.compile(self._layer_forward, backend=config.torch_compile)
