@@ -145,6 +145,14 @@ def test_json_schema_and_single_layout():
                    - mem["total"]) < 0.01
         times.append(lay["step_time_s"])
     assert times == sorted(times)
+    # Megatron-LM's cross entropy (fp32 softmax kept, ~52 bytes per logit) on the same layout
+    pinned = [*MODEL, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+              "--micro-batch-size", "2", "--zero-stage", "2", "--recompute-granularity", "selective",
+              "--json", "--top", "1"]
+    ours, theirs = (json.loads(_plan_cli(*pinned, *ce).stdout)["layouts"][0]
+                    for ce in ([], ["--cross-entropy", "megatron"]))
+    assert theirs["step_time_s"] > ours["step_time_s"]
+    assert theirs["memory_gib"]["activations"] > ours["memory_gib"]["activations"]
 
 
 def test_cli_bad_input_one_line(capsys):
