@@ -35,9 +35,9 @@ def free_port() -> int:
 
 
 # imported once by the server the workers are forked from (what nearly every worker needs anyway:
-# torch.optim imports torch._dynamo on first use)
+# torch.optim imports torch._dynamo on first use; pretrain.main's tokenizers are transformers')
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.parallel_state",
-            "megalite.training"]
+            "megalite.training", "transformers"]
 
 
 def _context():
