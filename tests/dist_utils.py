@@ -6,12 +6,12 @@ processes, one thread each), gives them a free TCP port, sets torchrun's environ
 under torchrun, and returns each rank's return value (or raises with the failing rank's traceback).
 A worker that hangs is killed after ``timeout`` seconds, so a deadlock fails the test, never CI.
 
-The workers are forked from a server process that imported torch and megalite once
-(multiprocessing's "forkserver") rather than spawned as fresh interpreters that each import them
-again: those imports cost seconds of CPU per worker, and the suite starts about a hundred workers
-on two cores. The server only imports; every worker is a fork of that same untouched state and
-takes the caller's environment, working directory and ``sys.path`` as they are at the call, as a
-spawned worker would.
+On a machine without CUDA the workers are forked from a server process that imported torch and
+megalite once (multiprocessing's "forkserver") rather than spawned as fresh interpreters that each
+import them again: those imports cost seconds of CPU per worker, and the suite starts about a
+hundred workers on two cores. The server only imports; every worker is a fork of that same
+untouched state and takes the caller's environment, working directory and ``sys.path`` as they are
+at the call, as a spawned worker would.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.parallel_st
 
 
 def _context():
-    if "forkserver" not in mp.get_all_start_methods():  # (Windows)
+    import torch
+
+    # A server whose imports had touched CUDA would fork workers that cannot initialise it, and
+    # workers use CUDA where it is present: there, and on Windows, they are spawned afresh.
+    if torch.cuda.is_available() or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
