@@ -3,7 +3,7 @@
     python benchmarks/layer_profile.py kernels [--dtype bfloat16] [--compile inductor]
     python benchmarks/layer_profile.py ce --tokens 2048 --vocabs 32768,50257 [--blocks compiled]
     python benchmarks/layer_profile.py startup --sizes 125m,350m [--device cuda]
-    python benchmarks/layer_profile.py host-overhead [--seq 16 --batch 1 --hidden 64]
+    python benchmarks/layer_profile.py host-overhead [--seq 16 --batch 1 --hidden 64] [--deferrable-linear]
     [torchrun --nproc-per-node 2] benchmarks/layer_profile.py graph-breaks [--sequence-parallel]
 
 ``kernels``: one Llama-shaped TransformerLayer (and, separately, the loss head: final norm, output
@@ -246,24 +246,6 @@ def _ops_dispatched(fn) -> int:
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
 
-def _native_linear(fn):
-    """fn with megalite's linear layers calling F.linear (native autograd) instead of
-    LinearWithDeferrableWeightGrad: right only at TP = 1 without zero-bubble W deferral."""
-    import torch.nn.functional as F
-
-    from megalite.tensor_parallel import layers
-
-    def run():
-        saved = layers.linear
-        layers.linear = lambda x, weight, bias=None, local_x=None, group=None: F.linear(
-            x, weight, bias)
-        try:
-            fn()
-        finally:
-            layers.linear = saved
-    return run
-
-
 def host_overhead(args):
     from transformers import GPT2Config, LlamaConfig
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -271,6 +253,7 @@ def host_overhead(args):
 
     from megalite.config import ModelConfig
     from megalite.models.transformer import TransformerLayer
+    from megalite.tensor_parallel.layers import enable_weight_grad_deferral
     from megalite.tensor_parallel.random import model_parallel_seed
 
     model_parallel_seed(1, 0)  # as in a training run: the tracked RNG stream exists
@@ -308,8 +291,11 @@ def host_overhead(args):
         runs = {"megalite": lambda: ours(x).sum().backward(),
                 "hf": lambda: (lambda o: (o[0] if isinstance(o, tuple) else o))(hf_call())
                 .sum().backward()}
-        if args.native_linear:  # what the custom autograd function of the linears costs
-            runs["megalite_native_linear"] = _native_linear(runs["megalite"])
+        if args.deferrable_linear:  # the linears on their autograd function, as zero-bubble runs them
+            marked = TransformerLayer(cfg, 0).train()
+            marked.load_state_dict(ours.state_dict())
+            enable_weight_grad_deferral([marked])
+            runs["megalite_deferrable_linear"] = lambda: marked(x).sum().backward()
         if args.compile:  # the same layer under --torch-compile (same weights)
             compiled = TransformerLayer(dataclasses.replace(cfg, torch_compile=args.compile), 0)
             compiled.load_state_dict(ours.state_dict())
@@ -388,8 +374,9 @@ def main(argv=None):
     ho.add_argument("--blocks", type=int, default=50, help="timed blocks; the best is reported")
     ho.add_argument("--compile", default=None, choices=["inductor", "aot_eager", "eager"],
                     help="also time megalite's layer compiled with this backend")
-    ho.add_argument("--native-linear", action="store_true",
-                    help="also time megalite with its linears on native autograd (F.linear)")
+    ho.add_argument("--deferrable-linear", action="store_true",
+                    help="also time megalite with its linears marked for zero-bubble W deferral "
+                         "(the autograd function instead of native F.linear)")
     gb = sub.add_parser("graph-breaks")
     gb.add_argument("--sequence-parallel", action="store_true")
     args = p.parse_args(argv)

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from megalite.config import ConfigError
 from megalite.distributed.finalize_model_grads import finalize_model_grads
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
+from megalite.pipeline_parallel.executor import PipelineExecutor
 from megalite.pipeline_parallel.partition import (
     build_model_chunks, stage_layer_counts, virtual_layer_ranges)
 from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
@@ -35,10 +37,12 @@ from megalite.pipeline_parallel.schedules import (
     order_1f1b, order_interleaved, p2p_program, schedule_order)
 from megalite.pipeline_parallel.timeline import (
     StageTimeline, bubble_stats, schedule_idle_times, write_chrome_trace)
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, MBS, ITERS = 16, 2, 10
 EMB = "embedding.word_embeddings.weight"
+ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipev")
 
 # name: (tp, pp, sp, schedule, layers, layers_per_virtual_stage, first, last, m, tied)
 LAYOUTS_4 = {
@@ -72,8 +76,18 @@ def _global_batch(it, n):
     return ids[:, :-1], ids[:, 1:]
 
 
+W_RUNS = []  # (chunk, deferred weight-gradient closures) of each W op this process ran
+_run_weight = PipelineExecutor.weight
+
+
+def _counting_weight(self, op, unused):
+    W_RUNS.append((op.chunk, len(self.weight_grads[op.chunk, op.microbatch])))
+    return _run_weight(self, op, unused)
+
+
 def _run_layout(name, layout):
     tp, pp, sp, schedule, layers, per_v, first, last, m, tied = layout
+    W_RUNS.clear()
     cfg = dict(num_layers=layers, untie_embeddings_and_output_weights=not tied,
                add_qkv_bias=False)
     ps = initialize_model_parallel(tp, pp, backend="gloo", device="cpu", set_default=False)
@@ -143,6 +157,13 @@ def _run_layout(name, layout):
         opt.step()
         ref_opt.step()
 
+    # Zero-bubble: each W op computes the weight gradients of every linear layer of its chunk
+    # (its B deferred them all: the linears ran on the deferrable function, not native F.linear).
+    linears = [sum(isinstance(mod, (ColumnParallelLinear, RowParallelLinear))
+                   for mod in c.modules()) for c in chunks]
+    w_ops = sum(o.kind == "W" for o in schedule_order(schedule, pp, ps.pp_rank, m, len(chunks)))
+    assert (w_ops > 0) == (schedule in ZERO_BUBBLE) and len(W_RUNS) == ITERS * w_ops, name
+    assert all(n == linears[c] > 0 for c, n in W_RUNS), f"{name}: W ops ran {W_RUNS[:4]}"
     # Trained weights track the reference (norm-relative, as every parity test) ...
     ref_params = full_params(ref, None)
     for c in chunks:
@@ -162,7 +183,8 @@ def _run_layout(name, layout):
 
 
 def _parity_worker(rank, world_size, layouts):
-    return {name: _run_layout(name, layout) for name, layout in layouts.items()}
+    with mock.patch.object(PipelineExecutor, "weight", _counting_weight):
+        return {name: _run_layout(name, layout) for name, layout in layouts.items()}
 
 
 def _check_names_cover_model(results, layout):

@@ -13,6 +13,8 @@ from model_utils import VOCAB, assert_grads_close, full_grads, tiny_config
 from megalite.distributed.finalize_model_grads import finalize_model_grads
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
+from megalite.tensor_parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, WeightGradStore, enable_weight_grad_deferral)
 
 LAYOUTS = [(1, False), (2, False), (2, True), (4, False), (4, True)]
 
@@ -76,3 +78,38 @@ def _sp_norm_grad_worker(rank, world_size):
 
 def test_sp_norm_grads_need_tp_all_reduce():
     assert all(run_distributed(_sp_norm_grad_worker, 2))
+
+
+def _graph_nodes(t):
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack += [f for f, _ in node.next_functions]
+    return [type(n).__name__ for n in seen]
+
+
+def test_linears_are_native_unless_marked_deferrable():
+    """A plain model's linears run on native autograd (F.linear; the custom function costs ~20 µs
+    of Python each). Marked by enable_weight_grad_deferral, as the zero-bubble executor does, they
+    run on the function, and a captured backward defers every weight gradient to the same values."""
+    tokens, labels = _batch()
+    fn = "LinearWithDeferrableWeightGradBackward"
+    grads = []
+    for marked in (False, True):
+        model = GPTModel(tiny_config("gpt2"), ParallelState(), seed=7)
+        linears = [m for m in model.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        if marked:
+            enable_weight_grad_deferral([model])
+        loss = model(tokens, labels=labels).mean()
+        assert _graph_nodes(loss).count(fn) == (len(linears) if marked else 0)
+        with WeightGradStore.capture() as queue:
+            loss.backward()
+        assert len(queue) == (len(linears) if marked else 0)
+        assert all((m.weight.grad is None) == marked for m in linears if m.weight is not None)
+        for w in queue:
+            w()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert_grads_close(grads[1], grads[0], 1e-6, "deferred vs inline weight gradients")

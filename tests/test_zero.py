@@ -27,7 +27,7 @@ from megalite.models import GPTModel
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 from megalite.memory import memory_report
 from megalite.parallel_state import ParallelState, initialize_model_parallel
-from megalite.tensor_parallel.layers import WeightGradStore
+from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_deferral
 from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining
 
 from dist_utils import run_distributed
@@ -359,6 +359,7 @@ def _overlap_worker(rank, world_size):
             model = GPTModel(parity_config(), ps, seed=SEED)
             chunks, no_sync, finalize = wrap_chunks([model], cfg, ps)
             opt = DistributedOptimizer(chunks, cfg, ps)
+            enable_weight_grad_deferral(chunks)  # as the zero-bubble executor does
             tokens, labels = global_batch(0)
             r = ps.dp_rank * 4
             opt.zero_grad()

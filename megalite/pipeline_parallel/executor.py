@@ -27,7 +27,7 @@ from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
 from megalite.pipeline_parallel.schedules import (
     Op, check_pipeline_args, op_peers, p2p_program, schedule_order)
 from megalite.pipeline_parallel.timeline import StageTimeline, set_last_timeline
-from megalite.tensor_parallel.layers import WeightGradStore
+from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_deferral
 
 
 def _free_output_data(t: torch.Tensor) -> None:
@@ -73,6 +73,7 @@ class PipelineExecutor:
         self.first = [s == 0 for s in vs]  # chunk c takes the input ids
         self.last = [s == p * v - 1 for s in vs]  # chunk c computes the loss
         self.deferred_w = {(op.chunk, op.microbatch) for op in self.ops if op.kind == "W"}
+        enable_weight_grad_deferral(chunks if self.deferred_w else [])  # linears B can defer
         self.data = _Feeder(data_iterator, v, m)
         self.no_sync = _NoSync(None if forward_only else no_sync_func, self.ops)
         self.inbox: Dict[int, Optional[torch.Tensor]] = {}

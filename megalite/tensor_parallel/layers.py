@@ -6,11 +6,11 @@ on the way in and the row-parallel layer reduce-scatters on the way out (Korthik
 arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
 
 The layers call the mapping operators of mappings.py (f and g; under SP the paper's g and ḡ) for every
-collective; the autograd function below does only the local matmuls. The weight gradient of the
-linear layers is computed by its own step. Normally it runs inside the backward pass; inside
-:meth:`WeightGradStore.capture` it is queued instead, so a zero-bubble pipeline schedule can run
-the input-gradient half ("B") now and the weight-gradient half ("W") later (Qi et al.,
-arXiv:2401.10241).
+collective. The local matmul is native autograd (``F.linear``) except in two cases that need the
+autograd function below: SP's column-parallel layer, which saves only its input shard, and layers
+marked by :func:`enable_weight_grad_deferral`, whose weight gradient is its own step — queued inside
+:meth:`WeightGradStore.capture`, so a zero-bubble pipeline schedule can run the input-gradient half
+("B") now and the weight-gradient half ("W") later (Qi et al., arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
@@ -71,11 +71,6 @@ class WeightGradStore:
     def is_capturing(cls) -> bool:
         return cls._queue is not None
 
-    @classmethod
-    def put(cls, fn: Callable[[], None]) -> None:
-        assert cls._queue is not None
-        cls._queue.append(fn)
-
 
 @torch.no_grad()  # the W closure runs outside backward; accumulation must not be recorded
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -128,15 +123,29 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if WeightGradStore.is_capturing():
             param = ctx.weight
-            WeightGradStore.put(lambda: accumulate_weight_grad(param, _weight_grad(grad_output, total_input)))
+            WeightGradStore._queue.append(
+                lambda: accumulate_weight_grad(param, _weight_grad(grad_output, total_input)))
             grad_weight = None
         else:
             grad_weight = _weight_grad(grad_output, total_input)
         return grad_input, grad_weight, grad_bias, None, None
 
 
-def linear(x, weight, bias=None, local_x=None, group=None):
+def linear(x, weight, bias=None, local_x=None, group=None, defer=False):
+    if local_x is None and not defer:  # native autograd: the function costs ~20 µs of Python
+        return F.linear(x, weight, bias)
     return LinearWithDeferrableWeightGrad.apply(x, weight, bias, local_x, group)
+
+
+def enable_weight_grad_deferral(modules) -> None:
+    """Route the linear layers under ``modules`` through the function, so that a backward inside
+    ``WeightGradStore.capture()`` queues their weight gradients (a forward cannot know whether its
+    backward will be captured; unmarked layers' gradients are computed inline, not deferred)."""
+    for module in (m for m in modules if not getattr(m, "_weight_grad_deferral", False)):
+        for m in module.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.defer_weight_grad = True
+        module._weight_grad_deferral = True  # later calls skip the walk
 
 
 # ----------------------------------------------------------------------------------- the layers
@@ -147,6 +156,7 @@ class ColumnParallelLinear(nn.Module):
     full ``[s, b, o]`` with ``gather_output``. ``stride`` > 1 keeps fused blocks (SwiGLU's gate and
     up) split consistently (see tensor_parallel/utils.py).
     """
+    defer_weight_grad = False  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  gather_output: bool = False, tp_group=None, sequence_parallel: bool = False,
@@ -181,7 +191,8 @@ class ColumnParallelLinear(nn.Module):
             total = gather_from_sequence_parallel_region(x, self.tp_group)
             out = linear(total, weight, self.bias, local_x=x, group=self.tp_group)
         else:  # f: identity, all-reduce dX in backward
-            out = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), weight, self.bias)
+            out = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), weight, self.bias,
+                         defer=self.defer_weight_grad)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out
@@ -194,6 +205,7 @@ class RowParallelLinear(nn.Module):
     The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s`` (SP's ḡ)
     under SP; the bias is added after the sum, once.
     """
+    defer_weight_grad = False  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  input_is_parallel: bool = True, tp_group=None, sequence_parallel: bool = False,
@@ -223,7 +235,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = linear(x, self.weight)
+        partial = linear(x, self.weight, defer=self.defer_weight_grad)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
