@@ -198,7 +198,7 @@ def test_loss_head_bytes_measured(dtype, h):
     cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=256,
                       vocab_size=8000, params_dtype=dtype)
     dt = getattr(torch, dtype)
-    x = torch.randn(256, 2, h, dtype=dt)
+    x = torch.randn(256, 2, h, dtype=dt, requires_grad=True)  # as in a model: dX is computed
     w = (0.02 * torch.randn(cfg.padded_vocab_size(1), h, dtype=dt)).requires_grad_()
     target = torch.randint(8000, (256, 2))
     with PeakTensorMemory("cpu") as probe:
