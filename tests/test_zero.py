@@ -351,15 +351,17 @@ def _overlap_worker(rank, world_size):
         if stage < 2:
             assert kinds.index("launch") > last_hook, f"stage {stage}: launched during backward"
 
-    # Zero-bubble: weight gradients deferred with WeightGradStore land in the buffer too.
+    # Zero-bubble: weight gradients deferred with WeightGradStore land in the buffer too; a
+    # backward captured on a model whose layers were not marked (nothing deferred) as well.
     for stage in (0, 1, 2):
         got = []
-        for deferred in (False, True):
+        for deferred, marked in ((False, False), (True, True), (True, False)):
             cfg = opt_config(zero_stage=stage, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)
             model = GPTModel(parity_config(), ps, seed=SEED)
             chunks, no_sync, finalize = wrap_chunks([model], cfg, ps)
             opt = DistributedOptimizer(chunks, cfg, ps)
-            enable_weight_grad_deferral(chunks)  # as the zero-bubble executor does
+            if marked:
+                enable_weight_grad_deferral(chunks)  # as the zero-bubble executor does
             tokens, labels = global_batch(0)
             r = ps.dp_rank * 4
             opt.zero_grad()
@@ -370,18 +372,21 @@ def _overlap_worker(rank, world_size):
                     if deferred:
                         with WeightGradStore.capture() as queue:
                             loss.backward()
-                        assert queue, "nothing was deferred"
+                        assert bool(queue) == marked, f"{len(queue)} deferred"
                         with torch.no_grad():  # as backward would (saved inputs require grad)
                             for w in queue:
                                 w()
                     else:
                         loss.backward()
+            # every parameter was marked ready, so overlap launched every bucket before finalize
+            assert all(b.launched for b in chunks[0].buckets), (stage, deferred, marked)
             finalize()
             opt.step()
             for c in chunks:
                 c.finish_param_sync()
             got.append(full_params(model, None))
         assert_params_close(got[1], got[0], 1e-6, f"zero-bubble stage {stage}")
+        assert_params_close(got[2], got[0], 1e-6, f"captured, unmarked, stage {stage}")
 
     # Resharding: 5 iterations at dp=2 (stage 1), gather the full state, continue at dp=1
     # (stage 1 and stage 2) -> the same losses and params as the uninterrupted dp=2 run.

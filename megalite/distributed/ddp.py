@@ -20,7 +20,8 @@ Deferred weight gradients (zero-bubble "W", tensor_parallel/layers.py): the line
 returns no weight gradient while ``WeightGradStore`` captures; the gradient arrives later through
 ``accumulate_weight_grad``, which adds into ``main_grad`` and calls ``param.deferred_grad_hook`` —
 that is when the parameter is marked ready. The tied embedding weight gets one contribution in B
-(the lookup) and one in W (the output layer), so while capturing it is marked ready only by W.
+(the lookup) and one in W (the output layer): while a W of a parameter is queued (its
+``weight_grads_queued`` count, kept by layers.py) only that W marks it ready.
 
 Order of reductions (finalize, :func:`finalize_model_grads_ddp`). Sequence-parallel gradients need
 a TP all-reduce and split tied embeddings an embedding-group all-reduce, besides the DP reduction.
@@ -45,11 +46,6 @@ from megalite import collectives as C
 from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    WeightGradStore,
-)
 
 # Megatron's default: one bucket per ~40M elements.
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -108,16 +104,6 @@ class DistributedDataParallel(nn.Module):
         self.param_names: Dict[nn.Parameter, str] = {
             p: slot.name for buf in self.grad_buffers for p, slot in buf.slots.items()}
 
-        # Parameters whose gradient may arrive late through accumulate_weight_grad: the linear
-        # layers' weights and, for a tied output layer, the embedding weight it borrows.
-        self._deferrable = set()
-        for m in module.modules():
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-                if m.weight is not None:
-                    self._deferrable.add(m.weight)
-        if getattr(module, "output_layer", None) is not None and module.output_layer.weight is None:
-            self._deferrable.add(module.embedding.word_embeddings.weight)
-
         self._hook_handles = []
         for p in self.param_to_buffer:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
@@ -173,8 +159,8 @@ class DistributedDataParallel(nn.Module):
         p.grad = None
         self._synced = False
         self._record("hook", self.param_names[p])
-        if WeightGradStore.is_capturing() and p in self._deferrable:
-            return  # more of this gradient comes with the deferred W pass
+        if getattr(p, "weight_grads_queued", 0):
+            return  # more of this gradient comes with a queued W pass (a tied output layer's)
         self._mark_ready(buf, bucket, p)
 
     def _deferred_grad_hook(self, p: nn.Parameter) -> None:

@@ -75,6 +75,7 @@ class WeightGradStore:
 @torch.no_grad()  # the W closure runs outside backward; accumulation must not be recorded
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add a deferred weight gradient to the parameter's gradient storage."""
+    param.weight_grads_queued -= 1
     target = getattr(param, "main_grad", None)
     if target is not None:
         target.add_(grad.to(target.dtype))
@@ -123,6 +124,8 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if WeightGradStore.is_capturing():
             param = ctx.weight
+            # tells a gradient buffer to wait for this part (ddp.py); accumulate_weight_grad counts it
+            param.weight_grads_queued = getattr(param, "weight_grads_queued", 0) + 1
             WeightGradStore._queue.append(
                 lambda: accumulate_weight_grad(param, _weight_grad(grad_output, total_input)))
             grad_weight = None
