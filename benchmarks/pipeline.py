@@ -12,6 +12,9 @@ jobs on a shared machine hits all of them alike):
     1F1B (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1), ZB-H1 (p-1)(T_F+T_B-T_W)/step with the
     measured mean op times T_F, T_B, T_W; ZB-V and DualPipeV: the idle time their op orders imply
     with those op times (timeline.schedule_idle_times) over the step;
+  * the bubble the executed op orders imply with each op's own measured time and instant p2p
+    (``replayed_bubble``): what the gap theory -> replay shows is unequal op times (the last
+    chunk's output layer and loss), what is left above the replay is p2p and executor time;
   * each schedule's step time / 1F1B's;
   * with --compare-batched, each schedule again with the batched p2p program that NCCL needs
     (gloo runs the eager program by default: receives posted ahead, outputs sent at once);
@@ -204,6 +207,33 @@ class SavedActivations:
         return self._hooks.__exit__(*exc)
 
 
+def replayed_bubble(timelines, v_shape):
+    """Mean idle fraction when every stage runs the ops it recorded, in the recorded order, each
+    taking its recorded time, and every op starts the moment its input exists (instant p2p).
+    The measured bubble minus this is time spent outside ops: sends, receives, the executor."""
+    from megalite.pipeline_parallel.partition import virtual_stage
+
+    p, v = len(timelines), timelines[0].num_chunks
+    queues = [list(t.events) for t in timelines]
+    end, clock, busy = {}, [0.0] * p, [sum(e.end - e.start for e in q) for q in queues]
+    while any(queues):
+        moved = False
+        for r, q in enumerate(queues):
+            while q:
+                e = q[0]
+                vs = virtual_stage(p, r, e.chunk, v, v_shape)
+                dep = {"F": ("F", vs - 1), "W": ("B", vs),
+                       "B": ("B", vs + 1) if vs < p * v - 1 else ("F", vs)}[e.kind]
+                if dep[1] >= 0 and (*dep, e.microbatch) not in end:
+                    break
+                clock[r] = max(clock[r], end.get((*dep, e.microbatch), 0.0)) + e.end - e.start
+                end[e.kind, vs, e.microbatch] = clock[r]
+                q.pop(0)
+                moved = True
+        assert moved, "recorded orders wait on each other"
+    return sum(1 - b / max(clock) for b in busy) / p
+
+
 def activation_claim(schedule, p, r, m, v):
     """Micro-batches' worth of activations stage r holds at its peak, as each schedule claims."""
     if schedule == "interleaved":  # Megatron's warm-up: 2(p-r-1) + (v-1)p chunk forwards, +1
@@ -266,6 +296,7 @@ def _measure(args, ps, m):
             # the timeline of the step closest to the median step time
             i = min(range(len(times[name])), key=lambda j: abs(times[name][j] - med))
             entry["stats"] = bubble_stats(timelines[name][i])
+            entry["replay"] = replayed_bubble(timelines[name][i], name.split()[0] in V_SCHEDULES)
             entry["timelines"] = timelines[name][i]
         out[name] = entry
     return out
@@ -294,7 +325,7 @@ def _worker(rank, world, port, args, queue):
                      2 if base_schedule in V_SCHEDULES else 1)
                 row = {"schedule": schedule, "m": m, "p": world, "v": v,
                        "step_s": res[schedule]["step_s"], "steps_s": res[schedule]["steps_s"],
-                       "bubble": st["bubble_fraction"],
+                       "bubble": st["bubble_fraction"], "replay": res[schedule]["replay"],
                        "theory": theory_bubble(base_schedule, world, m, v, st["t_f"], st["t_b"],
                                                st["t_w"], st["step_time"]),
                        "t_f": st["t_f"], "t_b": st["t_b"], "t_w": st["t_w"],
@@ -381,16 +412,16 @@ def main(argv=None):
     base = {r["m"]: r["step_s"] for r in rows if r["schedule"] == "1f1b"}
     print(f"\np={args.pp}, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
           f"micro-batch {args.mbs}, {cpus} CPUs (1 thread per stage)")
-    print("| schedule | m | step (s) | measured bubble | theory | vs 1F1B | torch.pipelining (s) "
-          "| megalite / torch |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| schedule | m | step (s) | measured bubble | theory | replay | vs 1F1B "
+          "| torch.pipelining (s) | megalite / torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         torch_s = r.get("torch_step_s")
         name = r["schedule"] + (f" v={r['v']}" if r["v"] > 1 else "")
         t_col = "-" if torch_s is None else f"{torch_s:.3f}"
         ratio = "-" if torch_s is None else f"{r['step_s'] / torch_s:.3f}"
         print(f"| {name} | {r['m']} | {r['step_s']:.3f} | {100 * r['bubble']:.1f}% | "
-              f"{100 * r['theory']:.1f}% | {r['step_s'] / base[r['m']]:.3f} | {t_col} | "
+              f"{100 * r['theory']:.1f}% | {100 * r['replay']:.1f}% | {r['step_s'] / base[r['m']]:.3f} | {t_col} | "
               f"{ratio} |")
     print("\npeak activations per stage, in micro-batches of that stage's activations "
           "(measured / claimed; torch: measured)")
