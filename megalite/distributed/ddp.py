@@ -18,9 +18,9 @@ the global batch's token count (docs/design.md, contract 4), so the reduction is
 
 Deferred weight gradients (zero-bubble "W", tensor_parallel/layers.py): the backward of a linear
 layer marked by ``enable_weight_grad_deferral`` returns no weight gradient while
-``WeightGradStore`` captures (an unmarked one computes it inline); the gradient arrives later through
-``accumulate_weight_grad``, which adds into ``main_grad`` and calls ``param.deferred_grad_hook`` —
-that is when the parameter is marked ready. The tied embedding weight gets one contribution in B
+``WeightGradStore`` captures (an unmarked one computes it inline); the gradient arrives later
+through ``accumulate_weight_grad``, which adds into ``main_grad`` and calls
+``param.deferred_grad_hook`` — that is when the parameter is marked ready. The tied embedding weight gets one contribution in B
 (the lookup) and one in W (the output layer): while a W of a parameter is queued (its
 ``weight_grads_queued`` count, kept by layers.py) only that W marks it ready.
 

@@ -5,12 +5,13 @@ the activations between blocks are sharded along ``s``; the column-parallel laye
 on the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
 arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
 
-The layers call the mapping operators of mappings.py (f and g; under SP the paper's g and ḡ) for every
-collective. The local matmul is native autograd (``F.linear``) except in two cases that need the
-autograd function below: SP's column-parallel layer, which saves only its input shard, and layers
-marked by :func:`enable_weight_grad_deferral`, whose weight gradient is its own step — queued inside
-:meth:`WeightGradStore.capture`, so a zero-bubble pipeline schedule can run the input-gradient half
-("B") now and the weight-gradient half ("W") later (Qi et al., arXiv:2401.10241).
+The layers call the mapping operators of mappings.py (f and g; under SP the paper's g and ḡ) for
+every collective. The local matmul is native autograd (``F.linear``) except in two cases that need
+the autograd function below: SP's column-parallel layer, which saves only its input shard, and
+layers marked by :func:`enable_weight_grad_deferral`, whose weight gradient is its own step —
+queued inside :meth:`WeightGradStore.capture`, so a zero-bubble pipeline schedule can run the
+input-gradient half ("B") now and the weight-gradient half ("W") later (Qi et al.,
+arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
@@ -124,7 +125,7 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if WeightGradStore.is_capturing():
             param = ctx.weight
-            # tells a gradient buffer to wait for this part (ddp.py); accumulate_weight_grad counts it
+            # a gradient buffer waits for this part (ddp.py); accumulate_weight_grad counts it off
             param.weight_grads_queued = getattr(param, "weight_grads_queued", 0) + 1
             WeightGradStore._queue.append(
                 lambda: accumulate_weight_grad(param, _weight_grad(grad_output, total_input)))
@@ -205,8 +206,8 @@ class RowParallelLinear(nn.Module):
     """Y = X A with A split by rows: rank r holds A_r (input features [r*i/t, (r+1)*i/t)).
 
     Input: ``[s, b, i/t]`` (``input_is_parallel``) or full ``[s, b, i]`` (then scattered first).
-    The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s`` (SP's ḡ)
-    under SP; the bias is added after the sum, once.
+    The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s``
+    under SP (the paper's ḡ); the bias is added after the sum, once.
     """
     defer_weight_grad = False  # set by enable_weight_grad_deferral
 
