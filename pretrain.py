@@ -23,10 +23,11 @@ def main(argv=None) -> int:
         return 2
 
     from megalite.parallel_state import destroy_model_parallel
+    from megalite.planner import estimate_for_run
     from megalite.training import TrainingError, pretrain
 
     try:
-        pretrain(cfg)
+        pretrain(cfg, memory_estimate=estimate_for_run)
         # Leave together: a rank that tears down its groups while a peer is still finishing its
         # last collective resets that peer's connections, which gloo answers with an abort.
         from megalite.collectives import barrier

@@ -41,7 +41,7 @@ import weakref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-V_SCHEDULES = ("zb-v", "dualpipev")  # = megalite.pipeline_parallel.partition.V_SCHEDULES
+from megalite.config import V_SCHEDULES  # noqa: E402
 
 
 def _model_config(args):
@@ -66,7 +66,7 @@ def _megalite_runner(args, ps, schedule, m, p2p_mode=None):
     """A closure running one megalite step (timeline recorded), and the chunks it trains.
     ``p2p_mode`` "batched" forces NCCL's p2p program on gloo (for --compare-batched)."""
     from megalite.pipeline_parallel.partition import build_model_chunks
-    from megalite.pipeline_parallel.schedules import get_forward_backward_func
+    from megalite.pipeline_parallel.executor import get_forward_backward_func
 
     per_v = args.layers // (ps.pp_size * args.vpp) if schedule == "interleaved" else None
     chunks = build_model_chunks(_model_config(args), ps, seed=1,

@@ -21,6 +21,7 @@ from dataclasses import fields
 from typing import List, Optional, Sequence
 
 from megalite.config import (
+    SCHEDULES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--pipeline-schedule", default=None,
-                   choices=["1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"])
+                   choices=SCHEDULES)
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0)
 
     g = p.add_argument_group("batch")

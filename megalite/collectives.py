@@ -8,19 +8,18 @@ is how single-process runs skip communication (docs/design.md, contract 7).
 
 Two paths (docs/clusters.md, "Which collectives run where"): the *device path* (default) carries
 compute-device tensors (NCCL on GPUs); the *host path* (``host=True``) carries CPU control
-messages over the world group's gloo. Strict mode (``MEGALITE_STRICT_COLLECTIVES=1``) rejects a
-tensor on another device than its path serves, and on CPU emulates a GPU (:class:`EmulatedDevice`).
+messages over the world group's gloo. The test harness's strict mode (tests/strict_collectives.py,
+installed through ``install_strict_checks``) rejects a tensor on another device than its path
+serves, and on CPU emulates a GPU.
 """
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 ReduceOp = dist.ReduceOp
 
@@ -33,25 +32,22 @@ _BYTES_SENT: Dict[str, int] = defaultdict(int)
 
 
 HOST = torch.device("cpu")
-_STATE = {"strict": False, "device": HOST, "emulated": None}
+# The checker every collective's tensors go through, installed only by the test harness's strict
+# mode (tests/strict_collectives.py, docs/clusters.md "Strict mode"); None in a run.
+_STRICT = None
 
 
-class CollectiveDeviceError(RuntimeError):
-    """A collective was handed a tensor on a device its path does not serve."""
+def install_strict_checks(checker) -> None:
+    """From now on ``checker.configure(device) -> device`` declares the compute device and
+    ``checker.check(kind, tensor, group, host)`` sees every collective's tensors."""
+    global _STRICT
+    _STRICT = checker
 
 
-def configure(device: torch.device, strict: Optional[bool] = None) -> torch.device:
-    """Declare the device the device path serves; returns the device to compute on (``cpu:0``
-    with :class:`EmulatedDevice` active in strict mode on CPU)."""
-    if strict is None:
-        strict = os.environ.get("MEGALITE_STRICT_COLLECTIVES", "0") not in ("", "0")
-    _STATE.update(strict=strict, device=device)
-    if strict and device.type == "cpu":
-        if _STATE["emulated"] is None:
-            _STATE["emulated"] = EmulatedDevice()
-            _STATE["emulated"].__enter__()  # for the rest of the process
-        _STATE["device"] = device = EmulatedDevice.COMPUTE
-    return device
+def configure(device: torch.device) -> torch.device:
+    """Declare the device the device path serves; returns the device to compute on (the strict
+    checker's emulated GPU on CPU, where one is installed)."""
+    return device if _STRICT is None else _STRICT.configure(device)
 
 
 def world_group():
@@ -59,93 +55,9 @@ def world_group():
     return dist.group.WORLD if dist.is_initialized() else None
 
 
-def device_of(t: torch.Tensor) -> torch.device:
-    """Where ``t`` lives, or under GPU emulation, where it would live on a GPU."""
-    if _STATE["emulated"] is not None and t.device.type == "cpu":
-        return HOST if getattr(t, _HOST_MARK, False) else EmulatedDevice.COMPUTE
-    return t.device
-
-
 def _check(kind: str, t: torch.Tensor, group, host: bool) -> None:
-    if not _STATE["strict"]:
-        return
-    want = HOST if host else _STATE["device"]
-    got = device_of(t)
-    if got != want:
-        path = "host path (CPU tensors over gloo)" if host else "device path"
-        raise CollectiveDeviceError(
-            f"{kind} on the {path} of a group serving {want} got a tensor on {got} "
-            f"(shape {tuple(t.shape)}); create it with device= the compute device, or send a "
-            f"host control message with host=True over the world group")
-    if host and group is not None and group is not dist.group.WORLD:
-        raise CollectiveDeviceError(f"{kind}: host-path messages go over the world group only "
-                                    f"(the others are device-only NCCL groups on GPUs)")
-
-
-_HOST_MARK = "_megalite_on_host"
-_DEVICE = torch.Tensor.device  # its __get__ is a fresh object at each access: compare __self__
-
-
-def _mark(out, host: bool) -> None:
-    for t in (out,) if isinstance(out, torch.Tensor) else out:
-        if isinstance(t, torch.Tensor) and (host or getattr(t, _HOST_MARK, False)):
-            setattr(t, _HOST_MARK, host)
-
-
-def _tensors(args, kwargs):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, torch.Tensor))
-
-
-def _is_host_device(dev) -> bool:
-    dev = torch.device(dev)
-    return dev.type == "cpu" and dev.index is None
-
-
-class EmulatedDevice(TorchFunctionMode):
-    """A GPU stand-in on CPU: tracks which tensors a GPU run would hold on the host.
-
-    A factory without ``device=`` (or with ``"cpu"``) makes a host tensor, ``device=`` the compute
-    device (``cpu:0``) or a tensor's ``.device`` a device one; ``.to()``/``.cpu()`` copy across;
-    other results are on the host only if all tensor inputs are; ``Tensor.device`` reports it.
-    Backward runs outside the mode, untracked: unknown tensors count as device tensors, so the
-    check can miss a bug but does not flag correct code (docs/clusters.md).
-    """
-
-    COMPUTE = torch.device("cpu", 0)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__self__", None) is _DEVICE:
-            return device_of(args[0])
-        out = func(*args, **kwargs)
-        if not isinstance(out, (torch.Tensor, tuple, list)):
-            return out
-        if func is torch.Tensor.to:
-            src, rest = args[0], args[1:]
-            if rest and isinstance(rest[0], torch.Tensor):
-                host = getattr(rest[0], _HOST_MARK, False)
-            else:
-                dev = torch._C._nn._parse_to(*rest, **kwargs)[0]
-                host = getattr(src, _HOST_MARK, False) if dev is None else _is_host_device(dev)
-            if out is src and host != getattr(src, _HOST_MARK, False):
-                out = out.clone()  # a GPU copies between host and device
-        elif func is torch.Tensor.cpu:
-            host = True
-            if out is args[0] and not getattr(out, _HOST_MARK, False):
-                out = out.clone()
-        elif kwargs.get("device") is not None:
-            host = _is_host_device(kwargs["device"])
-        else:
-            ins = list(_tensors(args, kwargs))
-            if any(out is t for t in ins):  # in place: the tensor stays where it is
-                return out
-            host = all(getattr(t, _HOST_MARK, False) for t in ins)  # no inputs: a factory
-        _mark(out, host)
-        return out
+    if _STRICT is not None:
+        _STRICT.check(kind, t, group, host)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:

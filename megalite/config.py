@@ -21,6 +21,19 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the offending flag(s) and what would be valid."""
 
 
+# The pipeline schedules (docs/pipeline_parallel.md); the V ones place two chunks per rank in a V
+# (chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r), so rank 0 holds embedding and loss.
+V_SCHEDULES = ("zb-v", "dualpipev")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
+
+
+def dtype_from_name(name: str):
+    """The torch dtype of a ``params_dtype`` name (float32, bfloat16, float16; validated here)."""
+    import torch  # here only: the rest of this module needs no torch
+
+    return getattr(torch, name)
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -409,14 +422,48 @@ class TrainingConfig(_Section):
                 self.num_layers_per_virtual_pipeline_stage <= 0:
             raise ConfigError(f"--num-layers-per-virtual-pipeline-stage must be positive, got "
                               f"{self.num_layers_per_virtual_pipeline_stage}")
-        if self.pipeline_schedule not in (None, "1f1b", "interleaved", "zb-h1", "zb-v",
-                                          "dualpipev"):
-            raise ConfigError(f"--pipeline-schedule must be 1f1b, interleaved, zb-h1, zb-v or "
-                              f"dualpipev, got {self.pipeline_schedule!r}")
+        if self.pipeline_schedule not in (None,) + SCHEDULES:
+            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
+                              f"{self.pipeline_schedule!r}")
         return self
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+
+def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[int] = None,
+                        schedule: Optional[str] = None) -> str:
+    """Validate (p, v, m, schedule); return the resolved schedule name. One-line ConfigErrors."""
+    p, m, v = pp_size, num_microbatches, vpp_size or 1
+    if schedule is None:
+        schedule = "interleaved" if v > 1 else "1f1b"
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
+                          f"{schedule!r}")
+    if schedule in V_SCHEDULES:
+        if v not in (1, 2):  # 1: not given (the CLI); the V always builds 2 chunks per rank
+            raise ConfigError(f"--pipeline-schedule {schedule} places exactly 2 chunks per rank "
+                              f"(in a V); it does not take --num-layers-per-virtual-pipeline-stage")
+        if p > 1 and m < 2 * p:
+            raise ConfigError(f"--pipeline-schedule {schedule} needs at least 2 x "
+                              f"--pipeline-model-parallel-size = {2 * p} micro-batches, the "
+                              f"global batch gives {m}: raise --global-batch-size")
+        return schedule
+    if v > 1 and schedule != "interleaved":
+        raise ConfigError(f"--pipeline-schedule {schedule} does not support virtual stages "
+                          f"(--num-layers-per-virtual-pipeline-stage gives v={v}); use interleaved")
+    if schedule == "interleaved" and v == 1:
+        raise ConfigError("--pipeline-schedule interleaved needs "
+                          "--num-layers-per-virtual-pipeline-stage (v > 1 chunks per rank)")
+    if p > 1 and m < p:
+        raise ConfigError(f"the global batch gives {m} micro-batches per pipeline, fewer than "
+                          f"--pipeline-model-parallel-size ({p}): raise --global-batch-size to at "
+                          f"least {p} x --micro-batch-size x data-parallel size")
+    if schedule == "interleaved" and m % p != 0:
+        raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a "
+                          f"multiple of --pipeline-model-parallel-size ({p}); adjust "
+                          f"--global-batch-size")
+    return schedule
 
 
 @dataclass
@@ -498,8 +545,6 @@ class MegaliteConfig(_Section):
                               f"--zero-stage 1/2")
         if world_size is not None and p > 1 and tr.global_batch_size is not None:
             # m, p, v and the schedule must fit together, before any model is built
-            from megalite.pipeline_parallel.schedules import check_pipeline_args
-
             check_pipeline_args(p, tr.num_micro_batches(par.data_parallel_size(world_size)), v,
                                 tr.pipeline_schedule)
         return self

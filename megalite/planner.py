@@ -375,36 +375,3 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
                  tr.micro_batch_size,
                  tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"))
     return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)
-
-
-def measured_train_step(trainer, batches):
-    """``trainer.train_step(batches)``; on the first logged iteration after the first (whose
-    lazily created optimizer states make it unlike the rest; or the only one), also the planner's
-    estimate for this rank beside the measured peak of tensor memory, printed and logged as
-    ``estimated_memory_bytes`` / ``measured_memory_bytes`` (measuring slows that step on CPU)."""
-    cfg, ps = trainer.cfg, trainer.ps
-    it, n, every = trainer.iteration + 1, cfg.training.train_iters, cfg.logging.log_interval
-    if it != next((i for i in range(2, n + 1) if i % every == 0 or i == n), 1):
-        return trainer.train_step(batches)
-    from megalite.memory import PeakTensorMemory
-
-    # No collective may cross the profiler's boundaries: gloo's in-flight work keeps a pointer to
-    # the profiler's record and crashes when waited on after the profiler is gone.
-    def settle():
-        for chunk in trainer.chunks:
-            getattr(chunk, "finish_param_sync", lambda: None)()
-
-    settle()
-    with PeakTensorMemory(ps.device) as probe:
-        out = trainer.train_step(batches)
-        settle()
-    est = estimate_for_run(cfg, ps.world_size, ps.device.type, ps.pp_rank)
-    trainer.logger.print(
-        f" memory at iteration {it} (rank 0): planner estimate {est['total'] / GiB:.3f} GiB, "
-        f"measured peak of tensor memory {probe.peak_bytes / GiB:.3f} GiB "
-        f"({probe.peak_bytes / est['total'] - 1:+.1%} vs estimate)")
-    trainer.logger.log({"estimated_memory_bytes": int(est["total"]),
-                        "measured_memory_bytes": probe.peak_bytes,
-                        **{f"estimated_{k}_bytes": int(est[k]) for k in (
-                            "params", "grads", "optimizer", "activations")}}, it, split="memory")
-    return out

@@ -15,7 +15,7 @@ Seams other parts plug into:
   * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (bucketed
     DDP for ZeRO stages 0-2, parameter sharding for stage 3);
   * ``megalite.optimizer.build_optimizer`` -- plain AdamW or the ZeRO DistributedOptimizer;
-  * ``megalite.pipeline_parallel.schedules.get_forward_backward_func`` and
+  * ``megalite.pipeline_parallel.executor.get_forward_backward_func`` and
     ``megalite.pipeline_parallel.partition.build_model_chunks`` -- schedules and stage cuts;
   * ``megalite.logging.log_metrics`` -- extra scalars from anywhere.
 """
@@ -32,7 +32,7 @@ import torch
 
 from megalite import checkpointing
 from megalite import collectives as C
-from megalite.config import MegaliteConfig
+from megalite.config import V_SCHEDULES, MegaliteConfig
 from megalite.exit_conditions import ExitConditions
 from megalite.logging import (
     MetricsLogger,
@@ -44,15 +44,14 @@ from megalite.logging import (
 )
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
 from megalite.optimizer.grad_scaler import NonFiniteGradNorm
-from megalite.planner import measured_train_step
 from megalite.parallel_state import (
     ParallelState,
     initialize_model_parallel,
     peak_memory_bytes,
     synchronize,
 )
-from megalite.pipeline_parallel.partition import V_SCHEDULES, build_model_chunks
-from megalite.pipeline_parallel.schedules import get_forward_backward_func
+from megalite.pipeline_parallel.partition import build_model_chunks
+from megalite.pipeline_parallel.executor import get_forward_backward_func
 from megalite.tensor_parallel.random import (
     get_all_rng_states,
     model_parallel_seed,
@@ -268,10 +267,46 @@ class Trainer:
         t0 = time.perf_counter()
         m = self.cfg.training.num_micro_batches(self.ps.dp_size)
         batches = self._micro_batches(data_it, m)
-        # the planner's memory estimate beside the measured peak, on one iteration (planner.py)
-        loss, updated, grad_norm = measured_train_step(self, batches)
+        loss, updated, grad_norm = self._measured_train_step(batches)
         synchronize(self.ps.device)
         return loss, updated, grad_norm, time.perf_counter() - t0
+
+    memory_estimate = None  # (cfg, world size, device type, pipeline stage) -> {"total", ...}
+
+    def _measured_train_step(self, batches):
+        """``train_step(batches)``; on the first logged iteration after the first (whose lazily
+        created optimizer states make it unlike the rest; or the only one) also the peak of tensor
+        memory (memory.PeakTensorMemory; it slows that step on CPU), logged as
+        ``measured_memory_bytes``, beside ``memory_estimate``'s figures where one was given
+        (pretrain.py passes the planner's, so this loop never imports the planner)."""
+        cfg, ps = self.cfg, self.ps
+        it, n, every = self.iteration + 1, cfg.training.train_iters, cfg.logging.log_interval
+        if it != next((i for i in range(2, n + 1) if i % every == 0 or i == n), 1):
+            return self.train_step(batches)
+        from megalite.memory import PeakTensorMemory
+
+        # No collective may cross the profiler's boundaries: gloo's in-flight work keeps a pointer
+        # to the profiler's record and crashes when waited on after the profiler is gone.
+        def settle():
+            for chunk in self.chunks:
+                getattr(chunk, "finish_param_sync", lambda: None)()
+
+        settle()
+        with PeakTensorMemory(ps.device) as probe:
+            out = self.train_step(batches)
+            settle()
+        rec = {"measured_memory_bytes": probe.peak_bytes}
+        line = f"measured peak of tensor memory {probe.peak_bytes / 2**30:.3f} GiB"
+        if self.memory_estimate is not None:
+            est = self.memory_estimate(cfg, ps.world_size, ps.device.type, ps.pp_rank)
+            line = (f"planner estimate {est['total'] / 2**30:.3f} GiB, {line} "
+                    f"({probe.peak_bytes / est['total'] - 1:+.1%} vs estimate)")
+            rec.update({"estimated_memory_bytes": int(est["total"]), **{
+                f"estimated_{k}_bytes": int(est[k]) for k in (
+                    "params", "grads", "optimizer", "activations")}})
+        self.logger.print(f" memory at iteration {it} (rank 0): {line}")
+        self.logger.log(rec, it, split="memory")
+        return out
 
     def train_step(self, batches) -> Tuple[float, bool, Optional[float]]:
         """Forward-backward over the global batch, then the optimizer step.
@@ -481,8 +516,10 @@ class Trainer:
 # ------------------------------------------------------------------------------------------------
 # pretrain
 # ------------------------------------------------------------------------------------------------
-def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=None) -> dict:
+def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=None,
+             memory_estimate=None) -> dict:
     """Train as configured; returns a summary (final iteration, last losses) for scripts/tests.
+    ``memory_estimate``: see ``Trainer.memory_estimate`` (pretrain.py passes the planner's).
 
     The configuration is resolved once (megalite.config.MegaliteConfig.resolve) as soon as the
     world size and the tokenizer are known: the tokenizer fixes the vocab, which fixes the
@@ -504,7 +541,9 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
     logger = MetricsLogger(cfg, is_writer=(ps.rank == 0), stream=stream)
     set_active_logger(logger)
     try:
-        return Trainer(cfg, ps, logger, tokenizer, t_start).train()
+        trainer = Trainer(cfg, ps, logger, tokenizer, t_start)
+        trainer.memory_estimate = memory_estimate
+        return trainer.train()
     finally:
         set_active_logger(None)
         logger.close()

@@ -10,6 +10,7 @@ from typing import Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "pretrain.py")
+STRICT = os.path.join(ROOT, "tests", "strict_collectives.py")  # runs a script in strict mode
 
 # 2 layers, hidden 32, sequence 16: a few ms per step on one core.
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -36,13 +37,11 @@ def run_main(argv: List[str]) -> int:
 
 def run_cli(argv: List[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    # multi-rank runs emulate a GPU: a collective on a tensor its group cannot carry on NCCL fails
-    env.setdefault("MEGALITE_STRICT_COLLECTIVES", "1")
     if nproc == 1:
         cmd = [sys.executable, PRETRAIN] + argv
-    else:
+    else:  # emulating a GPU: a collective on a tensor its group cannot carry on NCCL fails
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", PRETRAIN] + argv
+               f"--nproc-per-node={nproc}", STRICT, PRETRAIN] + argv
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -117,7 +117,7 @@ def _stage_loss_worker(rank, world, ckpt_dir, ids):
 
     from megalite.parallel_state import initialize_model_parallel
     from megalite.pipeline_parallel.partition import build_model_chunks
-    from megalite.pipeline_parallel.schedules import get_forward_backward_func
+    from megalite.pipeline_parallel.executor import get_forward_backward_func
     from megalite.training import _forward_step
 
     cfg = ckpt.read_checkpoint_config(ckpt_dir)

@@ -1,8 +1,8 @@
 """Collectives are NCCL-safe by construction (docs/clusters.md, "Which collectives run where").
 
 On NCCL a collective on a CPU tensor raises, and the CPU suite cannot see that by itself: on CPU
-every tensor is a CPU tensor. Strict mode (MEGALITE_STRICT_COLLECTIVES=1, which every multi-rank
-pretrain.py run of the suite sets, see pretrain_utils.run_cli) emulates a GPU on CPU and fails a
+every tensor is a CPU tensor. Strict mode (strict_collectives.py, under which every multi-rank
+pretrain.py run of the suite runs, see pretrain_utils.run_cli) emulates a GPU on CPU and fails a
 collective handed a tensor its path does not serve; these tests check the emulation itself, the
 host-path sites, a pretrain layout the other suites do not run, and that nothing bypasses the
 wrappers.
@@ -17,6 +17,7 @@ import torch
 from dist_utils import run_distributed
 from pretrain_utils import ROOT, flags, run_cli, train_losses
 
+import strict_collectives as S
 from megalite import collectives as C
 
 RAW = re.compile(r"\b(?:dist|torch\.distributed)\.(all_reduce|all_gather\w*|reduce_scatter\w*|"
@@ -44,11 +45,11 @@ def test_no_collective_bypasses_the_wrappers():
 
 
 def test_emulated_device_tracks_where_tensors_would_live(monkeypatch):
-    monkeypatch.setitem(C._STATE, "strict", True)
-    monkeypatch.setitem(C._STATE, "device", C.EmulatedDevice.COMPUTE)
-    dev = C.EmulatedDevice.COMPUTE
-    with C.EmulatedDevice() as mode:
-        monkeypatch.setitem(C._STATE, "emulated", mode)
+    dev = S.COMPUTE
+    monkeypatch.setitem(S._STATE, "device", dev)
+    monkeypatch.setattr(C, "_STRICT", S)
+    with S.EmulatedDevice() as mode:
+        monkeypatch.setitem(S._STATE, "emulated", mode)
         host = torch.zeros(2)
         onto = torch.zeros(2, device=dev)
         assert host.device == C.HOST and onto.device == dev
@@ -61,21 +62,21 @@ def test_emulated_device_tracks_where_tensors_would_live(monkeypatch):
         assert torch.tensor([1.0], device="cpu").device == C.HOST
         C._check("t", onto, None, host=False)
         C._check("t", host, None, host=True)
-        with pytest.raises(C.CollectiveDeviceError, match="device path .* got a tensor on cpu"):
+        with pytest.raises(S.CollectiveDeviceError, match="device path .* got a tensor on cpu"):
             C._check("grad_norm", host, None, host=False)
-        with pytest.raises(C.CollectiveDeviceError, match="host path"):
+        with pytest.raises(S.CollectiveDeviceError, match="host path"):
             C._check("flag", onto, None, host=True)
 
 
 def _host_sites(rank, world):
     """The control messages of a run pass strict mode; a host tensor on a device group fails."""
-    os.environ["MEGALITE_STRICT_COLLECTIVES"] = "1"
+    S.enable()
     from megalite import checkpointing
     from megalite.optimizer.grad_scaler import found_inf_anywhere
     from megalite.parallel_state import initialize_model_parallel
 
     ps = initialize_model_parallel(1, 1, timeout_minutes=1)
-    assert ps.device == C.EmulatedDevice.COMPUTE
+    assert ps.device == S.COMPUTE
     run_id = checkpointing.new_run_id(ps)
     checkpointing._agree_on_errors(ps, None)
     # a rank with no local gradients still contributes a device flag
@@ -84,7 +85,7 @@ def _host_sites(rank, world):
                               ps.device)
     try:
         C.all_reduce(torch.zeros(1), group=ps.dp_group, tag="bad")
-    except C.CollectiveDeviceError as e:
+    except S.CollectiveDeviceError as e:
         bad = str(e)
     else:
         bad = None

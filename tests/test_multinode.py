@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dist_utils import free_port
-from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_main, train_losses
+from pretrain_utils import PRETRAIN, ROOT, STRICT, flags, read_metrics, run_main, train_losses
 
 ITERS = 10
 
@@ -17,11 +17,11 @@ ITERS = 10
 def run_two_nodes(argv, timeout=300):
     """Start the agents of node 0 and node 1 as a cluster's launcher would; both must exit 0."""
     port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, MEGALITE_STRICT_COLLECTIVES="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
          "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-id", "megalite-test",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", PRETRAIN] + [str(a) for a in argv],
+         "--rdzv-endpoint", f"127.0.0.1:{port}", STRICT, PRETRAIN] + [str(a) for a in argv],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for node in (0, 1)]
     outs = []

@@ -28,7 +28,7 @@ from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 from megalite.memory import memory_report
 from megalite.parallel_state import ParallelState, initialize_model_parallel
 from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_deferral
-from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining
+from megalite.pipeline_parallel.executor import forward_backward_no_pipelining
 
 from dist_utils import run_distributed
 from model_utils import VOCAB, full_params, tiny_config
@@ -437,7 +437,7 @@ def test_bad_config_is_a_clear_error():
 # ------------------------------------------------------------------------------ pp=2 x dp=2
 def _pp2_dp2_worker(rank, world_size):
     from megalite.pipeline_parallel.partition import build_model_chunks
-    from megalite.pipeline_parallel.schedules import get_forward_backward_func
+    from megalite.pipeline_parallel.executor import get_forward_backward_func
 
     cfg = parity_config()
     ref_losses, ref_params = reference_run(cfg, opt_config(), ITERS)

@@ -7,7 +7,6 @@ from megalite.convert.hf import (  # noqa: F401
     convert_layer_megalite_to_hf,
     convert_non_layer_hf_to_megalite,
     convert_non_layer_megalite_to_hf,
-    from_hf,
     hf_config_to_model_config,
     hf_layer_keys,
     hf_non_layer_keys,
@@ -17,10 +16,10 @@ from megalite.convert.hf import (  # noqa: F401
     megalite_to_hf_state_dict,
     model_config_to_hf_config,
     model_family,
-    to_hf,
 )
 from megalite.convert.sharding import (  # noqa: F401
     full_state_dict,
     load_full_state_dict_into,
     pad_vocab,
 )
+from megalite.convert.checkpoint_tools import from_hf, to_hf  # noqa: F401,E402

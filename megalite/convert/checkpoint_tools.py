@@ -27,28 +27,32 @@ import os
 import shutil
 import types
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from megalite import checkpointing as ckpt
 from megalite.arguments import config_to_json
-from megalite.config import ConfigError, MegaliteConfig, ModelConfig
+from megalite.config import V_SCHEDULES, ConfigError, MegaliteConfig, ModelConfig, dtype_from_name
 from megalite.convert.hf import (
-    _IGNORED_HF_SUFFIXES,
-    _hf_family,
+    IGNORED_HF_SUFFIXES,
     convert_layer_hf_to_megalite,
     convert_layer_megalite_to_hf,
     convert_non_layer_hf_to_megalite,
     convert_non_layer_megalite_to_hf,
     hf_config_to_model_config,
+    hf_family,
     hf_layer_keys,
+    hf_to_megalite_state_dict,
     hf_non_layer_keys,
     megalite_layer_keys,
     megalite_non_layer_keys,
+    megalite_to_hf_state_dict,
     model_config_to_hf_config,
     special_token_ids,
     SUPPORTED_ARCHITECTURES,
+    unsupported_architecture,
 )
 from megalite.convert.layout import (
     Layout,
@@ -76,8 +80,8 @@ from megalite.convert.optimizer_state import (
 from megalite.optimizer.distrib_optimizer import check_shard_set, zero12_pieces
 from megalite.optimizer.optimizer import ADAM_KINDS, merge_pieces
 from megalite.optimizer.zero3_optimizer import SHARD_FORMAT as ZERO3_SHARD_FORMAT, zero3_pieces
-from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME
-from megalite.tensor_parallel.layers import dtype_from_name
+from megalite.convert.sharding import (
+    EMBEDDING_WEIGHT_NAME, full_state_dict, load_full_state_dict_into)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model",
                     "spiece.model")
@@ -166,7 +170,7 @@ def _set_layout(cfg: MegaliteConfig, layout: Layout) -> None:
     cfg.training.num_layers_per_virtual_pipeline_stage = layout.layers_per_virtual_stage
     cfg.training.decoder_first_pipeline_num_layers = layout.decoder_first
     cfg.training.decoder_last_pipeline_num_layers = layout.decoder_last
-    if layout.v_schedule or cfg.training.pipeline_schedule in ("zb-v", "dualpipev") or (
+    if layout.v_schedule or cfg.training.pipeline_schedule in V_SCHEDULES or (
             v == 1 and cfg.training.pipeline_schedule == "interleaved"):
         cfg.training.pipeline_schedule = layout.v_schedule  # the V goes with its schedule
 
@@ -572,7 +576,7 @@ class HFSource:
         except Exception as e:
             raise ConversionError(f"{self.what}: config.json cannot be read by transformers "
                                   f"({_brief(e)})")
-        self.family = _hf_family(self.hf_config)
+        self.family = hf_family(self.hf_config)
         self.model_cfg = hf_config_to_model_config(self.hf_config, **config_overrides)
         self.key_file = self._index_weights()
         self._alias: Dict[str, str] = {}
@@ -658,7 +662,7 @@ class HFSource:
         m = self.model_cfg
         skip = {"lm_head.weight"} if m.tie_embeddings else set()
         return [k for k in self.key_file if k not in self.used and k not in skip
-                and not k.endswith(_IGNORED_HF_SUFFIXES)]
+                and not k.endswith(IGNORED_HF_SUFFIXES)]
 
     def read_layer(self, i: int) -> Dict[str, torch.Tensor]:
         where = f"layer {i}"
@@ -682,6 +686,46 @@ class HFSource:
 
     def has_tokenizer(self) -> bool:
         return any(os.path.isfile(os.path.join(self.dir, f)) for f in _TOKENIZER_FILES)
+
+
+def from_hf(hf_model_or_dir, **config_overrides):
+    """A single-process :class:`GPTModel` (eval mode) with the weights of an HF
+    ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (an instance, or a local directory holding
+    config.json and weights). ``config_overrides`` go to :func:`hf_config_to_model_config`."""
+    from megalite.models import GPTModel
+    from megalite.parallel_state import ParallelState
+
+    if isinstance(hf_model_or_dir, (str, os.PathLike)):  # the converter's reader of HF dirs
+        src = HFSource(str(hf_model_or_dir), **config_overrides)
+        cfg, hf_sd = src.model_cfg, src.get(list(src.key_file), "weights")
+    else:
+        name = type(hf_model_or_dir).__name__
+        if name not in SUPPORTED_ARCHITECTURES:
+            raise unsupported_architecture(name)
+        cfg = hf_config_to_model_config(hf_model_or_dir.config, **config_overrides)
+        hf_sd = hf_model_or_dir.state_dict()
+    model = GPTModel(cfg, ParallelState(), seed=None)  # every parameter comes from the checkpoint
+    sd = hf_to_megalite_state_dict(hf_sd, cfg)
+    load_full_state_dict_into(model, sd, tp_rank=0, tp_size=1)
+    return model.eval()
+
+
+def to_hf(model, out_dir: Union[str, os.PathLike], tokenizer=None) -> Path:
+    """Write a single-process GPTModel as an HF checkpoint: config.json + model.safetensors (and
+    the tokenizer's files if given), loadable by ``AutoModelForCausalLM.from_pretrained``."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    hf_config = model_config_to_hf_config(cfg, **special_token_ids(tokenizer))
+    sd = megalite_to_hf_state_dict(full_state_dict(model), cfg)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(str(out))
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
 
 
 def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,

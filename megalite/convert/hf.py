@@ -9,8 +9,8 @@ Two layers of API:
   :func:`hf_non_layer_keys`, :func:`megalite_layer_keys`, :func:`megalite_non_layer_keys`.
   :func:`hf_to_megalite_state_dict` / :func:`megalite_to_hf_state_dict` apply them to a whole
   state dict.
-* **Models**: :func:`from_hf` (HF model or directory -> single-process :class:`GPTModel`) and
-  :func:`to_hf` (single-process GPTModel -> a directory ``AutoModelForCausalLM`` loads).
+* Whole models (:func:`from_hf`, :func:`to_hf`) live with the reader of HF directories, in
+  convert/checkpoint_tools.py, which imports this module (never the other way).
 
 Key naming (docs/models.md has the full table). HF names are the ``state_dict`` names of
 ``GPT2LMHeadModel`` (``transformer.h.{i}.attn.c_attn.weight``, ...) and ``LlamaForCausalLM``
@@ -36,9 +36,7 @@ Layout facts the mapping encodes:
 from __future__ import annotations
 
 import inspect
-import os
-from pathlib import Path
-from typing import Dict, List, Mapping, Union
+from typing import Dict, List, Mapping
 
 import torch
 
@@ -46,8 +44,6 @@ from megalite.config import ConfigError, ModelConfig
 from megalite.convert.sharding import (
     EMBEDDING_WEIGHT_NAME,
     OUTPUT_WEIGHT_NAME,
-    full_state_dict,
-    load_full_state_dict_into,
     pad_vocab,
 )
 
@@ -62,20 +58,20 @@ _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", 
 _GPT2_ACTIVATIONS_BACK = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 
 # HF buffers that are not parameters and carry nothing megalite needs (causal masks, RoPE cache).
-_IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
-def _unsupported(name: str) -> ConfigError:
+def unsupported_architecture(name: str) -> ConfigError:
     return ConfigError(f"unsupported Hugging Face architecture {name!r}: megalite converts "
                        f"{' and '.join(SUPPORTED_ARCHITECTURES)}")
 
 
-def _hf_family(hf_config) -> str:
+def hf_family(hf_config) -> str:
     model_type = getattr(hf_config, "model_type", None)
     family = _FAMILY_OF_MODEL_TYPE.get(model_type)
     if family is None:
         archs = getattr(hf_config, "architectures", None) or [model_type]
-        raise _unsupported(archs[0])
+        raise unsupported_architecture(archs[0])
     return family
 
 
@@ -116,7 +112,7 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
     field, e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``params_dtype``) win.
     GPT-2's ``embd_pdrop`` is not separate in megalite: ``resid_pdrop`` becomes ``hidden_dropout``.
     """
-    family = _hf_family(hf_config)
+    family = hf_family(hf_config)
     c = hf_config
     if family == "gpt2":
         act = _GPT2_ACTIVATIONS.get(c.activation_function)
@@ -470,7 +466,7 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
         used.update(hf_layer_keys(i, cfg))
     if cfg.tie_embeddings:
         used.add("lm_head.weight")
-    unused = [k for k in sd if k not in used and not k.endswith(_IGNORED_HF_SUFFIXES)]
+    unused = [k for k in sd if k not in used and not k.endswith(IGNORED_HF_SUFFIXES)]
     if unused:
         raise ValueError(f"HF state dict has {len(unused)} tensor(s) megalite does not map "
                          f"(config mismatch?): {', '.join(unused[:5])}")
@@ -487,51 +483,7 @@ def megalite_to_hf_state_dict(full_state_dict: Mapping[str, torch.Tensor],
     return out
 
 
-# =================================================================================== models
-def from_hf(hf_model_or_dir, **config_overrides):
-    """A single-process :class:`GPTModel` (eval mode) with the weights of an HF
-    ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (an instance, or a local directory holding
-    config.json and weights). ``config_overrides`` go to :func:`hf_config_to_model_config`."""
-    from megalite.models import GPTModel
-    from megalite.parallel_state import ParallelState
-
-    if isinstance(hf_model_or_dir, (str, os.PathLike)):  # the converter's reader of HF dirs
-        from megalite.convert.checkpoint_tools import HFSource
-
-        src = HFSource(str(hf_model_or_dir), **config_overrides)
-        cfg, hf_sd = src.model_cfg, src.get(list(src.key_file), "weights")
-    else:
-        name = type(hf_model_or_dir).__name__
-        if name not in SUPPORTED_ARCHITECTURES:
-            raise _unsupported(name)
-        cfg = hf_config_to_model_config(hf_model_or_dir.config, **config_overrides)
-        hf_sd = hf_model_or_dir.state_dict()
-    model = GPTModel(cfg, ParallelState(), seed=None)  # every parameter comes from the checkpoint
-    sd = hf_to_megalite_state_dict(hf_sd, cfg)
-    load_full_state_dict_into(model, sd, tp_rank=0, tp_size=1)
-    return model.eval()
-
-
 def special_token_ids(tokenizer) -> Dict[str, int]:
     """The tokenizer's bos/eos/pad ids, for the exported config.json."""
     return {k: v for k in ("bos_token_id", "eos_token_id", "pad_token_id")
             if (v := getattr(tokenizer, k, None)) is not None}
-
-
-def to_hf(model, out_dir: Union[str, os.PathLike], tokenizer=None) -> Path:
-    """Write a single-process GPTModel as an HF checkpoint: config.json + model.safetensors (and
-    the tokenizer's files if given), loadable by ``AutoModelForCausalLM.from_pretrained``."""
-    from safetensors.torch import save_file
-
-    cfg = model.config
-    hf_config = model_config_to_hf_config(cfg, **special_token_ids(tokenizer))
-    sd = megalite_to_hf_state_dict(full_state_dict(model), cfg)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_config.save_pretrained(str(out))
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    return out
-

@@ -21,9 +21,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megalite.config import ConfigError, MegaliteConfig, ModelConfig
+from megalite.config import V_SCHEDULES, ConfigError, MegaliteConfig, ModelConfig
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, pad_vocab
-from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_layer_ranges, virtual_stage
+from megalite.pipeline_parallel.partition import virtual_layer_ranges, virtual_stage
 from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
 
 

@@ -62,9 +62,9 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import OptimizerConfig
+from megalite.config import OptimizerConfig, dtype_from_name
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import WeightGradStore, dtype_from_name
+from megalite.tensor_parallel.layers import WeightGradStore
 
 SHARDED, GATHERING, FULL = "sharded", "gathering", "full"
 IDLE, FORWARD, BACKWARD = "idle", "forward", "backward"

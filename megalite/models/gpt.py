@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, dtype_from_name
 from megalite.models.init import initialize_parameters
 from megalite.models.norms import build_norm
 from megalite.models.transformer import TransformerLayer
@@ -32,7 +32,6 @@ from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
-    dtype_from_name,
 )
 from megalite.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,

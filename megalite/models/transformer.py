@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 from megalite import collectives as C
 from megalite.compiled import compile_or_eager
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, dtype_from_name
 from megalite.models.norms import build_norm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, dtype_from_name
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megalite.tensor_parallel.utils import divide
 

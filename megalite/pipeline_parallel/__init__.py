@@ -1,13 +1,14 @@
-"""Pipeline parallelism: stage partitioning, p2p, and the 1F1B / interleaved / ZB-H1 schedules
-(docs/pipeline_parallel.md)."""
+"""Pipeline parallelism: stage partitioning, p2p, and the schedules 1F1B, interleaved 1F1B,
+ZB-H1, ZB-V and DualPipeV (``megalite.config.SCHEDULES``; docs/pipeline_parallel.md).
+
+Imports point one way: partition <- schedules (op orders, p2p programs: plain data) <- timeline
+<- executor (runs them; ``get_forward_backward_func``)."""
 
 from megalite.pipeline_parallel.partition import build_model_chunks  # noqa: F401
-from megalite.pipeline_parallel.schedules import (  # noqa: F401
-    get_forward_backward_func,
-    last_timeline,
-)
+from megalite.pipeline_parallel.executor import get_forward_backward_func  # noqa: F401
 from megalite.pipeline_parallel.timeline import (  # noqa: F401
     bubble_stats,
+    last_timeline,
     gather_timelines,
     log_pipeline_step,
     write_chrome_trace,

@@ -23,10 +23,10 @@ from megalite import collectives as C
 from megalite.parallel_state import synchronize
 from megalite.pipeline_parallel.p2p import (
     TAG_ACTIVATION, TAG_GRADIENT, PipelineP2P, tensor_shape)
-from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
-from megalite.pipeline_parallel.schedules import (
-    Op, check_pipeline_args, op_peers, p2p_program, schedule_order)
-from megalite.pipeline_parallel.timeline import StageTimeline, set_last_timeline
+from megalite.config import V_SCHEDULES, ConfigError, check_pipeline_args
+from megalite.pipeline_parallel.partition import virtual_stage
+from megalite.pipeline_parallel.schedules import Op, op_peers, p2p_program, schedule_order
+from megalite.pipeline_parallel.timeline import StageTimeline, last_timeline, set_last_timeline
 from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_deferral
 
 
@@ -264,3 +264,87 @@ class _NoSync:
         for cm in self.open:
             cm.__exit__(None, None, None)
         self.open = []
+
+
+# ----------------------------------------------------------------------------- entry points
+def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model,
+                                   num_microbatches: int, seq_length: int = 0,
+                                   micro_batch_size: int = 0, parallel_state=None,
+                                   forward_only: bool = False,
+                                   grad_scale_func: Optional[Callable] = None,
+                                   no_sync_func: Optional[Callable] = None,
+                                   finalize_model_grads_func: Optional[Callable] = None,
+                                   timing_log_level: int = 0,
+                                   **unused) -> List[dict]:
+    """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if len(chunks) != 1:
+        raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
+    module = chunks[0]
+    no_sync = no_sync_func or contextlib.nullcontext
+    stats_list: List[dict] = []
+    timeline = StageTimeline("none", 0, 1, num_microbatches) if timing_log_level >= 1 else None
+    t0 = time.perf_counter()
+
+    def one(j: int) -> None:
+        start = time.perf_counter() - t0
+        with torch.set_grad_enabled(not forward_only):
+            output, loss_func = forward_step_func(data_iterator, module)
+            loss, stats = loss_func(output)
+        stats_list.append(stats)
+        if timeline is not None:
+            mid = time.perf_counter() - t0
+            timeline.record("F", 0, j, start, mid)
+        if not forward_only:
+            if grad_scale_func is not None:
+                loss = grad_scale_func(loss)
+            loss.backward()
+            if timeline is not None:
+                timeline.record("B", 0, j, mid, time.perf_counter() - t0)
+
+    with no_sync():
+        for j in range(num_microbatches - 1):
+            one(j)
+    one(num_microbatches - 1)  # outside no_sync: the DP reduction (or its hooks) may fire now
+    if timeline is not None:
+        timeline.peak_in_flight = 1
+        set_last_timeline(timeline)
+    if not forward_only and finalize_model_grads_func is not None:
+        finalize_model_grads_func(chunks)
+    return stats_list
+
+
+class ForwardBackwardFunc:
+    """A schedule bound to its name; callable with the contract's kwargs."""
+
+    def __init__(self, fn: Callable, schedule: Optional[str]):
+        self.fn = fn
+        self.schedule = schedule
+        self.__name__ = f"forward_backward_{(schedule or 'no_pipelining').replace('-', '_')}"
+
+    def __call__(self, **kwargs) -> List[dict]:
+        if self.schedule is not None:
+            kwargs.setdefault("schedule", self.schedule)
+        return self.fn(**kwargs)
+
+    @staticmethod
+    def last_timeline() -> Optional[StageTimeline]:
+        return last_timeline()
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}>"
+
+
+def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              schedule: Optional[str] = None) -> ForwardBackwardFunc:
+    """``--pipeline-schedule`` (SCHEDULES); interleaved is implied when vpp > 1."""
+    p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
+    if p == 1:
+        if v > 1:
+            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        return ForwardBackwardFunc(forward_backward_no_pipelining, None)
+    if schedule is None:
+        schedule = "interleaved" if v > 1 else "1f1b"
+    check_pipeline_args(p, 2 * p, v, schedule)  # validates the name and v; m is checked per call
+    return ForwardBackwardFunc(forward_backward_pipelining, schedule)

@@ -16,14 +16,9 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from megalite.config import ConfigError, ModelConfig
+from megalite.config import V_SCHEDULES, ConfigError, ModelConfig  # noqa: F401
 from megalite.models.gpt import GPTModel
 from megalite.parallel_state import ParallelState
-
-
-# Schedules whose two chunks per rank sit in a V: chunk 0 of rank r is virtual stage r, chunk 1 is
-# virtual stage 2p-1-r, so rank 0 holds the first and the last (embedding and loss).
-V_SCHEDULES = ("zb-v", "dualpipev")
 
 
 def virtual_stage(p: int, r: int, c: int, v: int = 1, v_shape: bool = False) -> int:

@@ -17,8 +17,8 @@ the sends and receives go. The orders follow docs/theory.md "Pipeline bubbles":
     partition.virtual_stage), so rank 0 both starts and ends a micro-batch; W ops fill the
     bubbles left (docs/pipeline_parallel.md).
 
-The contract the training loop relies on (``get_forward_backward_func``'s callable, its keyword
-arguments, the data and ``loss_func`` conventions) is docs/pipeline_parallel.md "API for the
+The contract the training loop relies on (``executor.get_forward_backward_func``'s callable, its
+keyword arguments, the data and ``loss_func`` conventions) is docs/pipeline_parallel.md "API for the
 training loop": one iterator per rank (``next()`` exactly m times per step on every rank, each
 chunk running micro-batch j gets ``iter([batch_j])``) or one per chunk; ``loss_func(output) ->
 (loss, stats)``; the ``stats`` of the loss stage's micro-batches are returned in order, [] elsewhere.
@@ -27,19 +27,12 @@ chunk running micro-batch j gets ``iter([batch_j])``) or one per chunk; ``loss_f
 from __future__ import annotations
 
 import bisect
-import contextlib
-import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-from megalite.config import ConfigError
-from megalite.pipeline_parallel.partition import V_SCHEDULES, stage_rank, virtual_stage
-from megalite.pipeline_parallel.timeline import StageTimeline, last_timeline, set_last_timeline
-
-SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
+from megalite.config import SCHEDULES, V_SCHEDULES, ConfigError, check_pipeline_args  # noqa: F401
+from megalite.pipeline_parallel.partition import stage_rank, virtual_stage
 
 
 # ----------------------------------------------------------------------------- op orders
@@ -52,41 +45,6 @@ class Op:
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch + 1}.{self.chunk}"
-
-
-def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[int] = None,
-                        schedule: Optional[str] = None) -> str:
-    """Validate (p, v, m, schedule); return the resolved schedule name. One-line ConfigErrors."""
-    p, m, v = pp_size, num_microbatches, vpp_size or 1
-    if schedule is None:
-        schedule = "interleaved" if v > 1 else "1f1b"
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
-                          f"{schedule!r}")
-    if schedule in V_SCHEDULES:
-        if v not in (1, 2):  # 1: not given (the CLI); the V always builds 2 chunks per rank
-            raise ConfigError(f"--pipeline-schedule {schedule} places exactly 2 chunks per rank "
-                              f"(in a V); it does not take --num-layers-per-virtual-pipeline-stage")
-        if p > 1 and m < 2 * p:
-            raise ConfigError(f"--pipeline-schedule {schedule} needs at least 2 x "
-                              f"--pipeline-model-parallel-size = {2 * p} micro-batches, the "
-                              f"global batch gives {m}: raise --global-batch-size")
-        return schedule
-    if v > 1 and schedule != "interleaved":
-        raise ConfigError(f"--pipeline-schedule {schedule} does not support virtual stages "
-                          f"(--num-layers-per-virtual-pipeline-stage gives v={v}); use interleaved")
-    if schedule == "interleaved" and v == 1:
-        raise ConfigError("--pipeline-schedule interleaved needs "
-                          "--num-layers-per-virtual-pipeline-stage (v > 1 chunks per rank)")
-    if p > 1 and m < p:
-        raise ConfigError(f"the global batch gives {m} micro-batches per pipeline, fewer than "
-                          f"--pipeline-model-parallel-size ({p}): raise --global-batch-size to at "
-                          f"least {p} x --micro-batch-size x data-parallel size")
-    if schedule == "interleaved" and m % p != 0:
-        raise ConfigError(f"interleaved pipelining needs the number of micro-batches ({m}) to be a "
-                          f"multiple of --pipeline-model-parallel-size ({p}); adjust "
-                          f"--global-batch-size")
-    return schedule
 
 
 def order_1f1b(p: int, r: int, m: int) -> List[Op]:
@@ -366,89 +324,3 @@ def p2p_program(mode: str, schedule: str, p: int, r: int, m: int, v: int = 1,
             return lockstep_program(schedule, p, r, m, v, forward_only)
         return batched_program(ops, needs, sends, pair_f_with_b)
     raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {mode!r}")
-
-
-# ----------------------------------------------------------------------------- entry points
-def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model,
-                                   num_microbatches: int, seq_length: int = 0,
-                                   micro_batch_size: int = 0, parallel_state=None,
-                                   forward_only: bool = False,
-                                   grad_scale_func: Optional[Callable] = None,
-                                   no_sync_func: Optional[Callable] = None,
-                                   finalize_model_grads_func: Optional[Callable] = None,
-                                   timing_log_level: int = 0,
-                                   **unused) -> List[dict]:
-    """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
-    module = chunks[0]
-    no_sync = no_sync_func or contextlib.nullcontext
-    stats_list: List[dict] = []
-    timeline = StageTimeline("none", 0, 1, num_microbatches) if timing_log_level >= 1 else None
-    t0 = time.perf_counter()
-
-    def one(j: int) -> None:
-        start = time.perf_counter() - t0
-        with torch.set_grad_enabled(not forward_only):
-            output, loss_func = forward_step_func(data_iterator, module)
-            loss, stats = loss_func(output)
-        stats_list.append(stats)
-        if timeline is not None:
-            mid = time.perf_counter() - t0
-            timeline.record("F", 0, j, start, mid)
-        if not forward_only:
-            if grad_scale_func is not None:
-                loss = grad_scale_func(loss)
-            loss.backward()
-            if timeline is not None:
-                timeline.record("B", 0, j, mid, time.perf_counter() - t0)
-
-    with no_sync():
-        for j in range(num_microbatches - 1):
-            one(j)
-    one(num_microbatches - 1)  # outside no_sync: the DP reduction (or its hooks) may fire now
-    if timeline is not None:
-        timeline.peak_in_flight = 1
-        set_last_timeline(timeline)
-    if not forward_only and finalize_model_grads_func is not None:
-        finalize_model_grads_func(chunks)
-    return stats_list
-
-
-class ForwardBackwardFunc:
-    """A schedule bound to its name; callable with the contract's kwargs."""
-
-    def __init__(self, fn: Callable, schedule: Optional[str]):
-        self.fn = fn
-        self.schedule = schedule
-        self.__name__ = f"forward_backward_{(schedule or 'no_pipelining').replace('-', '_')}"
-
-    def __call__(self, **kwargs) -> List[dict]:
-        if self.schedule is not None:
-            kwargs.setdefault("schedule", self.schedule)
-        return self.fn(**kwargs)
-
-    @staticmethod
-    def last_timeline() -> Optional[StageTimeline]:
-        return last_timeline()
-
-    def __repr__(self) -> str:
-        return f"<{self.__name__}>"
-
-
-def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              schedule: Optional[str] = None) -> ForwardBackwardFunc:
-    """``--pipeline-schedule`` (SCHEDULES); interleaved is implied when vpp > 1."""
-    from megalite.pipeline_parallel.executor import forward_backward_pipelining
-
-    p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
-    if p == 1:
-        if v > 1:
-            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        return ForwardBackwardFunc(forward_backward_no_pipelining, None)
-    if schedule is None:
-        schedule = "interleaved" if v > 1 else "1f1b"
-    check_pipeline_args(p, 2 * p, v, schedule)  # validates the name and v; m is checked per call
-    return ForwardBackwardFunc(forward_backward_pipelining, schedule)

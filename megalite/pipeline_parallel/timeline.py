@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from megalite import collectives as C
+from megalite.config import V_SCHEDULES
 
 
 _LAST_TIMELINE: Optional["StageTimeline"] = None
@@ -132,7 +133,7 @@ def theory_bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 0.0, t
     if schedule == "zb-h1":
         # idle time (p-1)(T_F + T_B - T_W) on each stage (Qi et al. 2024), over the step
         return max(0.0, (p - 1) * (t_f + t_b - t_w)) / step_time
-    if schedule in ("zb-v", "dualpipev"):  # the idle time their op orders imply (see below)
+    if schedule in V_SCHEDULES:  # the idle time their op orders imply (see below)
         idle = schedule_idle_times(schedule, p, m, v, t_f, t_b, t_w)
         return sum(idle) / len(idle) / step_time
     raise ValueError(f"unknown schedule {schedule!r}")
@@ -144,7 +145,7 @@ def schedule_idle_times(schedule: str, p: int, m: int, v: int = 1, t_f: float = 
     the bubble the schedule itself implies, to set beside the measured one. A B whose W is not
     deferred computes the weight gradients too (t_b + t_w). Raises if the orders cannot finish
     (an op waits on one that its rank's order puts later)."""
-    from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_stage
+    from megalite.pipeline_parallel.partition import virtual_stage
     from megalite.pipeline_parallel.schedules import schedule_order
 
     orders = [schedule_order(schedule, p, r, m, v) for r in range(p)]

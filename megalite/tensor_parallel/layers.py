@@ -40,13 +40,6 @@ from megalite.tensor_parallel.mappings import (
 from megalite.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
-
 # ------------------------------------------------------------------------- deferred weight grads
 class WeightGradStore:
     """Queue of deferred weight-gradient computations (the "W" of zero-bubble pipelining).

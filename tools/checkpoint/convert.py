@@ -19,6 +19,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+from megalite.config import V_SCHEDULES  # noqa: E402  (light: imports nothing from megalite)
 
 PROG = "convert.py"
 EXAMPLES = {
@@ -56,7 +57,7 @@ def _layout_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    dest="pp", type=int, required=required, help="target PP size")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", dest="vpp_layers", type=int,
                    default=None, help="target interleaved layout: layers per virtual stage")
-    p.add_argument("--pipeline-schedule", dest="v_schedule", choices=["zb-v", "dualpipev"],
+    p.add_argument("--pipeline-schedule", dest="v_schedule", choices=V_SCHEDULES,
                    default=None, help="target V layout (two chunks per rank, rank r holding "
                                       "stages r and 2p-1-r) for that schedule")
 
