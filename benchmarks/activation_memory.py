@@ -64,8 +64,8 @@ def measure(rank, world, port, a, results):
             cfg = ModelConfig(num_layers=1, hidden_size=a.hidden_size,
                               num_attention_heads=a.heads, seq_length=a.seq_length,
                               hidden_dropout=a.dropout, attention_dropout=a.attention_dropout,
-                              sequence_parallel=sp, recompute_granularity=rc, params_dtype=dtype)
-            layer = TransformerLayer(cfg, 0, ps.tp_group)
+                              recompute_granularity=rc, params_dtype=dtype)
+            layer = TransformerLayer(cfg, 0, ps.tp_group, sequence_parallel=sp)
             with torch.no_grad():
                 for p in layer.parameters():
                     p.normal_(0, 0.02)

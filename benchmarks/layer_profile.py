@@ -324,14 +324,15 @@ def graph_breaks(args):
     model_parallel_seed(1, rank)  # as in training: the tracked RNG stream exists
     s = 16
     base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=s, vocab_size=128,
-                hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=args.sequence_parallel)
+                hidden_dropout=0.0, attention_dropout=0.0)
     llama = dict(num_query_groups=2, ffn_hidden_size=128, position_embedding_type="rope",
                  normalization="RMSNorm", swiglu=True, add_bias_linear=False)
     cases = [("gpt2", {}), ("llama", llama),
              ("llama, selective recompute", dict(llama, recompute_granularity="selective")),
              ("llama, attention dropout 0.1", dict(llama, attention_dropout=0.1))]
     for name, extra in cases:
-        layer = TransformerLayer(ModelConfig(**{**base, **extra}), 0, tp_group=group).train()
+        layer = TransformerLayer(ModelConfig(**{**base, **extra}), 0, tp_group=group,
+                                 sequence_parallel=args.sequence_parallel).train()
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(s // tp if args.sequence_parallel else s, 2, 64, requires_grad=True)

@@ -265,14 +265,20 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         add_bias_linear=not a.disable_bias_linear,
         untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
         hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
-        init_method_std=a.init_method_std, sequence_parallel=a.sequence_parallel,
+        init_method_std=a.init_method_std,
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers, params_dtype=params_dtype,
         torch_compile=a.torch_compile, use_apex=a.use_apex,
     )
+    # Virtual stages are one fact, ParallelConfig's v; MegaliteConfig.resolve derives the layers
+    # per virtual stage from it. Either flag gives v.
     vpp = a.num_virtual_stages_per_pipeline_rank
     per, pp = a.num_layers_per_virtual_pipeline_stage, a.pipeline_model_parallel_size
-    if per is not None and per > 0 and a.num_layers % (per * pp) == 0:  # (else: validate says)
+    if per is not None:
+        if per <= 0 or pp <= 0 or a.num_layers % (per * pp) != 0:
+            raise ConfigError(f"--num-layers ({a.num_layers}) must be divisible by "
+                              f"--num-layers-per-virtual-pipeline-stage ({per}) x "
+                              f"--pipeline-model-parallel-size ({pp}), both positive")
         vpp = a.num_layers // (per * pp)
     parallel = ParallelConfig(
         tensor_model_parallel_size=a.tensor_model_parallel_size,
@@ -309,7 +315,6 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         train_iters=a.train_iters, eval_interval=a.eval_interval, eval_iters=a.eval_iters,
         skip_train=a.skip_train, seed=a.seed, pipeline_schedule=a.pipeline_schedule,
-        num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
         decoder_first_pipeline_num_layers=a.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=a.decoder_last_pipeline_num_layers,
         timing_log_level=a.timing_log_level, exit_interval=a.exit_interval,

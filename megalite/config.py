@@ -85,8 +85,6 @@ class ModelConfig(_Section):
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
-    # Parallel behaviour the layers themselves must know about.
-    sequence_parallel: bool = False
     # Activation recomputation: None | "full" | "selective"
     recompute_granularity: Optional[str] = None
     recompute_method: Optional[str] = None  # "uniform" | "block" (full only)
@@ -158,14 +156,6 @@ class ModelConfig(_Section):
             raise ConfigError(
                 f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
                 f"--tensor-model-parallel-size ({t})")
-        if self.sequence_parallel and t == 1:
-            # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
-            # it is an error rather than a silent no-op (docs/tensor_parallel.md).
-            raise ConfigError("--sequence-parallel requires --tensor-model-parallel-size > 1")
-        if self.sequence_parallel and self.seq_length % t != 0:
-            raise ConfigError(
-                f"--seq-length ({self.seq_length}) must be divisible by "
-                f"--tensor-model-parallel-size ({t}) with --sequence-parallel")
         if self.position_embedding_type not in ("learned_absolute", "rope"):
             raise ConfigError(f"--position-embedding-type must be learned_absolute or rope, got "
                               f"{self.position_embedding_type!r}")
@@ -229,8 +219,9 @@ class ParallelConfig(_Section):
     device: Optional[str] = None  # None: cuda when available, else cpu
     distributed_timeout_minutes: float = 10.0
 
-    def validate(self, world_size: Optional[int] = None) -> "ParallelConfig":
-        """``world_size`` None: the checks that do not depend on it."""
+    def validate(self, world_size: Optional[int] = None,
+                 seq_length: Optional[int] = None) -> "ParallelConfig":
+        """``world_size`` (``seq_length``) None: the checks that do not depend on it."""
         t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         v = self.virtual_pipeline_model_parallel_size
         if t < 1 or p < 1:
@@ -246,7 +237,13 @@ class ParallelConfig(_Section):
                 f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
                 f"x --pipeline-model-parallel-size ({p}) = {t * p}")
         if self.sequence_parallel and t == 1:
+            # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
+            # it is an error rather than a silent no-op (docs/tensor_parallel.md).
             raise ConfigError("--sequence-parallel requires --tensor-model-parallel-size > 1")
+        if self.sequence_parallel and seq_length is not None and seq_length % t != 0:
+            raise ConfigError(
+                f"--seq-length ({seq_length}) must be divisible by "
+                f"--tensor-model-parallel-size ({t}) with --sequence-parallel")
         if self.distributed_backend not in (None, "gloo", "nccl"):
             raise ConfigError(f"--distributed-backend must be gloo or nccl, got {self.distributed_backend!r}")
         if self.device not in (None, "cpu", "cuda"):
@@ -388,7 +385,7 @@ class TrainingConfig(_Section):
     seed: int = 1234
     # pipeline schedule
     pipeline_schedule: Optional[str] = None  # 1f1b|interleaved|zb-h1|zb-v|dualpipev (None: auto)
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None  # derived by resolve, from v
     decoder_first_pipeline_num_layers: Optional[int] = None
     decoder_last_pipeline_num_layers: Optional[int] = None
     timing_log_level: int = 0
@@ -520,7 +517,7 @@ class MegaliteConfig(_Section):
         """Every check, in one place. ``world_size`` None (at parse time) skips those needing it."""
         par, tr = self.parallel, self.training
         self.model.validate(par.tensor_model_parallel_size)
-        par.validate(world_size)
+        par.validate(world_size, self.model.seq_length)
         self.optimizer.validate()
         self.data.validate()
         tr.validate(None if world_size is None else par.data_parallel_size(world_size))
@@ -528,17 +525,11 @@ class MegaliteConfig(_Section):
         self.logging.validate()
         L, p, v = self.model.num_layers, par.pipeline_model_parallel_size, \
             par.virtual_pipeline_model_parallel_size
-        per = tr.num_layers_per_virtual_pipeline_stage
-        if per is not None and L % (per * p) != 0:
-            raise ConfigError(f"--num-layers ({L}) must be divisible by "
-                              f"--num-layers-per-virtual-pipeline-stage ({per}) x "
-                              f"--pipeline-model-parallel-size ({p})")
-        if per is None and v is not None and L % (p * v) != 0:
+        if v is not None and L % (p * v) != 0:
             raise ConfigError(f"--num-layers ({L}) must be divisible by "
                               f"--pipeline-model-parallel-size ({p}) x "
                               f"--num-virtual-stages-per-pipeline-rank ({v})")
-        if self.optimizer.zero_stage == 3 and tr.pipeline_schedule in ("zb-h1", "zb-v",
-                                                                        "dualpipev"):
+        if self.optimizer.zero_stage == 3 and tr.pipeline_schedule in ("zb-h1",) + V_SCHEDULES:
             raise ConfigError(f"--zero-stage 3 does not support --pipeline-schedule "
                               f"{tr.pipeline_schedule} (deferred weight gradients would keep every "
                               f"unit gathered until its W pass); use 1f1b or interleaved, or "
@@ -553,7 +544,7 @@ class MegaliteConfig(_Section):
         """The run's configuration: derived values filled in, validated, read-only.
 
         Derived here: the global batch (default micro-batch x data-parallel size), the layers per
-        virtual stage, and the vocabulary: the tokenizer's, unless the model's came from a
+        virtual stage (from ``parallel.virtual_pipeline_model_parallel_size``, never back), and the vocabulary: the tokenizer's, unless the model's came from a
         checkpoint (``--use-checkpoint-args``), which may be larger (the extra rows are never
         predicted). (Defaults that need no outside facts are filled in at construction, in
         ``__post_init__``.)
@@ -562,11 +553,8 @@ class MegaliteConfig(_Section):
         vocab = m.vocab_size if self.checkpoint.use_checkpoint_args else tokenizer_vocab_size
         model = replace(m, vocab_size=vocab, tokenizer_vocab_size=(
             tokenizer_vocab_size if tokenizer_vocab_size != vocab else None))
-        per = tr.num_layers_per_virtual_pipeline_stage
-        v = par.virtual_pipeline_model_parallel_size
-        if per is None and v is not None and m.num_layers % (par.pipeline_model_parallel_size
-                                                             * v) == 0:
-            per = m.num_layers // (par.pipeline_model_parallel_size * v)
+        v = par.virtual_pipeline_model_parallel_size  # the fact; layers per virtual stage follow
+        per = m.num_layers // (par.pipeline_model_parallel_size * v) if v else None
         training = replace(tr, num_layers_per_virtual_pipeline_stage=per, global_batch_size=(
             tr.global_batch_size or tr.micro_batch_size * par.data_parallel_size(world_size)))
         out = replace(self, model=model, optimizer=replace(self.optimizer), training=training,

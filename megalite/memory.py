@@ -261,8 +261,10 @@ class PeakTensorMemory:
     drops it last; under CountingCPUFrees the allocator's count includes frees on every thread.
     Blocks born before the block and freed inside it are unknown to the allocator's count, so
     they still count: an upper bound by kilobytes (last step's batches). The profiler slows the
-    block down: measure one iteration, not every one. Its own C++ log lines on stderr are held
-    back; everything else is passed on.
+    block down: measure one iteration, not every one (training.py measures one). Its own C++
+    log lines on stderr are held back; everything else is passed on. Both process-level effects
+    (file descriptor 2 redirected, CountingCPUFrees' c10 flag) last only for the block and are
+    undone on exit (tests/test_layering.py).
     """
 
     _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp")

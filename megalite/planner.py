@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.config import ConfigError, ModelConfig
+from megalite.config import ConfigError, ModelConfig, ParallelConfig
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
@@ -322,7 +322,9 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
                      lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
                      lay.micro_batch_size)
     try:
-        dataclasses.replace(m.cfg, sequence_parallel=lay.sequence_parallel).validate(t)
+        m.cfg.validate(t)
+        ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=lay.sequence_parallel
+                       ).validate(seq_length=m.cfg.seq_length)
     except ConfigError as e:
         return str(e)
     if (t * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b)
@@ -371,7 +373,7 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
                par.virtual_pipeline_model_parallel_size or 1)
     lay = Layout(t, p, v, world_size // (t * p),
                  opt.zero_stage or int(opt.use_distributed_optimizer),
-                 cfg.model.sequence_parallel, cfg.model.recompute_granularity or "none",
+                 cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",
                  tr.micro_batch_size,
                  tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"))
     return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)

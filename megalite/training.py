@@ -178,7 +178,8 @@ class Trainer:
             num_layers_per_virtual_pipeline_stage=tr.num_layers_per_virtual_pipeline_stage,
             decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
-            device=ps.device, v_shape=tr.pipeline_schedule in V_SCHEDULES)
+            device=ps.device, v_shape=tr.pipeline_schedule in V_SCHEDULES,
+            sequence_parallel=cfg.parallel.sequence_parallel)
         self.chunks, self.no_sync_func, self.finalize_fn = wrap_model_for_data_parallel(
             chunks, cfg, ps)
         self.optimizer = build_optimizer(self.chunks, cfg.optimizer, ps)

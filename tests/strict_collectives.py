@@ -133,7 +133,12 @@ class EmulatedDevice(TorchFunctionMode):
 if __name__ == "__main__":  # python tests/strict_collectives.py SCRIPT [ARGS...]
     if len(sys.argv) < 2:
         sys.exit(f"usage: {os.path.basename(sys.argv[0])} SCRIPT [ARGS...]")
-    enable()
+    # enabled under the module's own name: the mode's code must not live in the __main__ that
+    # runpy replaces (torch.compile's guards look its globals up by module name)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import strict_collectives
+
+    strict_collectives.enable()
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
     runpy.run_path(sys.argv[0], run_name="__main__")

@@ -36,7 +36,7 @@ def test_flags_reach_the_dataclasses():
     m = cfg.model
     assert m.num_query_groups == 2 and m.position_embedding_type == "rope" and m.swiglu
     assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
-    assert m.sequence_parallel and cfg.parallel.sequence_parallel
+    assert cfg.parallel.sequence_parallel and not hasattr(m, "sequence_parallel")
     assert m.params_dtype == "bfloat16" and cfg.optimizer.bf16
     assert m.recompute_granularity == "full" and m.recompute_num_layers == 1
     assert cfg.optimizer.zero_stage == 2 and cfg.optimizer.overlap_grad_reduce

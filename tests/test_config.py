@@ -2,7 +2,8 @@
 
 import pytest
 
-from megalite.config import ConfigError, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megalite.config import (
+    ConfigError, MegaliteConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig)
 from megalite.parallel_state import rank_grid
 
 
@@ -18,8 +19,6 @@ def _cfg(**kw):
     (dict(ffn_hidden_size=90), 4, ["--ffn-hidden-size", "--tensor-model-parallel-size"]),
     (dict(hidden_size=66, num_attention_heads=4), 1, ["--hidden-size", "--num-attention-heads"]),
     (dict(num_attention_heads=4, num_query_groups=3), 1, ["--num-attention-heads", "--num-query-groups"]),
-    (dict(sequence_parallel=True), 1, ["--sequence-parallel", "--tensor-model-parallel-size"]),
-    (dict(seq_length=18, sequence_parallel=True), 4, ["--seq-length", "--tensor-model-parallel-size"]),
     (dict(normalization="BatchNorm"), 1, ["--normalization"]),
     (dict(position_embedding_type="alibi"), 1, ["--position-embedding-type"]),
     (dict(seq_length=64, max_position_embeddings=32), 1, ["--seq-length", "--max-position-embeddings"]),
@@ -44,6 +43,9 @@ def test_world_size_not_divisible_by_tp_times_pp():
 def test_sequence_parallel_without_tp_is_an_error():
     with pytest.raises(ConfigError, match="--sequence-parallel"):
         ParallelConfig(sequence_parallel=True).validate(4)
+    with pytest.raises(ConfigError, match=r"--seq-length \(18\).*--tensor-model-parallel-size"):
+        MegaliteConfig(model=_cfg(seq_length=18), parallel=ParallelConfig(
+            tensor_model_parallel_size=4, sequence_parallel=True)).validate()
 
 
 def test_optimizer_and_training_errors():

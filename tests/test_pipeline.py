@@ -92,7 +92,7 @@ def _run_layout(name, layout):
     cfg = dict(num_layers=layers, untie_embeddings_and_output_weights=not tied,
                add_qkv_bias=False)
     ps = initialize_model_parallel(tp, pp, backend="gloo", device="cpu", set_default=False)
-    chunks = build_model_chunks(tiny_config("gpt2", sequence_parallel=sp, **cfg), ps, seed=7,
+    chunks = build_model_chunks(tiny_config("gpt2", **cfg), ps, seed=7, sequence_parallel=sp,
                                 num_layers_per_virtual_pipeline_stage=per_v,
                                 decoder_first_pipeline_num_layers=first,
                                 decoder_last_pipeline_num_layers=last,

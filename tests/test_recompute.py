@@ -14,9 +14,9 @@ from megalite.tensor_parallel.random import model_parallel_seed
 RECOMPUTE = [("full", "uniform", 1), ("full", "uniform", 2), ("full", "block", 1), ("selective", None, None)]
 
 
-def _run(cfg, ps, tokens, labels, seed=11):
+def _run(cfg, ps, tokens, labels, seed=11, sp=False):
     model_parallel_seed(seed, ps.tp_rank)
-    model = GPTModel(cfg, ps, seed=5)
+    model = GPTModel(cfg, ps, seed=5, sequence_parallel=sp)
     model.train()
     loss = model(tokens, labels=labels).mean()
     loss.backward()
@@ -43,12 +43,12 @@ def _tp_recompute_worker(rank, world_size):
     tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
     labels = torch.randint(0, VOCAB, (2, 16), generator=g)
     ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
-    kw = dict(sequence_parallel=True, hidden_dropout=0.1, attention_dropout=0.1)
-    ref_loss, ref_grads = _run(tiny_config("llama", **kw), ps, tokens, labels)
+    kw = dict(hidden_dropout=0.1, attention_dropout=0.1)
+    ref_loss, ref_grads = _run(tiny_config("llama", **kw), ps, tokens, labels, sp=True)
     for granularity, method, n in RECOMPUTE:
         cfg = tiny_config("llama", recompute_granularity=granularity, recompute_method=method,
                           recompute_num_layers=n, **kw)
-        loss, grads = _run(cfg, ps, tokens, labels)
+        loss, grads = _run(cfg, ps, tokens, labels, sp=True)
         assert loss == ref_loss, (granularity, method, n)
         assert_grads_close(grads, ref_grads, 1e-6, f"tp2 sp {granularity}/{method}/{n}")
     return True
@@ -84,11 +84,11 @@ def _masks_worker(rank, world_size):
     ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
     for sp in (False, True):
         log.clear()
-        cfg = tiny_config("gpt2", sequence_parallel=sp, hidden_dropout=0.2,
+        cfg = tiny_config("gpt2", hidden_dropout=0.2,
                           attention_dropout=0.2, recompute_granularity="full",
                           recompute_method="uniform", recompute_num_layers=1)
         model_parallel_seed(11, ps.tp_rank)
-        model = GPTModel(cfg, ps, seed=5)
+        model = GPTModel(cfg, ps, seed=5, sequence_parallel=sp)
         model.train()
         model(tokens, labels=labels).mean().backward()
         # forward: embedding, then per layer attention + 2 hidden; backward replays each layer

@@ -35,8 +35,8 @@ def _tp_parity_worker(rank, world_size, family, recompute=None):
     ref_grads = full_grads(ref_model, None)
     for tp, sp in LAYOUTS:
         ps = initialize_model_parallel(tp, 1, backend="gloo", device="cpu", set_default=False)
-        cfg = tiny_config(family, sequence_parallel=sp, recompute_granularity=recompute)
-        model = GPTModel(cfg, ps, seed=7)
+        cfg = tiny_config(family, recompute_granularity=recompute)
+        model = GPTModel(cfg, ps, seed=7, sequence_parallel=sp)
         logits = model(tokens)
         loss = model(tokens, labels=labels).mean()
         loss.backward()
@@ -63,7 +63,7 @@ def _sp_norm_grad_worker(rank, world_size):
     ref = GPTModel(tiny_config("gpt2"), ParallelState(), seed=3)
     ref(tokens, labels=labels).mean().backward()
     ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
-    model = GPTModel(tiny_config("gpt2", sequence_parallel=True), ps, seed=3)
+    model = GPTModel(tiny_config("gpt2"), ps, seed=3, sequence_parallel=True)
     model(tokens, labels=labels).mean().backward()
     norm_w = "layers.0.input_layernorm.weight"
     partial = dict(model.named_parameters())[norm_w].grad.clone()

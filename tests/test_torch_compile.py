@@ -143,8 +143,8 @@ def _tp2_layer(rank, world_size):
     model_parallel_seed(1234, tp_rank=rank)
     out = {}
     for sp in (False, True):
-        layer = TransformerLayer(tiny_config("llama", sequence_parallel=sp), 0,
-                                 tp_group=dist.group.WORLD).train()
+        layer = TransformerLayer(tiny_config("llama"), 0, tp_group=dist.group.WORLD,
+                                 sequence_parallel=sp).train()
         x = torch.randn(8 if sp else 16, 2, 32, requires_grad=True)
         torch._dynamo.reset()
         ex = torch._dynamo.explain(layer._layer_forward)(x)

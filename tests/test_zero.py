@@ -89,12 +89,12 @@ def reference_run(model_cfg, cfg: OptimizerConfig, iters: int):
 
 def train(ps: ParallelState, model_cfg, cfg: OptimizerConfig, iters: int, micro_batches: int = 1,
           before_step=None, bucket_size: Optional[int] = None, start: int = 0,
-          full_state: Optional[dict] = None) -> Dict:
+          full_state: Optional[dict] = None, sequence_parallel: bool = False) -> Dict:
     """Train iterations [start, iters) with DDP + DistributedOptimizer (from ``full_state`` if
     given); returns the per-iteration global losses, final full params, flags and traffic."""
     if bucket_size is not None:
         cfg.ddp_bucket_size = bucket_size
-    model = GPTModel(model_cfg, ps, seed=SEED)
+    model = GPTModel(model_cfg, ps, seed=SEED, sequence_parallel=sequence_parallel)
     chunks, no_sync, finalize = wrap_chunks([model], cfg, ps)
     opt = DistributedOptimizer(chunks, cfg, ps)
     if full_state is not None:
@@ -242,7 +242,7 @@ def test_dp2_zero_stages_match_single_process_memory_and_traffic():
 def _world4_worker(rank, world_size):
     results = []
     for tp, sp in ((1, False), (2, True)):
-        cfg = parity_config(sequence_parallel=sp)
+        cfg = parity_config()
         ref_losses, ref_params = reference_run(parity_config(), opt_config(), ITERS)
         ps = initialize_model_parallel(tp, 1, backend="gloo", device="cpu", set_default=False)
         for stage in (0, 1, 2):
@@ -250,7 +250,8 @@ def _world4_worker(rank, world_size):
             og = stage != 1  # both the overlapped and the finish-time reduction paths
             out = train(ps, cfg, opt_config(zero_stage=stage, overlap_grad_reduce=og,
                                              overlap_param_gather=stage == 1),
-                        ITERS, micro_batches=2 if ps.dp_size == 2 else 1, bucket_size=BUCKET)
+                        ITERS, micro_batches=2 if ps.dp_size == 2 else 1, bucket_size=BUCKET,
+                        sequence_parallel=sp)
             assert_losses_close(out["losses"], ref_losses, 1e-4, where)
             assert_params_close(out["params"], ref_params, 1e-5, where)
             rep = check_memory(out, stage, where)

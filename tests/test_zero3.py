@@ -63,12 +63,13 @@ def _reference(cfg, iters=ITERS, seed=7):
     return out
 
 
-def _build(cfg, ps, seed=7, **opt_overrides):
+def _build(cfg, ps, seed=7, sequence_parallel=False, **opt_overrides):
     from megalite.distributed.zero3 import shard_model_zero3
     from megalite.optimizer.zero3_optimizer import Zero3Optimizer
 
     oc = OptimizerConfig(**{**HP, **opt_overrides}).validate()
-    model = shard_model_zero3(GPTModel(cfg, ps, seed=seed), ps, oc)
+    model = shard_model_zero3(GPTModel(cfg, ps, seed=seed, sequence_parallel=sequence_parallel),
+                              ps, oc)
     return model, Zero3Optimizer(model, oc, ps)
 
 
@@ -296,8 +297,8 @@ def _dp4_worker(rank, world_size):
     assert ps.dp_size == 2
     for family in ("gpt2", "llama"):
         tp_ref = ref if family == "gpt2" else _reference(tiny_config("llama", num_layers=2))
-        scfg = tiny_config(family, num_layers=2, sequence_parallel=True)
-        model, opt = _build(scfg, ps)
+        scfg = tiny_config(family, num_layers=2)
+        model, opt = _build(scfg, ps, sequence_parallel=True)
         _assert_parity(_train(model, opt, ps, ITERS), tp_ref, f"{family} tp2 dp2 sp")
     return True
 

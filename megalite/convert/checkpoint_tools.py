@@ -142,7 +142,7 @@ def check_target_layout(cfg: MegaliteConfig, layout: Layout, dp: Optional[int] =
         raise ConversionError(f"--data-parallel-size must be >= 1, got {dp}")
     m = cfg.model
     if layout.tp == 1:  # sequence parallelism needs TP; a tp=1 target simply does not use it
-        m.sequence_parallel = cfg.parallel.sequence_parallel = False
+        cfg.parallel.sequence_parallel = False
     m.validate(layout.tp)  # heads, query groups, ffn % t: messages name the flags
     layout.ranges(m.num_layers)  # layers % (p * v), p <= layers
     if layout.v_schedule and m.tie_embeddings:

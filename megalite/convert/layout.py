@@ -153,7 +153,6 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
     from megalite.parallel_state import ParallelState
 
     cfg = ModelConfig(**dict(cfg_key))
-    cfg.sequence_parallel = False
     model = GPTModel(cfg, ParallelState(), pre_process=pre, post_process=post,
                      layer_range=layer_range, seed=None, device="meta")
     names = [n for n, _ in model.named_parameters()]
@@ -177,9 +176,7 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
 
 
 def _chunk_key(cfg: ModelConfig, chunk: Chunk, pp: int) -> tuple:
-    d = cfg.to_dict()
-    d["sequence_parallel"] = False
-    return (tuple(sorted(d.items())), chunk.pre, chunk.post, tuple(chunk.layer_range),
+    return (tuple(sorted(cfg.to_dict().items())), chunk.pre, chunk.post, tuple(chunk.layer_range),
             cfg.tie_embeddings and pp > 1)
 
 

@@ -44,10 +44,11 @@ EMBEDDING_WEIGHT_NAME = "embedding.word_embeddings.weight"
 class Embedding(nn.Module):
     """Word (vocab-parallel) + learned absolute position embeddings, then dropout."""
 
-    def __init__(self, config: ModelConfig, padded_vocab: int, tp_group, device=None):
+    def __init__(self, config: ModelConfig, padded_vocab: int, tp_group, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
-        self.sequence_parallel = config.sequence_parallel and C.group_size(tp_group) > 1
+        self.sequence_parallel = sequence_parallel and C.group_size(tp_group) > 1
         self.tp_group = tp_group
         self.word_embeddings = VocabParallelEmbedding(
             padded_vocab, config.hidden_size, tp_group=tp_group,
@@ -90,7 +91,7 @@ class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: Optional[Tuple[int, int]] = None, seed: Optional[int] = 1234,
-                 device=None):
+                 device=None, sequence_parallel: bool = False):  # ParallelConfig's
         super().__init__()
         ps = parallel_state or get_parallel_state()
         self.parallel_state = ps
@@ -99,17 +100,19 @@ class GPTModel(nn.Module):
         self.tp_size = C.group_size(ps.tp_group)
         self.pre_process = pre_process
         self.post_process = post_process
-        self.sequence_parallel = config.sequence_parallel and self.tp_size > 1
+        self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.padded_vocab_size = config.padded_vocab_size(self.tp_size)
         self.layer_range = layer_range or (0, config.num_layers)
         device = device if device is not None else ps.device
         dtype = dtype_from_name(config.params_dtype)
 
         if pre_process:
-            self.embedding = Embedding(config, self.padded_vocab_size, ps.tp_group, device)
+            self.embedding = Embedding(config, self.padded_vocab_size, ps.tp_group, device,
+                                       self.sequence_parallel)
         start, end = self.layer_range
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, i, ps.tp_group, device) for i in range(start, end)})
+            {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel)
+             for i in range(start, end)})
         if post_process:
             self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)
             share = config.tie_embeddings and pre_process

@@ -57,7 +57,8 @@ class SelfAttention(nn.Module):
     groups, so no communication is needed inside attention.
     """
 
-    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.config = config
         tp = C.group_size(tp_group)
@@ -68,7 +69,7 @@ class SelfAttention(nn.Module):
         self.num_groups_local = divide(config.num_query_groups, tp, "--num-query-groups")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
-        sp = config.sequence_parallel
+        sp = sequence_parallel
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_out, bias=config.add_qkv_bias, tp_group=tp_group,
@@ -144,10 +145,11 @@ class MLP(nn.Module):
     """h -> ffn (column-parallel) -> activation -> h (row-parallel). SwiGLU fuses gate and up into
     one column-parallel weight with stride 2, so each rank holds matching gate/up slices."""
 
-    def __init__(self, config: ModelConfig, tp_group=None, device=None):
+    def __init__(self, config: ModelConfig, tp_group=None, device=None,
+                 sequence_parallel: bool = False):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
-        sp = config.sequence_parallel
+        sp = sequence_parallel
         self.swiglu = config.swiglu
         fc1_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
@@ -174,17 +176,18 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None):
+    def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
+                 sequence_parallel: bool = False):  # ParallelConfig's, passed by GPTModel
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
-        sp = config.sequence_parallel and C.group_size(tp_group) > 1
+        sp = sequence_parallel and C.group_size(tp_group) > 1
         self.layer_number = layer_number  # global, 0-based
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
         self.input_layernorm = build_norm(config, sp, dtype, device)
-        self.self_attention = SelfAttention(config, layer_number, tp_group, device)
+        self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp)
         self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
-        self.mlp = MLP(config, tp_group, device)
+        self.mlp = MLP(config, tp_group, device, sp)
         # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,
         # recompute's checkpoint around the layer) stay eager around it. The layer is one graph,
         # its TP collectives included; only a dropout drawn from the tracked RNG breaks it.

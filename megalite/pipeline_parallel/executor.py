@@ -188,7 +188,7 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
     schedule = check_pipeline_args(ps.pp_size, num_microbatches, len(chunks), schedule)
     cfg, param = chunks[0].config, next(chunks[0].parameters())
     p2p = PipelineP2P(ps, tensor_shape(seq_length, micro_batch_size, cfg.hidden_size, ps.tp_size,
-                                       cfg.sequence_parallel), param.dtype, param.device)
+                                       chunks[0].sequence_parallel), param.dtype, param.device)
     mode = p2p_mode or ("eager" if p2p.independent_ops else "batched")
     if mode == "eager" and not p2p.independent_ops:
         raise ValueError("p2p_mode='eager' needs a backend whose p2p ops complete "

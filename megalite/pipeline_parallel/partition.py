@@ -123,7 +123,8 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
                        num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                        decoder_first_pipeline_num_layers: Optional[int] = None,
                        decoder_last_pipeline_num_layers: Optional[int] = None,
-                       device=None, v_shape: bool = False) -> List[GPTModel]:
+                       device=None, v_shape: bool = False,
+                       sequence_parallel: bool = False) -> List[GPTModel]:
     """This rank's model chunks (one per virtual stage; one chunk without pipelining).
 
     Sets ``ps.vpp_size`` (v, or None) so the schedules and the checkpoint code know the layout.
@@ -135,7 +136,8 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
         virtual_layer_ranges(model_config.num_layers, 1, None, decoder_first_pipeline_num_layers,
                              decoder_last_pipeline_num_layers)  # validates the uneven flags
         ps.vpp_size = None
-        return [GPTModel(model_config, ps, seed=seed, device=device)]
+        return [GPTModel(model_config, ps, seed=seed, device=device,
+                         sequence_parallel=sequence_parallel)]
     ranges = virtual_layer_ranges(model_config.num_layers, ps.pp_size,
                                   num_layers_per_virtual_pipeline_stage,
                                   decoder_first_pipeline_num_layers,
@@ -151,7 +153,8 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
         vs = virtual_stage(ps.pp_size, ps.pp_rank, c, v, v_shape)
         pre, post = vs == 0, vs == ps.pp_size * v - 1
         chunk = GPTModel(model_config, ps, pre_process=pre, post_process=post,
-                         layer_range=layer_range, seed=seed, device=device)
+                         layer_range=layer_range, seed=seed, device=device,
+                         sequence_parallel=sequence_parallel)
         if model_config.tie_embeddings:
             # Two copies of one tied weight (input embedding on the first stage, output layer on
             # the last): GPTModel seeds the output copy from the embedding's name, so they start
