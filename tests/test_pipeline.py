@@ -403,14 +403,14 @@ def test_bad_pipeline_config_is_one_clear_line(call, flag):
 # batches have completed. The replay also checks that the
 # k-th message on each channel is the (virtual stage, micro-batch) the receiver expects, and that
 # a hand-over inside a rank (the V's tip) comes from an op that rank already ran.
-def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", pair=None, lookahead=None):
+def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", lookahead=None):
     v_shape = schedule in V_SCHEDULES
     progs = []
     for r in range(p):
         ops = schedule_order(schedule, p, r, m, v, forward_only)
         peers = [op_peers(op, schedule, p, r, v) for op in ops]
         if lookahead is None:
-            prog = p2p_program(mode, schedule, p, r, m, v, forward_only, pair)
+            prog = p2p_program(mode, schedule, p, r, m, v, forward_only)
         else:
             prog = eager_program([s not in (None, r) for s, _ in peers],
                                  [d not in (None, r) for _, d in peers], lookahead)
@@ -494,10 +494,25 @@ def test_p2p_programs_cannot_deadlock_and_match(schedule, v, mode):
                     assert res is True, f"{schedule} lookahead 1 p={p} m={m}: deadlock at {res}"
 
 
-def test_p2p_replay_detects_a_deadlock():
-    """The replay can fail: without pairing a steady-phase F with the B after it, the batched
-    program of interleaved 1F1B deadlocks under "a send waits for its receive"."""
-    assert _replay("interleaved", 2, 4, 2, mode="batched", pair=False) is not True
+def test_p2p_programs_are_built_once_per_layout():
+    """Every step of a run asks for the same program: it is built (and the lockstep simulated)
+    once, and handed out immutable."""
+    a = p2p_program("batched", "zb-v", 4, 1, 8, 2)
+    assert a is p2p_program("batched", "zb-v", 4, 1, 8, 2) and isinstance(a, tuple)
+    assert a is not p2p_program("batched", "zb-v", 4, 1, 9, 2)
+
+
+def test_p2p_replay_detects_a_deadlock(monkeypatch):
+    """The replay can fail: a program that holds its sends back until its ops have run
+    deadlocks (stage 0 waits for a gradient of an activation it has not sent)."""
+    def held_back(*args):
+        prog = p2p.__wrapped__(*args)
+        return [s for s in prog if not (s[0] == "post" and s[2])] + [
+            s for s in prog if s[0] == "post" and s[2]]
+
+    p2p = p2p_program
+    monkeypatch.setitem(globals(), "p2p_program", held_back)
+    assert _replay("1f1b", 2, 2) is not True
 
 
 def test_eager_program_posts_receives_ahead_and_sends_at_once():

@@ -72,7 +72,7 @@ class PipelineP2P:
         order, so that a rank may post early and wait only for what it needs (gloo). Under NCCL
         the ops of a batch and successive batches run in order on one stream: a posted receive
         that is not matched yet holds up every later send, so the executor keeps the batched
-        program there (schedules.comm_units)."""
+        program there (schedules.lockstep_program)."""
         return self.group is not None and dist.get_backend(self.group) == "gloo"
 
     def _empty(self) -> torch.Tensor:

@@ -27,6 +27,7 @@ chunk running micro-batch j gets ``iter([batch_j])``) or one per chunk; ``loss_f
 from __future__ import annotations
 
 import bisect
+import functools
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -196,54 +197,9 @@ def eager_program(needs_recv: Sequence[bool], sends: Sequence[bool],
     return prog
 
 
-def comm_units(ops: Sequence[Op], pair_f_with_b: bool) -> List[List[int]]:
-    """Indices of ``ops`` grouped into units of compute with no p2p inside (W ops excluded).
-
-    A unit is one F or B, except in the steady phase of interleaved 1F1B, where a steady-phase F
-    and the B right after it form one unit (Megatron's grouping): there a rank's warm-up is 2 ops
-    longer than its successor's, and a batch after the F alone would wait on the neighbour's
-    later batch while the neighbour waits on ours - a deadlock wherever a send waits for its
-    receive.
-    """
-    units: List[List[int]] = []
-    for i, op in enumerate(ops):
-        if op.kind == "W":
-            continue
-        if (pair_f_with_b and units and op.kind == "B" and len(units[-1]) == 1
-                and ops[units[-1][0]].steady):
-            units[-1].append(i)
-        else:
-            units.append([i])
-    return units
-
-
-def batched_program(ops: Sequence[Op], needs_recv: Sequence[bool], sends: Sequence[bool],
-                    pair_f_with_b: bool) -> List[tuple]:
-    """One batch between consecutive compute units (``comm_units``): the sends of the unit that
-    ran and the receives of the next, waited before the next unit (NCCL, whose batches run in
-    order on one stream, so a receive posted ahead would hold up every later send). W ops that
-    follow a unit run while its batch is in flight."""
-    units = comm_units(ops, pair_f_with_b)
-    first = {u[0]: k for k, u in enumerate(units)}
-    last = {u[-1]: k for k, u in enumerate(units)}
-
-    def recvs(k):
-        return tuple(i for i in units[k] if needs_recv[i]) if k < len(units) else ()
-
-    prog: List[tuple] = [("post", 0, (), recvs(0))]
-    for i in range(len(ops)):
-        if i in first:
-            prog.append(("wait", first[i]))
-        prog.append(("run", i))
-        if i in last:
-            k = last[i]
-            prog.append(("post", k + 1, tuple(j for j in units[k] if sends[j]), recvs(k + 1)))
-    return prog
-
-
 def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
                      forward_only: bool = False) -> List[tuple]:
-    """A batched program for the V, built by running every rank's order together in lockstep:
+    """The batched program (NCCL), built by running every rank's order together in lockstep:
     at each step every rank runs its next op if that op's input was produced at an earlier step
     (unit op times). Batch t of a rank carries exactly the messages of step t: the output of
     the op it ran at step t and the inputs its neighbours produced at step t; it is posted
@@ -253,9 +209,9 @@ def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
     batch t of every rank can be posted once its batches before t completed: by induction on t
     no rank waits forever even under NCCL, whose batches complete in order on one stream. A
     rank sends one message per step, so a batch holds at most one message per direction of a
-    pair and matching never depends on tags. The unit batches (``batched_program``) cannot do
-    this for the V, where a rank exchanges with both neighbours in both directions: a warm-up
-    send of chunk 0 would wait for a receive its neighbour posts only after a backward.
+    pair and matching never depends on tags. The argument uses nothing of the schedule but
+    that its orders can run at all (asserted below), so it covers every schedule: 1F1B,
+    interleaved, ZB-H1 and the V's, where a rank exchanges with both neighbours both ways.
     """
     v_shape = schedule in V_SCHEDULES
     orders = [schedule_order(schedule, p, q, m, v, forward_only) for q in range(p)]
@@ -306,21 +262,19 @@ def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
     return prog
 
 
+@functools.lru_cache(maxsize=64)  # a step asks for the same (schedule, p, r, m, v) each time
 def p2p_program(mode: str, schedule: str, p: int, r: int, m: int, v: int = 1,
-                forward_only: bool = False, pair_f_with_b: Optional[bool] = None) -> List[tuple]:
-    """Rank ``r``'s ``mode`` ("eager" or "batched") program for ``schedule_order``'s ops. The
-    batched one is ``lockstep_program`` for the V, unit batches (``batched_program``; steady F
-    and B paired in interleaved 1F1B unless ``pair_f_with_b`` says otherwise) for the rest."""
-    ops = schedule_order(schedule, p, r, m, v, forward_only)
-    peers = [op_peers(op, schedule, p, r, v) for op in ops]
-    needs = [src not in (None, r) for src, _ in peers]
-    sends = [dst not in (None, r) for _, dst in peers]
-    if pair_f_with_b is None:
-        pair_f_with_b = schedule == "interleaved" and not forward_only
+                forward_only: bool = False) -> Tuple[tuple, ...]:
+    """Rank ``r``'s ``mode`` program for ``schedule_order``'s ops (cached: every step asks for
+    the same one). "batched" (``lockstep_program``) is correct on any backend and the only one
+    NCCL can run (one in-order stream). "eager" (``eager_program``) remains for gloo, whose p2p
+    ops complete independently: there each op waits only for its own input and each output
+    leaves at once, instead of batch by batch, and it needs no lockstep simulation."""
     if mode == "eager":
-        return eager_program(needs, sends)
+        ops = schedule_order(schedule, p, r, m, v, forward_only)
+        peers = [op_peers(op, schedule, p, r, v) for op in ops]
+        return tuple(eager_program([src not in (None, r) for src, _ in peers],
+                                   [dst not in (None, r) for _, dst in peers]))
     if mode == "batched":
-        if schedule in V_SCHEDULES:
-            return lockstep_program(schedule, p, r, m, v, forward_only)
-        return batched_program(ops, needs, sends, pair_f_with_b)
+        return tuple(lockstep_program(schedule, p, r, m, v, forward_only))
     raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {mode!r}")
