@@ -220,6 +220,11 @@ class DistributedOptimizer(ShardedAdamW):
             s.exp_avg_sq.copy_(saved["exp_avg_sq"])
             s.master.copy_(saved["master"])
         self._copy_masters_to_model()
+
+    def sync_model_params(self) -> None:
+        """All-gather the model params from every rank's loaded shard (collective over DP).
+        Kept out of :meth:`load_state_dict`, which is local, so a checkpoint load agrees that every
+        rank read its files before any rank enters a collective (checkpointing.load_checkpoint)."""
         for c in self.chunks:
             c.start_param_sync(overlap=False)
 

@@ -8,7 +8,9 @@ The interface every megalite optimizer keeps (the ZeRO ``DistributedOptimizer`` 
     loss = opt.scale_loss(loss)                         # x loss scale (fp16), else identity
     updated, grad_norm, num_zeros_or_None = opt.step()  # unscale, overflow check, clip, step
     opt.get_loss_scale(); opt.param_groups              # the LR scheduler writes group["lr"]
-    opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only
+    opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only; the load
+                                                        # is local (ZeRO-1/2 then: opt.
+                                                        # sync_model_params(), a DP all-gather)
     opt.reload_model_params()                           # masters <- model after loading weights
     opt.sharded_state_dict_per_dp_rank                  # True: checkpointing saves one optimizer
                                                         # file per DP rank (docs/checkpoints.md)
