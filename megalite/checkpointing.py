@@ -149,11 +149,10 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
                 if not per_dp:
                     state["optimizer"] = optimizer.state_dict()
             os.makedirs(shard, exist_ok=True)
-            _write(os.path.join(shard, MODEL_FILE), lambda f: torch.save(state, f))
+            save_file(os.path.join(shard, MODEL_FILE), state)
         if save_optim and per_dp:
             os.makedirs(shard, exist_ok=True)
-            sd = optimizer.state_dict()
-            _write(os.path.join(shard, distrib_optim_name(ps.dp_rank)), lambda f: torch.save(sd, f))
+            save_file(os.path.join(shard, distrib_optim_name(ps.dp_rank)), optimizer.state_dict())
         if fault_hook is not None:
             fault_hook("shard_written", tmp)
         if ps.rank == 0:
@@ -213,6 +212,12 @@ def _write(path: str, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def save_file(path: str, obj) -> None:
+    """The one writer of checkpoint files (model and optimizer shards; pretrain.py and the
+    converter): ``torch.save``, flushed and fsynced."""
+    _write(path, lambda f: torch.save(obj, f))
 
 
 def _fsync_dir(path: str) -> None:
@@ -387,10 +392,8 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
                               f"data-parallel ranks); resume with the same data-parallel size")
     import glob
 
-    from megalite.optimizer.distrib_optimizer import merge_shard_state_dicts
+    from megalite.optimizer.optimizer import merge_shard_state_dicts
 
-    # ZeRO-3 merges its own (unit-flat) files; ZeRO-1/2 theirs (bucket-flat).
-    merge = getattr(optimizer, "merge_shard_state_dicts", merge_shard_state_dicts)
     files = sorted(glob.glob(os.path.join(shard, "distrib_optim_dp*.pt")))
     if not files:
         raise CheckpointError(f"{what}: {shard} has no distrib_optim_dp*.pt (the checkpoint's "
@@ -403,7 +406,7 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
         raise CheckpointError(f"{what}: {os.path.join(shard, gone[0])} is missing (incomplete "
                               f"checkpoint)")
     try:
-        return merge(sds)
+        return merge_shard_state_dicts(sds)
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{what}: the distrib_optim_dp*.pt files in {shard} do not fit this "
                               f"optimizer ({e}); resume with the --zero-stage that saved them, "
