@@ -128,11 +128,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
     if ps.rank == 0:
         error = _attempt(lambda: os.makedirs(tmp, exist_ok=True))
     _agree_on_save(ps, error, iteration, tmp)
-    # ZeRO-3 chunks hold 1/N of every parameter: the consolidated model (same keys and shapes as
-    # a stage-0 checkpoint, so --finetune, --no-load-optim and the conversion tools read it) is
-    # all-gathered unit by unit, a collective every DP rank joins; only DP rank 0 keeps it.
-    full = [chunk.full_state_dict(keep=ps.dp_rank == 0)
-            if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
+    full = _gather_zero3_models(model_chunks, ps, iteration, tmp)
 
     def write_shard():
         if ps.dp_rank == 0:
@@ -153,11 +149,10 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
                 if not per_dp:
                     state["optimizer"] = optimizer.state_dict()
             os.makedirs(shard, exist_ok=True)
-            _write(os.path.join(shard, MODEL_FILE), lambda f: torch.save(state, f))
+            save_file(os.path.join(shard, MODEL_FILE), state)
         if save_optim and per_dp:
             os.makedirs(shard, exist_ok=True)
-            sd = optimizer.state_dict()
-            _write(os.path.join(shard, distrib_optim_name(ps.dp_rank)), lambda f: torch.save(sd, f))
+            save_file(os.path.join(shard, distrib_optim_name(ps.dp_rank)), optimizer.state_dict())
         if fault_hook is not None:
             fault_hook("shard_written", tmp)
         if ps.rank == 0:
@@ -174,6 +169,35 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
     return final
 
 
+def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
+    """ZeRO-3 chunks hold 1/N of every parameter: the consolidated model (same keys and shapes as
+    a stage-0 checkpoint, so --finetune, --no-load-optim and the conversion tools read it) is
+    all-gathered unit by unit, a collective every DP rank joins; only DP rank 0 keeps it.
+
+    Pre-checked, so a rank that cannot gather (out of memory, say) stops every rank with its own
+    error instead of leaving its peers in the gather: every rank first allocates what the gather
+    allocates (the largest unit's flat buffer; on DP rank 0 also the kept model), frees it (the
+    caching allocator hands it back to the gather) and the ranks agree before any gather starts.
+    """
+    units = [u for c in model_chunks if getattr(c, "zero_stage", 0) == 3 for u in c.units]
+    if not units:
+        return [None] * len(model_chunks)
+
+    def precheck():
+        if fault_hook is not None:
+            fault_hook("before_zero3_gather", tmp)
+        probe = [torch.empty(max(u.padded for u in units), dtype=units[0].main.dtype,
+                             device=units[0].device)]
+        if ps.dp_rank == 0:
+            probe.append(torch.empty(sum(u.numel for u in units), device=units[0].device,
+                                     dtype=model_chunks[0].compute_dtype))
+        del probe
+
+    _agree_on_save(ps, _attempt(precheck), iteration, tmp)
+    return [chunk.full_state_dict(keep=ps.dp_rank == 0)
+            if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
+
+
 def _attempt(fn) -> Optional[BaseException]:
     try:
         fn()
@@ -188,6 +212,12 @@ def _write(path: str, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def save_file(path: str, obj) -> None:
+    """The one writer of checkpoint files (model and optimizer shards; pretrain.py and the
+    converter): ``torch.save``, flushed and fsynced."""
+    _write(path, lambda f: torch.save(obj, f))
 
 
 def _fsync_dir(path: str) -> None:
@@ -362,17 +392,21 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
                               f"data-parallel ranks); resume with the same data-parallel size")
     import glob
 
-    from megalite.optimizer.distrib_optimizer import merge_shard_state_dicts
+    from megalite.optimizer.optimizer import merge_shard_state_dicts
 
-    # ZeRO-3 merges its own (unit-flat) files; ZeRO-1/2 theirs (bucket-flat).
-    merge = getattr(optimizer, "merge_shard_state_dicts", merge_shard_state_dicts)
     files = sorted(glob.glob(os.path.join(shard, "distrib_optim_dp*.pt")))
     if not files:
         raise CheckpointError(f"{what}: {shard} has no distrib_optim_dp*.pt (the checkpoint's "
                               f"optimizer state is not sharded per DP rank); resume with the "
                               f"--zero-stage that saved it, or pass --no-load-optim")
+    sds = [_load_file(f, what) for f in files]
+    gone = [distrib_optim_name(d) for d in range(int(sds[0].get("dp_size", 0)))
+            if not os.path.exists(os.path.join(shard, distrib_optim_name(d)))]
+    if gone:  # a file of the saving DP group is missing: name it, not the merge that fails
+        raise CheckpointError(f"{what}: {os.path.join(shard, gone[0])} is missing (incomplete "
+                              f"checkpoint)")
     try:
-        return merge([_load_file(f, what) for f in files])
+        return merge_shard_state_dicts(sds)
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{what}: the distrib_optim_dp*.pt files in {shard} do not fit this "
                               f"optimizer ({e}); resume with the --zero-stage that saved them, "
@@ -408,7 +442,13 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                                   f"directory, or no save has completed)")
         return 0, 0, None  # --save X --load X on a first run: start from scratch
 
+    # Phase 1, local: read and validate every file this rank needs and copy it into this rank's
+    # own tensors; any exception counts. Phase 2, after every rank agrees phase 1 succeeded: the
+    # collectives (ZeRO-1/2's parameter all-gather). A rank that failed can then never leave its
+    # peers waiting in a collective it does not join.
     it_dir = _loadable_iteration_dir(load_dir, iteration)
+    state, file = None, None
+    load_optim = not (ck.finetune or ck.no_load_optim)
     try:
         if not os.path.isdir(it_dir):
             raise CheckpointError(f"{what}: {TRACKER_FILE} names iteration {iteration} but "
@@ -427,13 +467,29 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                 f"{what}: the checkpoint has a different model shape: {'; '.join(diffs)} "
                 f"(pass the checkpoint's values or --use-checkpoint-args)")
         shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
-        state = _load_file(os.path.join(shard, MODEL_FILE), what)
+        file = os.path.join(shard, MODEL_FILE)
+        state = _load_file(file, what)
         saved_chunks = state.get("num_model_chunks", 1)
         if saved_chunks != len(model_chunks):
             raise CheckpointError(
                 f"{what}: saved with {saved_chunks} virtual pipeline stage(s) per rank, this run "
                 f"has {len(model_chunks)}; match --num-layers-per-virtual-pipeline-stage or "
                 f"{RESHARD_HINT}")
+        opt_sd = None
+        if load_optim:
+            if "opt_param_scheduler" not in state:
+                raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
+                                      f"--no-save-optim); pass --no-load-optim or --finetune")
+            if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):
+                file = os.path.join(shard, distrib_optim_name(ps.dp_rank))
+                opt_sd = _load_dp_sharded_optimizer_state(shard, optimizer, ps, what)
+            elif "optimizer" not in state:
+                raise CheckpointError(
+                    f"{what}: the optimizer state was saved per data-parallel rank (ZeRO); "
+                    f"load with the same --zero-stage / --use-distributed-optimizer")
+            else:
+                opt_sd = state["optimizer"]
+        file = os.path.join(shard, MODEL_FILE)
         for i, chunk in enumerate(model_chunks):
             key = _chunk_key(i, len(model_chunks))
             missing, unexpected = chunk.load_state_dict(state[key], strict=False)
@@ -442,28 +498,19 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                                       f"{list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()
-        load_optim = not (ck.finetune or ck.no_load_optim)
         if load_optim:
-            if "opt_param_scheduler" not in state:
-                raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
-                                      f"--no-save-optim); pass --no-load-optim or --finetune")
-            if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):
-                opt_sd = _load_dp_sharded_optimizer_state(shard, optimizer, ps, what)
-            else:
-                if "optimizer" not in state:
-                    raise CheckpointError(
-                        f"{what}: the optimizer state was saved per data-parallel rank (ZeRO); "
-                        f"load with the same --zero-stage / --use-distributed-optimizer")
-                opt_sd = state["optimizer"]
             try:
                 optimizer.load_state_dict(opt_sd)
-            except (ValueError, KeyError, RuntimeError) as e:
+            except Exception as e:
                 raise CheckpointError(f"{what}: optimizer state does not fit this optimizer ({e}); "
                                       f"pass --no-load-optim to start the optimizer afresh")
             scheduler.load_state_dict(state["opt_param_scheduler"])
-    except CheckpointError as e:
-        error = e
+    except Exception as e:  # any failure, not only ours: a peer must not wait for this rank
+        error = e if isinstance(e, CheckpointError) else CheckpointError(
+            f"{what}: loading {file or it_dir} failed: {_one_line(e)}")
     _agree_on_errors(ps, error)
+    if load_optim and hasattr(optimizer, "sync_model_params"):
+        optimizer.sync_model_params()
 
     if ck.finetune:
         return 0, 0, None

@@ -247,10 +247,23 @@ def cpu_live_bytes(prof, since: Optional[str] = None) -> List[tuple]:
     return [(t, total - before) for t, _, total in stamps if begin is None or t >= begin]
 
 
+# CUDA's allocator keeps one high-water mark, which PeakTensorMemory resets to measure its block;
+# the run's peak from before each reset is kept here, so peak_memory_bytes (every logged record)
+# stays the peak since start-up.
+_CUDA_PEAK_BEFORE_RESET: Dict[Optional[int], int] = {}
+
+
+def cuda_peak_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on a CUDA device since start-up, across PeakTensorMemory's resets."""
+    return max(int(torch.cuda.max_memory_allocated(device)),
+               _CUDA_PEAK_BEFORE_RESET.get(device.index, 0))
+
+
 class PeakTensorMemory:
     """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs.
 
-    GPU: ``torch.cuda.max_memory_allocated``. CPU (where RSS is mostly the interpreter and
+    GPU: ``torch.cuda.max_memory_allocated`` since a reset at the start of the block (the run's
+    peak before it is kept for :func:`cuda_peak_bytes`). CPU (where RSS is mostly the interpreter and
     libraries): the storages live at the start (found through the garbage collector, each once)
     plus the highest value of the CPU allocator's count of live bytes over the block, which
     ``torch.profiler(profile_memory=True)`` stamps on every allocation and free it records.
@@ -275,6 +288,7 @@ class PeakTensorMemory:
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            _CUDA_PEAK_BEFORE_RESET[self.device.index] = cuda_peak_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
         import gc

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megalite import collectives as C
 from megalite.config import ConfigError
+from megalite.memory import cuda_peak_bytes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -55,9 +56,9 @@ def synchronize(device: torch.device) -> None:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak allocated bytes on the device; on CPU, the process's peak RSS."""
+    """Peak allocated bytes on the device since start-up; on CPU, the process's peak RSS."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return cuda_peak_bytes(device)
     try:
         import resource
 

@@ -276,10 +276,10 @@ def _dp4_worker(rank, world_size):
     _assert_parity(got + _train(model, opt, ps, ITERS - ITERS // 2, start=ITERS // 2), ref,
                    "gpt2 dp4")
     assert model.peak_gathered_units[FORWARD] == 2
-    # The consolidated weights are the reference model's after 5 steps? Check names and shapes.
+    # The consolidated state has every parameter of the plain model, at its shape.
     plain = dict(GPTModel(cfg, ParallelState(), seed=7).named_parameters())
-    assert set(full["model"]) == set(plain)
-    assert all(full["model"][k].shape == plain[k].shape for k in plain)
+    assert set(full["params"]) == set(plain)
+    assert all(full["params"][k]["master"].shape == plain[k].shape for k in plain)
 
     # 2. Resume at DP size 2 from the dp=4 full state (two independent dp=2 replicas).
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -77,9 +77,13 @@ from megalite.convert.optimizer_state import (
     read_plain,
     zero_common,
 )
-from megalite.optimizer.distrib_optimizer import check_shard_set, zero12_pieces
-from megalite.optimizer.optimizer import ADAM_KINDS, merge_pieces
-from megalite.optimizer.zero3_optimizer import SHARD_FORMAT as ZERO3_SHARD_FORMAT, zero3_pieces
+from megalite.optimizer.optimizer import (
+    ADAM_KINDS,
+    check_shard_set,
+    merge_pieces,
+    shard_pieces,
+    upgrade_shard,
+)
 from megalite.convert.sharding import (
     EMBEDDING_WEIGHT_NAME, full_state_dict, load_full_state_dict_into)
 
@@ -250,9 +254,8 @@ class MegaliteSource:
             elif os.path.isfile(self._dp_path(0, 0, 0)):
                 while os.path.isfile(self._dp_path(0, 0, self.dp_size)):
                     self.dp_size += 1
-                dp0 = self._load(self._dp_path(0, 0, 0))
-                # ZeRO-1/2 files are bucket-flat, ZeRO-3 files unit-flat with names
-                self.optim_kind = "zero3" if dp0.get("format") == ZERO3_SHARD_FORMAT else "zero"
+                dp0 = upgrade_shard(self._load(self._dp_path(0, 0, 0)))
+                self.optim_kind = "zero3" if dp0.get("zero_stage") == 3 else "zero"
                 self.optim_common = zero_common(dp0)
                 del dp0
         del head
@@ -305,7 +308,7 @@ class MegaliteSource:
     def read(self, names: Sequence[str], with_optim: bool = False
              ) -> Dict[str, Dict[str, Optional[torch.Tensor]]]:
         """Canonical tensors of ``names`` (all on one source chunk): ``{name: {"weight": ...,
-        "param"/"exp_avg"/"exp_avg_sq": ... or None}}``; every tensor is a fresh copy."""
+        "master"/"exp_avg"/"exp_avg_sq": ... or None}}``; every tensor is a fresh copy."""
         if not names:
             return {}
         r, c = self.location(names[0])
@@ -361,18 +364,17 @@ class MegaliteSource:
         key = (lambda n: n) if self.optim_kind == "zero3" or self.num_chunks == 1 else (
             lambda n: f"chunk{c}.{n}")
         try:
-            pieces = (zero3_pieces(sds) if self.optim_kind == "zero3"
-                      else zero12_pieces(check_shard_set(sds)))
-            merged = merge_pieces(pieces, names=[key(n) for n in names])
+            merged = merge_pieces(shard_pieces(check_shard_set(sds)),
+                                  names=[key(n) for n in names])
         except (KeyError, ValueError) as e:
             raise OptimizerStateError(f"{where}: the distrib_optim_dp*.pt files cannot be merged "
                                       f"({e}); pass --no-optim")
         for n in names:
             expect = specs[n].local_shape(self.model_cfg, self.layout.tp)
             entry = merged[key(n)]
-            if tuple(entry["param"].shape) != expect:
+            if tuple(entry["master"].shape) != expect:
                 raise OptimizerStateError(f"{where}: the optimizer state of {n} has shape "
-                                          f"{tuple(entry['param'].shape)}, args.json implies "
+                                          f"{tuple(entry['master'].shape)}, args.json implies "
                                           f"{expect}")
             for k in ADAM_KINDS:
                 per_t[n].setdefault(k, []).append(entry[k])
@@ -440,9 +442,9 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                                 k: (_own_storage(s.shard(x, m, t, layout.tp)) if x is not None
                                     else None)
                                 for k, x in src.items() if k != "weight"}
-                            if local[t][s.name].get("param") is None:
+                            if local[t][s.name].get("master") is None:
                                 # fp32 models have no separate master: the weight is the master
-                                local[t][s.name]["param"] = files[t][key][s.name].float()
+                                local[t][s.name]["master"] = files[t][key][s.name].float()
                 del full
         zero_files = None
         if optim is not None:
@@ -470,10 +472,10 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                     files[t]["rng_state"] = state
             shard = os.path.join(it_dir, ckpt.shard_dir_name(t, r))
             os.makedirs(shard, exist_ok=True)
-            torch.save(files[t], os.path.join(shard, ckpt.MODEL_FILE))
+            ckpt.save_file(os.path.join(shard, ckpt.MODEL_FILE), files[t])
             if zero_files is not None:
                 for d, zsd in enumerate(zero_files[t]):
-                    torch.save(zsd, os.path.join(shard, ckpt.distrib_optim_name(d)))
+                    ckpt.save_file(os.path.join(shard, ckpt.distrib_optim_name(d)), zsd)
         log(f" wrote pipeline stage {r + 1}/{layout.pp} ({layout.tp} tensor-parallel file(s))")
         del files, local, zero_files
 

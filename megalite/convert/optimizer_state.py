@@ -9,13 +9,14 @@ The on-disk formats:
   position in the param groups: group 0 holds the matrices (weight decay), group 1 the 1-D
   parameters, each in ``model_parameters(chunks)`` order; the master list is in
   ``model_parameters`` order itself.
-* **ZeRO-1/2** and **ZeRO-3** (``DistributedOptimizer`` / ``Zero3Optimizer.state_dict``), one file
-  ``distrib_optim_dp{d:03d}.pt`` per DP rank. Their files say which parameter sits where, so they
-  are read with the optimizers' own merge (``optimizer.merge_pieces``); they are written with the
+* **ZeRO-1/2/3** (``DistributedOptimizer`` / ``Zero3Optimizer.state_dict``, one format:
+  ``optimizer.SHARD_FORMAT``), one file ``distrib_optim_dp{d:03d}.pt`` per DP rank. The files say
+  which parameter sits where, so they are read with the optimizers' own merge
+  (``optimizer.merge_pieces``; older formats through ``optimizer.upgrade_shard``); written with the
   layout rules of megalite/distributed/ themselves (``ddp.params_by_dtype``,
   ``param_and_grad_buffer.bucket_layout``, ``zero3.unit_plan``), never a restatement.
 
-Canonical form: ``{name: {"param": fp32 master, "exp_avg", "exp_avg_sq"}}`` with full (TP-unsharded)
+Canonical form: ``{name: {"master": fp32 master, "exp_avg", "exp_avg_sq"}}`` with full (TP-unsharded)
 tensors under the layout-independent parameter names, plus :class:`OptimCommon` (step count,
 learning rate, grad-scaler state, group hyperparameters). A tensor is sharded over TP exactly like
 its parameter (same ``partition_dim`` / ``partition_stride``): Adam is elementwise, so a slice of
@@ -35,7 +36,7 @@ from megalite.config import ConfigError, ModelConfig, OptimizerConfig
 from megalite.convert.layout import Chunk, ParamSpec, chunk_specs, chunk_zero3_units
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE, params_by_dtype
 from megalite.distributed.param_and_grad_buffer import bucket_layout
-from megalite.optimizer.optimizer import ADAM_KINDS
+from megalite.optimizer.optimizer import ADAM_KINDS, SHARD_FORMAT
 
 Getter = Callable[[str, str], Optional[torch.Tensor]]
 
@@ -96,7 +97,7 @@ def read_plain(opt_sd: dict, index: PlainIndex, name: str) -> Dict[str, Optional
     """This rank's (TP-local) slices of one parameter's state; None where there is none yet."""
     st = opt_sd["optimizer"]["state"].get(index.opt_index[name])
     masters = opt_sd.get("fp32_master_params")
-    return {"param": masters[index.master_pos[name]] if masters is not None else None,
+    return {"master": masters[index.master_pos[name]] if masters is not None else None,
             "exp_avg": st["exp_avg"] if st else None,
             "exp_avg_sq": st["exp_avg_sq"] if st else None}
 
@@ -148,7 +149,7 @@ def build_plain(index: PlainIndex, get: Callable[[str, str], Optional[torch.Tens
     if mixed:
         masters = []
         for s in index.order:
-            p = get(s.name, "param")
+            p = get(s.name, "master")
             if p is None:
                 raise OptimizerStateError(f"no fp32 master weights for {s.name} in the source "
                                           f"checkpoint")
@@ -166,11 +167,11 @@ def _zero_groups(common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
             {"name": "no_decay", "lr": lr, "weight_decay": 0.0}]
 
 
-def _flat(slots: List[Tuple[str, int, int]], padded: int, get: Getter) -> Dict[str, torch.Tensor]:
-    """One bucket's / unit's flat fp32 state: slot (name, start, numel) filled from
+def _flat(slots, padded: int, get: Getter) -> Dict[str, torch.Tensor]:
+    """One bucket's / unit's flat fp32 state: slot (name, start, numel, shape) filled from
     ``get(name, kind)``; padding and never-stepped moments stay zero, as training keeps them."""
     flat = {k: torch.zeros(padded, dtype=torch.float32) for k in ADAM_KINDS}
-    for name, start, numel in slots:
+    for name, start, numel, _ in slots:
         for kind in ADAM_KINDS:
             t = get(name, kind)
             if t is not None:
@@ -178,47 +179,49 @@ def _flat(slots: List[Tuple[str, int, int]], padded: int, get: Getter) -> Dict[s
     return flat
 
 
-def _slots(names, specs: Dict[str, ParamSpec], cfg: ModelConfig, tp: int):
+def _slots(named):
+    """``[(name, TP-local shape)]`` laid end to end: ``[(name, start, numel, shape)]``, size."""
     out, off = [], 0
-    for n in names:
-        out.append((n, off, specs[n].numel(cfg, tp)))
+    for n, shape in named:
+        out.append((n, off, math.prod(shape), list(shape)))
         off += out[-1][2]
     return out, off
+
+
+def _per_rank_files(groups, dp: int, stage: int, common: OptimCommon,
+                    opt_cfg: OptimizerConfig) -> List[dict]:
+    """One file per DP rank (optimizer.SHARD_FORMAT) from ``groups`` of (slots, padded size,
+    flat state, parameter key), one per bucket or unit: DP rank d holds elements
+    ``[d*P/dp, (d+1)*P/dp)`` of each (ZeRO stage 0: all of it), as the optimizers shard them."""
+    out = []
+    for d in range(dp):
+        shards = []
+        for slots, padded, flat, key in groups:
+            lo, hi = (0, padded) if stage == 0 else (d * padded // dp, (d + 1) * padded // dp)
+            segs = [[key(n), a - lo, b - lo, a - start, shape] for n, start, numel, shape in slots
+                    for a, b in [(max(start, lo), min(start + numel, hi))] if a < b]
+            shards.append({"segments": segs, **{k: flat[k][lo:hi].clone() for k in ADAM_KINDS}})
+        out.append({"format": SHARD_FORMAT, "zero_stage": stage, "dp_size": dp, "dp_rank": d,
+                    "step": int(common.step), "param_groups": _zero_groups(common, opt_cfg),
+                    "grad_scaler": common.grad_scaler, "shards": shards})
+    return out
 
 
 def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int, get: Getter,
                common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
     """One ``DistributedOptimizer.state_dict()`` per DP rank for one (tp, pp) rank: chunk by
     chunk, one buffer per dtype, its buckets as DistributedDataParallel lays them out."""
-    stage = opt_cfg.zero_stage
     size = opt_cfg.ddp_bucket_size or DEFAULT_BUCKET_SIZE
-    buckets = []  # (chunk index, slots, padded numel, flat state)
+    groups = []
     for ci, ch in enumerate(chunks):
         specs = {s.name: s for s in chunk_specs(cfg, ch, pp)}
+        key = (lambda n: n) if len(chunks) == 1 else (lambda n, ci=ci: f"chunk{ci}.{n}")
         for named in params_by_dtype(list(specs.items())):
             info = [(n, s.numel(cfg, tp), s.shared_embedding) for n, s in named]
             for names, padded in bucket_layout(info, size, dp):
-                slots, _ = _slots(names, specs, cfg, tp)
-                buckets.append((ci, slots, padded, _flat(slots, padded, get), specs))
-    out = []
-    for d in range(dp):
-        shards, layout = [], []
-        for ci, slots, padded, flat, specs in buckets:
-            lo, hi = (0, padded) if stage == 0 else (d * padded // dp, (d + 1) * padded // dp)
-            layout.append([padded, lo, hi])
-            key = (lambda n: n) if len(chunks) == 1 else (lambda n, ci=ci: f"chunk{ci}.{n}")
-            segments = [[key(n), a - lo, b - lo, a - start, b - start,
-                         list(specs[n].local_shape(cfg, tp))]
-                        for n, start, numel in slots
-                        for a, b in [(max(start, lo), min(start + numel, hi))] if a < b]
-            shards.append({"master": flat["param"][lo:hi].clone(),
-                           "exp_avg": flat["exp_avg"][lo:hi].clone(),
-                           "exp_avg_sq": flat["exp_avg_sq"][lo:hi].clone(), "segments": segments})
-        out.append({"format": "megalite.zero.shard/v1", "zero_stage": stage, "dp_size": dp,
-                    "dp_rank": d, "step": int(common.step),
-                    "param_groups": _zero_groups(common, opt_cfg),
-                    "grad_scaler": common.grad_scaler, "layout": layout, "shards": shards})
-    return out
+                slots, _ = _slots([(n, specs[n].local_shape(cfg, tp)) for n in names])
+                groups.append((slots, padded, _flat(slots, padded, get), key))
+    return _per_rank_files(groups, dp, opt_cfg.zero_stage, common, opt_cfg)
 
 
 def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int
@@ -235,24 +238,12 @@ def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int
 def build_zero3(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int, get: Getter,
                 common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
     """One ``Zero3Optimizer.state_dict()`` per DP rank (each unit padded to a multiple of dp)."""
-    units = []
-    for unit, shapes in zero3_units(cfg, chunks, pp, tp):
-        slots, numel = [], 0
-        for n, shape in shapes:
-            slots.append((n, numel, math.prod(shape)))
-            numel += slots[-1][2]
+    groups = []
+    for _, shapes in zero3_units(cfg, chunks, pp, tp):
+        slots, numel = _slots(shapes)
         padded = -(-numel // dp) * dp
-        units.append((unit, shapes, numel, padded // dp, _flat(slots, padded, get)))
-    groups = [{k: g[k] for k in ("lr", "weight_decay")} for g in _zero_groups(common, opt_cfg)]
-    return [{"format": "megalite-zero3-shard/1", "dp_size": dp, "dp_rank": d,
-             "step": int(common.step), "param_groups": groups,
-             "grad_scaler": common.grad_scaler,
-             "units": {unit: {"numel": numel, "names": [n for n, _ in shapes],
-                              "shapes": [list(sh) for _, sh in shapes],
-                              **{f: flat[k][d * s:(d + 1) * s].clone()
-                                 for k, f in zip(ADAM_KINDS, ("main", "exp_avg", "exp_avg_sq"))}}
-                       for unit, shapes, numel, s, flat in units}}
-            for d in range(dp)]
+        groups.append((slots, padded, _flat(slots, padded, get), lambda n: n))
+    return _per_rank_files(groups, dp, 3, common, opt_cfg)
 
 
 def zero_common(sd: dict) -> OptimCommon:

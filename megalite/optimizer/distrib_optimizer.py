@@ -24,11 +24,12 @@ The step (unscale, overflow check, norm, clipping, AdamW on the flat shards) is
 applied per segment (the part of a parameter inside the shard): matrices decay, biases and norm
 weights (dim <= 1) do not — the same rule as the plain optimizer.
 
-Checkpoints: :meth:`state_dict` is this DP rank's shard (``sharded_state_dict_per_dp_rank``: the
-checkpoint writer saves one file per DP rank) and loads only at the same DP size and layout. To
-change the DP size, save :meth:`gather_full_optimizer_state` (collective over DP; unsharded fp32
-params and moments keyed by parameter name) and load it with :meth:`load_full_optimizer_state`, which
-re-splits it for the new layout without communication. See docs/data_parallel.md.
+Checkpoints: ``optimizer.ShardedAdamW``'s formats, shared with ZeRO-3. :meth:`state_dict` is this
+DP rank's shard (``sharded_state_dict_per_dp_rank``: the checkpoint writer saves one file per DP
+rank) and loads only at the same DP size and layout. To change the DP size,
+``gather_full_state`` (collective over DP) or ``merge_shard_state_dicts`` (from the files) gives
+the unsharded state by parameter name, which ``load_full_state`` re-splits for the new layout
+without communication. See docs/data_parallel.md.
 """
 
 from __future__ import annotations
@@ -44,11 +45,8 @@ from megalite.config import ConfigError, OptimizerConfig
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.optimizer.clip_grads import counts_for_norm
-from megalite.optimizer.optimizer import ADAM_KINDS, ShardedAdamW, merge_pieces
+from megalite.optimizer.optimizer import ShardedAdamW
 from megalite.parallel_state import ParallelState
-
-FULL_STATE_FORMAT = "megalite.zero.full/v1"
-SHARD_FORMAT = "megalite.zero.shard/v1"
 
 
 @dataclass
@@ -116,6 +114,8 @@ class DistributedOptimizer(ShardedAdamW):
         self.exp_avg_sq = [s.exp_avg_sq for s in self.shards]
         self.runs = [[(g.lo, g.hi, 0 if g.param.dim() > 1 else 1) for g in s.segments]
                      for s in self.shards]
+        self.segments = [[[g.name, g.lo, g.hi, g.plo, list(g.param.shape)] for g in s.segments]
+                         for s in self.shards]
         self.norm_runs = [[(g.lo, g.hi) for g in s.segments
                            if counts_for_norm(g.param, ps.tp_rank, ps.is_pipeline_first_stage)]
                           for s in self.shards]
@@ -153,8 +153,11 @@ class DistributedOptimizer(ShardedAdamW):
     def _finish_grads(self) -> None:
         for c in self.chunks:  # normally done by the schedule's finalize hook; harmless twice
             c.finish_grad_sync()
+        self._wait_param_sync()  # never write params while last step's gather is in flight
+
+    def _wait_param_sync(self) -> None:
         for c in self.chunks:
-            c.finish_param_sync()  # never write params while last step's gather is in flight
+            c.finish_param_sync()
 
     def _grads(self) -> List[torch.Tensor]:
         return [s.grad for s in self.shards]
@@ -172,148 +175,40 @@ class DistributedOptimizer(ShardedAdamW):
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Masters <- model params (after loading model weights without optimizer state)."""
-        for c in self.chunks:
-            c.finish_param_sync()
+        self._wait_param_sync()
         for s in self.shards:
             if s.master.data_ptr() != s.model_param_shard.data_ptr():
                 s.master.copy_(s.model_param_shard.float())
 
     # -------------------------------------------------------------------------- checkpoints
-    def _layout(self) -> List[List[int]]:
-        return [[s.bucket.numel, s.start - s.bucket.offset, s.end - s.bucket.offset]
-                for s in self.shards]
-
-    def state_dict(self) -> dict:
-        """This DP rank's shard (tensors and primitives only: safe for weights_only loading)."""
-        for c in self.chunks:
-            c.finish_param_sync()
-        return {
-            "format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
-            "dp_rank": self.dp_rank, **self._common_state(), "layout": self._layout(),
-            "shards": [{"master": s.master.detach().clone(), "exp_avg": s.exp_avg.clone(),
-                        "exp_avg_sq": s.exp_avg_sq.clone(),
-                        # enough to rebuild the unsharded state from all DP ranks' files
-                        "segments": [[g.name, g.lo, g.hi, g.plo, g.phi, list(g.param.shape)]
-                                     for g in s.segments]} for s in self.shards],
-        }
-
-    def shard_fits(self, sd: dict) -> bool:
-        """Whether a per-DP-rank state dict was saved with this DP size and bucket layout."""
-        return (sd.get("format") == SHARD_FORMAT and sd.get("dp_size") == self.dp_size
-                and sd.get("dp_rank") == self.dp_rank
-                and [list(x) for x in sd.get("layout", [])] == self._layout())
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("format") == FULL_STATE_FORMAT:
-            return self.load_full_optimizer_state(sd)
-        if not self.shard_fits(sd):
-            raise ValueError(
-                f"optimizer shard was saved with DP size {sd.get('dp_size')} and a different "
-                f"bucket layout; this run has DP size {self.dp_size}. Load the unsharded state "
-                f"with load_full_optimizer_state() (docs/data_parallel.md)")
-        self._load_common(sd)
-        for c in self.chunks:
-            c.finish_param_sync()
-        for s, saved in zip(self.shards, sd["shards"]):
-            s.exp_avg.copy_(saved["exp_avg"])
-            s.exp_avg_sq.copy_(saved["exp_avg_sq"])
-            s.master.copy_(saved["master"])
-        self._copy_masters_to_model()
+    def sync_model_params(self) -> None:
+        """All-gather the model params from every rank's loaded shard (collective over DP).
+        Kept out of :meth:`load_state_dict`, which is local, so a checkpoint load agrees that every
+        rank read its files before any rank enters a collective (checkpointing.load_checkpoint)."""
         for c in self.chunks:
             c.start_param_sync(overlap=False)
 
-    @torch.no_grad()
-    def gather_full_optimizer_state(self) -> dict:
-        """Unsharded fp32 params and Adam moments keyed by parameter name (collective over DP).
+    def _gather_flat(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Shard ``i``'s bucket, all of it (stage 0: every rank holds the whole bucket)."""
+        if self.zero_stage == 0:
+            return t.clone()
+        full = torch.empty(self.shards[i].bucket.numel, dtype=torch.float32, device=t.device)
+        C.all_gather_into_tensor(full, t.float(), group=self.dp_group,
+                                 tag="checkpoint_all_gather")
+        return full
 
-        Every DP rank returns the same dict; names are the chunk's own (prefixed "chunk{i}." when
-        there are several chunks). The params/moments are this rank's TP/PP slice, unsharded over DP.
-        """
-        for c in self.chunks:
-            c.finish_param_sync()
-        out: Dict[str, Dict[str, torch.Tensor]] = {}
-        for s in self.shards:
-            full = {}
-            for kind, local in zip(ADAM_KINDS, (s.master, s.exp_avg, s.exp_avg_sq)):
-                if self.zero_stage == 0:
-                    full[kind] = local.detach().clone()
-                else:
-                    full[kind] = torch.empty(s.bucket.numel, dtype=torch.float32,
-                                             device=local.device)
-                    C.all_gather_into_tensor(full[kind], local.detach().float(),
-                                             group=self.dp_group, tag="checkpoint_all_gather")
-            ci = self.chunks.index(s.ddp)
-            for slot in s.bucket.slots:
-                lo = slot.start - s.bucket.offset
-                out[self._key(ci, slot.name)] = {k: v[lo:lo + slot.numel].view(slot.param.shape)
-                                                 .clone() for k, v in full.items()}
-        return {"format": FULL_STATE_FORMAT, **self._common_state(), "params": out}
+    def _flat_slots(self, i: int):
+        s = self.shards[i]
+        ci = self.chunks.index(s.ddp)
+        return [(self._key(ci, slot.name), slot.start - s.bucket.offset, tuple(slot.param.shape))
+                for slot in s.bucket.slots]
 
-    @torch.no_grad()
-    def load_full_optimizer_state(self, full: dict) -> None:
-        """Re-split an unsharded state (any DP size it came from) into this rank's shards.
-
-        Also writes the fp32 params into the model (rounded for 16-bit models), so model and
-        masters agree; no communication is needed since every rank reads the full tensors.
-        """
-        if full.get("format") != FULL_STATE_FORMAT:
-            raise ValueError("not an unsharded ZeRO optimizer state (gather_full_optimizer_state)")
-        params = full["params"]
+    def _load_full_model(self, params) -> None:
+        """Every rank holds the full tensors, so it writes every param itself (rounded for
+        16-bit models): no gather needed."""
         missing = sorted(set(self.param_names) - set(params))
         if missing:
             raise ValueError(f"optimizer state lacks parameters {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}")
-        self._load_common(full)
-        for c in self.chunks:
-            c.finish_param_sync()
         for name, p in self.param_names.items():
-            saved = params[name]["param"]
-            if tuple(saved.shape) != tuple(p.shape):
-                raise ValueError(f"optimizer state for {name} has shape {tuple(saved.shape)}, the "
-                                 f"model {tuple(p.shape)}: a different TP layout?")
-            p.data.copy_(saved.to(p.dtype))
-        for s in self.shards:
-            for seg in s.segments:
-                for kind, local in zip(ADAM_KINDS, (s.master, s.exp_avg, s.exp_avg_sq)):
-                    local[seg.lo:seg.hi].copy_(params[seg.name][kind].reshape(-1)[seg.plo:seg.phi])
-
-
-def zero12_pieces(sds: List[dict]):
-    """The per-parameter pieces (optimizer.merge_pieces) of DistributedOptimizer files: each
-    shard lists its segments, so the files are read without rebuilding the bucket layout."""
-    for sd in sds:
-        if sd.get("format") != SHARD_FORMAT:
-            raise ValueError(f"not a ZeRO-1/2 optimizer shard (format {sd.get('format')!r})")
-        for shard in sd["shards"]:
-            for name, lo, hi, plo, _phi, shape in shard["segments"]:
-                yield name, shape, plo, {k: shard[f][lo:hi] for k, f in
-                                         zip(ADAM_KINDS, ("master", "exp_avg", "exp_avg_sq"))}
-
-
-def check_shard_set(sds: List[dict]) -> List[dict]:
-    """Every DP rank's file exactly once, in rank order (stage 0: rank 0's, which holds all)."""
-    if not sds:
-        raise ValueError("no optimizer shards to merge")
-    sds = sorted(sds, key=lambda sd: int(sd["dp_rank"]))
-    n = int(sds[0]["dp_size"])
-    if [int(sd["dp_rank"]) for sd in sds] != list(range(n)) or any(
-            int(sd["dp_size"]) != n for sd in sds):
-        raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} do not "
-                         f"make up one DP group of {n} (missing or mixed files?)")
-    return sds[:1] if sds[0].get("zero_stage") == 0 else sds
-
-
-def merge_shard_state_dicts(shard_state_dicts: List[dict]) -> dict:
-    """The unsharded state (as gather_full_optimizer_state returns) from *all* DP ranks' shards.
-
-    For resuming at a different DP size or bucket layout: the checkpoint loader reads every
-    ``distrib_optim_dp*.pt`` of one (TP, PP) rank and hands the result to
-    :meth:`DistributedOptimizer.load_full_optimizer_state` (through ``load_state_dict``), which
-    re-splits it. No communication: each rank merges the files itself.
-    """
-    sds = check_shard_set(shard_state_dicts)
-    first = sds[0]
-    return {"format": FULL_STATE_FORMAT, "step": first["step"],
-            "param_groups": first["param_groups"], "grad_scaler": first["grad_scaler"],
-            "params": merge_pieces(zero12_pieces(sds))}
+            p.data.copy_(params[name]["master"].to(p.dtype))

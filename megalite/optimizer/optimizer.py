@@ -8,7 +8,9 @@ The interface every megalite optimizer keeps (the ZeRO ``DistributedOptimizer`` 
     loss = opt.scale_loss(loss)                         # x loss scale (fp16), else identity
     updated, grad_norm, num_zeros_or_None = opt.step()  # unscale, overflow check, clip, step
     opt.get_loss_scale(); opt.param_groups              # the LR scheduler writes group["lr"]
-    opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only
+    opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only; the load
+                                                        # is local (ZeRO-1/2 then: opt.
+                                                        # sync_model_params(), a DP all-gather)
     opt.reload_model_params()                           # masters <- model after loading weights
     opt.sharded_state_dict_per_dp_rank                  # True: checkpointing saves one optimizer
                                                         # file per DP rank (docs/checkpoints.md)
@@ -34,8 +36,13 @@ from megalite import collectives as C
 from megalite.optimizer.clip_grads import clip_grads_by_norm, global_grad_norm
 from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm, found_inf_anywhere
 
-# The per-parameter optimizer state every format can be merged into (by parameter name).
-ADAM_KINDS = ("param", "exp_avg", "exp_avg_sq")
+# The per-parameter optimizer state every format can be merged into (by parameter name): the
+# fp32 master weights and Adam's two moments. One vocabulary for every file and every ZeRO stage.
+ADAM_KINDS = ("master", "exp_avg", "exp_avg_sq")
+# The ZeRO optimizers' (stages 1-3) two formats (docs/checkpoints.md, "Optimizer state files"):
+# one file per DP rank, and the unsharded state by parameter name (any DP size loads it).
+SHARD_FORMAT = "megalite.optim.shard/v2"
+FULL_FORMAT = "megalite.optim.full/v2"
 
 
 def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -201,8 +208,11 @@ class ShardedAdamW(_LossScaling):
     ``runs`` (per shard, ``[(lo, hi, group)]``: the part of the shard holding one parameter, and
     its param group — a shard straddles parameters, so weight decay and lr apply per run) and
     ``norm_runs`` (the runs this rank counts in the global gradient norm, clip_grads.
-    counts_for_norm), and implements ``_grads``, ``_finish_grads``, ``_publish`` and
-    ``zero_grad``.
+    counts_for_norm), ``segments`` (per shard, ``[name, lo, hi, plo, shape]``: elements
+    ``[lo, hi)`` of the shard are elements ``[plo, plo + hi - lo)`` of the flattened parameter;
+    what the checkpoint formats below are written and merged by), ``zero_stage``, ``dp_size``,
+    ``dp_rank``, and implements ``_grads``, ``_finish_grads``, ``_copy_masters_to_model``,
+    ``_gather_flat``, ``_flat_slots`` and ``zero_grad``.
     """
 
     sharded_state_dict_per_dp_rank = True
@@ -231,6 +241,12 @@ class ShardedAdamW(_LossScaling):
         self._adamw(grads)
         self._publish()
         return True, grad_norm, None
+
+    def _publish(self) -> None:
+        self._copy_masters_to_model()
+
+    def _wait_param_sync(self) -> None:
+        """Never read or write the params while a gather of them is in flight (ZeRO-1/2)."""
 
     def _grad_norm(self, grads: List[torch.Tensor]) -> float:
         """L2 norm of the full model's gradient, each element counted once over the world: the
@@ -287,6 +303,88 @@ class ShardedAdamW(_LossScaling):
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
 
+    def _local(self):
+        return zip(self.segments, zip(self.masters, self.exp_avg, self.exp_avg_sq))
+
+    def state_dict(self) -> dict:
+        """This DP rank's shards (checkpointing saves one file per DP rank). The segments make
+        the file self-describing: every DP rank's files merge by parameter name without the
+        model (:func:`merge_shard_state_dicts`; another DP size, the converter)."""
+        self._wait_param_sync()
+        return {"format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
+                "dp_rank": self.dp_rank, **self._common_state(),
+                "shards": [{"segments": [list(g) for g in segs],
+                            **{k: t.detach().clone() for k, t in zip(ADAM_KINDS, ts)}}
+                           for segs, ts in self._local()]}
+
+    def shard_fits(self, sd: dict) -> bool:
+        """Whether ``sd`` is this very rank's shard (format, DP size and rank, the same segments
+        in shards of the same sizes); else checkpointing merges every rank's file."""
+        mine = [[t[0].numel(), [list(g) for g in segs]] for segs, t in self._local()]
+        return (sd.get("format") == SHARD_FORMAT and sd.get("dp_size") == self.dp_size
+                and sd.get("dp_rank") == self.dp_rank
+                and [[s["master"].numel(), [list(g) for g in s["segments"]]]
+                     for s in sd.get("shards", [])] == mine)
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """This rank's own shard, or an unsharded state (FULL_FORMAT) from any DP size. Local:
+        ZeRO-1/2 then need :meth:`sync_model_params` (checkpointing calls it once every rank
+        has read its files)."""
+        if sd.get("format") == FULL_FORMAT:
+            return self.load_full_state(sd)
+        if not self.shard_fits(sd):
+            raise ValueError(
+                f"optimizer shard was saved by DP rank {sd.get('dp_rank')} of {sd.get('dp_size')} "
+                f"with another layout, this is rank {self.dp_rank} of {self.dp_size}: load the "
+                f"unsharded state instead (gather_full_state() or merge_shard_state_dicts(), then "
+                f"load_full_state(); docs/data_parallel.md)")
+        self._wait_param_sync()
+        for saved, (_, ts) in zip(sd["shards"], self._local()):
+            for k, t in zip(ADAM_KINDS, ts):
+                t.copy_(saved[k])
+        self._copy_masters_to_model()
+        self._load_common(sd)
+
+    @torch.no_grad()
+    def gather_full_state(self) -> dict:
+        """Unsharded fp32 masters and Adam moments by parameter name (this TP/PP rank's shapes).
+        Collective over DP; every DP rank gets the same dict."""
+        self._wait_param_sync()
+        params: Dict[str, Dict[str, torch.Tensor]] = {}
+        for i, ts in enumerate(zip(self.masters, self.exp_avg, self.exp_avg_sq)):
+            full = [self._gather_flat(i, t.detach()) for t in ts]
+            for name, off, shape in self._flat_slots(i):
+                n = math.prod(shape)
+                params[name] = {k: f[off:off + n].view(shape).clone()
+                                for k, f in zip(ADAM_KINDS, full)}
+        return {"format": FULL_FORMAT, **self._common_state(), "params": params}
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict) -> None:
+        """Re-split an unsharded state (from any DP size) into this rank's shards, and the model
+        params from its masters. Local: every rank reads the full tensors."""
+        if full.get("format") != FULL_FORMAT:
+            raise ValueError(f"not an unsharded optimizer state (format {full.get('format')!r})")
+        params = full["params"]
+        self._wait_param_sync()
+        for segs, ts in self._local():
+            for name, lo, hi, plo, shape in segs:
+                if name not in params:
+                    raise ValueError(f"the optimizer state has no parameter {name}")
+                for k, t in zip(ADAM_KINDS, ts):
+                    src = params[name][k]
+                    if list(src.shape) != list(shape):
+                        raise ValueError(f"optimizer state for {name} has shape "
+                                         f"{tuple(src.shape)}, the model {tuple(shape)}: a "
+                                         f"different TP layout?")
+                    t[lo:hi].copy_(src.reshape(-1)[plo:plo + hi - lo])
+        self._load_full_model(params)
+        self._load_common(full)
+
+    def _load_full_model(self, params: Dict[str, Dict[str, torch.Tensor]]) -> None:
+        self._copy_masters_to_model()
+
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """The tensors megalite/memory.py counts as masters and optimizer states."""
         return {"master_params": list(self.masters),
@@ -300,8 +398,7 @@ def merge_pieces(pieces: Iterable[Tuple[str, Sequence[int], int, Dict[str, torch
     another DP size (checkpointing.py) and by the checkpoint converter.
 
     A piece ``(name, shape, start, {kind: 1-D tensor})`` holds elements ``[start, start + len)``
-    of the flattened parameter; each file format lists its pieces (``zero12_pieces``,
-    ``zero3_pieces``). ``names`` restricts the merge to those parameters (streaming). Raises
+    of the flattened parameter (:func:`shard_pieces` lists a file's). ``names`` restricts the merge to those parameters (streaming). Raises
     ValueError if a parameter is not covered exactly (a missing rank's file).
     """
     wanted = set(names) if names is not None else None
@@ -324,3 +421,70 @@ def merge_pieces(pieces: Iterable[Tuple[str, Sequence[int], int, Dict[str, torch
     if wanted is not None and wanted - set(out):
         raise ValueError(f"optimizer shards hold no state for {sorted(wanted - set(out))[:3]}")
     return out
+
+
+def shard_pieces(sds: List[dict]):
+    """The per-parameter pieces (:func:`merge_pieces`) of per-DP-rank files (SHARD_FORMAT)."""
+    for sd in sds:
+        for shard in sd["shards"]:
+            for name, lo, hi, plo, shape in shard["segments"]:
+                yield name, shape, plo, {k: shard[k][lo:hi] for k in ADAM_KINDS}
+
+
+def upgrade_shard(sd: dict) -> dict:
+    """A per-DP-rank file in SHARD_FORMAT. The v1 files of older megalite (ZeRO-1/2:
+    ``megalite.zero.shard/v1``, segments with an extra end; ZeRO-3: ``megalite-zero3-shard/1``,
+    per-unit flats whose parameters lie end to end, DP rank r holding ``[r*S, (r+1)*S)``) hold the
+    same tensors under other keys: they are translated, never copied."""
+    fmt = sd.get("format")
+    if fmt == "megalite.zero.shard/v1":
+        shards = [{**{k: s[k] for k in ADAM_KINDS},
+                   "segments": [[n, lo, hi, plo, shape] for n, lo, hi, plo, _, shape in
+                                s["segments"]]} for s in sd["shards"]]
+    elif fmt == "megalite-zero3-shard/1":
+        shards = []
+        for unit in sd["units"].values():
+            if "names" not in unit:
+                raise ValueError("ZeRO-3 optimizer shards without parameter names (saved by an "
+                                 "older megalite) cannot be read; pass --no-load-optim")
+            size, off, segs = unit["main"].numel(), 0, []
+            base = int(sd["dp_rank"]) * size
+            for name, shape in zip(unit["names"], unit["shapes"]):
+                a, b = max(off, base), min(off + math.prod(shape), base + size)
+                if a < b:
+                    segs.append([name, a - base, b - base, a - off, list(shape)])
+                off += math.prod(shape)
+            shards.append({"master": unit["main"], "exp_avg": unit["exp_avg"],
+                           "exp_avg_sq": unit["exp_avg_sq"], "segments": segs})
+    else:
+        return sd
+    return {"format": SHARD_FORMAT, "zero_stage": sd.get("zero_stage", 3),
+            **{k: sd.get(k) for k in ("dp_size", "dp_rank", "step", "param_groups",
+                                      "grad_scaler")}, "shards": shards}
+
+
+def check_shard_set(sds: List[dict]) -> List[dict]:
+    """Every DP rank's file exactly once, in rank order, in SHARD_FORMAT (stage 0: rank 0's,
+    which holds everything)."""
+    if not sds:
+        raise ValueError("no optimizer shards to merge")
+    sds = sorted((upgrade_shard(sd) for sd in sds), key=lambda sd: int(sd["dp_rank"]))
+    bad = [sd.get("format") for sd in sds if sd.get("format") != SHARD_FORMAT]
+    if bad:
+        raise ValueError(f"not a per-DP-rank optimizer state (format {bad[0]!r})")
+    n = int(sds[0]["dp_size"])
+    if [int(sd["dp_rank"]) for sd in sds] != list(range(n)) or any(
+            int(sd["dp_size"]) != n for sd in sds):
+        raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} do not "
+                         f"make up one DP group of {n} (missing or mixed files?)")
+    return sds[:1] if sds[0].get("zero_stage") == 0 else sds
+
+
+def merge_shard_state_dicts(sds: List[dict]) -> dict:
+    """The unsharded state (FULL_FORMAT, as ``gather_full_state`` returns) from *all* DP ranks'
+    files of one (TP, PP) rank, any ZeRO stage and format version: how a checkpoint resumes at
+    another DP size (``load_full_state`` re-splits it). No communication."""
+    sds = check_shard_set(sds)
+    first = sds[0]
+    return {"format": FULL_FORMAT, "step": first["step"], "param_groups": first["param_groups"],
+            "grad_scaler": first.get("grad_scaler"), "params": merge_pieces(shard_pieces(sds))}
