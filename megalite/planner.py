@@ -32,8 +32,8 @@ GiB = 2 ** 30
 GPU = collections.namedtuple("GPU", "name peak_tflops memory_gib hbm_gbps "
                              "intra_node_bandwidth_gbps inter_node_bandwidth_gbps gemm_efficiency")
 GPUS = {g.name: g for g in (GPU("A100-80GB", 312.0, 80.0, 2039.0, 300.0, 200.0, 0.70),
-                            GPU("H100-80GB", 989.0, 80.0, 3350.0, 450.0, 400.0, 0.62),
-                            GPU("H200", 989.0, 141e9 / GiB, 4800.0, 450.0, 400.0, 0.62))}
+                            GPU("H100-80GB", 989.0, 80.0, 3350.0, 450.0, 400.0, 0.64),
+                            GPU("H200", 989.0, 141e9 / GiB, 4800.0, 450.0, 400.0, 0.64))}
 GEMM_HALF_DIM = 96            # a GEMM with smallest dimension n runs at n / (n + 96) of the max
 FLASH_ATTENTION_EFFICIENCY = 0.55  # fused attention (counted FLOPs) relative to a large GEMM
 UNFUSED_SOFTMAX_BYTES = 13    # bytes per score element, forward, of the unfused softmax path
