@@ -37,6 +37,8 @@ CASES = [  # name, processes, flags
     ("PP2 1F1B", 2, PP),
     ("PP2 interleaved v=2", 2, PP + ["--num-virtual-stages-per-pipeline-rank", "2"]),
     ("PP2 ZB-H1", 2, PP + ["--pipeline-schedule", "zb-h1"]),
+    ("PP2 ZB-V", 2, PP + ["--pipeline-schedule", "zb-v"]),  # loss head on rank 0
+    ("PP2 DualPipeV", 2, PP + ["--pipeline-schedule", "dualpipev"]),
     ("DP2 ZeRO-1", 2, ["--zero-stage", "1", "--global-batch-size", "8"]),
     ("DP2 ZeRO-2", 2, ["--zero-stage", "2", "--global-batch-size", "8"]),
     ("DP2 ZeRO-3", 2, ["--zero-stage", "3", "--global-batch-size", "8"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from megalite.config import ConfigError, ModelConfig, ParallelConfig
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
+from megalite.pipeline_parallel.partition import V_SCHEDULES
+from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
 
 GiB = 2 ** 30
@@ -29,8 +32,8 @@ GiB = 2 ** 30
 GPU = collections.namedtuple("GPU", "name peak_tflops memory_gib hbm_gbps "
                              "intra_node_bandwidth_gbps inter_node_bandwidth_gbps gemm_efficiency")
 GPUS = {g.name: g for g in (GPU("A100-80GB", 312.0, 80.0, 2039.0, 300.0, 200.0, 0.70),
-                            GPU("H100-80GB", 989.0, 80.0, 3350.0, 450.0, 400.0, 0.62),
-                            GPU("H200", 989.0, 141e9 / GiB, 4800.0, 450.0, 400.0, 0.62))}
+                            GPU("H100-80GB", 989.0, 80.0, 3350.0, 450.0, 400.0, 0.64),
+                            GPU("H200", 989.0, 141e9 / GiB, 4800.0, 450.0, 400.0, 0.64))}
 GEMM_HALF_DIM = 96            # a GEMM with smallest dimension n runs at n / (n + 96) of the max
 FLASH_ATTENTION_EFFICIENCY = 0.55  # fused attention (counted FLOPs) relative to a large GEMM
 UNFUSED_SOFTMAX_BYTES = 13    # bytes per score element, forward, of the unfused softmax path
@@ -63,13 +66,15 @@ class Layout:
     sequence_parallel: bool = False
     recompute_granularity: str = "none"  # none | selective | full
     micro_batch_size: int = 1
-    pipeline_schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1
+    pipeline_schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1 | zb-v | dualpipev (v = 2)
 
     def short(self) -> str:
         t, p, v = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                    self.virtual_pipeline_model_parallel_size)
-        return (f"TP{t}{'+SP' * self.sequence_parallel} PP{p}{f'x{v}' if v > 1 else ''}"
-                f"{' ZB-H1' if self.pipeline_schedule == 'zb-h1' else ''} DP"
+        name = {"zb-h1": " ZB-H1", "zb-v": " ZB-V", "dualpipev": " DualPipeV"}
+        return (f"TP{t}{'+SP' * self.sequence_parallel} PP{p}"
+                f"{f'x{v}' if v > 1 and self.pipeline_schedule == 'interleaved' else ''}"
+                f"{name.get(self.pipeline_schedule, '')} DP"
                 f"{self.data_parallel_size} ZeRO{self.zero_stage} mb{self.micro_batch_size} "
                 f"recompute {self.recompute_granularity}")
 
@@ -113,6 +118,11 @@ class Model:
         return self.memo["layer"]
 
 
+def head_rank(lay: Layout) -> int:
+    """The pipeline rank with the final norm, output layer and loss: the last, or 0 in a V."""
+    return 0 if lay.pipeline_schedule in V_SCHEDULES else lay.pipeline_model_parallel_size - 1
+
+
 def stage_params(m: Model, lay: Layout, r: int) -> float:
     """Parameters one GPU of pipeline stage r holds (its TP shard)."""
     cfg, t, p = m.cfg, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
@@ -121,7 +131,7 @@ def stage_params(m: Model, lay: Layout, r: int) -> float:
     if r == 0:
         n += vh + (cfg.max_position_embeddings * cfg.hidden_size
                    if cfg.position_embedding_type == "learned_absolute" else 0)
-    if r == p - 1:  # final norm; output layer (the tied embedding's copy when p > 1)
+    if r == head_rank(lay):  # final norm; output layer (the tied embedding's copy when p > 1)
         n += 2 * cfg.hidden_size + (vh if cfg.untie_embeddings_and_output_weights or p > 1 else 0)
     return n
 
@@ -175,13 +185,32 @@ def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
 
 def in_flight(lay: Layout, num_micro: int, r: int = 0) -> float:
     """Micro-batches (in stage-equivalents) stage r holds at its peak, as the schedules run:
-    1F1B/ZB-H1 warm up p - r - 1 forwards, interleaved 2(p - r - 1) + (v - 1)p chunk forwards."""
+    1F1B/ZB-H1 warm up p - r - 1 forwards, interleaved 2(p - r - 1) + (v - 1)p chunk forwards;
+    the V schedules' orders are counted (ZB-V: 2p chunks, DualPipeV: 2p + 1)."""
     p, v = lay.pipeline_model_parallel_size, lay.virtual_pipeline_model_parallel_size
     if p == 1:
         return 1.0
+    if lay.pipeline_schedule in V_SCHEDULES:
+        return max(x[0] for x in v_live_states(lay.pipeline_schedule, p, r, num_micro)) / 2
     if v > 1:
         return min(2 * (p - r - 1) + (v - 1) * p + 1, num_micro * v) / v
     return float(min(p - r, num_micro))
+
+
+@functools.lru_cache(maxsize=1024)
+def v_live_states(schedule: str, p: int, r: int, m: int) -> frozenset:
+    """Every (chunk forwards not yet backwarded, deferred W's pending of chunk 0, of chunk 1)
+    rank r passes through in the order a V schedule runs (schedule_order itself, not a closed
+    form: DualPipeV's drain defers its W's to the end, so its peak grows with m)."""
+    ops = schedule_order(schedule, p, r, m, 2)
+    deferred = {(o.chunk, o.microbatch) for o in ops if o.kind == "W"}
+    live, w, out = 0, [0, 0], set()
+    for o in ops:
+        live += {"F": 1, "B": -1}.get(o.kind, 0)
+        if o.kind != "F" and (o.chunk, o.microbatch) in deferred:
+            w[o.chunk] += 1 if o.kind == "B" else -1
+        out.add((live, w[0], w[1]))
+    return frozenset(out)
 
 
 def memory(m: Model, lay: Layout, gbs: int, stage: Optional[int] = None) -> Dict:
@@ -200,9 +229,21 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     psi = stage_params(m, lay, r)
     st = theoretical_model_state_bytes(psi, lay.data_parallel_size, lay.zero_stage,
                                        cfg.params_dtype)
-    live = in_flight(lay, max(gbs // (lay.data_parallel_size * b), 1), r)
-    act = layer_activation_bytes(m, b, t, sp, lay.recompute_granularity) * cfg.num_layers / p \
-        * live
+    num_micro = max(gbs // (lay.data_parallel_size * b), 1)
+    live = in_flight(lay, num_micro, r)
+    layer = layer_activation_bytes(m, b, t, sp, lay.recompute_granularity)
+    act = layer * cfg.num_layers / p * live
+    vt = cfg.padded_vocab_size(t) / t
+    # what a deferred W pass keeps (tensor_parallel/layers.py): every linear's input and output
+    # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input
+    q, kv, f = cfg.num_attention_heads * cfg.kv_channels, \
+        cfg.num_query_groups * cfg.kv_channels, cfg.ffn_hidden_size
+    w_layer = s * b * E * ((2 * q + 2 * kv + (2 + cfg.swiglu) * f) / t + 4 * h)
+    w_head = s * b * E * (vt + h)
+    if lay.pipeline_schedule in V_SCHEDULES:  # 2 chunks of L/(2p) layers; chunk 1 of rank 0
+        n = cfg.num_layers / (2 * p)          # holds the head
+        act = max(fw * n * layer + (w0 + w1) * n * w_layer + w1 * w_head * (r == 0)
+                  for fw, w0, w1 in v_live_states(lay.pipeline_schedule, p, r, num_micro))
     if r == 0:  # token ids (int64) and the embedding's dropout mask
         act += live * s * b * (8 + h * m.mask_bytes * (cfg.hidden_dropout > 0) / (t if sp else 1))
     # transient working set, the largest of: a layer's backward (gradients of the fc1 output and
@@ -210,16 +251,11 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     fl = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t
     work = [s * b * (2 * fl + 2 * h) * E + fl * h * E
             + (layer_activation_bytes(m, b, t, sp) if lay.recompute_granularity == "full" else 0)]
-    vt = cfg.padded_vocab_size(t) / t
-    if r == p - 1:  # ... or the loss head; the final norm's input and output are kept
+    if r == head_rank(lay):  # ... or the loss head; the final norm's input and output are kept
         act += s * b * 2 * h * E / (t if sp else 1)
         work.append(loss_head_bytes(m, b, t, sp))
-    if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1); each
-        # keeps its linears' inputs and output gradients (layers.py), the output layer's too
-        q, kv, f = cfg.num_attention_heads * cfg.kv_channels, \
-            cfg.num_query_groups * cfg.kv_channels, cfg.ffn_hidden_size
-        act += r * s * b * E * (cfg.num_layers / p * ((2 * q + 2 * kv + (2 + cfg.swiglu) * f) / t
-                                                      + 4 * h) + (vt + h) * (r == p - 1))
+    if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1)
+        act += r * (cfg.num_layers / p * w_layer + w_head * (r == p - 1))
     grads = st["grads_bytes"]
     if lay.zero_stage == 2:  # fp32 storage of the buckets being filled and reduced
         grads += 4 * min(2 * DEFAULT_BUCKET_SIZE, psi)
@@ -244,6 +280,14 @@ def _coll_s(all_reduce: bool, nbytes: float, n: int, link) -> float:
         return 0.0
     return COLLECTIVE_LATENCY_S[link[0]] + (1 + all_reduce) * (n - 1) / n * nbytes \
         / (link[1] * 1e9 * COLLECTIVE_EFFICIENCY)
+
+
+def v_bubble(schedule: str, p: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle time per rank of a V schedule with chunk op times F, B (input gradient), W. ZB-V:
+    (p-1) max(F, 2(B - W)), what its order implies (timeline.schedule_idle_times; tested);
+    DualPipeV: the DeepSeek-V3 report's (p-1)(T_F&B + T_B - 3T_W), T_F&B = F + B + W run one
+    after the other, an upper bound of what its order implies."""
+    return (p - 1) * (max(t_f, 2 * (t_b - t_w)) if schedule == "zb-v" else t_f + 2 * t_b - 2 * t_w)
 
 
 def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
@@ -285,6 +329,9 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     slot = per_micro + layers * tp_layer
     bubble = (p - 1) * (slot - layers * gemm) if lay.pipeline_schedule == "zb-h1" \
         else (p - 1) / v * slot
+    if lay.pipeline_schedule in V_SCHEDULES:  # in chunk times (half a stage's): F, B, W
+        f_c, w_c = (layers * (fwd + tp_layer / 2) + logits / 3) / 2, layers * gemm / 2
+        bubble = v_bubble(lay.pipeline_schedule, p, f_c, slot / 2 - f_c - w_c, w_c)
     if p > 1:
         link = cl.link(t * d * p)
         msg = M * h * E / (t if lay.sequence_parallel else 1)
@@ -327,10 +374,14 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
                        ).validate(seq_length=m.cfg.seq_length)
     except ConfigError as e:
         return str(e)
+    sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
     if (t * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b)
-            or (v > 1 and (gbs // (d * b)) % p) or (lay.zero_stage and d == 1)):
+            or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d == 1)
+            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))
+            or (lay.zero_stage == 3 and sched in ("zb-h1",) + V_SCHEDULES)):
         return ("TP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the batch, "
-                "PP the micro-batches when interleaved; ZeRO needs DP > 1")
+                "PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs DP > 1, "
+                "ZeRO-3 no zero-bubble schedule")
     return None
 
 
@@ -345,9 +396,9 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
         if t > cl.gpus_per_node or t & (t - 1) or cl.num_gpus % (t * p) or m.cfg.num_layers % p:
             continue
         d = cl.num_gpus // (t * p)
-        vs = [(1, "1f1b")] + ([(1, "zb-h1")] + [(v, "interleaved") for v in range(2, 9)
-                                                if (m.cfg.num_layers // p) % v == 0]
-                              if p > 1 else [])
+        vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
+                              + [(v, "interleaved") for v in range(2, 9)
+                                 if (m.cfg.num_layers // p) % v == 0] if p > 1 else [])
         for (v, sched), b, z, sp, rc in itertools.product(
                 vs, (1, 2, 4, 8, 16), range(4), (False, True), ("none", "selective", "full")):
             lay = Layout(t, p, v, d, z, sp, rc, b, sched)
@@ -370,7 +421,8 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
     """The planner's memory for the layout pretrain.py runs, at pipeline stage ``stage``."""
     par, tr, opt = cfg.parallel, cfg.training, cfg.optimizer
     t, p, v = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-               par.virtual_pipeline_model_parallel_size or 1)
+               2 if tr.pipeline_schedule in V_SCHEDULES
+               else par.virtual_pipeline_model_parallel_size or 1)
     lay = Layout(t, p, v, world_size // (t * p),
                  opt.zero_stage or int(opt.use_distributed_optimizer),
                  cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",

@@ -57,14 +57,14 @@ LAYOUTS_4 = {
     "pp2_dp2_zbh1_m2_tied": (1, 2, False, "zb-h1", 4, None, None, None, 2, True),
     "tp2_pp2_sp_1f1b_m4_tied": (2, 2, True, "1f1b", 4, None, None, None, 4, True),
     "tp2_pp2_sp_v2_interleaved_m2_untied": (2, 2, True, "interleaved", 4, 1, None, None, 2, False),
-    "pp4_zbv_m8_untied": (1, 4, False, "zb-v", 8, None, None, None, 8, False),
+    "pp4_zbv_m8_tied": (1, 4, False, "zb-v", 8, None, None, None, 8, True),
     "pp2_dp2_dualpipev_m6_untied": (1, 2, False, "dualpipev", 4, None, None, None, 6, False),
     "tp2_pp2_sp_zbv_m4_untied": (2, 2, True, "zb-v", 4, None, None, None, 4, False),
 }
 # These run the batched p2p program (NCCL's) on gloo; the others run gloo's eager one
 # (schedules.eager_program). Both must give the same losses, gradients and op order.
 BATCHED = {"pp4_v2_interleaved_m4_tied", "pp2_dp2_zbh1_m2_tied", "tp2_pp2_sp_1f1b_m4_tied",
-           "tp2_pp2_dp2_sp_zbh1_m2_untied", "pp4_zbv_m8_untied", "pp2_dp2_dualpipev_m6_untied"}
+           "tp2_pp2_dp2_sp_zbh1_m2_untied", "pp4_zbv_m8_tied", "pp2_dp2_dualpipev_m6_untied"}
 LAYOUTS_8 = {
     "tp2_pp2_dp2_sp_1f1b_m4_tied": (2, 2, True, "1f1b", 4, None, None, None, 4, True),
     "tp2_pp2_dp2_sp_zbh1_m2_untied": (2, 2, True, "zb-h1", 4, None, None, None, 2, False),
@@ -173,8 +173,11 @@ def _run_layout(name, layout):
             rel = ((w - r).norm() / r.norm()).item()
             assert rel <= 1e-4, f"{name}: {k} drifted from the reference, rel {rel:.2e}"
     # ... and the two copies of a tied embedding stay bit-identical (their gradients are summed
-    # over the embedding group every step, so both get the same update).
-    if tied and pp > 1 and ps.in_embedding_group:
+    # over the embedding group every step, or on rank 0 under the V, so both get the same update).
+    if tied and schedule in V_SCHEDULES and ps.pp_rank == 0:
+        assert torch.equal(chunks[0].embedding.word_embeddings.weight,
+                           chunks[1].output_layer.weight), f"{name}: tied embedding copies diverged"
+    elif tied and pp > 1 and ps.in_embedding_group and schedule not in V_SCHEDULES:
         mine = (chunks[0].embedding.word_embeddings.weight if ps.pp_rank == 0
                 else chunks[-1].output_layer.weight).detach().contiguous()
         both = [torch.empty_like(mine) for _ in range(2)]
@@ -376,9 +379,6 @@ def test_layer_partition():
     (lambda: check_pipeline_args(2, 4, None, "gpipe"), "--pipeline-schedule"),
     (lambda: check_pipeline_args(2, 3, 2, "zb-v"), "at least 2 x"),
     (lambda: virtual_layer_ranges(6, 2, v_shape=True), "divisible by 4"),
-    (lambda: build_model_chunks(tiny_config("gpt2", num_layers=4),
-                                ParallelState(pp_size=2, pp_ranks=[0, 1]), v_shape=True),
-     "--untie-embeddings-and-output-weights"),
     (lambda: get_forward_backward_func(2, None, "interleaved"), "needs"),
     (lambda: build_model_chunks(tiny_config("gpt2", num_layers=3),
                                 ParallelState(pp_size=2, pp_ranks=[0, 1])),

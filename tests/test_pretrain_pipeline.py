@@ -170,11 +170,9 @@ BAD = {
     # (stage_layer_counts' other error, p > L, leaves by the same path; test_pipeline.py checks
     # its line)
     "layers_not_divisible": (["--num-layers", "3"], "--num-layers (3) must be divisible"),
-    "v_schedule_tied": (["--num-layers", "4", "--pipeline-schedule", "zb-v"],
-                        "--untie-embeddings-and-output-weights"),
     "v_schedule_zero3": (["--num-layers", "4", "--pipeline-schedule", "dualpipev",
-                          "--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
-                          "--zero-stage", "3"], "does not support --pipeline-schedule dualpipev"),
+                          "--use-distributed-optimizer", "--zero-stage", "3"],
+                         "does not support --pipeline-schedule dualpipev"),
 }
 
 
@@ -195,24 +193,25 @@ def test_bad_pipeline_layouts_fail_in_one_line(tmp_path):
 
 
 def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
-    """zb-v and dualpipev through pretrain.py (untied: the V puts both ends on rank 0): pp2 with
-    TP2 + SP under zb-v with full recompute, and pp2 x DP2 with ZeRO-2 under dualpipev, equal one
-    process; the dualpipev checkpoint resumes to the same losses, and resharded to pp=1 it
-    resumes in one process to the same losses too (tools/checkpoint/convert.py)."""
+    """zb-v and dualpipev through pretrain.py with tied embeddings (the GPT-2 default: the V puts
+    both copies on rank 0): pp2 with TP2 + SP under zb-v with full recompute, and pp2 x DP2 with
+    ZeRO-2 under dualpipev, equal one process. The dualpipev checkpoint has 1F1B's tied format:
+    resharded to a pp2 1F1B layout it resumes under 1F1B, and from there resharded back to the V
+    (the weights bit for bit what the V run saved) it resumes under dualpipev, both to the
+    uninterrupted run's losses (tools/checkpoint/convert.py)."""
     V = dict(BASE, global_batch_size=16)  # m = 16 / 2 = 8 per pipeline without DP, 4 with DP2
-    untied = ["--untie-embeddings-and-output-weights"]
     ck = tmp_path / "dpv"
+    dpv = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
+           "--use-distributed-optimizer", "--zero-stage", "2"]
     jobs = {
         "zb-v tp2 sp recompute": _start(flags(
-            *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
             "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--recompute-granularity", "full", metrics_file=tmp_path / "zbv.jsonl", **V), 4),
-        "dualpipev dp2 zero2": _start(flags(
-            *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
-            "--use-distributed-optimizer", "--zero-stage", "2", "--save-interval", "3",
-            save=ck, metrics_file=tmp_path / "dpv.jsonl", **V), 4),
+        "dualpipev dp2 zero2": _start(flags(*dpv, "--save-interval", "3", save=ck,
+                                            metrics_file=tmp_path / "dpv.jsonl", **V), 4),
     }
-    rc = run_main(flags(*untied, metrics_file=tmp_path / "single.jsonl", **V))
+    rc = run_main(flags(metrics_file=tmp_path / "single.jsonl", **V))
     _all_exit_0(jobs, timeout=300)
     assert rc == 0
     ref = train_losses(tmp_path / "single.jsonl")
@@ -222,35 +221,36 @@ def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
         for it in ref:
             assert abs(got[it] - ref[it]) <= 1e-5 * abs(ref[it]), (name, it, got[it], ref[it])
 
-    # resume the V checkpoint at iteration 3 as it is (as if the run had stopped there) and
-    # resharded to one process; and back from one process to a V, weights unchanged
+    # resume the V checkpoint at iteration 3 (as if the run had stopped there) resharded to pp2
+    # 1F1B, and from that 1F1B checkpoint back to the V, weights unchanged
     shutil.rmtree(ck / "iter_0000005")
     (ck / TRACKER_FILE).write_text("3")
-    assert convert_cli.main(["reshard", "--load", str(ck), "--save", str(tmp_path / "pp1"),
+    assert convert_cli.main(["reshard", "--load", str(ck), "--save", str(tmp_path / "f1b"),
                              "--iteration", "3", "--tensor-model-parallel-size", "1",
-                             "--pipeline-model-parallel-size", "1", "--data-parallel-size", "1",
+                             "--pipeline-model-parallel-size", "2", "--data-parallel-size", "1",
                              "--zero-stage", "0"]) == 0
-    assert convert_cli.main(["reshard", "--load", str(tmp_path / "pp1"), "--save",
+    assert json.loads((tmp_path / "f1b" / "iter_0000003" / "args.json").read_text())[
+        "training"]["pipeline_schedule"] in (None, "1f1b")
+    assert convert_cli.main(["reshard", "--load", str(tmp_path / "f1b"), "--save",
                              str(tmp_path / "v2"), "--tensor-model-parallel-size", "1",
-                             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
-                             "--no-optim"]) == 0
+                             "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                             "dualpipev", "--data-parallel-size", "2", "--zero-stage", "2"]) == 0
     for r in ("mp_rank_00_000", "mp_rank_00_001"):
         a, b = (torch.load(d / "iter_0000003" / r / "model_optim_rng.pt", weights_only=False)
                 for d in (ck, tmp_path / "v2"))
         for k in ("model0", "model1"):  # the V's two chunks, each layer where it was
             assert list(a[k]) == list(b[k]) and all(torch.equal(a[k][n], b[k][n]) for n in a[k])
+        # rank 0's chunk 1 keeps its own copy of the tied embedding, as 1F1B's last stage does
+        assert ("output_layer.weight" in a["model1"]) == (r == "mp_rank_00_000")
     jobs = {
-        "resume V": _start(flags(
-            *untied, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
-            "--use-distributed-optimizer", "--zero-stage", "2", load=ck,
-            metrics_file=tmp_path / "resume_v.jsonl", **V), 4),
+        "resume V": _start(flags(*dpv, load=tmp_path / "v2",
+                                 metrics_file=tmp_path / "resume_v.jsonl", **V), 4),
+        "resume 1f1b": _start(flags("--pipeline-model-parallel-size", "2", load=tmp_path / "f1b",
+                                    metrics_file=tmp_path / "resume_1f1b.jsonl", **V), 2),
     }
-    rc = run_main(flags(*untied, load=tmp_path / "pp1", metrics_file=tmp_path / "resume_pp1.jsonl",
-                        **V))
     _all_exit_0(jobs, timeout=300)
-    assert rc == 0
     whole = train_losses(tmp_path / "dpv.jsonl")
-    for name in ("resume_v", "resume_pp1"):
+    for name in ("resume_v", "resume_1f1b"):
         got = train_losses(tmp_path / f"{name}.jsonl")
         assert sorted(got) == [4, 5], (name, got)
         for it in got:

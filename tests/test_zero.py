@@ -66,7 +66,7 @@ def opt_config(**overrides) -> OptimizerConfig:
     return OptimizerConfig(**base).validate()
 
 
-def reference_run(model_cfg, cfg: OptimizerConfig, iters: int):
+def reference_run(model_cfg, cfg: OptimizerConfig, iters: int, b: int = GLOBAL_BATCH):
     """Single process, torch.optim.AdamW with the same groups (matrices decay) and clipping."""
     model = GPTModel(model_cfg, ParallelState(), seed=SEED)
     params = list(model.parameters())
@@ -76,7 +76,7 @@ def reference_run(model_cfg, cfg: OptimizerConfig, iters: int):
                             eps=cfg.adam_eps, foreach=True)
     losses = []
     for it in range(iters):
-        tokens, labels = global_batch(it)
+        tokens, labels = global_batch(it, b)
         opt.zero_grad()
         loss = model(tokens, labels=labels).sum() / labels.numel()
         loss.backward()
@@ -434,27 +434,32 @@ def test_bad_config_is_a_clear_error():
         DistributedOptimizer([model], OptimizerConfig(zero_stage=1), ParallelState())
 
 
-# ------------------------------------------------------------------------------ pp=2 x dp=2
-def _pp2_dp2_worker(rank, world_size):
+# ------------------------------------------------------------------------------ pp x dp=2
+def _pp_dp2_worker(rank, world_size, runs, layers, m):
+    """``runs``: (schedule, ZeRO stage) pairs, each trained ITERS steps with DDP + the distributed
+    optimizer (clipping on, so the gradient norm must count a tied embedding once) on
+    pp = world_size / 2 stages of a tied model, against one process."""
+    from megalite.config import V_SCHEDULES
     from megalite.pipeline_parallel.partition import build_model_chunks
     from megalite.pipeline_parallel.executor import get_forward_backward_func
 
-    cfg = parity_config()
-    ref_losses, ref_params = reference_run(cfg, opt_config(), ITERS)
-    ps = initialize_model_parallel(1, 2, backend="gloo", device="cpu", set_default=False)
+    pp = world_size // 2
+    cfg = parity_config(num_layers=layers)
+    ref_losses, ref_params = reference_run(cfg, opt_config(), ITERS, b=2 * m)
+    ps = initialize_model_parallel(1, pp, backend="gloo", device="cpu", set_default=False)
     world = torch.distributed.group.WORLD
-    for schedule, stage in (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1)):
-        where = f"pp=2 dp=2 {schedule} stage={stage}"
+    for schedule, stage in runs:
+        where = f"pp={pp} dp=2 {schedule} stage={stage}"
         ocfg = opt_config(zero_stage=stage, overlap_grad_reduce=True, overlap_param_gather=True,
                           ddp_bucket_size=BUCKET)
-        chunks, no_sync, finalize = wrap_chunks(build_model_chunks(cfg, ps, seed=SEED), ocfg, ps)
+        chunks, no_sync, finalize = wrap_chunks(build_model_chunks(
+            cfg, ps, seed=SEED, v_shape=schedule in V_SCHEDULES), ocfg, ps)
         opt = DistributedOptimizer(chunks, ocfg, ps)
-        fb = get_forward_backward_func(2, None, schedule)
-        local, m = GLOBAL_BATCH // ps.dp_size, 2
-        mbs = local // m
+        fb = get_forward_backward_func(pp, ps.vpp_size, schedule)
+        local, mbs = m, 1
         losses = []
         for it in range(ITERS):
-            tokens, labels = global_batch(it)
+            tokens, labels = global_batch(it, 2 * m)
             ntok = labels.numel()
             r = ps.dp_rank * local
             batches = iter([(tokens[r + i:r + i + mbs], labels[r + i:r + i + mbs])
@@ -470,18 +475,31 @@ def _pp2_dp2_worker(rank, world_size):
             s = torch.zeros(1)
             for st in stats:
                 s += st["lm_loss_sum"]
-            C.all_reduce(s, group=world)  # only the last stage has losses
+            C.all_reduce(s, group=world)  # only the loss's stage has losses
             losses.append(s.item() / ntok)
         assert_losses_close(losses, ref_losses, 1e-4, where)
         for c in chunks:
             c.finish_param_sync()
-        got = full_params(chunks[0].module, None)
-        if "output_layer.weight" in got:  # the last stage's copy of the tied embedding
+        got = {}
+        for c in chunks:
+            got.update(full_params(c.module, None))
+        if "output_layer.weight" in got:  # the copy of the tied embedding on the loss's stage
             emb = got.pop("output_layer.weight")
             assert rel_close(emb, ref_params["embedding.word_embeddings.weight"]) <= 1e-5, where
+            if "embedding.word_embeddings.weight" in got:  # both copies on rank 0 (the V)
+                assert torch.equal(emb, got["embedding.word_embeddings.weight"]), where
         assert_params_close(got, {k: ref_params[k] for k in got}, 1e-5, where)
     return True
 
 
 def test_pp2_dp2_zero_stages_match_single_process():
-    assert all(run_distributed(_pp2_dp2_worker, 4))
+    """pp=2 x dp=2, tied embeddings: 1F1B at ZeRO 1/2, ZB-H1, and the V schedules (both copies of
+    the tied embedding on rank 0) at ZeRO 1."""
+    runs = [("1f1b", 1), ("1f1b", 2), ("zb-h1", 1), ("zb-v", 1), ("dualpipev", 1)]
+    assert all(run_distributed(_pp_dp2_worker, 4, runs, 4, 4))
+
+
+def test_pp4_dp2_v_schedules_tied_zero1_match_single_process():
+    """pp=4 x dp=2 (8 ranks), tied embeddings, ZB-V and DualPipeV at ZeRO 1."""
+    assert all(run_distributed(_pp_dp2_worker, 8, [("zb-v", 1), ("dualpipev", 1)], 8, 8,
+                               timeout=600))

@@ -315,15 +315,17 @@ def test_zero3_single_process_matches_reference():
     _assert_parity(_train(model, opt, ParallelState(), 4), _reference(cfg, 4), "dp1")
 
 
-def test_zero3_refuses_zero_bubble_schedule():
-    """zb-h1 defers weight gradients to a W pass (a clear ConfigError); 1F1B/interleaved run
-    (tests/test_zero3_pipeline.py)."""
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v", "dualpipev"])
+def test_zero3_refuses_zero_bubble_schedule(schedule):
+    """The zero-bubble schedules defer weight gradients to a W pass (a clear ConfigError, tied
+    embeddings or not); 1F1B/interleaved run (tests/test_zero3_pipeline.py)."""
     from megalite.config import MegaliteConfig, ParallelConfig, TrainingConfig
 
     cfg = MegaliteConfig(parallel=ParallelConfig(pipeline_model_parallel_size=2),
-                         training=TrainingConfig(pipeline_schedule="zb-h1"),
+                         training=TrainingConfig(pipeline_schedule=schedule),
                          optimizer=OptimizerConfig(zero_stage=3))
-    with pytest.raises(ConfigError, match="zb-h1"):
+    with pytest.raises(ConfigError, match=f"--zero-stage 3 does not support --pipeline-schedule "
+                                          f"{schedule} "):
         cfg.validate()
 
 

@@ -8,7 +8,8 @@ recompute layouts by predicted step time, with memory per GPU (docs/planner.md).
 Model flags are pretrain.py's (same spellings and checks). Give --tensor-model-parallel-size and
 --pipeline-model-parallel-size (optionally --num-layers-per-virtual-pipeline-stage, --zero-stage
 or --use-distributed-optimizer, --sequence-parallel, --recompute-granularity,
---micro-batch-size, --pipeline-schedule) to evaluate that layout; flags not given are searched.
+--micro-batch-size, --pipeline-schedule, including zb-v and dualpipev) to evaluate that layout;
+flags not given are searched.
 """
 
 from __future__ import annotations
@@ -42,11 +43,14 @@ _PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
            "--num-layers-per-virtual-pipeline-stage": "virtual_pipeline_model_parallel_size",
            "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
            "--pipeline-schedule": "pipeline_schedule"}
+# layout flags of pretrain.py the planner does not model: refused rather than silently ignored
+_UNMODELLED = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+               "--recompute-method", "--recompute-num-layers")
 
 
 def as_json(pl: Plan) -> dict:
     """The --json record of one layout (keys in docs/planner.md)."""
-    out = {k: v for k, v in dataclasses.asdict(pl.layout).items() if k != "pipeline_schedule"}
+    out = dataclasses.asdict(pl.layout)
     out.update(fits=pl.fits, memory_gib={k: round(pl.memory[k] / GiB, 3) for k in (
         "params", "grads", "optimizer", "activations", "total")},
         step_time_s=round(pl.time["step_time_s"], 4),
@@ -124,8 +128,13 @@ def parse(argv):
         raise ConfigError("--global-batch-size N is required to plan (DP and PP consume it)")
     if ns.top < 1:
         raise ConfigError(f"--top must be >= 1, got {ns.top}")
+    for flag in _UNMODELLED:
+        if flag in given:
+            raise ConfigError(f"{flag}: the planner models even pipeline stages and full recompute "
+                              f"of every layer, not this flag; leave it out (docs/planner.md)")
     cfg = _config_from_namespace(ns)
-    cfg.model.validate(1)
+    # layout-free checks here; --sequence-parallel is checked against each layout's TP size
+    dataclasses.replace(cfg.model, sequence_parallel=False).validate(1)
     gpu = GPUS[ns.gpu]
     over = {"memory_gib": ns.gpu_memory_gib, "peak_tflops": ns.peak_tflops,
             "intra_node_bandwidth_gbps": ns.intra_node_bandwidth_gbps,
@@ -145,6 +154,9 @@ def parse(argv):
                             "recompute_granularity": cfg.model.recompute_granularity,
                             "pipeline_schedule": cfg.training.pipeline_schedule,
                             }.get(field, getattr(ns, field, None))
+    if "virtual_pipeline_model_parallel_size" in fixed and "pipeline_schedule" not in fixed:
+        v = fixed["virtual_pipeline_model_parallel_size"]  # pretrain.py's default schedule for v
+        fixed["pipeline_schedule"] = "interleaved" if v > 1 else "1f1b"
     model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy)
     return model, cluster, ns.global_batch_size, fixed, ns
 

@@ -149,10 +149,6 @@ def check_target_layout(cfg: MegaliteConfig, layout: Layout, dp: Optional[int] =
         cfg.parallel.sequence_parallel = False
     m.validate(layout.tp)  # heads, query groups, ffn % t: messages name the flags
     layout.ranges(m.num_layers)  # layers % (p * v), p <= layers
-    if layout.v_schedule and m.tie_embeddings:
-        raise ConversionError(f"--pipeline-schedule {layout.v_schedule} puts the embedding and the "
-                              f"output layer on rank 0 as two chunks; a checkpoint with tied "
-                              f"embeddings cannot take that layout yet")
     tr = cfg.training
     if dp is not None and tr.global_batch_size and tr.micro_batch_size:
         if tr.global_batch_size % (tr.micro_batch_size * dp) != 0:

@@ -344,6 +344,17 @@ def _all_reduce_slices(slices: List[torch.Tensor], group, tag: str) -> None:
         offset += s.numel()
 
 
+def add_tied_copies_here(grads: List[torch.Tensor]) -> bool:
+    """Both copies of a tied embedding on this rank (zb-v / dualpipev: chunk 0's input embedding
+    and chunk 1's output layer, on pipeline rank 0; partition.py): give both the sum of their
+    gradients, no collective. False when at most one copy is here (it goes over the group)."""
+    if len(grads) != 2:
+        return False
+    grads[0].add_(grads[1])
+    grads[1].copy_(grads[0])
+    return True
+
+
 def finalize_model_grads_ddp(chunks: Iterable[DistributedDataParallel], ps: ParallelState) -> None:
     """DP reduction of every chunk, then TP (sequence-parallel) and embedding-group all-reduces on
     the DP-reduced slices this rank holds (the order is explained in the module docstring)."""
@@ -357,7 +368,8 @@ def finalize_model_grads_ddp(chunks: Iterable[DistributedDataParallel], ps: Para
     if ps.pp_size > 1 and ps.in_embedding_group:
         emb = [s for c in chunks for s in c.valid_grad_slices(
             lambda p: getattr(p, "shared_embedding", False))]
-        _all_reduce_slices(emb, ps.embedding_group, "embedding_grad_all_reduce")
+        if not add_tied_copies_here(emb):
+            _all_reduce_slices(emb, ps.embedding_group, "embedding_grad_all_reduce")
 
 
 def wrap_chunks(chunks: List[nn.Module], config: OptimizerConfig, ps: ParallelState):

@@ -3,7 +3,8 @@
 1. Sequence-parallel parameters (norms, row-parallel biases, position embeddings under SP) saw
    only this rank's sequence shard: all-reduce their gradients over the TP group.
 2. Tied embeddings split across pipeline stages: the first stage's input embedding and the last
-   stage's output layer are two copies of one weight; sum their gradients over the embedding group.
+   stage's output layer are two copies of one weight; sum their gradients over the embedding group
+   (or on rank 0, which holds both under zb-v / dualpipev).
 3. Data parallelism (plain path): sum gradients over the DP group. The loss is already normalised by
    the global batch's token count (docs/design.md, contract 4), so a SUM, not a mean, is right. The
    ZeRO optimizer replaces this step with its own bucketed reduce-scatter / all-reduce.
@@ -18,6 +19,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalite import collectives as C
+from megalite.distributed.ddp import add_tied_copies_here
 from megalite.parallel_state import ParallelState
 
 
@@ -46,7 +48,8 @@ def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) ->
         return
     grads = [g for m in models for p in m.parameters()
              if getattr(p, "shared_embedding", False) and (g := _grad_of(p)) is not None]
-    _all_reduce_coalesced(grads, ps.embedding_group, "embedding_grad_all_reduce")
+    if not add_tied_copies_here(grads):
+        _all_reduce_coalesced(grads, ps.embedding_group, "embedding_grad_all_reduce")
 
 
 def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:

@@ -5,7 +5,8 @@ Each parameter's gradient must be counted exactly once over the model-parallel g
   * a replicated parameter (norms, row-parallel biases, position embeddings) is identical on every
     TP rank after finalize_model_grads, so only TP rank 0 counts it;
   * the tied-embedding copy on the last pipeline stage (``shared_embedding=True``) duplicates the
-    first stage's, so only the first stage counts it.
+    first stage's, so only the first stage counts it; under zb-v / dualpipev both copies are on the
+    first stage, and the output layer's (``local_tied_copy``) is the one left out.
 The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
 hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
 rank computes the same norm. The result equals ``torch.nn.utils.clip_grad_norm_`` on the
@@ -23,7 +24,8 @@ from megalite import collectives as C
 
 def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) -> bool:
     """Whether this rank's copy of ``param`` is the one that counts in the global norm."""
-    if getattr(param, "shared_embedding", False) and not is_first_pp_stage:
+    if getattr(param, "shared_embedding", False) and (
+            not is_first_pp_stage or getattr(param, "local_tied_copy", False)):
         return False
     if getattr(param, "tensor_model_parallel", False):
         return True

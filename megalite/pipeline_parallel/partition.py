@@ -144,10 +144,6 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
                                   decoder_last_pipeline_num_layers, v_shape)[ps.pp_rank]
     v = len(ranges)
     ps.vpp_size = v if num_layers_per_virtual_pipeline_stage is not None or v_shape else None
-    if v_shape and model_config.tie_embeddings:
-        raise ConfigError("--pipeline-schedule zb-v/dualpipev put the embedding and the output "
-                          "layer on rank 0 as two chunks; tying them is not supported yet: pass "
-                          "--untie-embeddings-and-output-weights")
     chunks = []
     for c, layer_range in enumerate(ranges):
         vs = virtual_stage(ps.pp_size, ps.pp_rank, c, v, v_shape)
@@ -158,11 +154,14 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
         if model_config.tie_embeddings:
             # Two copies of one tied weight (input embedding on the first stage, output layer on
             # the last): GPTModel seeds the output copy from the embedding's name, so they start
-            # equal; both must be flagged so finalize_model_grads sums their gradients over the
-            # embedding group every step, which keeps them equal.
+            # equal; both must be flagged so finalize_model_grads sums their gradients every
+            # step, which keeps them equal: over the embedding group, or here when the V puts
+            # both on rank 0 (chunk 0 and chunk 1). Then the output copy is a local duplicate,
+            # which the gradient norm must not count a second time (clip_grads.counts_for_norm).
             if pre:
                 chunk.embedding.word_embeddings.weight.shared_embedding = True
             if post:
                 chunk.output_layer.weight.shared_embedding = True
+                chunk.output_layer.weight.local_tied_copy = v_shape
         chunks.append(chunk)
     return chunks
