@@ -4,17 +4,19 @@
 """
 
 import pytest
+import torch
 
 from dist_utils import run_distributed
-from model_utils import tiny_config
+from model_utils import VOCAB, assert_grads_close, tiny_config
 from test_pipeline import _parity_worker
+from test_recompute import _run
 from test_zero import (
     ITERS, assert_losses_close, assert_params_close, opt_config, reference_run, train)
 
 from megalite.arguments import parse_args
 from megalite.config import ConfigError, ModelConfig
 from megalite.logging import attention_flops, model_flops_per_sequence
-from megalite.parallel_state import initialize_model_parallel
+from megalite.parallel_state import ParallelState, initialize_model_parallel
 
 # Qwen3-like: q/k norms, head dim 8 != 32 / 8 heads, a window of 6 < 16 tokens on layers >= 1,
 # llama3 RoPE scaling with an original context of 4 (shorter than the sequence).
@@ -49,6 +51,22 @@ def _qwen2_dp2_zero1_worker(rank, world_size):
 def test_qwen2_dp2_zero1_matches_single_process():
     losses = run_distributed(_qwen2_dp2_zero1_worker, 2)
     assert losses[0] == losses[1] and len(set(losses[0])) > 1
+
+
+@pytest.mark.parametrize("variant", [dict(recompute_granularity="selective"),
+                                     dict(recompute_granularity="full", recompute_method="uniform",
+                                          recompute_num_layers=1),
+                                     dict(torch_compile="eager")])
+def test_recompute_and_torch_compile_match_eager(variant):
+    torch._dynamo.reset()
+    tokens, labels = (torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(s))
+                      for s in (1, 2))
+    ref_loss, ref_grads = _run(tiny_config(QWEN3[0], **QWEN3[1]), ParallelState(), tokens, labels)
+    loss, grads = _run(tiny_config(QWEN3[0], **QWEN3[1], **variant), ParallelState(), tokens,
+                       labels)
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
+    assert_grads_close(grads, ref_grads, 1e-5, str(variant))
+    assert grads["layers.1.self_attention.q_layernorm.weight"].abs().sum() > 0
 
 
 # ------------------------------------------------------------------------------ flags and FLOPs
