@@ -104,8 +104,8 @@ class SelfAttention(nn.Module):
         if self.window is not None and self.window < s:
             # Sliding window: query i keeps keys i - W < j <= i (a window >= s is plain causal).
             i = torch.arange(s, device=q.device)
-            dist = i[:, None] - i[None, :]
-            kw.update(is_causal=False, attn_mask=(dist >= 0) & (dist < self.window))
+            gap = i[:, None] - i[None, :]
+            kw.update(is_causal=False, attn_mask=(gap >= 0) & (gap < self.window))
         if p == 0.0:  # nothing random drawn: no RNG fork (under --torch-compile, no graph break)
             return F.scaled_dot_product_attention(q, k, v, **kw)
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
