@@ -48,7 +48,9 @@ CASES = {
     "qwen2_untied": ("qwen2", {"sliding_window": 5}),
     # Qwen3: per-head q/k RMSNorm, head_dim 12 != 32 / 8
     "qwen3_untied_headdim": ("qwen3", {"head_dim": 12}),
-    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 4}),
+    # 6 heads do not divide h = 32: the head dim comes from head_dim (--kv-channels) alone
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "num_attention_heads": 6,
+                             "num_key_value_heads": 3, "head_dim": 6}),
     "mistral_window": ("mistral", {"sliding_window": 5}),
     "mistral_tied_no_window": ("mistral", {"tie_word_embeddings": True, "sliding_window": None}),
 }
