@@ -17,6 +17,7 @@ from megalite.arguments import parse_args
 from megalite.config import ConfigError, ModelConfig
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.parallel_state import ParallelState, initialize_model_parallel
+from megalite.planner import Model
 
 # Qwen3-like: q/k norms, head dim 8 != 32 / 8 heads, a window of 6 < 16 tokens on layers >= 1,
 # llama3 RoPE scaling with an original context of 4 (shorter than the sequence).
@@ -101,3 +102,5 @@ def test_windowed_attention_flops_are_counted_by_the_window():
     assert attention_flops(half) == 3 * 4 * 64 * (2 * 256 + 2 * 32) * 256
     assert (model_flops_per_sequence(full) - model_flops_per_sequence(half)
             == attention_flops(full) - attention_flops(half))
+    # the planner's attention share (time and recompute cost) is the same count
+    assert Model.from_config(half).flops(1)["attention"] == attention_flops(half)
