@@ -10,6 +10,7 @@ from dist_utils import run_distributed
 from model_utils import VOCAB, assert_grads_close, tiny_config
 from test_pipeline import _parity_worker
 from test_recompute import _run
+from test_torch_compile import _explain, seeded_tracker  # noqa: F401  (a fixture)
 from test_zero import (
     ITERS, assert_losses_close, assert_params_close, opt_config, reference_run, train)
 
@@ -68,6 +69,12 @@ def test_recompute_and_torch_compile_match_eager(variant):
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
     assert_grads_close(grads, ref_grads, 1e-5, str(variant))
     assert grads["layers.1.self_attention.q_layernorm.weight"].abs().sum() > 0
+
+
+def test_windowed_qk_norm_layer_compiles_to_one_graph(seeded_tracker):  # noqa: F811
+    ex = _explain(QWEN3[0], **dict(QWEN3[1], max_window_layers=0))  # layer 0 windowed
+    assert ex.graph_break_count == 0, [str(b.reason)[:300] for b in ex.break_reasons]
+    assert ex.graph_count == 1
 
 
 # ------------------------------------------------------------------------------ flags and FLOPs
