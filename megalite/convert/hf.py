@@ -235,7 +235,7 @@ def _cannot_hold(cfg: ModelConfig, family: str):
                               or cfg.add_qkv_bias != cfg.add_bias_linear):
         return "it has no q/k norm, no sliding window and one bias flag for q/k/v and o_proj"
     if family == "mistral" and (cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear
-                                or cfg.max_window_layers):
+                                or (window and cfg.max_window_layers)):
         return "it has no bias, no q/k norm and windows every layer or none"
     if family == "qwen2" and (cfg.qk_layernorm or not cfg.add_qkv_bias or cfg.add_bias_linear):
         return "it has biases on q/k/v (--add-qkv-bias) only and no q/k norm"
@@ -249,10 +249,13 @@ def hf_architecture(cfg: ModelConfig) -> str:
     (``cfg.hf_architecture``), else the first of GPT-2 / Llama / Qwen2 / Qwen3 / Mistral that
     holds it."""
     if model_family(cfg) == "gpt2":
+        if cfg.qk_layernorm or cfg.sliding_window is not None:
+            raise ConfigError("GPT2LMHeadModel has no q/k norm and no sliding window: drop "
+                              "--qk-layernorm / --sliding-window to export as GPT-2")
         return "GPT2LMHeadModel"
     families = [f for f in _ARCHITECTURE_OF_FAMILY if f != "gpt2"]
     recorded = {a: f for f, a in _ARCHITECTURE_OF_FAMILY.items()}.get(cfg.hf_architecture)
-    if recorded is not None:
+    if recorded in families:
         why = _cannot_hold(cfg, recorded)
         if why is not None:
             raise ConfigError(f"this model cannot be exported as {cfg.hf_architecture}, which it "
