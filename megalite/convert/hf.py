@@ -1,5 +1,4 @@
-"""Hugging Face <-> megalite conversion for the GPT-2, Llama (3.1+), Qwen2, Qwen3 and Mistral
-families.
+"""Hugging Face <-> megalite conversion: GPT-2, Llama (3.1+), Qwen2, Qwen3 and Mistral.
 
 Two layers of API:
 

@@ -16,10 +16,8 @@ import torch
 
 def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
                   high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent RoPE scaling (docs/models.md). With wavelength
-    lambda = 2*pi/f and L the original context: lambda < L/high_freq_factor keeps f;
-    lambda > L/low_freq_factor gets f/factor; in between, f is interpolated:
-    (1 - a) f/factor + a f, a = (L/lambda - low_freq_factor) / (high - low)."""
+    """Llama 3.1's frequency-dependent RoPE scaling of each inverse frequency f: kept for short
+    wavelengths, f/factor for long ones, interpolated between (formula: docs/models.md)."""
     wavelen = 2 * math.pi / inv_freq
     smooth = ((original_max_positions / wavelen - low_freq_factor)
               / (high_freq_factor - low_freq_factor))
@@ -30,9 +28,7 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
 
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None):
-        """llama3_scaling: None, or (factor, low_freq_factor, high_freq_factor,
-        original_max_positions) for :func:`llama3_scaled`."""
-        super().__init__()
+        super().__init__()  # llama3_scaling: None or llama3_scaled's arguments after inv_freq
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if llama3_scaling is not None:
             inv_freq = llama3_scaled(inv_freq, *llama3_scaling)
