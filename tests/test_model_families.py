@@ -55,6 +55,20 @@ def test_qwen2_dp2_zero1_matches_single_process():
     assert losses[0] == losses[1] and len(set(losses[0])) > 1
 
 
+def _qwen3_zero3_tp2_dp2_worker(rank, world_size):
+    from test_zero3 import _assert_parity, _build, _reference, _train
+
+    cfg = tiny_config(QWEN3[0], **QWEN3[1])
+    ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
+    model, opt = _build(cfg, ps)
+    _assert_parity(_train(model, opt, ps, 4), _reference(cfg, iters=4), "qwen3 zero3 tp2 dp2")
+    return True
+
+
+def test_qwen3_zero3_tp2_dp2_matches_single_process():
+    assert all(run_distributed(_qwen3_zero3_tp2_dp2_worker, 4, timeout=240))
+
+
 @pytest.mark.parametrize("variant", [dict(recompute_granularity="selective"),
                                      dict(recompute_granularity="full", recompute_method="uniform",
                                           recompute_num_layers=1),
