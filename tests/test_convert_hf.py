@@ -128,6 +128,9 @@ def test_family_config_fields():
     assert (qwen2.sliding_window, qwen2.max_window_layers) == (5, 1)
     assert [qwen2.attention_window(i) for i in range(2)] == [None, 5]
     assert qwen2.add_qkv_bias and not qwen2.add_bias_linear and not qwen2.qk_layernorm
+    old = make_hf("qwen2_tied_window").config
+    old.layer_types = None  # as configs of transformers before layer_types: derived the same way
+    assert hf_config_to_model_config(old).to_dict() == qwen2.to_dict()
     released = hf_config_to_model_config(make_hf("qwen2_untied").config)  # use_sliding_window false
     assert released.sliding_window is None and released.hf_architecture == "Qwen2ForCausalLM"
     qwen3 = hf_config_to_model_config(make_hf("qwen3_untied_headdim").config)

@@ -149,7 +149,9 @@ def _sliding_window(c, family: str) -> dict:
         return {"sliding_window": window, "max_window_layers": 0}
     if family not in ("qwen2", "qwen3"):
         return {}
-    types = list(getattr(c, "layer_types", None) or [])
+    types = getattr(c, "layer_types", None) or [  # older transformers: no layer_types
+        "sliding_attention" if getattr(c, "use_sliding_window", False)
+        and i >= c.max_window_layers else "full_attention" for i in range(c.num_hidden_layers)]
     unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
     if unknown:
         raise ConfigError(f"{family} layer_types {unknown} are not supported (full_attention and "
