@@ -39,15 +39,18 @@ MODEL_SHAPE_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "max_position_embeddings", "vocab_size", "make_vocab_size_divisible_by",
     "position_embedding_type", "normalization", "swiglu", "add_bias_linear", "add_qkv_bias",
-    "untie_embeddings_and_output_weights",
+    "untie_embeddings_and_output_weights", "qk_layernorm",
 )
 # Taken from args.json with --use-checkpoint-args (shape plus numerics that define the model).
 CHECKPOINT_ARGS_FIELDS = MODEL_SHAPE_FIELDS + (
-    "seq_length", "rotary_base", "norm_epsilon", "activation", "init_method_std")
+    "seq_length", "rotary_base", "norm_epsilon", "activation", "init_method_std",
+    "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_position_embeddings", "sliding_window", "max_window_layers",
+    "hf_architecture")
 
 _FLAG_OF_FIELD = {
     "add_bias_linear": "--disable-bias-linear",
-    "add_qkv_bias": "--disable-bias-linear",
+    "add_qkv_bias": "--disable-bias-linear / --add-qkv-bias",
     "num_query_groups": "--num-query-groups",
     "vocab_size": "--vocab-size (or the tokenizer: --tokenizer-type/--tokenizer-model)",
 }
@@ -106,10 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
                    default="learned_absolute")
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="llama3 RoPE scaling (Llama 3.1+); default none")
+    g.add_argument("--rope-low-freq-factor", type=float, default=1.0)
+    g.add_argument("--rope-high-freq-factor", type=float, default=4.0)
+    g.add_argument("--rope-original-max-position-embeddings", type=int, default=8192)
+    g.add_argument("--qk-layernorm", action="store_true", help="RMSNorm over each q and k head")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="W: query q attends keys q-W < k <= q (Megatron --window-size W-1 0)")
+    g.add_argument("--max-window-layers", type=int, default=0,
+                   help="with --sliding-window: the first N layers keep full attention")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="q/k/v bias even with --disable-bias-linear (Qwen2)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
@@ -263,6 +278,12 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         position_embedding_type=a.position_embedding_type, rotary_base=a.rotary_base,
         normalization=a.normalization, norm_epsilon=a.norm_epsilon, swiglu=a.swiglu,
         add_bias_linear=not a.disable_bias_linear,
+        add_qkv_bias=True if a.add_qkv_bias else None,
+        rope_scaling_factor=a.rope_scaling_factor, rope_low_freq_factor=a.rope_low_freq_factor,
+        rope_high_freq_factor=a.rope_high_freq_factor,
+        rope_original_max_position_embeddings=a.rope_original_max_position_embeddings,
+        qk_layernorm=a.qk_layernorm, sliding_window=a.sliding_window,
+        max_window_layers=a.max_window_layers,
         untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
         hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout,
         init_method_std=a.init_method_std,

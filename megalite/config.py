@@ -75,6 +75,16 @@ class ModelConfig(_Section):
     make_vocab_size_divisible_by: int = 128
     position_embedding_type: str = "learned_absolute"  # or "rope"
     rotary_base: float = 10000.0
+    # Llama 3.1's "llama3" RoPE scaling (docs/models.md); None: unscaled rotary embedding.
+    rope_scaling_factor: Optional[float] = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    qk_layernorm: bool = False  # RMSNorm over each q and k head (Qwen3), before RoPE
+    # Sliding-window attention (HF's convention): query q sees keys q - W < k <= q in layers
+    # numbered >= max_window_layers (0-based); the first max_window_layers keep full attention.
+    sliding_window: Optional[int] = None
+    max_window_layers: int = 0
     normalization: str = "LayerNorm"  # or "RMSNorm"
     norm_epsilon: float = 1e-5
     activation: str = "gelu"  # gelu | gelu_tanh | silu (silu is used with swiglu)
@@ -82,6 +92,9 @@ class ModelConfig(_Section):
     add_bias_linear: bool = True
     add_qkv_bias: Optional[bool] = None  # None: same as add_bias_linear
     untie_embeddings_and_output_weights: bool = False
+    # The Hugging Face class this model was imported from (e.g. "Qwen2ForCausalLM"): the export
+    # writes it back, where the shape alone could be read as more than one family.
+    hf_architecture: Optional[str] = None
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
@@ -100,7 +113,8 @@ class ModelConfig(_Section):
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.kv_channels is None and self.num_attention_heads > 0:
+        if (self.kv_channels is None and self.num_attention_heads > 0
+                and self.hidden_size % self.num_attention_heads == 0):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -120,6 +134,13 @@ class ModelConfig(_Section):
         """The ids the model may predict: the logits and the loss stop here."""
         return self.tokenizer_vocab_size or self.vocab_size
 
+    def attention_window(self, layer_number: int) -> Optional[int]:
+        """W if global layer ``layer_number`` (0-based) attends to a sliding window of W keys,
+        None if it attends to every earlier position."""
+        if self.sliding_window is None or layer_number < self.max_window_layers:
+            return None
+        return self.sliding_window
+
     @property
     def tie_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
@@ -136,10 +157,12 @@ class ModelConfig(_Section):
                 f"the tokenizer has {self.tokenizer_vocab_size} ids but the model's vocabulary "
                 f"has {self.vocab_size} rows (--vocab-size / the checkpoint): every id the "
                 f"tokenizer produces needs an embedding row")
-        if self.hidden_size % self.num_attention_heads != 0:
+        if self.kv_channels is None:  # only derived when h divides evenly (__post_init__)
             raise ConfigError(
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                f"({self.num_attention_heads})")
+                f"({self.num_attention_heads}), or give the head dim with --kv-channels")
+        if self.kv_channels <= 0:
+            raise ConfigError(f"--kv-channels must be a positive integer, got {self.kv_channels}")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ConfigError(
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
@@ -161,6 +184,19 @@ class ModelConfig(_Section):
                               f"{self.position_embedding_type!r}")
         if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
             raise ConfigError(f"rope needs an even head dim, got {self.kv_channels}")
+        if self.rope_scaling_factor is not None and (
+                self.position_embedding_type != "rope" or self.rope_scaling_factor < 1.0
+                or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+                or self.rope_original_max_position_embeddings <= 0):
+            raise ConfigError(
+                "--rope-scaling-factor needs --position-embedding-type rope, a factor >= 1, "
+                "0 < --rope-low-freq-factor < --rope-high-freq-factor and a positive "
+                "--rope-original-max-position-embeddings")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"--sliding-window must be a positive integer (keys per query), "
+                              f"got {self.sliding_window}")
+        if not 0 <= self.max_window_layers:
+            raise ConfigError(f"--max-window-layers must be >= 0, got {self.max_window_layers}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         if self.activation not in ("gelu", "gelu_tanh", "silu", "relu"):
@@ -198,7 +234,7 @@ class ModelConfig(_Section):
         attn = h * (q + kv) + (q + kv if qkv_bias else 0) + q * h + (h if bias else 0)
         fc1_out = 2 * f if self.swiglu else f
         mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
-        per_layer = attn + mlp + 2 * norm
+        per_layer = attn + mlp + 2 * norm + (2 * d if self.qk_layernorm else 0)
         total = L * per_layer + norm
         if include_embeddings:
             total += self.vocab_size * h

@@ -42,8 +42,9 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
     6·(12Lh² + Vh) + 12·L·s·h). We count the matmuls from the actual shapes, which reduces to that
     formula for MHA + 4h GeLU MLP and is right for GQA (smaller K/V projections) and SwiGLU (three
     h x f matrices): per token per layer, forward = 2·(h·(q + 2·kv) + q·h + h·f·(2 if SwiGLU else
-    1) + f·h) + 4·s·q (scores and values, full s as in the formula); backward = 2 x forward;
-    plus the logits 6·h·V.
+    1) + f·h) + 4·s·q (scores and values, full s as in the formula; :func:`attention_flops`);
+    backward = 2 x forward; plus the logits 6·h·V. The q/k norms of --qk-layernorm are O(s·q),
+    not matmuls, and not counted.
     """
     h, L, s, f = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
     d = cfg.kv_channels
@@ -51,9 +52,18 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
     kv = cfg.num_query_groups * d
     V = vocab_size if vocab_size is not None else cfg.vocab_size
     fc1 = 2 * f if cfg.swiglu else f
-    fwd_layer = 2 * (h * (q + 2 * kv) + q * h + h * fc1 + f * h) + 4 * s * q
+    fwd_layer = 2 * (h * (q + 2 * kv) + q * h + h * fc1 + f * h)
     per_token = 3 * (L * fwd_layer + 2 * h * V)
-    return float(per_token * s)
+    return float(per_token * s) + attention_flops(cfg)
+
+
+def attention_flops(cfg: ModelConfig) -> float:
+    """The attention core's FLOPs (q·k^T and scores·v, forward + backward) for one sequence:
+    3·4·s·q per token and layer, where a layer with a sliding window of W keys sees min(W, s)
+    keys per query instead of s (both counted without halving for causality)."""
+    s, q = cfg.seq_length, cfg.num_attention_heads * cfg.kv_channels
+    keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers))
+    return float(3 * 4 * q * keys * s)
 
 
 # Dense peak FLOP/s per device for 16-bit matmuls (vendor datasheets); fp32 training on these GPUs

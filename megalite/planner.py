@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 from megalite.config import ConfigError, ModelConfig, ParallelConfig
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
-from megalite.logging import model_flops_per_sequence
+from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
 from megalite.pipeline_parallel.partition import V_SCHEDULES
 from megalite.pipeline_parallel.schedules import schedule_order
@@ -102,11 +102,10 @@ class Model:
         """model_flops_per_sequence split (without a second copy of the formula): logits = the
         model without layers; attention core = the part quadratic in s."""
         if t not in self.memo:
-            cfg, V, s = self.cfg, self.cfg.padded_vocab_size(t), self.cfg.seq_length
+            cfg, V = self.cfg, self.cfg.padded_vocab_size(t)
             total = model_flops_per_sequence(cfg, V)
             logits = model_flops_per_sequence(dataclasses.replace(cfg, num_layers=0), V)
-            one = model_flops_per_sequence(dataclasses.replace(cfg, seq_length=1), V)
-            attn = (total / s - one) / (s - 1) * s * s if s > 1 else 0.0
+            attn = attention_flops(cfg)
             self.memo[t] = {"total": total, "logits": logits, "attention": attn,
                             "layers": total - logits}
         return self.memo[t]

@@ -36,11 +36,29 @@ CASES = {
     "llama_gqa": ("llama", {}),
     "llama_tied_bias_headdim": ("llama", {"tie_word_embeddings": True, "attention_bias": True,
                                           "mlp_bias": True, "head_dim": 8}),
+    # Llama 3.1+: llama3 RoPE scaling, evaluated at SEQ = 4x its original context
+    "llama3_scaled": ("llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": SEQ // 4}}),
+    # Qwen2: q/k/v bias only. Tied: a window (5 < SEQ) on layer 1 only (max_window_layers=1).
+    # Untied: a sliding_window value with use_sliding_window false, as released configs have:
+    # no window anywhere.
+    "qwen2_tied_window": ("qwen2", {"tie_word_embeddings": True, "use_sliding_window": True,
+                                    "sliding_window": 5, "max_window_layers": 1}),
+    "qwen2_untied": ("qwen2", {"sliding_window": 5}),
+    # Qwen3: per-head q/k RMSNorm, head_dim 12 != 32 / 8
+    "qwen3_untied_headdim": ("qwen3", {"head_dim": 12}),
+    # 6 heads do not divide h = 32: the head dim comes from head_dim (--kv-channels) alone
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "num_attention_heads": 6,
+                             "num_key_value_heads": 3, "head_dim": 6}),
+    "mistral_window": ("mistral", {"sliding_window": 5}),
+    "mistral_tied_no_window": ("mistral", {"tie_word_embeddings": True, "sliding_window": None}),
 }
 
 
 def make_hf(case: str, seed: int = 0):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     family, extra = CASES[case]
     torch.manual_seed(seed)
@@ -56,7 +74,9 @@ def make_hf(case: str, seed: int = 0):
                   rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
                   bos_token_id=None, eos_token_id=None, attn_implementation="sdpa")
         kw.update(extra)
-        model = LlamaForCausalLM(LlamaConfig(**kw))
+        name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+        config = getattr(transformers, name + "Config")(**kw)
+        model = getattr(transformers, name + "ForCausalLM")(config)
     with torch.no_grad():
         for p in model.parameters():  # tied weights are one Parameter: drawn once
             p.normal_(0.0, 0.3)
@@ -90,6 +110,36 @@ def test_from_hf_logits_match(case):
     ref = hf_logits(hf, ids)
     assert ref.abs().max().item() > 1.0  # the comparison is not between near-zero logits
     assert max_abs(got, ref) <= TOL, case
+
+
+@pytest.mark.parametrize("case, field", [("mistral_window", "sliding_window"),
+                                         ("qwen2_tied_window", "sliding_window"),
+                                         ("llama3_scaled", "rope_scaling_factor")])
+def test_window_and_rope_scaling_change_the_logits(case, field):
+    """The parity above is not vacuous: without the window or the scaling, logits differ."""
+    hf = make_hf(case)
+    assert getattr(from_hf(hf).config, field) is not None
+    with torch.no_grad():
+        assert max_abs(from_hf(hf, **{field: None})(tokens()), hf_logits(hf, tokens())) > 1e-2
+
+
+def test_family_config_fields():
+    qwen2 = hf_config_to_model_config(make_hf("qwen2_tied_window").config)
+    assert (qwen2.sliding_window, qwen2.max_window_layers) == (5, 1)
+    assert [qwen2.attention_window(i) for i in range(2)] == [None, 5]
+    assert qwen2.add_qkv_bias and not qwen2.add_bias_linear and not qwen2.qk_layernorm
+    old = make_hf("qwen2_tied_window").config
+    old.layer_types = None  # as configs of transformers before layer_types: derived the same way
+    assert hf_config_to_model_config(old).to_dict() == qwen2.to_dict()
+    released = hf_config_to_model_config(make_hf("qwen2_untied").config)  # use_sliding_window false
+    assert released.sliding_window is None and released.hf_architecture == "Qwen2ForCausalLM"
+    qwen3 = hf_config_to_model_config(make_hf("qwen3_untied_headdim").config)
+    assert qwen3.qk_layernorm and qwen3.kv_channels == 12 and not qwen3.add_qkv_bias
+    mistral = hf_config_to_model_config(make_hf("mistral_window").config)
+    assert [mistral.attention_window(i) for i in range(2)] == [5, 5]
+    llama3 = hf_config_to_model_config(make_hf("llama3_scaled").config)
+    assert (llama3.rope_scaling_factor, llama3.rope_low_freq_factor, llama3.rope_high_freq_factor,
+            llama3.rope_original_max_position_embeddings) == (8.0, 1.0, 4.0, SEQ // 4)
 
 
 def test_llama_config_fields():
@@ -153,7 +203,9 @@ def test_fused_qkv_is_laid_out_per_query_group():
 
 
 # ------------------------------------------------------------------------------------ export
-@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "llama_tied_bias_headdim"])
+@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "llama_tied_bias_headdim", "llama3_scaled",
+                                  "qwen2_tied_window", "qwen3_untied_headdim",
+                                  "mistral_tied_no_window"])
 def test_to_hf_loads_with_auto_model(case, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -215,13 +267,54 @@ def test_unsupported_llama_variants_are_config_errors():
 
     base = dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
                 vocab_size=VOCAB, bos_token_id=None, eos_token_id=None)
-    scaled = LlamaConfig(**base, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    with pytest.raises(ConfigError, match="llama3"):
-        hf_config_to_model_config(scaled)
+    for rope_type, extra in [("yarn", {"factor": 4.0}), ("dynamic", {"factor": 2.0}),
+                             ("linear", {"factor": 2.0})]:
+        scaled = LlamaConfig(**base, rope_parameters={"rope_type": rope_type, "rope_theta": 5e5,
+                                                      **extra})
+        with pytest.raises(ConfigError, match=f"rope type '{rope_type}' is not supported"):
+            hf_config_to_model_config(scaled)
     with pytest.raises(ConfigError, match="attention_bias"):
         hf_config_to_model_config(LlamaConfig(**base, attention_bias=True, mlp_bias=False))
+
+
+def test_unsupported_family_options_are_config_errors():
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
+
+    base = dict(num_hidden_layers=3, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                vocab_size=VOCAB, bos_token_id=None, eos_token_id=None)
+    with pytest.raises(ConfigError, match=r"qwen3 attention_bias=True .*o_proj"):
+        hf_config_to_model_config(Qwen3Config(**base, attention_bias=True))
+    gaps = ["sliding_attention", "full_attention", "sliding_attention"]
+    with pytest.raises(ConfigError, match=r"qwen2 layer_types window layers \[0, 2\]"):
+        hf_config_to_model_config(Qwen2Config(**base, use_sliding_window=True, sliding_window=4,
+                                              layer_types=gaps))
+    with pytest.raises(ConfigError, match=r"layer_types \['chunked_attention'\]"):
+        hf_config_to_model_config(Qwen3Config(**base, use_sliding_window=True, sliding_window=4,
+                                              layer_types=["chunked_attention"] * 3))
+    with pytest.raises(ConfigError, match="Mistral layer_types with full-attention layers"):
+        hf_config_to_model_config(MistralConfig(**base, sliding_window=4, layer_types=gaps))
+
+
+def test_export_refuses_models_no_hf_class_holds():
+    from megalite.config import ModelConfig
+    from megalite.convert.hf import hf_architecture
+
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                 num_layers=2, hidden_size=32, num_attention_heads=4)
+    assert hf_architecture(ModelConfig(**llama, add_bias_linear=False)) == "LlamaForCausalLM"
+    assert hf_architecture(ModelConfig(**llama, add_bias_linear=False, add_qkv_bias=True)) \
+        == "Qwen2ForCausalLM"
+    assert hf_architecture(ModelConfig(**llama, add_bias_linear=False, sliding_window=8)) \
+        == "MistralForCausalLM"
+    with pytest.raises(ConfigError, match="no Hugging Face architecture holds"):
+        hf_architecture(ModelConfig(**llama, add_bias_linear=False, add_qkv_bias=True,
+                                    qk_layernorm=True))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel has no q/k norm and no sliding win"):
+        hf_architecture(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                    sliding_window=8))
+    with pytest.raises(ConfigError, match="cannot be exported as MistralForCausalLM"):
+        hf_architecture(ModelConfig(**llama, add_bias_linear=False, sliding_window=8,
+                                    max_window_layers=1, hf_architecture="MistralForCausalLM"))
 
 
 def test_state_dict_with_unmapped_tensors_is_rejected():
@@ -255,7 +348,7 @@ def _tp2_worker(rank, world_size, case):
     return err
 
 
-@pytest.mark.parametrize("case", ["gpt2", "llama_gqa"])
+@pytest.mark.parametrize("case", ["gpt2", "llama_gqa", "qwen3_untied_headdim"])
 def test_tp2_converted_model_matches_hf(case):
     errs = run_distributed(_tp2_worker, 2, case, timeout=240)
     assert len(errs) == 2 and max(errs) <= TOL

@@ -86,18 +86,19 @@ def _counting_weight(self, op, unused):
     return _run_weight(self, op, unused)
 
 
-def _run_layout(name, layout):
+def _run_layout(name, layout, model=("gpt2", {})):
+    """model: (tiny_config family, ModelConfig overrides) of the model trained."""
     tp, pp, sp, schedule, layers, per_v, first, last, m, tied = layout
     W_RUNS.clear()
     cfg = dict(num_layers=layers, untie_embeddings_and_output_weights=not tied,
-               add_qkv_bias=False)
+               add_qkv_bias=False, **model[1])
     ps = initialize_model_parallel(tp, pp, backend="gloo", device="cpu", set_default=False)
-    chunks = build_model_chunks(tiny_config("gpt2", **cfg), ps, seed=7, sequence_parallel=sp,
+    chunks = build_model_chunks(tiny_config(model[0], **cfg), ps, seed=7, sequence_parallel=sp,
                                 num_layers_per_virtual_pipeline_stage=per_v,
                                 decoder_first_pipeline_num_layers=first,
                                 decoder_last_pipeline_num_layers=last,
                                 v_shape=schedule in V_SCHEDULES)
-    ref = GPTModel(tiny_config("gpt2", **cfg), ParallelState(), seed=7)
+    ref = GPTModel(tiny_config(model[0], **cfg), ParallelState(), seed=7)
     fb = get_forward_backward_func(pp, ps.vpp_size, schedule)
     params = [p for c in chunks for p in c.parameters()]
     opt = torch.optim.Adam(params, lr=1e-3)
@@ -186,9 +187,9 @@ def _run_layout(name, layout):
     return result
 
 
-def _parity_worker(rank, world_size, layouts):
+def _parity_worker(rank, world_size, layouts, model=("gpt2", {})):
     with mock.patch.object(PipelineExecutor, "weight", _counting_weight):
-        return {name: _run_layout(name, layout) for name, layout in layouts.items()}
+        return {name: _run_layout(name, layout, model) for name, layout in layouts.items()}
 
 
 def _check_names_cover_model(results, layout):

@@ -37,6 +37,7 @@ from megalite.arguments import config_to_json
 from megalite.config import V_SCHEDULES, ConfigError, MegaliteConfig, ModelConfig, dtype_from_name
 from megalite.convert.hf import (
     IGNORED_HF_SUFFIXES,
+    FAMILY_OF_MODEL_TYPE,
     convert_layer_hf_to_megalite,
     convert_layer_megalite_to_hf,
     convert_non_layer_hf_to_megalite,
@@ -542,7 +543,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
 
 # ============================================================================ Hugging Face in
 class HFSource:
-    """A local Hugging Face GPT2LMHeadModel / LlamaForCausalLM directory, read tensor by tensor."""
+    """A local Hugging Face directory of a SUPPORTED_ARCHITECTURES model, read tensor by tensor."""
 
     def __init__(self, hf_dir: str, **config_overrides):
         self.dir = os.path.abspath(hf_dir)
@@ -562,11 +563,11 @@ class HFSource:
         # GPT2Model (no LM head) is accepted: its keys lack only the "transformer." prefix.
         ok = SUPPORTED_ARCHITECTURES + ("GPT2Model",)
         archs = raw.get("architectures") or []
-        if raw.get("model_type") not in ("gpt2", "llama") or any(a not in ok for a in archs):
+        if raw.get("model_type") not in FAMILY_OF_MODEL_TYPE or any(a not in ok for a in archs):
             bad = next((a for a in archs if a not in ok), raw.get("model_type"))
             raise ConversionError(f"{self.what}: unsupported Hugging Face architecture {bad!r} "
                                   f"(model_type {raw.get('model_type')!r}); megalite converts "
-                                  f"{' and '.join(SUPPORTED_ARCHITECTURES)}")
+                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         from transformers import AutoConfig
 
         try:

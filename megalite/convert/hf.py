@@ -1,4 +1,4 @@
-"""Hugging Face <-> megalite conversion for the GPT-2 and Llama families.
+"""Hugging Face <-> megalite conversion: GPT-2, Llama (3.1+), Qwen2, Qwen3 and Mistral.
 
 Two layers of API:
 
@@ -47,9 +47,13 @@ from megalite.convert.sharding import (
     pad_vocab,
 )
 
-SUPPORTED_ARCHITECTURES = ("GPT2LMHeadModel", "LlamaForCausalLM")
-_FAMILY_OF_MODEL_TYPE = {"gpt2": "gpt2", "llama": "llama"}
-_ARCHITECTURE_OF_FAMILY = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+# Qwen2, Qwen3 and Mistral share Llama's tensor layout ("llama" below) with a few options:
+# q/k/v-only bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window attention (all three).
+_ARCHITECTURE_OF_FAMILY = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                           "mistral": "MistralForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_OF_FAMILY.values())
+FAMILY_OF_MODEL_TYPE = {k: k for k in _ARCHITECTURE_OF_FAMILY}  # HF model_type -> family
 
 # HF activation names -> megalite ModelConfig.activation (GPT-2's default "gelu_new" is the tanh
 # approximation 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), Hendrycks & Gimpel 2016).
@@ -63,12 +67,12 @@ IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"
 
 def unsupported_architecture(name: str) -> ConfigError:
     return ConfigError(f"unsupported Hugging Face architecture {name!r}: megalite converts "
-                       f"{' and '.join(SUPPORTED_ARCHITECTURES)}")
+                       f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def hf_family(hf_config) -> str:
     model_type = getattr(hf_config, "model_type", None)
-    family = _FAMILY_OF_MODEL_TYPE.get(model_type)
+    family = FAMILY_OF_MODEL_TYPE.get(model_type)
     if family is None:
         archs = getattr(hf_config, "architectures", None) or [model_type]
         raise unsupported_architecture(archs[0])
@@ -76,7 +80,8 @@ def hf_family(hf_config) -> str:
 
 
 def model_family(cfg: ModelConfig) -> str:
-    """"gpt2" or "llama": which HF architecture can hold this megalite configuration."""
+    """"gpt2" or "llama": which HF tensor layout holds this megalite configuration (Qwen2, Qwen3
+    and Mistral use Llama's; :func:`hf_architecture` picks the class)."""
     if (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
             and not cfg.swiglu):
         return "gpt2"
@@ -90,19 +95,70 @@ def model_family(cfg: ModelConfig) -> str:
 
 
 # ========================================================================================= config
-def _rope_theta(hf_config) -> float:
-    """RoPE base. transformers >= 5 keeps it in ``rope_parameters``; older versions in
-    ``rope_theta`` with scaling variants in ``rope_scaling``. Only the plain (unscaled) RoPE of
-    Su et al. is what megalite/models/rotary.py computes."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = (params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-                 or "default")
-    if rope_type != "default":
-        raise ConfigError(f"Llama rope type {rope_type!r} is not supported: megalite implements "
-                          f"only the default (unscaled) rotary embedding")
+_LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
+                "high_freq_factor": "rope_high_freq_factor",
+                "original_max_position_embeddings": "rope_original_max_position_embeddings"}
+
+
+def _rope(hf_config) -> dict:
+    """RoPE base and scaling as ModelConfig fields. transformers >= 5 keeps them in
+    ``rope_parameters``; older versions in ``rope_theta`` and ``rope_scaling``. megalite computes
+    the plain RoPE of Su et al. and Llama 3.1's "llama3" scaling (models/rotary.py)."""
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params.update(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"rope type {rope_type!r} is not supported: megalite implements the "
+                          f"default rotary embedding and 'llama3' scaling")
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
-    return float(theta if theta is not None else 10000.0)
+    out = {"rotary_base": float(theta if theta is not None else 10000.0)}
+    if rope_type == "llama3":
+        out.update({ml: params[hf] for hf, ml in _LLAMA3_ROPE.items()})
+    return out
+
+
+def _hf_rope(cfg: ModelConfig, config_cls) -> dict:
+    """Inverse of :func:`_rope`: the HF config kwargs."""
+    params = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling_factor is not None:
+        params.update({"rope_type": "llama3"},
+                      **{hf: getattr(cfg, ml) for hf, ml in _LLAMA3_ROPE.items()})
+    # transformers >= 5 takes rope_parameters; older versions take rope_theta and rope_scaling.
+    if "rope_parameters" in inspect.signature(config_cls.__init__).parameters:
+        return {"rope_parameters": params}
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": cfg.rotary_base,
+            "rope_scaling": scaling if cfg.rope_scaling_factor is not None else None}
+
+
+def _sliding_window(c, family: str) -> dict:
+    """Which layers HF gives a sliding window, as ModelConfig fields. Mistral windows every layer
+    when ``sliding_window`` is set; Qwen2/Qwen3 only the layers ``layer_types`` marks (derived by
+    HF from ``use_sliding_window`` and ``max_window_layers``): a ``sliding_window`` value alone,
+    as released Qwen2 configs carry with use_sliding_window false, windows nothing."""
+    window = getattr(c, "sliding_window", None)
+    if family == "mistral":
+        types = getattr(c, "layer_types", None) or []
+        if window is not None and any(t != "sliding_attention" for t in types):
+            raise ConfigError("Mistral layer_types with full-attention layers (alternating "
+                              "attention) are not supported: megalite windows every Mistral layer")
+        return {"sliding_window": window, "max_window_layers": 0}
+    if family not in ("qwen2", "qwen3"):
+        return {}
+    types = getattr(c, "layer_types", None) or [  # older transformers: no layer_types
+        "sliding_attention" if getattr(c, "use_sliding_window", False)
+        and i >= c.max_window_layers else "full_attention" for i in range(c.num_hidden_layers)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise ConfigError(f"{family} layer_types {unknown} are not supported (full_attention and "
+                          f"sliding_attention are)")
+    windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if window is None or not windowed:
+        return {"sliding_window": None, "max_window_layers": 0}
+    if windowed != list(range(windowed[0], len(types))):
+        raise ConfigError(f"{family} layer_types window layers {windowed}: megalite can window "
+                          f"only a contiguous last range of layers (--max-window-layers N)")
+    return {"sliding_window": window, "max_window_layers": windowed[0]}
 
 
 def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
@@ -137,10 +193,15 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             init_method_std=c.initializer_range)
     else:
         if c.hidden_act != "silu":
-            raise ConfigError(f"Llama hidden_act {c.hidden_act!r} is not supported; megalite's "
+            raise ConfigError(f"{family} hidden_act {c.hidden_act!r} is not supported; megalite's "
                               f"SwiGLU uses silu")
         attention_bias = bool(getattr(c, "attention_bias", False))
         mlp_bias = bool(getattr(c, "mlp_bias", False))
+        if family != "llama" and attention_bias:
+            # Qwen3's attention_bias also puts a bias on o_proj, which megalite ties to the MLP
+            # biases (add_bias_linear), which Qwen3 does not have.
+            raise ConfigError(f"{family} attention_bias=True (a bias on o_proj as well as q/k/v) "
+                              f"is not supported: megalite biases o_proj only with the MLP")
         if attention_bias != mlp_bias:
             # megalite has one switch for the output projection and both MLP linears
             # (add_bias_linear), so HF's o_proj (attention_bias) and MLP (mlp_bias) must agree.
@@ -153,22 +214,66 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
             ffn_hidden_size=c.intermediate_size, seq_length=c.max_position_embeddings,
             max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
-            position_embedding_type="rope", rotary_base=_rope_theta(c), normalization="RMSNorm",
+            position_embedding_type="rope", normalization="RMSNorm",
             norm_epsilon=c.rms_norm_eps, activation="silu", swiglu=True,
-            add_bias_linear=attention_bias, add_qkv_bias=attention_bias,
+            add_bias_linear=attention_bias, add_qkv_bias=attention_bias or family == "qwen2",
+            qk_layernorm=family == "qwen3",
             untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
-            init_method_std=c.initializer_range)
-    kwargs.update(overrides)
+            init_method_std=c.initializer_range, **_rope(c), **_sliding_window(c, family))
+    kwargs.update(hf_architecture=_ARCHITECTURE_OF_FAMILY[family], **overrides)
     return ModelConfig(**kwargs).validate()
 
 
+def _cannot_hold(cfg: ModelConfig, family: str):
+    """Why HF ``family`` cannot hold this llama-layout model (None if it can)."""
+    window = cfg.sliding_window is not None
+    if family == "llama" and (cfg.qk_layernorm or window
+                              or cfg.add_qkv_bias != cfg.add_bias_linear):
+        return "it has no q/k norm, no sliding window and one bias flag for q/k/v and o_proj"
+    if family == "mistral" and (cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear
+                                or (window and cfg.max_window_layers)):
+        return "it has no bias, no q/k norm and windows every layer or none"
+    if family == "qwen2" and (cfg.qk_layernorm or not cfg.add_qkv_bias or cfg.add_bias_linear):
+        return "it has biases on q/k/v (--add-qkv-bias) only and no q/k norm"
+    if family == "qwen3" and (not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear):
+        return "it has q/k norms (--qk-layernorm) and no bias"
+    return None
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """The HF class a megalite model exports as: the one it was imported from
+    (``cfg.hf_architecture``), else the first of GPT-2 / Llama / Qwen2 / Qwen3 / Mistral that
+    holds it."""
+    if model_family(cfg) == "gpt2":
+        if cfg.qk_layernorm or cfg.sliding_window is not None:
+            raise ConfigError("GPT2LMHeadModel has no q/k norm and no sliding window: drop "
+                              "--qk-layernorm / --sliding-window to export as GPT-2")
+        return "GPT2LMHeadModel"
+    families = [f for f in _ARCHITECTURE_OF_FAMILY if f != "gpt2"]
+    recorded = {a: f for f, a in _ARCHITECTURE_OF_FAMILY.items()}.get(cfg.hf_architecture)
+    if recorded in families:
+        why = _cannot_hold(cfg, recorded)
+        if why is not None:
+            raise ConfigError(f"this model cannot be exported as {cfg.hf_architecture}, which it "
+                              f"was imported from: {why}")
+        return cfg.hf_architecture
+    for f in families:
+        if _cannot_hold(cfg, f) is None:
+            return _ARCHITECTURE_OF_FAMILY[f]
+    raise ConfigError("no Hugging Face architecture holds this model (q/k norms need no bias "
+                      "(Qwen3); a q/k/v-only bias needs no q/k norm (Qwen2); a window over "
+                      "only the last layers needs Qwen2 or Qwen3)")
+
+
 def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
-    """The ``GPT2Config`` / ``LlamaConfig`` for a megalite model (``hf_overrides`` win), with
-    ``architectures`` set so ``AutoModelForCausalLM`` picks the LM-head class."""
+    """The HF config (``GPT2Config``, ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config`` or
+    ``MistralConfig``, by :func:`hf_architecture`) for a megalite model (``hf_overrides`` win),
+    with ``architectures`` set so ``AutoModelForCausalLM`` picks the LM-head class."""
     import transformers
 
     family = model_family(cfg)
+    arch = hf_architecture(cfg)
     if family == "gpt2":
         if cfg.num_query_groups != cfg.num_attention_heads:
             raise ConfigError("GPT2LMHeadModel has no grouped-query attention: "
@@ -192,10 +297,8 @@ def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
         config_cls = transformers.GPT2Config
     else:
         if cfg.activation != "silu":
-            raise ConfigError(f"LlamaForCausalLM's MLP is SwiGLU with silu, got {cfg.activation!r}")
-        if cfg.add_qkv_bias != cfg.add_bias_linear:
-            raise ConfigError("LlamaForCausalLM has one attention_bias flag for q/k/v and o_proj: "
-                              "the QKV bias must match --disable-bias-linear")
+            raise ConfigError(f"{arch}'s MLP is SwiGLU with silu, got {cfg.activation!r}")
+        config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
         kwargs = dict(
             num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
             num_attention_heads=cfg.num_attention_heads,
@@ -203,18 +306,20 @@ def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
             intermediate_size=cfg.ffn_hidden_size,
             max_position_embeddings=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
             rms_norm_eps=cfg.norm_epsilon, hidden_act="silu",
-            attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
             attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
-            tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None)
-        # transformers >= 5 takes rope_parameters; older versions take rope_theta.
-        if "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters:
-            kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rotary_base}
-        else:
-            kwargs["rope_theta"] = cfg.rotary_base
-        config_cls = transformers.LlamaConfig
+            tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None,
+            **_hf_rope(cfg, config_cls))
+        if arch == "LlamaForCausalLM":
+            kwargs.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+        elif arch == "MistralForCausalLM":
+            kwargs.update(sliding_window=cfg.sliding_window)
+        else:  # Qwen2, Qwen3: layers >= max_window_layers get the window when it is used
+            window = cfg.sliding_window is not None
+            kwargs.update(use_sliding_window=window, sliding_window=cfg.sliding_window,
+                          max_window_layers=cfg.max_window_layers if window else cfg.num_layers)
     kwargs.update(hf_overrides)
     hf_config = config_cls(**kwargs)
-    hf_config.architectures = [_ARCHITECTURE_OF_FAMILY[family]]
+    hf_config.architectures = [arch]
     # transformers 5 spells the weight dtype "dtype", older versions "torch_dtype".
     setattr(hf_config, "dtype" if "dtype" in hf_config.to_dict() else "torch_dtype",
             cfg.params_dtype)
@@ -236,6 +341,8 @@ _GPT2_LAYER = {  # megalite suffix -> (HF suffix, Conv1D i.e. stored transposed)
 }
 _LLAMA_LAYER = {  # one-to-one tensors; qkv and SwiGLU fc1 are fused below
     "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
@@ -249,6 +356,9 @@ def _hf_layer_prefix(family: str, i: int) -> str:
 
 
 def _has_bias(cfg: ModelConfig, megalite_suffix: str) -> bool:
+    """Whether the tensor exists in this model (named for the biases, most of which may not)."""
+    if "q_layernorm" in megalite_suffix or "k_layernorm" in megalite_suffix:
+        return cfg.qk_layernorm
     if megalite_suffix.endswith(".weight"):
         return True
     if "layernorm" in megalite_suffix:
@@ -263,6 +373,7 @@ def megalite_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     suffixes = ["input_layernorm.weight", "input_layernorm.bias",
                 "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                 "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
                 "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
                 "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
@@ -278,9 +389,11 @@ def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
         keys += [hf for ml, (hf, _) in _GPT2_LAYER.items()]
         return [p + k for k in keys]
     keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if cfg.qk_layernorm:
+        keys += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         keys.append(f"self_attn.{proj}.weight")
-        if cfg.add_bias_linear:
+        if cfg.add_qkv_bias if proj != "o_proj" else cfg.add_bias_linear:
             keys.append(f"self_attn.{proj}.bias")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         keys.append(f"mlp.{proj}.weight")
@@ -372,10 +485,10 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
             t = _get(hf_tensors, p + hf, where)
             out[out_p + ml] = t.t().contiguous() if conv1d else t
         return out
-    names = ["weight"] + (["bias"] if cfg.add_bias_linear else [])
-    for kind in names:
+    for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
         q, k, v = (_get(hf_tensors, f"{p}self_attn.{x}_proj.{kind}", where) for x in "qkv")
         out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg)
+    for kind in ["weight"] + (["bias"] if cfg.add_bias_linear else []):
         gate = _get(hf_tensors, f"{p}mlp.gate_proj.{kind}", where)
         up = _get(hf_tensors, f"{p}mlp.up_proj.{kind}", where)
         out[out_p + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up], dim=0)  # [gate; up]
@@ -402,10 +515,11 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
             t = _get(ml_tensors, in_p + ml, where)
             out[p + hf] = t.t().contiguous() if conv1d else t
         return out
-    for kind in ["weight"] + (["bias"] if cfg.add_bias_linear else []):
+    for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
         qkv = _get(ml_tensors, in_p + f"self_attention.linear_qkv.{kind}", where)
         for name, t in zip("qkv", split_qkv(qkv, cfg)):
             out[f"{p}self_attn.{name}_proj.{kind}"] = t
+    for kind in ["weight"] + (["bias"] if cfg.add_bias_linear else []):
         gate, up = _get(ml_tensors, in_p + f"mlp.linear_fc1.{kind}", where).chunk(2, dim=0)
         out[f"{p}mlp.gate_proj.{kind}"] = gate.contiguous()
         out[f"{p}mlp.up_proj.{kind}"] = up.contiguous()

@@ -9,13 +9,29 @@ the halves are swapped by one ``flip`` of a [..., 2, d/2] view, so the whole rot
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                  high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent RoPE scaling of each inverse frequency f: kept for short
+    wavelengths, f/factor for long ones, interpolated between (formula: docs/models.md)."""
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original_max_positions / wavelen - low_freq_factor)
+              / (high_freq_factor - low_freq_factor))
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original_max_positions / low_freq_factor, inv_freq / factor, mid)
+    return torch.where(wavelen < original_max_positions / high_freq_factor, inv_freq, out)
+
+
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, base: float = 10000.0):
-        super().__init__()
+    def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None):
+        super().__init__()  # llama3_scaling: None or llama3_scaled's arguments after inv_freq
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        if llama3_scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, *llama3_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._cache = {}  # (device, dtype) -> (cos, sin_signed) for the longest length asked so far
 

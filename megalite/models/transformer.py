@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megalite import collectives as C
 from megalite.compiled import compile_or_eager
 from megalite.config import ModelConfig, dtype_from_name
-from megalite.models.norms import build_norm
+from megalite.models.norms import RMSNorm, build_norm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
@@ -78,9 +78,21 @@ class SelfAttention(nn.Module):
             config.num_attention_heads * d, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, tp_group=tp_group, sequence_parallel=sp, init_std=out_std,
             params_dtype=dtype, device=device)
-        self.rotary = (RotaryEmbedding(d, config.rotary_base)
+        scaling = None if config.rope_scaling_factor is None else (
+            config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+            config.rope_original_max_position_embeddings)
+        self.rotary = (RotaryEmbedding(d, config.rotary_base, scaling)
                        if config.position_embedding_type == "rope" else None)
         self.selective_recompute = config.recompute_granularity == "selective"
+        self.window = config.attention_window(layer_number)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            # One [d] weight shared by all heads, so replicated over TP. Each TP rank applies it
+            # to different heads, so its gradient is a partial sum: flagged like SP's norms, it
+            # is summed over TP after backward (finalize_model_grads), with or without SP.
+            self.q_layernorm, self.k_layernorm = (
+                RMSNorm(d, config.norm_epsilon, sequence_parallel=tp > 1, params_dtype=dtype,
+                        device=device, use_apex=config.use_apex) for _ in range(2))
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
@@ -89,6 +101,12 @@ class SelfAttention(nn.Module):
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         p = self.config.attention_dropout if self.training else 0.0
         kw = dict(dropout_p=p, is_causal=True, **({"enable_gqa": True} if gqa else {}))
+        s = q.shape[2]
+        if self.window is not None and self.window < s:
+            # Sliding window: query i keeps keys i - W < j <= i (a window >= s is plain causal).
+            i = torch.arange(s, device=q.device)
+            gap = i[:, None] - i[None, :]
+            kw.update(is_causal=False, attn_mask=(gap >= 0) & (gap < self.window))
         if p == 0.0:  # nothing random drawn: no RNG fork (under --torch-compile, no graph break)
             return F.scaled_dot_product_attention(q, k, v, **kw)
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
@@ -100,6 +118,9 @@ class SelfAttention(nn.Module):
         d, g, hpg = self.head_dim, self.num_groups_local, self.heads_per_group
         qkv = qkv.view(s, b, g, hpg + 2, d)
         qk, v = qkv.split([hpg + 1, 1], dim=3)
+        if self.q_layernorm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+            q, k = qk.split([hpg, 1], dim=3)
+            qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=3)
         if self.rotary is not None:  # q and k rotated together: one pass over both
             cos, sin = self.rotary(s, x.device, qkv.dtype)
             qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
