@@ -134,7 +134,7 @@ def parse(argv):
                               f"of every layer, not this flag; leave it out (docs/planner.md)")
     cfg = _config_from_namespace(ns)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
-    dataclasses.replace(cfg.model, sequence_parallel=False).validate(1)
+    cfg.model.validate(1)
     gpu = GPUS[ns.gpu]
     over = {"memory_gib": ns.gpu_memory_gib, "peak_tflops": ns.peak_tflops,
             "intra_node_bandwidth_gbps": ns.intra_node_bandwidth_gbps,
