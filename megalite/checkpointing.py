@@ -430,8 +430,8 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
         if not os.path.isdir(load_dir):
             raise CheckpointError(f"{what}: no such directory")
         iteration = read_tracker(load_dir)
-    except CheckpointError as e:
-        error = e
+    except Exception as e:  # e.g. an unreadable tracker: every rank must hear of it
+        error = e if isinstance(e, CheckpointError) else CheckpointError(f"{what}: {_one_line(e)}")
     _agree_on_errors(ps, error)
     if iteration is None:
         if ck.exit_on_missing_checkpoint:

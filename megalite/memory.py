@@ -263,8 +263,8 @@ class PeakTensorMemory:
     """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs.
 
     GPU: ``torch.cuda.max_memory_allocated`` since a reset at the start of the block (the run's
-    peak before it is kept for :func:`cuda_peak_bytes`). CPU (where RSS is mostly the interpreter and
-    libraries): the storages live at the start (found through the garbage collector, each once)
+    peak before it is kept for :func:`cuda_peak_bytes`). CPU (where RSS is mostly the interpreter
+    and libraries): the storages live at the start (found through the garbage collector, each once)
     plus the highest value of the CPU allocator's count of live bytes over the block, which
     ``torch.profiler(profile_memory=True)`` stamps on every allocation and free it records.
     Replaying the profiler's alloc/free events instead is wrong with collectives: the profiler

@@ -91,7 +91,8 @@ def _save_out_of_memory_on_rank1(rank, world, argv):
     saving = {}
 
     def empty(*args, **kwargs):
-        if saving.get("on") and "device" in kwargs and kwargs.get("dtype", torch.float32).is_floating_point:
+        if (saving.get("on") and "device" in kwargs
+                and kwargs.get("dtype", torch.float32).is_floating_point):
             raise torch.OutOfMemoryError("out of memory (injected)")
         return real_empty(*args, **kwargs)
 

@@ -19,7 +19,8 @@ from pretrain_utils import read_metrics, run_main
 from megalite.optimizer.optimizer import merge_shard_state_dicts
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "optimizer_v1")
-V1_KINDS = {"zero1": ("master", "exp_avg", "exp_avg_sq"), "zero3": ("main", "exp_avg", "exp_avg_sq")}
+V1_KINDS = {"zero1": ("master", "exp_avg", "exp_avg_sq"),
+            "zero3": ("main", "exp_avg", "exp_avg_sq")}
 
 
 def _files(name):

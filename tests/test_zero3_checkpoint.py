@@ -116,11 +116,13 @@ def test_zero3_checkpoint_consolidated_resume_finetune_export_reshard(tmp_path):
         assert files == ([ckpt.MODEL_FILE] if stage == "0"
                          else ["distrib_optim_dp000.pt", ckpt.MODEL_FILE]), files
         if stage == "3":  # the offline unit layout is Zero3Model's (the loader's fast path)
-            def units(path):
-                return [s["segments"] for s in torch.load(path, weights_only=True)["shards"]]
+            def units(*paths):  # per shard (unit), its parameters in order, over all DP ranks
+                files = [torch.load(p, weights_only=True)["shards"] for p in paths]
+                return [list(dict.fromkeys(g[0] for f in files for g in f[i]["segments"]))
+                        for i in range(len(files[0]))]
 
             assert units(out / "iter_0000005" / "mp_rank_00_000" / "distrib_optim_dp000.pt") \
-                == units(shard / "distrib_optim_dp000.pt")
+                == units(shard / "distrib_optim_dp000.pt", shard / "distrib_optim_dp001.pt")
         path = tmp_path / f"resumed{stage}.jsonl"
         assert run_main(flags("--zero-stage", stage, train_iters=ITERS, load=out,
                               metrics_file=path)) == 0

@@ -16,9 +16,9 @@ The on-disk formats:
   layout rules of megalite/distributed/ themselves (``ddp.params_by_dtype``,
   ``param_and_grad_buffer.bucket_layout``, ``zero3.unit_plan``), never a restatement.
 
-Canonical form: ``{name: {"master": fp32 master, "exp_avg", "exp_avg_sq"}}`` with full (TP-unsharded)
-tensors under the layout-independent parameter names, plus :class:`OptimCommon` (step count,
-learning rate, grad-scaler state, group hyperparameters). A tensor is sharded over TP exactly like
+Canonical form: ``{name: {"master", "exp_avg", "exp_avg_sq"}}`` (fp32 master, Adam's moments)
+with full (TP-unsharded) tensors under the layout-independent parameter names, plus
+:class:`OptimCommon` (step count, learning rate, grad-scaler state, group hyperparameters). A tensor is sharded over TP exactly like
 its parameter (same ``partition_dim`` / ``partition_stride``): Adam is elementwise, so a slice of
 the moments belongs to the same slice of the parameter.
 """

@@ -398,8 +398,9 @@ def merge_pieces(pieces: Iterable[Tuple[str, Sequence[int], int, Dict[str, torch
     another DP size (checkpointing.py) and by the checkpoint converter.
 
     A piece ``(name, shape, start, {kind: 1-D tensor})`` holds elements ``[start, start + len)``
-    of the flattened parameter (:func:`shard_pieces` lists a file's). ``names`` restricts the merge to those parameters (streaming). Raises
-    ValueError if a parameter is not covered exactly (a missing rank's file).
+    of the flattened parameter (:func:`shard_pieces` lists a file's). ``names`` restricts the
+    merge to those parameters (streaming). Raises ValueError if a parameter is not covered
+    exactly (a missing rank's file).
     """
     wanted = set(names) if names is not None else None
     out: Dict[str, Dict[str, torch.Tensor]] = {}
