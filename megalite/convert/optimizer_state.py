@@ -34,7 +34,7 @@ import torch
 from megalite.config import ConfigError, ModelConfig, OptimizerConfig
 from megalite.convert.layout import Chunk, ParamSpec, chunk_specs, chunk_zero3_units
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE, params_by_dtype
-from megalite.distributed.param_and_grad_buffer import bucket_layout
+from megalite.distributed.param_and_grad_buffer import bucket_layout, packed
 from megalite.optimizer.optimizer import ADAM_KINDS
 
 Getter = Callable[[str, str], Optional[torch.Tensor]]
@@ -178,14 +178,6 @@ def _flat(slots: List[Tuple[str, int, int]], padded: int, get: Getter) -> Dict[s
     return flat
 
 
-def _slots(names, specs: Dict[str, ParamSpec], cfg: ModelConfig, tp: int):
-    out, off = [], 0
-    for n in names:
-        out.append((n, off, specs[n].numel(cfg, tp)))
-        off += out[-1][2]
-    return out, off
-
-
 def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int, get: Getter,
                common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
     """One ``DistributedOptimizer.state_dict()`` per DP rank for one (tp, pp) rank: chunk by
@@ -197,8 +189,8 @@ def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
         specs = {s.name: s for s in chunk_specs(cfg, ch, pp)}
         for named in params_by_dtype(list(specs.items())):
             info = [(n, s.numel(cfg, tp), s.shared_embedding) for n, s in named]
-            for names, padded in bucket_layout(info, size, dp):
-                slots, _ = _slots(names, specs, cfg, tp)
+            for placed, padded in bucket_layout(info, size, dp):
+                slots = [(n, a, specs[n].numel(cfg, tp)) for n, a in placed]
                 buckets.append((ci, slots, padded, _flat(slots, padded, get), specs))
     out = []
     for d in range(dp):
@@ -237,21 +229,20 @@ def build_zero3(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int
     """One ``Zero3Optimizer.state_dict()`` per DP rank (each unit padded to a multiple of dp)."""
     units = []
     for unit, shapes in zero3_units(cfg, chunks, pp, tp):
-        slots, numel = [], 0
-        for n, shape in shapes:
-            slots.append((n, numel, math.prod(shape)))
-            numel += slots[-1][2]
-        padded = -(-numel // dp) * dp
-        units.append((unit, shapes, numel, padded // dp, _flat(slots, padded, get)))
+        numels = [math.prod(shape) for _, shape in shapes]
+        starts, padded = packed(numels, dp)
+        slots = [(n, a, k) for (n, _), a, k in zip(shapes, starts, numels)]
+        units.append((unit, shapes, starts, sum(numels), padded // dp,
+                      _flat(slots, padded, get)))
     groups = [{k: g[k] for k in ("lr", "weight_decay")} for g in _zero_groups(common, opt_cfg)]
     return [{"format": "megalite-zero3-shard/1", "dp_size": dp, "dp_rank": d,
              "step": int(common.step), "param_groups": groups,
              "grad_scaler": common.grad_scaler,
              "units": {unit: {"numel": numel, "names": [n for n, _ in shapes],
-                              "shapes": [list(sh) for _, sh in shapes],
+                              "shapes": [list(sh) for _, sh in shapes], "offsets": starts,
                               **{f: flat[k][d * s:(d + 1) * s].clone()
                                  for k, f in zip(ADAM_KINDS, ("main", "exp_avg", "exp_avg_sq"))}}
-                       for unit, shapes, numel, s, flat in units}}
+                       for unit, shapes, starts, numel, s, flat in units}}
             for d in range(dp)]
 
 

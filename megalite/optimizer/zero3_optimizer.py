@@ -21,6 +21,7 @@ Interface (the one training.py uses, see megalite/optimizer/optimizer.py):
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import List
 
@@ -89,7 +90,7 @@ class Zero3Optimizer(ShardedAdamW):
             # names and shapes make the file self-describing: merging the shards of every DP
             # rank by parameter name needs no model (pretrain at another DP size, convert.py).
             units[u.name] = {"numel": u.numel, "names": list(u.names),
-                             "shapes": [list(s) for s in u.shapes],
+                             "shapes": [list(s) for s in u.shapes], "offsets": list(u.offsets),
                              "main": u.main, "exp_avg": m, "exp_avg_sq": v}
         return {
             "format": SHARD_FORMAT,
@@ -109,7 +110,9 @@ class Zero3Optimizer(ShardedAdamW):
         saved = sd.get("units", {})
         return (list(saved) == [u.name for u in self.units]
                 and all(saved[u.name].get("names", u.names) == u.names
-                        and saved[u.name]["numel"] == u.numel for u in self.units))
+                        and saved[u.name]["numel"] == u.numel
+                        # files from before the aligned layout have no offsets: merged
+                        and saved[u.name].get("offsets") == list(u.offsets) for u in self.units))
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
@@ -172,8 +175,8 @@ class Zero3Optimizer(ShardedAdamW):
 
 def zero3_pieces(sds: List[dict]):
     """The per-parameter pieces (optimizer.merge_pieces) of every DP rank's Zero3Optimizer file:
-    a unit's flat buffer is rank r's elements [r*S, (r+1)*S), its parameters laid end to end in
-    the order of the unit's ``names``."""
+    a unit's flat buffer is rank r's elements [r*S, (r+1)*S), its parameters at the unit's
+    ``offsets``, in the order of its ``names``."""
     if not sds:
         raise ValueError("no ZeRO-3 optimizer shards to merge")
     bad = [sd.get("format") for sd in sds if sd.get("format") != SHARD_FORMAT]
@@ -190,14 +193,22 @@ def zero3_pieces(sds: List[dict]):
                 raise ValueError("ZeRO-3 optimizer shards carry no parameter names (saved by an "
                                  "older megalite); resume at the DP size that saved them")
             size = unit["main"].numel()
-            base, off = int(sd["dp_rank"]) * size, 0
-            for name, shape in zip(unit["names"], unit["shapes"]):
+            base = int(sd["dp_rank"]) * size
+            for name, shape, off in zip(unit["names"], unit["shapes"], _offsets(unit)):
                 numel = math.prod(shape)
                 a, b = max(off, base), min(off + numel, base + size)
                 if a < b:
                     yield name, shape, a - off, {k: unit[f][a - base:b - base]
                                                  for k, f in _FILE_KINDS.items()}
-                off += numel
+
+
+def _offsets(unit: dict) -> List[int]:
+    """Where each parameter of a saved unit starts; files saved before the aligned layout carry
+    no offsets and packed their parameters end to end."""
+    if "offsets" in unit:
+        return [int(o) for o in unit["offsets"]]
+    ends = list(itertools.accumulate(math.prod(s) for s in unit["shapes"]))
+    return [0] + ends[:-1]
 
 
 def merge_shard_state_dicts(sds: List[dict]) -> dict:
