@@ -424,6 +424,27 @@ def test_overlap_zero_bubble_and_resharding():
     assert all(run_distributed(_overlap_worker, 2))
 
 
+def _recompute_overlap_worker(rank, world_size):
+    """ZeRO-2 under full recompute: each layer's gradients arrive in a nested (reentrant)
+    backward, whose buckets launch there; their waits must come after the whole backward (the
+    reduce-scatters overlap the remaining layers), not at the end of each nested pass."""
+    ps = initialize_model_parallel(1, 1, backend="gloo", device="cpu", set_default=False)
+    cfg = opt_config(zero_stage=2, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)
+    model = GPTModel(parity_config(num_layers=3, recompute_granularity="full"), ps, seed=SEED)
+    ddp = wrap_chunks([model], cfg, ps)[0][0]
+    tokens, labels = global_batch(0)
+    ddp.record_events = True
+    (ddp(tokens[:4], labels=labels[:4]).sum() / labels.numel()).backward()
+    kinds = [e[0] for e in ddp.events]
+    last_launch = len(kinds) - 1 - kinds[::-1].index("launch")
+    assert kinds.count("launch") > 3 and kinds.count("wait") == kinds.count("launch"), kinds
+    return min(i for i, k in enumerate(kinds) if k == "wait") > last_launch
+
+
+def test_zero2_overlap_under_full_recompute_waits_at_backward_end():
+    assert all(run_distributed(_recompute_overlap_worker, 2))
+
+
 # ------------------------------------------------------------------------------- bad input
 def test_bad_config_is_a_clear_error():
     with pytest.raises(ConfigError, match="--overlap-param-gather"):
