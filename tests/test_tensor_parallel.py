@@ -138,3 +138,32 @@ def _tp_all_reduce_in_place_worker(rank, world_size):
 
 def test_tp_all_reduce_in_place_and_guarded():
     assert run_distributed(_tp_all_reduce_in_place_worker, 2) == [True, True]
+
+
+def _sp_unmarked_defers_nothing_worker(rank, world_size):
+    """SP's column-parallel linears take the autograd function unmarked (it saves only the input
+    shard); inside a captured backward they still compute their weight gradient inline, as every
+    unmarked linear does. Marked, every linear defers, to the same gradients."""
+    tokens, labels = _batch()
+    ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
+    grads = []
+    for marked in (False, True):
+        model = GPTModel(tiny_config("gpt2", sequence_parallel=True), ps, seed=3)
+        linears = [m for m in model.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        if marked:
+            enable_weight_grad_deferral([model])
+        loss = model(tokens, labels=labels).mean()
+        with WeightGradStore.capture() as queue:
+            loss.backward()
+        assert len(queue) == (len(linears) if marked else 0), (marked, len(queue))
+        assert all((m.weight.grad is None) == marked for m in linears if m.weight is not None)
+        for w in queue:
+            w()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert_grads_close(grads[1], grads[0], 1e-6, "deferred vs inline weight gradients (SP)")
+    return True
+
+
+def test_sp_linears_defer_only_when_marked():
+    assert all(run_distributed(_sp_unmarked_defers_nothing_worker, 2))
