@@ -11,10 +11,10 @@ embedding at the start, the head at the end): the shared weight then lives in ex
 buffer and its two gradient contributions meet before a single reduce-scatter (documented in
 docs/zero3.md). A unit's parameters are packed, in ``named_parameters`` order, into one flat
 buffer, each starting at a multiple of 64 elements, the buffer padded to a multiple of lcm(N, 128)
-(param_and_grad_buffer.packed, the grad buffers' rule); rank r owns elements [r*S, (r+1)*S) with S = padded/N. Outside
-its use a rank holds only that shard (plus, in the optimizer's view, the fp32 master (the shard
-itself in fp32), the fp32 gradient shard and the Adam moments), and each ``param.data`` is a
-size-0 placeholder.
+(param_and_grad_buffer.packed, the grad buffers' rule); rank r owns elements [r*S, (r+1)*S) with
+S = padded/N. Outside its use a rank holds only that shard (plus, in the optimizer's view, the
+fp32 master (the shard itself in fp32), the fp32 gradient shard and the Adam moments), and each
+``param.data`` is a size-0 placeholder.
 
 The life of a unit in one micro-batch (docs/zero3.md draws it):
 

@@ -9,9 +9,9 @@ The layers call the mapping operators of mappings.py (f and g; under SP the pape
 every collective. The local matmul is native autograd (``F.linear``) except in two cases that need
 the autograd function below: SP's column-parallel layer, which saves only its input shard, and
 layers marked by :func:`enable_weight_grad_deferral`, whose weight gradient is its own step —
-queued inside :meth:`WeightGradStore.capture` (marked layers only, SP's unmarked ones included), so a zero-bubble pipeline schedule can run the
-input-gradient half ("B") now and the weight-gradient half ("W") later (Qi et al.,
-arXiv:2401.10241).
+queued inside :meth:`WeightGradStore.capture` (for marked layers only: SP's unmarked ones compute
+it inline), so a zero-bubble pipeline schedule can run the input-gradient half ("B") now and the
+weight-gradient half ("W") later (Qi et al., arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
