@@ -124,10 +124,10 @@ class _Interval:
     """What the training log line averages over: the iterations since the last log line."""
 
     def __init__(self):
-        self.loss, self.n, self.time, self.grad_norm, self.skipped = 0.0, 0, 0.0, None, 0
+        self.n, self.time, self.grad_norm, self.skipped = 0, 0.0, None, 0
 
-    def add(self, loss: float, dt: float, updated: bool, grad_norm) -> None:
-        self.loss, self.n, self.time = self.loss + loss, self.n + 1, self.time + dt
+    def add(self, dt: float, updated: bool, grad_norm) -> None:
+        self.n, self.time = self.n + 1, self.time + dt
         self.grad_norm, self.skipped = grad_norm, self.skipped + (not updated)
 
 
@@ -248,9 +248,8 @@ class Trainer:
                 lr = self.scheduler.current_lr
                 loss, updated, grad_norm, dt = self._timed_train_step(data_it)
                 self._record(loss, updated, grad_norm, dt)
-                interval.add(loss, dt, updated, grad_norm)
-                if self.iteration % self.cfg.logging.log_interval == 0 \
-                        or self.iteration == tr.train_iters:
+                interval.add(dt, updated, grad_norm)
+                if self._logs_at(self.iteration):
                     self._log(interval, lr)
                     interval = _Interval()
                 if self.iteration % tr.eval_interval == 0:
@@ -261,7 +260,12 @@ class Trainer:
                 if reason:
                     self.logger.print(f" exiting at iteration {self.iteration} ({reason})")
                     break
+            self._read_losses()
             return self._finish()
+
+    def _logs_at(self, iteration: int) -> bool:
+        return iteration % self.cfg.logging.log_interval == 0 \
+            or iteration == self.cfg.training.train_iters
 
     def _timed_train_step(self, data_it):
         synchronize(self.ps.device)
@@ -309,23 +313,23 @@ class Trainer:
         self.logger.log(rec, it, split="memory")
         return out
 
-    def train_step(self, batches) -> Tuple[float, bool, Optional[float]]:
+    def train_step(self, batches) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Forward-backward over the global batch, then the optimizer step.
 
-        Returns (global-batch loss, whether the weights were updated, grad norm).
+        Returns (global-batch loss, a device scalar read only at log lines, whether the weights
+        were updated, grad norm).
         """
         num_global_tokens = self._global_token_count(batches)
         self.optimizer.zero_grad()
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
-        loss_sum, ntok = self._reduce_loss(stats)
-        loss = loss_sum / max(ntok, 1.0)
+        loss = self._reduce_loss(stats)
         # Here the loss (on every rank) and the reduced gradients exist but have not touched the
         # weights: a NaN/Inf loss, or grad norm (checked by the optimizer before it updates
         # anything), stops every rank before the step and before any save. fp16 skips instead.
         check = self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.optimizer.fp16
         self.optimizer.check_for_nan = check
-        if check and not math.isfinite(loss):
-            raise self._diverged(f"loss {loss}")
+        if check and not math.isfinite(float(loss)):  # one read per step, before any update
+            raise self._diverged(f"loss {float(loss)}")
         try:
             updated, grad_norm, _num_zeros = self.optimizer.step()
         except NonFiniteGradNorm as e:
@@ -340,11 +344,11 @@ class Trainer:
             f"stopped before the optimizer step (--check-for-nan-in-loss-and-grad): training "
             f"diverged; lower --lr, raise --lr-warmup-iters or set --clip-grad")
 
-    def _record(self, loss: float, updated: bool, grad_norm, dt: float) -> None:
+    def _record(self, loss: torch.Tensor, updated: bool, grad_norm, dt: float) -> None:
         self.iteration += 1
         self.consumed += self.cfg.training.global_batch_size
         self.times.append(dt)
-        self.summary["train_losses"][self.iteration] = loss
+        self.summary["train_losses"][self.iteration] = loss  # a device scalar until _read_losses
         self.skipped += not updated
         if self.iteration == 1:  # model-state bytes vs docs/theory.md's ZeRO formula (memory.py)
             from megalite.memory import memory_report
@@ -384,11 +388,20 @@ class Trainer:
     # --------------------------------------------------------------------------------------------
     # Logging, evaluation, saving
     # --------------------------------------------------------------------------------------------
+    def _read_losses(self) -> List[float]:
+        """The losses of the iterations since the last call, as floats: one host read of them all
+        (reading each step would stall the host behind the device every iteration)."""
+        losses = self.summary["train_losses"]
+        pending = [i for i, v in losses.items() if isinstance(v, torch.Tensor)]
+        if pending:
+            losses.update(zip(pending, torch.stack([losses[i] for i in pending]).tolist()))
+        return [losses[i] for i in pending]
+
     def _log(self, interval: _Interval, lr: float) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
         gbs, t_it = tr.global_batch_size, interval.time / interval.n
         rec = {"iteration": self.iteration, "consumed_samples": self.consumed,
-               "lm_loss": interval.loss / interval.n, "lr": lr,
+               "lm_loss": sum(self._read_losses()) / interval.n, "lr": lr,
                "grad_norm": interval.grad_norm, "loss_scale": self.optimizer.get_loss_scale(),
                "global_batch_size": gbs, "iteration_time_ms": 1000 * t_it,
                "skipped_iterations": interval.skipped,
@@ -443,16 +456,16 @@ class Trainer:
             c.eval()
         it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
                                     num_workers=cfg.data.num_workers))
-        total, ntok = 0.0, 0.0
+        sums = torch.zeros(2, dtype=torch.float64, device=ps.device)
         for _ in range(tr.eval_iters):
             batches = self._micro_batches(it, tr.num_micro_batches(ps.dp_size))
             stats = self._forward_backward(batches, self._global_token_count(batches),
                                            forward_only=True)
-            s, k = self._reduce_loss(stats)
-            total, ntok = total + s, ntok + k
+            sums += self._sum_loss(stats)
         for c in self.chunks:
             c.train()
         set_all_rng_states(rng, ps.device)
+        total, ntok = sums.tolist()
         loss = total / max(ntok, 1.0)
         return loss, math.exp(min(loss, 50.0))
 
@@ -490,15 +503,18 @@ class Trainer:
         tr = self.cfg.training
         extra = {} if forward_only else dict(
             grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
-            finalize_model_grads_func=self.finalize_fn, timing_log_level=tr.timing_log_level)
+            finalize_model_grads_func=self.finalize_fn,
+            # the timeline synchronises around every op: only on the steps whose bubble is logged
+            timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)
         return self.forward_backward(
             forward_step_func=partial(_forward_step, num_global_tokens),
             data_iterator=iter(batches), model=self.chunks, num_microbatches=len(batches),
             seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
-    def _reduce_loss(self, stats_list) -> Tuple[float, float]:
-        """(sum of token losses, token count) over the whole global batch, on every rank.
+    def _sum_loss(self, stats_list) -> torch.Tensor:
+        """[sum of token losses, token count] over the whole global batch, on every rank, on the
+        device (float64): read by the caller once, never per micro-batch.
 
         Only the stage that computes the loss has stats (the last, or rank 0 under the V of
         zb-v / dualpipev), and its TP ranks hold identical copies: TP rank 0 of it contributes,
@@ -508,10 +524,15 @@ class Trainer:
         t = torch.zeros(2, dtype=torch.float64, device=self.ps.device)
         if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage
             for s in stats_list:
-                t[0] += float(s["lm_loss_sum"])
-                t[1] += float(s["num_tokens"])
+                t[0] += s["lm_loss_sum"].double()
+                t[1] += s["num_tokens"].double()
         C.all_reduce(t, group=C.world_group(), tag="loss_report")
-        return float(t[0]), float(t[1])
+        return t
+
+    def _reduce_loss(self, stats_list) -> torch.Tensor:
+        """The global batch's mean token loss, a device scalar."""
+        t = self._sum_loss(stats_list)
+        return t[0] / t[1].clamp_min(1.0)
 
 
 # ------------------------------------------------------------------------------------------------

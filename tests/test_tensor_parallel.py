@@ -113,3 +113,57 @@ def test_linears_are_native_unless_marked_deferrable():
             w()
         grads.append({k: p.grad for k, p in model.named_parameters()})
     assert_grads_close(grads[1], grads[0], 1e-6, "deferred vs inline weight gradients")
+
+
+def _tp_all_reduce_in_place_worker(rank, world_size):
+    from megalite.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
+    a = torch.full((4, 2, 3), float(rank + 1), requires_grad=True)
+    partial = a * 2  # saved by nothing: reduced in place, no copy
+    out = reduce_from_tensor_model_parallel_region(partial, ps.tp_group)
+    assert out.data_ptr() == partial.data_ptr()
+    torch.testing.assert_close(out, torch.full_like(out, 6.0))
+    out.sum().backward()
+    torch.testing.assert_close(a.grad, torch.full_like(a, 2.0))
+    # exp saves its output for backward: reducing it in place must raise, not corrupt
+    saved = a.exp()
+    out = reduce_from_tensor_model_parallel_region(saved, ps.tp_group)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        return "modified by an inplace operation" in str(e)
+    return False
+
+
+def test_tp_all_reduce_in_place_and_guarded():
+    assert run_distributed(_tp_all_reduce_in_place_worker, 2) == [True, True]
+
+
+def _sp_unmarked_defers_nothing_worker(rank, world_size):
+    """SP's column-parallel linears take the autograd function unmarked (it saves only the input
+    shard); inside a captured backward they still compute their weight gradient inline, as every
+    unmarked linear does. Marked, every linear defers, to the same gradients."""
+    tokens, labels = _batch()
+    ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
+    grads = []
+    for marked in (False, True):
+        model = GPTModel(tiny_config("gpt2", sequence_parallel=True), ps, seed=3)
+        linears = [m for m in model.modules()
+                   if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        if marked:
+            enable_weight_grad_deferral([model])
+        loss = model(tokens, labels=labels).mean()
+        with WeightGradStore.capture() as queue:
+            loss.backward()
+        assert len(queue) == (len(linears) if marked else 0), (marked, len(queue))
+        assert all((m.weight.grad is None) == marked for m in linears if m.weight is not None)
+        for w in queue:
+            w()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+    assert_grads_close(grads[1], grads[0], 1e-6, "deferred vs inline weight gradients (SP)")
+    return True
+
+
+def test_sp_linears_defer_only_when_marked():
+    assert all(run_distributed(_sp_unmarked_defers_nothing_worker, 2))

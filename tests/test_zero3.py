@@ -152,10 +152,13 @@ def _dp2_worker(rank, world_size):
     assert expect["zero3_all_gather_fwd"] == 2 * int(ring * (padded + tied.padded))
     assert expect["zero3_all_gather_bwd"] == 2 * int(ring * (padded - tied.padded))
     # Memory between iterations: 16 bytes per local element (shard = master, grad, m, v) exactly,
-    # i.e. 16Ψ/N up to padding (< N elements per unit).
+    # i.e. 16Ψ/N up to padding: parameters start at multiples of 64 elements, units end at
+    # multiples of lcm(N, 128) (Megatron's alignment, param_and_grad_buffer.packed).
     shard_elems = model.shard_elements()
     assert all(m == 16 * shard_elems for m in memory), (memory, shard_elems)
-    assert 16 * psi / n <= memory[-1] < 16 * (psi / n + len(model.units))
+    assert 16 * psi / n <= memory[-1] == 16 * padded / n
+    assert all(o % 64 == 0 for u in model.units for o in u.offsets)
+    assert all(u.padded % 128 == 0 for u in model.units)
     assert all(u.gathered_bytes() == 0 and u.full_grad.untyped_storage().nbytes() == 0
                for u in model.units)
     # Forward peak: never more than depth + 1 = 2 units' parameters gathered.

@@ -20,6 +20,7 @@ The iteration-1 memory record equals 16Ψ/N up to unit padding (megalite/memory.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -129,7 +130,8 @@ def test_zero3_checkpoint_consolidated_resume_finetune_export_reshard(tmp_path):
         _resumed_matches(train_losses(path), ref, range(6, ITERS + 1))
 
     # 7. The iteration-1 memory record: measured == 16Ψ/N with Ψ padded per unit (fp32: params
-    #    are their own masters), and within N-1 elements per unit of the unpadded formula.
+    #    are their own masters), and within the alignment padding of the unpadded formula (< 64
+    #    elements per parameter, < lcm(N, 128) per unit).
     mem = read_metrics(str(whole), split="memory")[0]
     assert mem["zero_stage"] == 3 and mem["dp_size"] == 2, mem
     n, psi = 2, mem["num_params_local_padded"]
@@ -139,7 +141,7 @@ def test_zero3_checkpoint_consolidated_resume_finetune_export_reshard(tmp_path):
         assert mem[f"mem_{key}_bytes"] == mem[f"mem_theory_{key}_bytes"] == per_param * psi / n, key
     assert mem["mem_total_bytes"] == 16 * psi / n == mem["mem_theory_zero_paper_total_bytes"]
     num_units = cfg.model.num_layers + 1  # tied GPT-2: embedding+output, one per layer
-    slack = 16 * (n - 1) * num_units
+    slack = 16 * (63 * len(plain) + (math.lcm(n, 128) - 1) * num_units) / n
     assert 0 <= mem["mem_total_bytes"] - mem["mem_theory_unpadded_total_bytes"] <= slack
     json.dumps(mem)  # the record is plain JSON
 

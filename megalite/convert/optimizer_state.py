@@ -35,7 +35,7 @@ import torch
 from megalite.config import ConfigError, ModelConfig, OptimizerConfig
 from megalite.convert.layout import Chunk, ParamSpec, chunk_specs, chunk_zero3_units
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE, params_by_dtype
-from megalite.distributed.param_and_grad_buffer import bucket_layout
+from megalite.distributed.param_and_grad_buffer import bucket_layout, packed
 from megalite.optimizer.optimizer import ADAM_KINDS, SHARD_FORMAT
 
 Getter = Callable[[str, str], Optional[torch.Tensor]]
@@ -179,15 +179,6 @@ def _flat(slots, padded: int, get: Getter) -> Dict[str, torch.Tensor]:
     return flat
 
 
-def _slots(named):
-    """``[(name, TP-local shape)]`` laid end to end: ``[(name, start, numel, shape)]``, size."""
-    out, off = [], 0
-    for n, shape in named:
-        out.append((n, off, math.prod(shape), list(shape)))
-        off += out[-1][2]
-    return out, off
-
-
 def _per_rank_files(groups, dp: int, stage: int, common: OptimCommon,
                     opt_cfg: OptimizerConfig) -> List[dict]:
     """One file per DP rank (optimizer.SHARD_FORMAT) from ``groups`` of (slots, padded size,
@@ -218,8 +209,9 @@ def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
         key = (lambda n: n) if len(chunks) == 1 else (lambda n, ci=ci: f"chunk{ci}.{n}")
         for named in params_by_dtype(list(specs.items())):
             info = [(n, s.numel(cfg, tp), s.shared_embedding) for n, s in named]
-            for names, padded in bucket_layout(info, size, dp):
-                slots, _ = _slots([(n, specs[n].local_shape(cfg, tp)) for n in names])
+            for placed, padded in bucket_layout(info, size, dp):
+                slots = [(n, a, specs[n].numel(cfg, tp), list(specs[n].local_shape(cfg, tp)))
+                         for n, a in placed]
                 groups.append((slots, padded, _flat(slots, padded, get), key))
     return _per_rank_files(groups, dp, opt_cfg.zero_stage, common, opt_cfg)
 
@@ -240,8 +232,9 @@ def build_zero3(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int
     """One ``Zero3Optimizer.state_dict()`` per DP rank (each unit padded to a multiple of dp)."""
     groups = []
     for _, shapes in zero3_units(cfg, chunks, pp, tp):
-        slots, numel = _slots(shapes)
-        padded = -(-numel // dp) * dp
+        numels = [math.prod(shape) for _, shape in shapes]
+        starts, padded = packed(numels, dp)
+        slots = [(n, a, k, list(shape)) for (n, shape), a, k in zip(shapes, starts, numels)]
         groups.append((slots, padded, _flat(slots, padded, get), lambda n: n))
     return _per_rank_files(groups, dp, 3, common, opt_cfg)
 

@@ -47,6 +47,7 @@ from megalite import collectives as C
 from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.parallel_state import ParallelState
+from megalite.tensor_parallel.random import queue_at_end_of_backward
 
 # Megatron's default: one bucket per ~40M elements.
 DEFAULT_BUCKET_SIZE = 40_000_000
@@ -60,15 +61,6 @@ def params_by_dtype(named_params):
     for name, p in named_params:
         by_dtype.setdefault(p.dtype, []).append((name, p))
     return list(by_dtype.values())
-
-
-def _queue_end_of_backward(fn: Callable[[], None]) -> bool:
-    """Run ``fn`` when the current backward pass finishes; False when no backward is running."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(fn)
-        return True
-    except RuntimeError:
-        return False
 
 
 class DistributedDataParallel(nn.Module):
@@ -187,7 +179,9 @@ class DistributedDataParallel(nn.Module):
             if not self.overlap_grad_reduce:
                 self._complete_stage2(bucket)
             elif not self._drain_queued:
-                self._drain_queued = _queue_end_of_backward(self._drain_stage2)
+                # at the end of the whole backward, not of a recomputed layer's nested one:
+                # the reduce-scatters overlap the rest of the backward
+                self._drain_queued = queue_at_end_of_backward(self._drain_stage2)
                 if not self._drain_queued:  # outside backward (a deferred W): finish now
                     self._complete_stage2(bucket)
         elif self._sync_enabled and self.overlap_grad_reduce and not bucket.launched:
@@ -217,6 +211,7 @@ class DistributedDataParallel(nn.Module):
         if bucket.pending_out is None:
             return
         if bucket.grad_handle is not None:
+            self._record("wait", bucket.index)
             bucket.grad_handle.wait()
             bucket.grad_handle = None
         buf = self._buffer_of(bucket)

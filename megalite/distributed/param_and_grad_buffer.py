@@ -14,9 +14,12 @@ Layout rules (and why):
   backward still runs (overlap_grad_reduce).
 * A parameter is never split across buckets; a bucket closes once it holds >= ``bucket_size``
   elements.
-* Each bucket is padded to a multiple of the data-parallel size N, so it splits into N equal shards
-  (reduce-scatter and all-gather need equal shards). Padding elements hold zeros forever: their
-  gradient is 0, so Adam leaves them at 0.
+* Each parameter starts at a multiple of 64 elements and each bucket is padded to a multiple of
+  lcm(N, 128), N the data-parallel size (Megatron-LM's alignment for its distributed optimizer):
+  the bucket splits into N equal shards (reduce-scatter and all-gather need equal shards), and
+  every parameter, bucket and shard starts on a 256-byte boundary (fp32), which vectorised kernels
+  and NCCL's fast paths want. Padding elements hold zeros forever: their gradient is 0, so Adam
+  leaves them at 0. ZeRO-3 units (zero3.py) are packed by the same rule (:func:`packed`).
 * A parameter flagged ``shared_embedding`` (the two copies of a tied embedding on the first and last
   pipeline stage) gets a bucket of its own. Both copies have the same shape, so their buckets — and
   hence the DP shards of them — line up on both stages, and the embedding-group all-reduce can run
@@ -63,7 +66,7 @@ class Bucket:
         self.slots = slots
         self.params = [s.param for s in slots]
         self.offset = offset
-        self.numel = numel  # padded: a multiple of dp_size
+        self.numel = numel  # padded: a multiple of lcm(dp_size, 128)
         self.shard_numel = numel // dp_size
         # Buffer coordinates of this rank's shard.
         self.shard_start = offset + dp_rank * self.shard_numel
@@ -82,12 +85,26 @@ class Bucket:
         return self.numel - sum(s.numel for s in self.slots)
 
 
+PARAM_ALIGNMENT, BUCKET_ALIGNMENT = 64, 128  # elements
+
+
+def packed(numels: List[int], dp_size: int) -> Tuple[List[int], int]:
+    """Parameters of ``numels`` packed by the alignment rule above: each one's start, and the
+    padded total (a multiple of lcm(dp_size, 128))."""
+    starts, end = [], 0
+    for n in numels:
+        starts.append(-(-end // PARAM_ALIGNMENT) * PARAM_ALIGNMENT)
+        end = starts[-1] + n
+    m = math.lcm(dp_size, BUCKET_ALIGNMENT)
+    return starts, -(-end // m) * m
+
+
 def bucket_layout(params: List[Tuple[str, int, bool]], bucket_size: Optional[int], dp_size: int
-                  ) -> List[Tuple[List[str], int]]:
+                  ) -> List[Tuple[List[Tuple[str, int]], int]]:
     """The layout rules above, as data: ``params`` are (name, numel, shared_embedding) in
-    registration order; returns each bucket's parameter names (in buffer order) and its padded
-    numel. The buffer below and the checkpoint converter (convert/optimizer_state.py) both lay
-    buckets out with this function."""
+    registration order; returns each bucket's (parameter name, start in the bucket) in buffer
+    order and its padded numel. The buffer below and the checkpoint converter
+    (convert/optimizer_state.py) both lay buckets out with this function."""
     groups: List[List[Tuple[str, int]]] = []
     current: List[Tuple[str, int]] = []  # a bucket closes once it holds >= bucket_size
     limit = bucket_size if bucket_size is not None else math.inf
@@ -102,8 +119,11 @@ def bucket_layout(params: List[Tuple[str, int, bool]], bucket_size: Optional[int
             current = []
     if current:
         groups.append(current)
-    return [([n for n, _ in g], int(math.ceil(sum(k for _, k in g) / dp_size) * dp_size))
-            for g in groups]
+    out = []
+    for g in groups:
+        starts, padded = packed([k for _, k in g], dp_size)
+        out.append(([(n, a) for (n, _), a in zip(g, starts)], padded))
+    return out
 
 
 class ParamAndGradBuffer:
@@ -126,13 +146,11 @@ class ParamAndGradBuffer:
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
         by_name = dict(named_params)
         offset = 0
-        for i, (names, numel) in enumerate(bucket_layout(
+        for i, (placed, numel) in enumerate(bucket_layout(
                 [(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
                 bucket_size, N)):
-            slots, end = [], offset
-            for name in names:
-                slots.append(ParamSlot(name, by_name[name], end, end + by_name[name].numel()))
-                end = slots[-1].end
+            slots = [ParamSlot(name, by_name[name], offset + a, offset + a + by_name[name].numel())
+                     for name, a in placed]
             self.buckets.append(Bucket(i, slots, offset, numel, N, self.dp_rank))
             for s in slots:
                 self.slots[s.param] = s

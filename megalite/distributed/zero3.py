@@ -9,11 +9,12 @@ Sharding unit. Each transformer layer is one unit; so is the embedding, and so i
 embedding weight, so the embedding and the head are *one* unit with two forward uses (the
 embedding at the start, the head at the end): the shared weight then lives in exactly one flat
 buffer and its two gradient contributions meet before a single reduce-scatter (documented in
-docs/zero3.md). A unit's parameters are concatenated, in ``named_parameters`` order, into one flat
-buffer padded to a multiple of N; rank r owns elements [r*S, (r+1)*S) with S = padded/N. Outside
-its use a rank holds only that shard (plus, in the optimizer's view, the fp32 master (the shard
-itself in fp32), the fp32 gradient shard and the Adam moments), and each ``param.data`` is a
-size-0 placeholder.
+docs/zero3.md). A unit's parameters are packed, in ``named_parameters`` order, into one flat
+buffer, each starting at a multiple of 64 elements, the buffer padded to a multiple of lcm(N, 128)
+(param_and_grad_buffer.packed, the grad buffers' rule); rank r owns elements [r*S, (r+1)*S) with
+S = padded/N. Outside its use a rank holds only that shard (plus, in the optimizer's view, the
+fp32 master (the shard itself in fp32), the fp32 gradient shard and the Adam moments), and each
+``param.data`` is a size-0 placeholder.
 
 The life of a unit in one micro-batch (docs/zero3.md draws it):
 
@@ -53,7 +54,6 @@ alive until the W pass.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -63,6 +63,7 @@ import torch.nn as nn
 
 from megalite import collectives as C
 from megalite.config import OptimizerConfig, dtype_from_name
+from megalite.distributed.param_and_grad_buffer import packed
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import WeightGradStore
 
@@ -107,16 +108,13 @@ class ShardedUnit:
         self.params = [p for _, p in named_params]
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
         self.numel = sum(self.numels)
         self.dp_group = ps.dp_group
         self.dp_size = C.group_size(ps.dp_group)
         self.dp_rank = C.group_rank(ps.dp_group)
         # Padding to a multiple of N makes every shard the same size (all-gather/reduce-scatter
-        # need equal pieces); the padded tail is zero and stays zero under AdamW.
-        self.padded = int(math.ceil(self.numel / self.dp_size) * self.dp_size)
+        # need equal pieces); the padding is zero and stays zero under AdamW.
+        self.offsets, self.padded = packed(self.numels, self.dp_size)
         self.shard_size = self.padded // self.dp_size
         self.compute_dtype = compute_dtype
         self.device = device

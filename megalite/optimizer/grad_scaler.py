@@ -93,20 +93,25 @@ def build_grad_scaler(opt_cfg):
                              hysteresis=opt_cfg.hysteresis)
 
 
-def found_inf_anywhere(grads, device: torch.device, group=None) -> bool:
-    """True if any gradient on any rank of ``group`` (None: the world) holds an inf or NaN.
+def found_inf_anywhere(grads, device: torch.device, group=None, inv_scale: float = 1.0) -> bool:
+    """True if any gradient on any rank of ``group`` (None: the world) holds an inf or NaN;
+    the gradients are multiplied by ``inv_scale`` (unscaled) in the same pass.
 
     Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag,
     on the compute ``device`` even on a rank without gradients (NCCL takes device tensors only).
+    The check is one fused kernel per dtype writing a device flag, and the flag is the one host
+    read: a read per gradient would stall the host behind the device once per parameter.
     """
     from megalite import collectives as C
     import torch.distributed as dist
 
     flag = torch.zeros(1, dtype=torch.float32, device=device)
+    scale = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+    by_dtype = {}
     for g in grads:
-        if not torch.isfinite(g).all():
-            flag.fill_(1.0)
-            break
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for gs in by_dtype.values():
+        torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, scale)
     if dist.is_initialized():
         C.all_reduce(flag, group=group if group is not None else dist.group.WORLD,
                      op=C.ReduceOp.MAX, tag="found_inf_all_reduce")

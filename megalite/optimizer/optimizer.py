@@ -66,10 +66,8 @@ def unscale_and_check_overflow(grad_scaler, grads: List[torch.Tensor], device) -
     rank saw an inf/NaN, in which case every rank skips the step. False without a scaler."""
     if grad_scaler is None:
         return False
-    if grads:
-        torch._foreach_mul_(grads, 1.0 / grad_scaler.scale)
     # Every rank must agree (the world), or some would step and some would skip.
-    found_inf = found_inf_anywhere(grads, device)
+    found_inf = found_inf_anywhere(grads, device, inv_scale=1.0 / grad_scaler.scale)
     grad_scaler.update(found_inf)
     return found_inf
 

@@ -9,9 +9,9 @@ The layers call the mapping operators of mappings.py (f and g; under SP the pape
 every collective. The local matmul is native autograd (``F.linear``) except in two cases that need
 the autograd function below: SP's column-parallel layer, which saves only its input shard, and
 layers marked by :func:`enable_weight_grad_deferral`, whose weight gradient is its own step —
-queued inside :meth:`WeightGradStore.capture`, so a zero-bubble pipeline schedule can run the
-input-gradient half ("B") now and the weight-gradient half ("W") later (Qi et al.,
-arXiv:2401.10241).
+queued inside :meth:`WeightGradStore.capture` (for marked layers only: SP's unmarked ones compute
+it inline), so a zero-bubble pipeline schedule can run the input-gradient half ("B") now and the
+weight-gradient half ("W") later (Qi et al., arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
@@ -100,8 +100,8 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_x, group):
-        ctx.group = group
+    def forward(ctx, x, weight, bias, local_x, group, defer):
+        ctx.group, ctx.defer = group, defer
         ctx.gathered = local_x is not None
         ctx.has_bias = bias is not None
         ctx.weight = weight
@@ -116,7 +116,7 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
         grad_bias = None
         if ctx.has_bias:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
-        if WeightGradStore.is_capturing():
+        if ctx.defer and WeightGradStore.is_capturing():  # marked, and this backward is a B
             param = ctx.weight
             # a gradient buffer waits for this part (ddp.py); accumulate_weight_grad counts it off
             param.weight_grads_queued = getattr(param, "weight_grads_queued", 0) + 1
@@ -125,13 +125,13 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             grad_weight = None
         else:
             grad_weight = _weight_grad(grad_output, total_input)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 def linear(x, weight, bias=None, local_x=None, group=None, defer=False):
     if local_x is None and not defer:  # native autograd: the function costs ~20 µs of Python
         return F.linear(x, weight, bias)
-    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, local_x, group)
+    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, local_x, group, defer)
 
 
 def enable_weight_grad_deferral(modules) -> None:
@@ -186,7 +186,8 @@ class ColumnParallelLinear(nn.Module):
         weight = self.weight if weight is None else weight
         if self.sequence_parallel:  # SP's g: all-gather along s, reduce-scatter dX in backward
             total = gather_from_sequence_parallel_region(x, self.tp_group)
-            out = linear(total, weight, self.bias, local_x=x, group=self.tp_group)
+            out = linear(total, weight, self.bias, local_x=x, group=self.tp_group,
+                         defer=self.defer_weight_grad)
         else:  # f: identity, all-reduce dX in backward
             out = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), weight, self.bias,
                          defer=self.defer_weight_grad)

@@ -100,13 +100,26 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _sum(x: torch.Tensor, group) -> torch.Tensor:
-    return _all_reduce(x.clone(), group)  # the input may be saved for backward elsewhere
+class _ReduceFromRegion(torch.autograd.Function):
+    """g: the all-reduce runs in place on the partial sums (no copy of ``[s, b, h]`` per layer).
+    Nothing saves the partial of a linear or an embedding; should anything ever save it,
+    mark_dirty bumps its version and that backward raises instead of reading the sums."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        if not x.is_contiguous():  # the collective's copy is then the output
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        C.all_reduce(x, group=group, tag="tp_all_reduce")
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 # (forward, backward) of each operator; every backward is its forward's conjugate.
 _CopyToRegion = _pair("_CopyToRegion", _identity, _all_reduce)  # f
-_ReduceFromRegion = _pair("_ReduceFromRegion", _sum, _identity)  # g
 _ScatterToRegion = _pair("_ScatterToRegion", _split_last_dim, _gather_last_dim)
 _GatherFromRegion = _pair("_GatherFromRegion", _gather_last_dim, _split_last_dim)
 _ScatterToSequenceParallelRegion = _pair("_ScatterToSequenceParallelRegion", _split_first_dim,

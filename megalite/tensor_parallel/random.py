@@ -187,9 +187,36 @@ class _CheckpointFunction(torch.autograd.Function):
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads) if torch.is_tensor(o) and o.requires_grad]
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        global _NESTED
+        _NESTED += 1
+        try:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        finally:
+            _NESTED -= 1
+        if not _NESTED:  # back in the outer backward: queue what its end must run
+            while _AT_OUTER_END:
+                torch.autograd.Variable._execution_engine.queue_callback(_AT_OUTER_END.pop(0))
         input_grads = tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
         return (None, None) + input_grads
+
+
+# Recomputation runs a nested backward (reentrant), and a callback queued inside it would run
+# when that nested pass ends, right after one layer. Callbacks meant for the end of the whole
+# backward wait here until the nested pass returns, and are queued on the outer one.
+_NESTED = 0
+_AT_OUTER_END: list = []
+
+
+def queue_at_end_of_backward(fn) -> bool:
+    """Run ``fn`` when the outermost running backward finishes; False when none is running."""
+    if _NESTED:
+        _AT_OUTER_END.append(fn)
+        return True
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(fn)
+        return True
+    except RuntimeError:
+        return False
 
 
 def checkpoint(fn, device: torch.device, *args):

@@ -1,0 +1,51 @@
+"""Host reads of device values per training iteration do not grow with layers, micro-batches,
+precision, ZeRO stage or pipeline stages (tests/host_reads.py counts them; docs/performance.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_utils import run_distributed
+from host_reads import count_pretrain
+from pretrain_utils import flags
+
+SMALL = ["--num-layers", "2", "--global-batch-size", "2"]  # 1 micro-batch of 2
+LARGE = ["--num-layers", "8", "--global-batch-size", "16"]  # 8 micro-batches of 2
+FP16 = ["--fp16", "--initial-loss-scale", "1024"]  # a scale that does not overflow: steps update
+
+
+def _steady(counts):
+    """Iterations 3 and 4 of a 4-iteration run, each with the log line of the one before
+    (--log-interval 1); the first builds optimizer state, the second measures memory."""
+    return [sum(c.values()) for c in counts[2:4]], counts[3]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_host_reads_per_iteration_constant(zero):
+    ref, _ = _steady(count_pretrain(flags(*SMALL, train_iters=4, zero_stage=zero)))
+    # the loss-or-found-inf decision, the grad norm and one read of the logged losses (a
+    # world-size-1 run has no all-reduce to wait on, so synchronize is the timer's only)
+    assert ref[0] == ref[1] <= 5, ref
+    for extra in ([], FP16):
+        got, where = _steady(count_pretrain(flags(*LARGE, *extra, train_iters=4,
+                                                  zero_stage=zero)))
+        assert got == ref, (extra, got, ref, where)
+
+
+def _pp2(rank, world, argv):
+    counts = count_pretrain(argv)
+    return [sum(c.values()) for c in counts[1:3]], counts[2]
+
+
+@pytest.mark.parametrize("precision", [[], FP16])
+def test_host_reads_per_iteration_constant_pp2(precision, tmp_path):
+    """Per rank of a 2-stage pipeline with the per-op timeline on (--timing-log-level 1), at the
+    iterations between log lines (2 and 3 of 4 with --log-interval 4): no loss read, no timeline
+    sync, only the step's decisions."""
+    pp = ["--pipeline-model-parallel-size", "2", "--timing-log-level", "1", "--log-interval", "4",
+          "--metrics-file", tmp_path / "metrics.jsonl", *precision]  # traces beside it
+    # a pipeline needs as many micro-batches as stages
+    small = run_distributed(_pp2, 2, flags(*SMALL[:2], *pp, train_iters=4, global_batch_size=4))
+    large = run_distributed(_pp2, 2, flags(*LARGE, *pp, train_iters=4))
+    assert [c for c, _ in large] == [c for c, _ in small], (small, large)
+    assert all(n <= 4 for c, _ in large for n in c), large
