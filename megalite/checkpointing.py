@@ -131,11 +131,11 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
     # ZeRO-3 chunks hold 1/N of every parameter: the consolidated model (same keys and shapes as
     # a stage-0 checkpoint, so --finetune, --no-load-optim and the conversion tools read it) is
     # all-gathered unit by unit, a collective every DP rank joins; only DP rank 0 keeps it.
-    full = [chunk.full_state_dict(keep=ps.dp_rank == 0)
+    full = [chunk.full_state_dict(keep=ps.dp_cp_rank == 0)
             if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
 
     def write_shard():
-        if ps.dp_rank == 0:
+        if ps.dp_cp_rank == 0:  # CP peers hold the same model: one writer
             state = {
                 "checkpoint_version": CHECKPOINT_VERSION,
                 "iteration": int(iteration),
@@ -157,7 +157,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
         if save_optim and per_dp:
             os.makedirs(shard, exist_ok=True)
             sd = optimizer.state_dict()
-            _write(os.path.join(shard, distrib_optim_name(ps.dp_rank)), lambda f: torch.save(sd, f))
+            _write(os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)), lambda f: torch.save(sd, f))
         if fault_hook is not None:
             fault_hook("shard_written", tmp)
         if ps.rank == 0:
@@ -351,14 +351,14 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
     """This DP rank's ZeRO optimizer shard; if it was saved at another DP size (or bucket layout),
     every DP rank's file merged into the unsharded state, which the optimizer's load_state_dict
     re-splits for this layout (docs/data_parallel.md, "resharding")."""
-    own = os.path.join(shard, distrib_optim_name(ps.dp_rank))
+    own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
     fits = getattr(optimizer, "shard_fits", None)
     if os.path.exists(own):
         sd = _load_file(own, what)
         if fits is None or fits(sd):
             return sd
     elif fits is None:
-        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_rank)} (saved with fewer "
+        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_cp_rank)} (saved with fewer "
                               f"data-parallel ranks); resume with the same data-parallel size")
     import glob
 

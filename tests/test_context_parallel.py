@@ -1,0 +1,148 @@
+"""Context parallelism in the training stack (docs/context_parallel.md, "Using it"): bad layouts fail
+in one line, the rank grid is tp -> cp -> dp -> pp, and pretrain.py at CP 2/4 (alone and with TP+SP,
+PP, DP with ZeRO 1 and 3, full recompute, Llama GQA) gives the losses and gradient norms of one
+process. The attention kernels themselves are tested in test_context_parallel_attention.py."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from megalite.arguments import parse_args
+from megalite.config import ConfigError
+from megalite.parallel_state import initialize_model_parallel, rank_grid
+
+_BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "64"]
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--context-parallel-size", "2", "--seq-length", "66"], "--seq-length (66) must be divisible by 4"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--seq-length", "66"],
+     "--seq-length (66) must be divisible by 4"),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+      "--seq-length", "68"], "--seq-length (68) must be divisible by 8"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--num-attention-heads", "2"],
+     "--cp-comm-type a2a"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
+      "--num-query-groups", "1"], "1 query groups"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout 0.1"),
+    (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1"),
+])
+def test_bad_context_parallel_layouts_fail_in_one_line(extra, expect):
+    with pytest.raises(ConfigError) as err:
+        parse_args(_BASE + extra)
+    assert expect in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_world_size_must_be_divisible_by_tp_cp_pp():
+    cfg = parse_args(_BASE + ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match=r"world size \(6\).*--context-parallel-size \(2\)"):
+        cfg.parallel.validate(6)
+    with pytest.raises(ConfigError, match=r"world size \(6\).*= 4"):
+        rank_grid(6, 2, 1, 2)
+    assert cfg.parallel.data_parallel_size(8) == 2
+
+
+def test_rank_grid_order_is_tp_cp_dp_pp():
+    dp, tp, dpg, pp, mp, cp, dpcp = rank_grid(16, 2, 2, 2)
+    assert dp == 2
+    assert tp[:2] == [[0, 1], [2, 3]]  # TP fastest, then CP: TP x CP is one contiguous block
+    assert cp[:2] == [[0, 2], [1, 3]] and dpg[:2] == [[0, 4], [1, 5]]
+    assert dpcp[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]] and pp[0] == [0, 8]
+    assert mp[:2] == [[0, 1, 8, 9], [2, 3, 10, 11]]  # TP x PP: CP ranks are not in it
+    for groups in (tp, dpg, pp, cp, dpcp):  # each kind of group covers every rank once
+        assert sorted(r for g in groups for r in g) == list(range(16))
+
+
+def _groups_worker(rank, world_size):
+    ps = initialize_model_parallel(2, 1, context_parallel_size=2, backend="gloo", device="cpu")
+    assert (ps.tp_size, ps.cp_size, ps.dp_size, ps.dp_cp_size) == (2, 2, 2, 4)
+    assert (ps.tp_rank, ps.cp_rank, ps.dp_rank) == (rank % 2, rank // 2 % 2, rank // 4)
+    for group, ranks in ((ps.cp_group, ps.cp_ranks), (ps.dp_cp_group, ps.dp_cp_ranks),
+                         (ps.dp_group, ps.dp_ranks), (ps.tp_group, ps.tp_ranks)):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(ranks)
+    assert ps.dp_cp_rank == ps.dp_cp_ranks.index(rank)
+    return ps.describe()
+
+
+def test_cp_and_dp_cp_groups_from_torchrun_environment():
+    out = run_distributed(_groups_worker, 8)
+    assert out[6] == "rank 6/8: tp 0/2 cp 1/2 dp 1/2 pp 0/1"
+
+
+# ------------------------------------------------------------------------------------------------
+# pretrain.py under CP equals one process (docs/design.md, contract 5)
+# ------------------------------------------------------------------------------------------------
+ITERS = 10
+SEQ = ["--seq-length", "64"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--group-query-attention", "--num-query-groups", "2"]
+CP2 = ["--context-parallel-size", "2"]
+# name -> (world size, model flags, layout flags); the one-process reference runs the model flags
+CASES = {
+    "cp2_p2p": (2, [], CP2),
+    "cp2_allgather": (2, [], CP2 + ["--cp-comm-type", "allgather"]),
+    "cp2_a2a": (2, [], CP2 + ["--cp-comm-type", "a2a"]),
+    "cp2_full_recompute": (2, [], CP2 + ["--recompute-granularity", "full"]),
+    "llama_gqa_cp2_p2p": (2, LLAMA, CP2),
+    "llama_gqa_cp2_a2a": (2, LLAMA, CP2 + ["--cp-comm-type", "a2a"]),
+    "cp4_p2p": (4, [], ["--context-parallel-size", "4"]),
+    "tp2_sp_cp2": (4, [], CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "cp2_pp2": (4, [], CP2 + ["--pipeline-model-parallel-size", "2"]),
+    "cp2_dp2_zero1": (4, [], CP2 + ["--zero-stage", "1"]),
+    "cp2_dp2_zero3": (4, [], CP2 + ["--zero-stage", "3"]),
+}
+
+
+def _argv(model, layout, metrics):
+    from pretrain_utils import flags
+
+    return flags(*SEQ, *model, *layout, train_iters=ITERS, metrics_file=metrics)
+
+
+def _cases_worker(rank, world_size, runs):
+    """Every case of one world size, one after another in the same processes."""
+    from megalite import collectives as C
+    from megalite.training import pretrain
+
+    for argv in runs:
+        pretrain(parse_args(argv))
+        C.barrier()
+    return True
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    from pretrain_utils import read_metrics, run_main
+
+    d = tmp_path_factory.mktemp("cp")
+    for world in (2, 4):
+        runs = [_argv(model, layout, d / f"{name}.jsonl")
+                for name, (w, model, layout) in CASES.items() if w == world]
+        assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+    refs = {}
+    for model in {tuple(m) for _w, m, _l in CASES.values()}:
+        path = d / f"single_{len(refs)}.jsonl"
+        assert run_main(_argv(list(model), [], path)) == 0
+        refs[model] = read_metrics(path)
+    return d, refs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_matches_one_process(cp_runs, name):
+    from pretrain_utils import read_metrics
+
+    d, refs = cp_runs
+    ref, got = refs[tuple(CASES[name][1])], read_metrics(d / f"{name}.jsonl")
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == list(
+        range(1, ITERS + 1))
+    for a, b in zip(ref, got):
+        for key in ("lm_loss", "grad_norm"):
+            rel = abs(b[key] - a[key]) / abs(a[key])
+            assert rel <= 1e-5, f"{name} iteration {a['iteration']} {key}: {b[key]} vs one " \
+                                f"process {a[key]} (rel {rel:.2e})"
+    assert len({round(r["lm_loss"], 4) for r in ref}) >= ITERS - 1  # the losses do move
