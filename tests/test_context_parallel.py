@@ -98,10 +98,11 @@ CASES = {
 }
 
 
-def _argv(model, layout, metrics):
+def _argv(model, layout, metrics, **kw):
     from pretrain_utils import flags
 
-    return flags(*SEQ, *model, *layout, train_iters=ITERS, metrics_file=metrics)
+    kw.setdefault("train_iters", ITERS)
+    return flags(*SEQ, *model, *layout, eval_interval=5, metrics_file=metrics, **kw)
 
 
 def _cases_worker(rank, world_size, runs):
@@ -117,19 +118,35 @@ def _cases_worker(rank, world_size, runs):
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
-    from pretrain_utils import read_metrics, run_main
+    from pretrain_utils import run_main
 
     d = tmp_path_factory.mktemp("cp")
+    # a ZeRO-1 checkpoint saved at CP2 (its shards over DP x CP = 2) resumes at CP4 (4 shards)
+    # and at CP1 (one process, 1 shard) with no conversion: the model file is CP-independent
+    zero1 = ["--zero-stage", "1"]
+    save = _argv([], CP2 + zero1, d / "save.jsonl", exit_interval=5, save=d / "ck")
+    cp4 = _argv([], ["--context-parallel-size", "4"] + zero1, d / "resume_cp4.jsonl",
+                load=d / "ck")
     for world in (2, 4):
         runs = [_argv(model, layout, d / f"{name}.jsonl")
                 for name, (w, model, layout) in CASES.items() if w == world]
+        runs += [save] if world == 2 else [cp4]
         assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+    assert run_main(_argv([], zero1, d / "resume_cp1.jsonl", load=d / "ck")) == 0
     refs = {}
     for model in {tuple(m) for _w, m, _l in CASES.values()}:
-        path = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(list(model), [], path)) == 0
-        refs[model] = read_metrics(path)
+        refs[model] = d / f"single_{len(refs)}.jsonl"
+        assert run_main(_argv(list(model), [], refs[model])) == 0
     return d, refs
+
+
+def _compare(name, ref, got, keys):
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref]
+    for a, b in zip(ref, got):
+        for key in keys:
+            rel = abs(b[key] - a[key]) / abs(a[key])
+            assert rel <= 1e-5, f"{name} iteration {a['iteration']} {key}: {b[key]} vs one " \
+                                f"process {a[key]} (rel {rel:.2e})"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -137,12 +154,24 @@ def test_context_parallel_matches_one_process(cp_runs, name):
     from pretrain_utils import read_metrics
 
     d, refs = cp_runs
-    ref, got = refs[tuple(CASES[name][1])], read_metrics(d / f"{name}.jsonl")
-    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == list(
-        range(1, ITERS + 1))
-    for a, b in zip(ref, got):
-        for key in ("lm_loss", "grad_norm"):
-            rel = abs(b[key] - a[key]) / abs(a[key])
-            assert rel <= 1e-5, f"{name} iteration {a['iteration']} {key}: {b[key]} vs one " \
-                                f"process {a[key]} (rel {rel:.2e})"
+    ref, got = read_metrics(refs[tuple(CASES[name][1])]), read_metrics(d / f"{name}.jsonl")
+    assert [r["iteration"] for r in ref] == list(range(1, ITERS + 1))
+    _compare(name, ref, got, ("lm_loss", "grad_norm"))
     assert len({round(r["lm_loss"], 4) for r in ref}) >= ITERS - 1  # the losses do move
+    # evaluation runs under CP as training does: the validation losses at iterations 5 and 10
+    ref_v = read_metrics(refs[tuple(CASES[name][1])], "valid")
+    got_v = read_metrics(d / f"{name}.jsonl", "valid")
+    assert [r["iteration"] for r in ref_v] == [5, 10]
+    _compare(name, ref_v, got_v, ("lm_loss",))
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(cp_runs):
+    from pretrain_utils import read_metrics
+
+    d, refs = cp_runs
+    ref = read_metrics(refs[()])
+    _compare("save at cp2", ref[:5], read_metrics(d / "save.jsonl"), ("lm_loss",))
+    shard = sorted(p.name for p in (d / "ck" / "iter_0000005" / "mp_rank_00_000").iterdir())
+    assert shard == ["distrib_optim_dp000.pt", "distrib_optim_dp001.pt", "model_optim_rng.pt"]
+    for where in ("resume_cp1", "resume_cp4"):
+        _compare(where, ref[5:], read_metrics(d / f"{where}.jsonl"), ("lm_loss", "grad_norm"))
