@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite import collectives as C
 from megalite.context_parallel import attention as A
 from megalite.context_parallel.sharding import shard
 from tests.dist_utils import run_distributed
@@ -27,6 +28,7 @@ def _case(group, rank, size, comm, groups, dtype, seed):
                                          enable_gqa=groups != N)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     local = [shard(t.detach(), rank, size, 2).requires_grad_() for t in (q, k, v)]
+    C.reset_bytes_sent()
     out = A.context_parallel_attention(*local, group, comm)
     assert out.dtype == dtype and out.shape == local[0].shape
     grads = torch.autograd.grad(out, local, shard(dout, rank, size, 2).to(dtype))
@@ -36,8 +38,18 @@ def _case(group, rank, size, comm, groups, dtype, seed):
 
 def _all_cases(rank, size):
     group = torch.distributed.new_group(list(range(size)))
-    errs = {(comm, g): _case(group, rank, size, comm, g, torch.float32, 7 + g)
-            for comm in ("p2p", "allgather", "a2a") for g in (N, size)}
+    errs = {}
+    for comm in ("p2p", "allgather", "a2a"):
+        for g in (N, size):
+            errs[comm, g] = _case(group, rank, size, comm, g, torch.float32, 7 + g)
+        # bytes sent by this rank, forward + backward (docs/theory.md, "Context parallelism"):
+        # K/V in fp32 (e = 4) and dK/dV in fp32, KV = 2 b g (s/C) d e
+        kv = 2 * B * g * (S // size) * D * 4
+        want = {"p2p": {"cp_p2p": 2 * (size - 1) * kv + size * kv},
+                "allgather": {"cp_allgather": 3 * (size - 1) * kv},
+                "a2a": {"cp_a2a": 2 * (size - 1) * B * (S // size) * D * (2 * N + 2 * g) * 4
+                        // size}}[comm]
+        assert C.bytes_sent() == want, (comm, C.bytes_sent(), want)
     bf16 = {comm: _case(group, rank, size, comm, size, torch.bfloat16, 3)
             for comm in ("p2p", "allgather", "a2a")}
     with pytest.raises(ValueError, match="heads .* must both divide by"):
