@@ -39,6 +39,11 @@ def _in_tracked_rng(fn, *args, **kwargs):  # one graph break here instead of one
         return fn(*args, **kwargs)
 
 
+# --torch-compile: the CP attention stays eager (its sends, receives and byte counts would
+# otherwise be traced and retraced as the counters change): one graph break per layer.
+_cp_attention = torch.compiler.disable(context_parallel_attention)
+
+
 def _activation(name: str):
     if name == "gelu":
         return F.gelu
@@ -90,7 +95,7 @@ class SelfAttention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
         if self.cp_size > 1:  # over the whole sequence; config.py refuses attention dropout here
-            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type)
+            return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type)
         gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
         if self.heads_per_group > 1 and not gqa:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
