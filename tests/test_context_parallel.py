@@ -133,7 +133,9 @@ def cp_runs(tmp_path_factory):
         runs = [_argv(model, layout, d / f"{name}.jsonl")
                 for name, (w, model, layout) in CASES.items() if w == world]
         runs += [save] if world == 2 else [cp4]
-        assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+        with pytest.MonkeyPatch.context() as mp:  # multi-rank runs emulate a GPU (design.md, 1)
+            mp.setenv("MEGALITE_STRICT_COLLECTIVES", "1")
+            assert all(run_distributed(_cases_worker, world, runs, timeout=600))
     assert run_main(_argv([], zero1, d / "resume_cp1.jsonl", load=d / "ck")) == 0
     refs = {}
     for model in {tuple(m) for _w, m, _l in CASES.values()}:
