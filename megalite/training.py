@@ -7,9 +7,9 @@ data-parallel wrapping -> optimizer -> LR schedule -> checkpoint -> datasets -> 
 The loss contract (docs/design.md, contract 4): a global batch is ``global_batch_size`` samples
 whatever the layout; each micro-batch's loss is ``sum(per_token_loss * loss_mask) / N`` where N is
 the number of loss tokens in the whole *global* batch, counted up front by summing this rank's
-micro-batch masks and all-reducing over the DP group. Summing those losses over micro-batches and
-(through the DP all-reduce SUM of gradients) over DP ranks gives exactly the single-device mean loss
-and its gradient.
+micro-batch masks and all-reducing over the DP x CP group (a CP rank holds some of each sample's
+tokens). Summing those losses over micro-batches and (through the DP x CP all-reduce SUM of
+gradients) over DP and CP ranks gives exactly the single-device mean loss and its gradient.
 
 Seams other parts plug into:
   * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (bucketed
