@@ -86,3 +86,12 @@ def test_math_block_matches_the_fused_kernel(causal):
     for a, b in zip(A._block_bwd(dout, q, k, v, out, lse, causal, 0.3),
                     A._math_bwd(dout, q, k, v, out, lse, causal, 0.3)):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
+
+
+def test_chunk_owner_inverts_chunk_ids():
+    from megalite.context_parallel.sharding import chunk_ids, chunk_owner
+
+    for size in (1, 2, 3, 4):
+        for c in range(2 * size):
+            rank, i = chunk_owner(c, size)
+            assert chunk_ids(rank, size)[i] == c

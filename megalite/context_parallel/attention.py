@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from megalite import collectives as C
 from megalite.config import CP_COMM_TYPES
-from megalite.context_parallel.sharding import chunk_ids, shard
+from megalite.context_parallel.sharding import chunk_ids, chunk_owner, shard
 
 
 # ---- one block of attention: (out, lse) forward and its backward given the merged out/lse ----
@@ -131,20 +131,23 @@ def _natural(shards, dim):
 
 # ---- p2p (ring) ----
 
+def _ring_block(rank, src, half):
+    """(query rows, key rows) of this rank's block against CP rank ``src``'s K/V (module doc)."""
+    return (slice(half, None) if src > rank else slice(None),
+            slice(None, half) if src < rank else slice(None))
+
+
 def _ring_fwd(q, k, v, group, scale):
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, out, lse = torch.stack([k, v]), None, None
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
-        src, (k_, v_) = (rank - step) % size, kv
+        rows, keys = _ring_block(rank, (rank - step) % size, half)
+        o, l = _block_fwd(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0, scale)
         if step == 0:  # own K/V: the causal diagonal
-            o, l = _block_fwd(q, k_, v_, True, scale)
             out, lse = o.float(), l.clone()
-        elif src < rank:  # all local queries against the earlier rank's first chunk
-            _merge(out, lse, *_block_fwd(q, k_[:, :, :half], v_[:, :, :half], False, scale))
-        else:  # the local second chunk against all of a later rank's K/V
-            _merge(out[:, :, half:], lse[:, :, half:],
-                   *_block_fwd(q[:, :, half:], k_, v_, False, scale))
+        else:
+            _merge(out[:, :, rows], lse[:, :, rows], o, l)
         _wait(reqs)
         kv = nxt
     return out.to(q.dtype), lse
@@ -155,31 +158,17 @@ def _ring_bwd(dout, q, k, v, out, lse, group, scale):
     steps arrives back at its owner (the last hop runs from rank r-1 to r)."""
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
-    dkv_in, dreqs = None, []
+    dkv, dkv_in, dreqs = None, None, []
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
-        src, (k_, v_) = (rank - step) % size, kv
-        dkv = torch.zeros_like(kv, dtype=torch.float32)
-        if step == 0:
-            g = _block_bwd(dout, q, k_, v_, out, lse, True, scale)
-            dq += g[0]
-            dkv[0] += g[1]
-            dkv[1] += g[2]
-        elif src < rank:
-            g = _block_bwd(dout, q, k_[:, :, :half], v_[:, :, :half], out, lse, False, scale)
-            dq += g[0]
-            dkv[0, :, :, :half] += g[1]
-            dkv[1, :, :, :half] += g[2]
-        else:
-            h = slice(half, None)
-            g = _block_bwd(dout[:, :, h], q[:, :, h], k_, v_, out[:, :, h], lse[:, :, h], False,
-                           scale)
-            dq[:, :, h] += g[0]
-            dkv[0] += g[1]
-            dkv[1] += g[2]
-        _wait(dreqs)
-        if dkv_in is not None:
-            dkv += dkv_in
+        rows, keys = _ring_block(rank, (rank - step) % size, half)
+        g = _block_bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                       out[:, :, rows], lse[:, :, rows], step == 0, scale)
+        dq[:, :, rows] += g[0]
+        _wait(dreqs)  # these K/V's dK/dV so far, from the ranks that held them before
+        dkv = torch.zeros_like(kv, dtype=torch.float32) if dkv_in is None else dkv_in
+        dkv[0][:, :, keys] += g[1]
+        dkv[1][:, :, keys] += g[2]
         dreqs, dkv_in = _ring(dkv, group, 1)
         _wait(reqs)
         kv = nxt
@@ -224,17 +213,19 @@ def _allgather_bwd(dout, q, k, v, out, lse, group, scale):
     are reduce-scattered back to the ranks that own them."""
     size = C.group_size(group)
     kv = _gather_kv(k, v, group)
-    dkv, dq = torch.zeros_like(kv, dtype=torch.float32), torch.zeros_like(q, dtype=torch.float32)
-    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, q.shape[2] // 2):
+    chunk = q.shape[2] // 2
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv = kv.new_zeros((size, 2) + tuple(k.shape), dtype=torch.float32)  # [owner rank, k|v, ...]
+    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk):
         for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > 0 else []):
             g = _block_bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                            out[:, :, rows], lse[:, :, rows], causal, scale)
             dq[:, :, rows] += g[0]
-            dkv[0][:, :, keys] += g[1]
-            dkv[1][:, :, keys] += g[2]
-    mine = dkv.new_empty((2,) + tuple(k.shape))
-    per_rank = torch.cat([shard(dkv, j, size, dim=3) for j in range(size)])
-    C.reduce_scatter_tensor(mine, per_rank, group, tag="cp_allgather")
+            for i, part in enumerate(torch.stack(g[1:]).split(chunk, dim=3)):
+                j, half = chunk_owner(keys.start // chunk + i, size)  # to the owner's place
+                dkv[j][:, :, :, half * chunk:(half + 1) * chunk] += part
+    mine = dkv.new_empty(dkv.shape[1:])
+    C.reduce_scatter_tensor(mine, dkv.flatten(0, 1), group, tag="cp_allgather")
     return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
 
 

@@ -21,6 +21,11 @@ def chunk_ids(cp_rank: int, cp_size: int) -> tuple:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
+def chunk_owner(chunk: int, cp_size: int) -> tuple:
+    """(CP rank, 0 or 1: first or second of its chunks) that keeps global chunk ``chunk``."""
+    return (chunk, 0) if chunk < cp_size else (2 * cp_size - 1 - chunk, 1)
+
+
 def positions(seq_length: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
     """Global positions [s/C] of the tokens CP rank ``cp_rank`` keeps, in local order."""
     if cp_size == 1:
