@@ -179,3 +179,41 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_cp4(cp_runs):
     assert shard == ["distrib_optim_dp000.pt", "distrib_optim_dp001.pt", "model_optim_rng.pt"]
     for where in ("resume_cp1", "resume_cp4"):
         _compare(where, ref[5:], read_metrics(d / f"{where}.jsonl"), ("lm_loss", "grad_norm"))
+
+
+# ------------------------------------------------------------------------------------------------
+# The planner (docs/planner.md): CP divides activations, shards ZeRO over DP x CP, and wins at 128k
+# ------------------------------------------------------------------------------------------------
+def _llama8b(seq):
+    from megalite.config import ModelConfig
+    from megalite.planner import Model
+
+    return Model.from_config(ModelConfig(
+        num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+        num_query_groups=8, seq_length=seq, vocab_size=128256, position_embedding_type="rope",
+        normalization="RMSNorm", swiglu=True, add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, untie_embeddings_and_output_weights=True,
+        params_dtype="bfloat16"))
+
+
+def test_planner_divides_activations_by_cp_and_picks_cp_at_128k():
+    from megalite.planner import GPUS, Cluster, Layout, memory, plan, step_time
+
+    m, cl = _llama8b(131072), Cluster(64, 8, GPUS["H100-80GB"])
+    lay = dict(tensor_model_parallel_size=8, data_parallel_size=8, zero_stage=1,
+               sequence_parallel=True, recompute_granularity="selective")
+    one = memory(m, Layout(**lay), 64)
+    for c, kind in ((2, "p2p"), (4, "allgather"), (8, "a2a")):
+        cp = memory(m, Layout(**dict(lay, data_parallel_size=8 // c), context_parallel_size=c,
+                              cp_comm_type=kind), 64)
+        assert cp["optimizer"] == pytest.approx(one["optimizer"])  # ZeRO over DP x CP = 8
+        assert one["activations"] / c <= cp["activations"] < 1.15 * one["activations"] / c
+        t = step_time(m, Layout(**dict(lay, data_parallel_size=8 // c), context_parallel_size=c,
+                                cp_comm_type=kind), cl, 64)
+        assert t["cp_comm_s"] > 0 or kind == "p2p"  # the ring hides its transfer at 128k
+    # at 128k tokens the fastest layout that fits splits the sequence (TP 8, micro-batch 1 pinned
+    # to keep the search short); without CP, only slower ones fit (full recompute, deep PP)
+    pin = {"tensor_model_parallel_size": 8, "micro_batch_size": 1}
+    best, no_cp = plan(m, cl, 64, pin)[0], plan(m, cl, 64, dict(pin, context_parallel_size=1))[0]
+    assert best.fits and best.layout.context_parallel_size > 1, best.layout.short()
+    assert best.time["step_time_s"] < no_cp.time["step_time_s"], no_cp.layout.short()
