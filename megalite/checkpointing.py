@@ -157,7 +157,8 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
         if save_optim and per_dp:
             os.makedirs(shard, exist_ok=True)
             sd = optimizer.state_dict()
-            _write(os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)), lambda f: torch.save(sd, f))
+            _write(os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)),
+                   lambda f: torch.save(sd, f))
         if fault_hook is not None:
             fault_hook("shard_written", tmp)
         if ps.rank == 0:

@@ -68,7 +68,7 @@ class SelfAttention(nn.Module):
                  cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.config = config
-        # context parallelism: this rank holds s/C tokens of each sequence (docs/context_parallel.md)
+        # context parallelism: this rank holds s/C tokens of a sequence (docs/context_parallel.md)
         self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
         self.cp_size, self._cp_positions = C.group_size(cp_group), {}
         tp = C.group_size(tp_group)
