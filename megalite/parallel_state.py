@@ -84,20 +84,19 @@ class ParallelState:
     pp_rank: int = 0
     dp_rank: int = 0
     cp_rank: int = 0
-    dp_cp_rank: int = 0
     cp_comm_type: str = "p2p"  # --cp-comm-type: how attention crosses the CP group
     tp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
     dp_group: Optional[dist.ProcessGroup] = None  # the samples: the data loader's group
     cp_group: Optional[dist.ProcessGroup] = None  # one sequence's ranks (context parallelism)
-    dp_cp_group: Optional[dist.ProcessGroup] = None  # gradients and ZeRO shards: dp x cp
+    cp_dp_group: Optional[dist.ProcessGroup] = None  # dp x cp, built where cp > 1
     mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: all but data and context parallelism
     embedding_group: Optional[dist.ProcessGroup] = None  # first + last pipeline stage
     tp_ranks: List[int] = field(default_factory=lambda: [0])
     pp_ranks: List[int] = field(default_factory=lambda: [0])
     dp_ranks: List[int] = field(default_factory=lambda: [0])
     cp_ranks: List[int] = field(default_factory=lambda: [0])
-    dp_cp_ranks: List[int] = field(default_factory=lambda: [0])
+    cp_dp_ranks: List[int] = field(default_factory=lambda: [0])
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     # Virtual pipeline (interleaved) bookkeeping, set by the pipeline code.
     vpp_size: Optional[int] = None
@@ -127,6 +126,20 @@ class ParallelState:
     @property
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
+
+    # Gradients and ZeRO shards: DP x CP, which is the DP group itself when CP is 1 (also in a
+    # state built by hand with only a DP group).
+    @property
+    def dp_cp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.dp_group if self.cp_size == 1 else self.cp_dp_group
+
+    @property
+    def dp_cp_ranks(self) -> List[int]:
+        return self.dp_ranks if self.cp_size == 1 else self.cp_dp_ranks
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_cp_ranks.index(self.rank) if self.cp_size > 1 else self.dp_rank
 
     @property
     def dp_cp_size(self) -> int:
@@ -255,10 +268,8 @@ def initialize_model_parallel(
     make(pp_groups, "pp_group", "pp_ranks")
     make(mp_groups, "mp_group", "_mp_ranks")
     make(cp_groups, "cp_group", "cp_ranks")
-    if cp > 1:
-        make(dp_cp_groups, "dp_cp_group", "dp_cp_ranks")
-    else:  # the same ranks: one group, not two communicators
-        state.dp_cp_group, state.dp_cp_ranks = state.dp_group, state.dp_ranks
+    if cp > 1:  # (at cp 1 the same ranks as dp: one group, not two communicators)
+        make(dp_cp_groups, "cp_dp_group", "cp_dp_ranks")
     # Embedding group: first and last stage of each pipeline (tied input/output embeddings).
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
     make(embedding_groups, "embedding_group", "embedding_ranks")
@@ -267,7 +278,6 @@ def initialize_model_parallel(
     state.dp_rank = state.dp_ranks.index(rank)
     state.pp_rank = state.pp_ranks.index(rank)
     state.cp_rank = state.cp_ranks.index(rank)
-    state.dp_cp_rank = state.dp_cp_ranks.index(rank)
     if set_default:
         set_parallel_state(state)
     return state
