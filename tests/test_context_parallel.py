@@ -1,7 +1,8 @@
-"""Context parallelism in the training stack (docs/context_parallel.md, "Using it"): bad layouts fail
-in one line, the rank grid is tp -> cp -> dp -> pp, and pretrain.py at CP 2/4 (alone and with TP+SP,
-PP, DP with ZeRO 1 and 3, full recompute, Llama GQA) gives the losses and gradient norms of one
-process. The attention kernels themselves are tested in test_context_parallel_attention.py."""
+"""Context parallelism in the training stack (docs/context_parallel.md, "Using it"): bad layouts
+fail in one line, the rank grid is tp -> cp -> dp -> pp, pretrain.py at CP 2/4 (alone and with
+TP+SP, PP, DP with ZeRO 1 and 3, recompute, Llama GQA) gives the losses, gradient norms and
+validation losses of one process, a CP2 checkpoint resumes at CP1 and CP4, and the planner
+divides activations by C. The attention itself is tested in test_context_parallel_attention.py."""
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ _BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
 
 
 @pytest.mark.parametrize("extra,expect", [
-    (["--context-parallel-size", "2", "--seq-length", "66"], "--seq-length (66) must be divisible by 4"),
+    (["--context-parallel-size", "2", "--seq-length", "66"],
+     "--seq-length (66) must be divisible by 4"),
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--seq-length", "66"],
      "--seq-length (66) must be divisible by 4"),
     (["--context-parallel-size", "2", "--tensor-model-parallel-size", "4", "--sequence-parallel",
