@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 
 from megalite.config import (
     SCHEDULES,
+    CP_COMM_TYPES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -135,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each sequence over this many ranks, attention included")
+    g.add_argument("--cp-comm-type", choices=list(CP_COMM_TYPES), default="p2p",
+                   help="context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses)")
     g.add_argument("--distributed-backend", choices=["gloo", "nccl"], default=None,
                    help="default nccl on CUDA, gloo on CPU")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -306,6 +311,7 @@ def _config_from_namespace(a: argparse.Namespace) -> MegaliteConfig:
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=None if vpp == 1 else vpp,
         sequence_parallel=a.sequence_parallel, distributed_backend=a.distributed_backend,
+        context_parallel_size=a.context_parallel_size, cp_comm_type=a.cp_comm_type,
         device=a.device, distributed_timeout_minutes=a.distributed_timeout_minutes,
     )
     optimizer = OptimizerConfig(

@@ -131,7 +131,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
     full = _gather_zero3_models(model_chunks, ps, iteration, tmp)
 
     def write_shard():
-        if ps.dp_rank == 0:
+        if ps.dp_cp_rank == 0:  # CP peers hold the same model: one writer
             state = {
                 "checkpoint_version": CHECKPOINT_VERSION,
                 "iteration": int(iteration),
@@ -152,7 +152,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
             save_file(os.path.join(shard, MODEL_FILE), state)
         if save_optim and per_dp:
             os.makedirs(shard, exist_ok=True)
-            save_file(os.path.join(shard, distrib_optim_name(ps.dp_rank)), optimizer.state_dict())
+            save_file(os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)), optimizer.state_dict())
         if fault_hook is not None:
             fault_hook("shard_written", tmp)
         if ps.rank == 0:
@@ -188,13 +188,13 @@ def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
             fault_hook("before_zero3_gather", tmp)
         probe = [torch.empty(max(u.padded for u in units), dtype=units[0].main.dtype,
                              device=units[0].device)]
-        if ps.dp_rank == 0:
+        if ps.dp_cp_rank == 0:
             probe.append(torch.empty(sum(u.numel for u in units), device=units[0].device,
                                      dtype=model_chunks[0].compute_dtype))
         del probe
 
     _agree_on_save(ps, _attempt(precheck), iteration, tmp)
-    return [chunk.full_state_dict(keep=ps.dp_rank == 0)
+    return [chunk.full_state_dict(keep=ps.dp_cp_rank == 0)
             if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
 
 
@@ -381,14 +381,14 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
     """This DP rank's ZeRO optimizer shard; if it was saved at another DP size (or bucket layout),
     every DP rank's file merged into the unsharded state, which the optimizer's load_state_dict
     re-splits for this layout (docs/data_parallel.md, "resharding")."""
-    own = os.path.join(shard, distrib_optim_name(ps.dp_rank))
+    own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
     fits = getattr(optimizer, "shard_fits", None)
     if os.path.exists(own):
         sd = _load_file(own, what)
         if fits is None or fits(sd):
             return sd
     elif fits is None:
-        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_rank)} (saved with fewer "
+        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_cp_rank)} (saved with fewer "
                               f"data-parallel ranks); resume with the same data-parallel size")
     import glob
 
@@ -481,7 +481,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                 raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
                                       f"--no-save-optim); pass --no-load-optim or --finetune")
             if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):
-                file = os.path.join(shard, distrib_optim_name(ps.dp_rank))
+                file = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
                 opt_sd = _load_dp_sharded_optimizer_state(shard, optimizer, ps, what)
             elif "optimizer" not in state:
                 raise CheckpointError(

@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 
+# Context-parallel attention implementations (--cp-comm-type; docs/context_parallel.md).
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending flag(s) and what would be valid."""
 
@@ -251,6 +255,8 @@ class ParallelConfig(_Section):
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     sequence_parallel: bool = False
+    context_parallel_size: int = 1  # the sequence split over C ranks (docs/context_parallel.md)
+    cp_comm_type: str = "p2p"
     distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
     device: Optional[str] = None  # None: cuda when available, else cpu
     distributed_timeout_minutes: float = 10.0
@@ -259,19 +265,25 @@ class ParallelConfig(_Section):
                  seq_length: Optional[int] = None) -> "ParallelConfig":
         """``world_size`` (``seq_length``) None: the checks that do not depend on it."""
         t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        v = self.virtual_pipeline_model_parallel_size
+        v, c = self.virtual_pipeline_model_parallel_size, self.context_parallel_size
         if t < 1 or p < 1:
             raise ConfigError(
                 f"--tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size ({p}) "
                 f"must be >= 1")
+        if c < 1:
+            raise ConfigError(f"--context-parallel-size must be >= 1, got {c}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ConfigError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got "
+                              f"{self.cp_comm_type!r}")
         if v is not None and v < 1:
             raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
         if v is not None and v > 1 and p == 1:
             raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        if world_size is not None and world_size % (t * p) != 0:
+        if world_size is not None and world_size % (t * c * p) != 0:
             raise ConfigError(
                 f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
-                f"x --pipeline-model-parallel-size ({p}) = {t * p}")
+                f"x --context-parallel-size ({c}) x --pipeline-model-parallel-size ({p}) = "
+                f"{t * c * p}")
         if self.sequence_parallel and t == 1:
             # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
             # it is an error rather than a silent no-op (docs/tensor_parallel.md).
@@ -287,7 +299,41 @@ class ParallelConfig(_Section):
         return self
 
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        return world_size // (self.tensor_model_parallel_size * self.context_parallel_size
+                               * self.pipeline_model_parallel_size)
+
+    def check_context_parallel(self, model: ModelConfig) -> None:
+        """What the sequence split needs of the model (docs/context_parallel.md, "Using it")."""
+        c, t, kind = self.context_parallel_size, self.tensor_model_parallel_size, self.cp_comm_type
+        if c == 1:
+            return
+        s = model.seq_length
+        # every comm type takes the same load-balanced 2C chunks (context_parallel/sharding.py,
+        # as Megatron-LM's batch split); SP then cuts each rank's s/C tokens by T
+        need = 2 * c
+        if self.sequence_parallel:
+            need = math.lcm(need, c * t)
+        if s % need != 0:
+            raise ConfigError(
+                f"--seq-length ({s}) must be divisible by {need} with --context-parallel-size {c}"
+                f" --cp-comm-type {kind}" + (f" and --sequence-parallel at TP {t}"
+                                            if self.sequence_parallel else ""))
+        heads, groups = model.num_attention_heads // t, model.num_query_groups // t
+        if kind == "a2a" and (heads % c or groups % c):
+            raise ConfigError(
+                f"--cp-comm-type a2a splits the heads over --context-parallel-size ({c}): the "
+                f"{heads} attention heads and {groups} query groups per TP rank must both be "
+                f"divisible by it; use p2p or allgather")
+        if model.attention_dropout > 0:
+            raise ConfigError(
+                f"--attention-dropout {model.attention_dropout} with --context-parallel-size {c}:"
+                f" the fused attention kernels CP merges take no dropout; set it to 0")
+        windowed = [i for i in range(model.num_layers) if model.attention_window(i) is not None]
+        if windowed:
+            raise ConfigError(
+                f"--sliding-window {model.sliding_window} with --context-parallel-size {c}: CP "
+                f"attention is plain causal over the whole sequence and has no window yet (layers "
+                f"{windowed[0]}.. are windowed); train with --context-parallel-size 1")
 
 
 @dataclass
@@ -554,6 +600,7 @@ class MegaliteConfig(_Section):
         par, tr = self.parallel, self.training
         self.model.validate(par.tensor_model_parallel_size)
         par.validate(world_size, self.model.seq_length)
+        par.check_context_parallel(self.model)
         self.optimizer.validate()
         self.data.validate()
         tr.validate(None if world_size is None else par.data_parallel_size(world_size))

@@ -1,9 +1,13 @@
-"""Process groups for tensor, pipeline, data and model parallelism.
+"""Process groups for tensor, context, pipeline, data and model parallelism.
 
-Ranks are laid out tp (fastest-varying) -> dp -> pp, as Megatron-LM's default (docs/design.md,
-contract 6), so the ranks of one TP group are neighbours and land on one node:
+Ranks are laid out tp (fastest-varying) -> cp -> dp -> pp, as Megatron-LM's default order
+(docs/design.md, contract 6), so the ranks of one TP group, and of one TP x CP block, are
+neighbours and land on one node:
 
-    global_rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
+
+CP ranks hold the same parameters and different tokens, so gradients are reduced, and ZeRO
+shards, over the DP x CP group; the DP group alone says which samples a rank reads.
 
 A :class:`ParallelState` is an object you pass (docs/design.md, "Conventions");
 :func:`get_parallel_state` returns the module-level default that :func:`initialize_model_parallel`
@@ -76,17 +80,24 @@ class ParallelState:
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
+    cp_size: int = 1
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
+    cp_comm_type: str = "p2p"  # --cp-comm-type: how attention crosses the CP group
     tp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
-    dp_group: Optional[dist.ProcessGroup] = None
-    mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: everything but data parallelism
+    dp_group: Optional[dist.ProcessGroup] = None  # the samples: the data loader's group
+    cp_group: Optional[dist.ProcessGroup] = None  # one sequence's ranks (context parallelism)
+    cp_dp_group: Optional[dist.ProcessGroup] = None  # dp x cp, built where cp > 1
+    mp_group: Optional[dist.ProcessGroup] = None  # tp x pp: all but data and context parallelism
     embedding_group: Optional[dist.ProcessGroup] = None  # first + last pipeline stage
     tp_ranks: List[int] = field(default_factory=lambda: [0])
     pp_ranks: List[int] = field(default_factory=lambda: [0])
     dp_ranks: List[int] = field(default_factory=lambda: [0])
+    cp_ranks: List[int] = field(default_factory=lambda: [0])
+    cp_dp_ranks: List[int] = field(default_factory=lambda: [0])
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
     # Virtual pipeline (interleaved) bookkeeping, set by the pipeline code.
     vpp_size: Optional[int] = None
@@ -117,9 +128,28 @@ class ParallelState:
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
 
+    # Gradients and ZeRO shards: DP x CP, which is the DP group itself when CP is 1 (also in a
+    # state built by hand with only a DP group).
+    @property
+    def dp_cp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.dp_group if self.cp_size == 1 else self.cp_dp_group
+
+    @property
+    def dp_cp_ranks(self) -> List[int]:
+        return self.dp_ranks if self.cp_size == 1 else self.cp_dp_ranks
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_cp_ranks.index(self.rank) if self.cp_size > 1 else self.dp_rank
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
     def describe(self) -> str:
+        cp = f"cp {self.cp_rank}/{self.cp_size} " if self.cp_size > 1 else ""
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
-                f"dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
+                f"{cp}dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
 
 
 _DEFAULT = ParallelState()
@@ -135,31 +165,42 @@ def set_parallel_state(state: ParallelState) -> None:
     _DEFAULT = state
 
 
-def rank_grid(world_size: int, tp: int, pp: int):
-    """The rank lists of every TP, DP, PP group, in the tp -> dp -> pp order (pure function)."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size "
-                          f"({pp}) must be >= 1")
-    if world_size % (tp * pp) != 0:
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1):
+    """The rank lists of every TP, DP, PP, model-parallel (TP x PP), CP and DP x CP group, in the
+    tp -> cp -> dp -> pp order (pure function)."""
+    if tp < 1 or pp < 1 or cp < 1:
+        raise ConfigError(f"--tensor-model-parallel-size ({tp}), --context-parallel-size ({cp}) "
+                          f"and --pipeline-model-parallel-size ({pp}) must be >= 1")
+    if world_size % (tp * cp * pp) != 0:
         raise ConfigError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--pipeline-model-parallel-size ({pp}) = {tp * pp}")
-    dp = world_size // (tp * pp)
+            f"--context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = "
+            f"{tp * cp * pp}")
+    dp = world_size // (tp * cp * pp)
 
-    def rank_of(t: int, d: int, p: int) -> int:
-        return p * dp * tp + d * tp + t
+    def rank_of(t: int, d: int, p: int, c: int = 0) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
 
-    tp_groups = [[rank_of(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
-    dp_groups = [[rank_of(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
-    pp_groups = [[rank_of(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
-    mp_groups = [[rank_of(t, d, p) for p in range(pp) for t in range(tp)] for d in range(dp)]
-    return dp, tp_groups, dp_groups, pp_groups, mp_groups
+    grid = [(t, c) for c in range(cp) for t in range(tp)]  # every (tp, cp) position
+    tp_groups = [[rank_of(t, d, p, c) for t in range(tp)]
+                 for p in range(pp) for d in range(dp) for c in range(cp)]
+    dp_groups = [[rank_of(t, d, p, c) for d in range(dp)] for p in range(pp) for t, c in grid]
+    pp_groups = [[rank_of(t, d, p, c) for p in range(pp)] for d in range(dp) for t, c in grid]
+    mp_groups = [[rank_of(t, d, p, c) for p in range(pp) for t in range(tp)]
+                 for d in range(dp) for c in range(cp)]
+    cp_groups = [[rank_of(t, d, p, c) for c in range(cp)]
+                 for p in range(pp) for d in range(dp) for t in range(tp)]
+    dp_cp_groups = [[rank_of(t, d, p, c) for d in range(dp) for c in range(cp)]
+                    for p in range(pp) for t in range(tp)]
+    return dp, tp_groups, dp_groups, pp_groups, mp_groups, cp_groups, dp_cp_groups
 
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     *,
+    context_parallel_size: int = 1,
+    cp_comm_type: str = "p2p",
     backend: Optional[str] = None,
     device: Optional[str] = None,
     timeout_minutes: float = 10.0,
@@ -180,7 +221,9 @@ def initialize_model_parallel(
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    dp, tp_groups, dp_groups, pp_groups, mp_groups = rank_grid(world_size, tp, pp)
+    cp = context_parallel_size
+    dp, tp_groups, dp_groups, pp_groups, mp_groups, cp_groups, dp_cp_groups = rank_grid(
+        world_size, tp, pp, cp)
 
     dev = resolve_device(device, local_rank)
     backend = backend or default_backend(dev.type)
@@ -210,7 +253,7 @@ def initialize_model_parallel(
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
     state = ParallelState(rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
-                          device=dev, backend=backend)
+                          cp_size=cp, cp_comm_type=cp_comm_type, device=dev, backend=backend)
 
     # Every rank must create every group, in the same order (a torch.distributed rule).
     def make(groups, attr_group, attr_ranks):
@@ -225,6 +268,9 @@ def initialize_model_parallel(
     make(dp_groups, "dp_group", "dp_ranks")
     make(pp_groups, "pp_group", "pp_ranks")
     make(mp_groups, "mp_group", "_mp_ranks")
+    make(cp_groups, "cp_group", "cp_ranks")
+    if cp > 1:  # (at cp 1 the same ranks as dp: one group, not two communicators)
+        make(dp_cp_groups, "cp_dp_group", "cp_dp_ranks")
     # Embedding group: first and last stage of each pipeline (tied input/output embeddings).
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
     make(embedding_groups, "embedding_group", "embedding_ranks")
@@ -232,6 +278,7 @@ def initialize_model_parallel(
     state.tp_rank = state.tp_ranks.index(rank)
     state.dp_rank = state.dp_ranks.index(rank)
     state.pp_rank = state.pp_ranks.index(rank)
+    state.cp_rank = state.cp_ranks.index(rank)
     if set_default:
         set_parallel_state(state)
     return state

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.config import ConfigError, ModelConfig, ParallelConfig
+from megalite.config import CP_COMM_TYPES, ConfigError, ModelConfig, ParallelConfig
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
@@ -67,12 +67,16 @@ class Layout:
     recompute_granularity: str = "none"  # none | selective | full
     micro_batch_size: int = 1
     pipeline_schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1 | zb-v | dualpipev (v = 2)
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"  # p2p | allgather | a2a (docs/context_parallel.md)
 
     def short(self) -> str:
         t, p, v = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                    self.virtual_pipeline_model_parallel_size)
+        c = self.context_parallel_size
         name = {"zb-h1": " ZB-H1", "zb-v": " ZB-V", "dualpipev": " DualPipeV"}
-        return (f"TP{t}{'+SP' * self.sequence_parallel} PP{p}"
+        return (f"TP{t}{'+SP' * self.sequence_parallel}"
+                f"{f' CP{c} {self.cp_comm_type}' if c > 1 else ''} PP{p}"
                 f"{f'x{v}' if v > 1 and self.pipeline_schedule == 'interleaved' else ''}"
                 f"{name.get(self.pipeline_schedule, '')} DP"
                 f"{self.data_parallel_size} ZeRO{self.zero_stage} mb{self.micro_batch_size} "
@@ -212,10 +216,33 @@ def v_live_states(schedule: str, p: int, r: int, m: int) -> frozenset:
     return frozenset(out)
 
 
+def cp_local(m: Model, c: int) -> Model:
+    """The model as one CP rank sees its activations: s/C tokens of each sequence."""
+    if c == 1:
+        return m
+    return dataclasses.replace(m, cfg=dataclasses.replace(m.cfg, seq_length=m.cfg.seq_length // c),
+                               memo={})
+
+
+def cp_kv_bytes(m: Model, lay: Layout) -> float:
+    """K/V (and their gradients) in flight in one layer's CP attention beyond its own s/C
+    tokens (``m`` is cp_local): p2p two blocks each way in the backward (sent, received), all-
+    gather the whole sequence's K/V and dK/dV, a2a head-sharded q, k, v, out of the sequence."""
+    c, cfg = lay.context_parallel_size, m.cfg
+    if c == 1:
+        return 0.0
+    n, E, t = cfg.seq_length * lay.micro_batch_size, m.bytes_per_value, \
+        lay.tensor_model_parallel_size
+    q, kv = cfg.num_attention_heads * cfg.kv_channels, 2 * cfg.num_query_groups * cfg.kv_channels
+    per = {"p2p": 4 * kv, "allgather": 2 * c * kv, "a2a": 2 * (q + kv)}[lay.cp_comm_type]
+    return n * per * E / t
+
+
 def memory(m: Model, lay: Layout, gbs: int, stage: Optional[int] = None) -> Dict:
     """Bytes per GPU {params, grads, optimizer, activations, total} of the fullest stage (or of
-    ``stage``); activations include the transient working set at the peak."""
-    p = lay.pipeline_model_parallel_size
+    ``stage``); activations include the transient working set at the peak. Under CP every
+    activation holds s/C tokens, plus the K/V in flight (cp_kv_bytes)."""
+    p, m = lay.pipeline_model_parallel_size, cp_local(m, lay.context_parallel_size)
     return max((_stage_memory(m, lay, gbs, r) for r in ([stage] if stage is not None
                                                         else sorted({0, p - 1}))),
                key=lambda d: d["total"])
@@ -226,8 +253,8 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
         lay.pipeline_model_parallel_size
     b, s, h, sp = lay.micro_batch_size, cfg.seq_length, cfg.hidden_size, lay.sequence_parallel
     psi = stage_params(m, lay, r)
-    st = theoretical_model_state_bytes(psi, lay.data_parallel_size, lay.zero_stage,
-                                       cfg.params_dtype)
+    st = theoretical_model_state_bytes(psi, lay.data_parallel_size * lay.context_parallel_size,
+                                       lay.zero_stage, cfg.params_dtype)  # ZeRO over DP x CP
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
     live = in_flight(lay, num_micro, r)
     layer = layer_activation_bytes(m, b, t, sp, lay.recompute_granularity)
@@ -248,7 +275,7 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     # transient working set, the largest of: a layer's backward (gradients of the fc1 output and
     # of two [s, b, h] tensors, a weight-gradient temporary), plus the recomputed layer; ...
     fl = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t
-    work = [s * b * (2 * fl + 2 * h) * E + fl * h * E
+    work = [s * b * (2 * fl + 2 * h) * E + fl * h * E + cp_kv_bytes(m, lay)
             + (layer_activation_bytes(m, b, t, sp) if lay.recompute_granularity == "full" else 0)]
     if r == head_rank(lay):  # ... or the loss head; the final norm's input and output are kept
         act += s * b * 2 * h * E / (t if sp else 1)
@@ -289,21 +316,45 @@ def v_bubble(schedule: str, p: int, t_f: float, t_b: float, t_w: float) -> float
     return (p - 1) * (max(t_f, 2 * (t_b - t_w)) if schedule == "zb-v" else t_f + 2 * t_b - 2 * t_w)
 
 
+def _cp_layer_s(m: Model, lay: Layout, cl: Cluster, attn: float) -> float:
+    """Exposed CP communication of one layer and micro-batch, forward and backward (and the
+    forward again under recompute): the ring hides each step's K/V transfer behind that step's
+    attention (``attn``: the layer's forward attention time, C steps); all-gather and all-to-all
+    wait for theirs. The backward moves twice the forward's bytes (dK/dV back, or both ways)."""
+    c, cfg, t = lay.context_parallel_size, m.cfg, lay.tensor_model_parallel_size
+    if c == 1:
+        return 0.0
+    lat, bw = cl.link(t * c)
+    bw, passes = bw * 1e9 * COLLECTIVE_EFFICIENCY, 3 + (lay.recompute_granularity != "none")
+    kv = cfg.seq_length // c * lay.micro_batch_size * m.bytes_per_value / t  # per K/V channel
+    q, kv = kv * cfg.num_attention_heads * cfg.kv_channels, kv * 2 * cfg.num_query_groups \
+        * cfg.kv_channels
+    if lay.cp_comm_type == "p2p":  # C - 1 steps, each a neighbour's K/V block
+        return passes * (c - 1) * max(0.0, COLLECTIVE_LATENCY_S[lat] + kv / bw - attn / c)
+    if lay.cp_comm_type == "allgather":  # the whole sequence's K/V
+        return passes * _coll_s(False, c * kv, c, (lat, bw / 1e9 / COLLECTIVE_EFFICIENCY))
+    # a2a: q, k, v to head shards and the output back, (C - 1)/C of each leaves the rank
+    return passes * (4 * COLLECTIVE_LATENCY_S[lat] + (c - 1) / c * (2 * q + kv) / bw)
+
+
 def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
-    """Seconds per step: compute, exposed TP comm, bubble (with p2p), exposed DP/ZeRO comm."""
+    """Seconds per step: compute, exposed TP and CP comm, bubble (with p2p), exposed DP/ZeRO
+    comm. Under CP a GPU computes s/C tokens and 1/C of the causal attention."""
     cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
     t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
                      lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
                      lay.micro_batch_size)
+    c = lay.context_parallel_size
     rc, s, h, L = lay.recompute_granularity, cfg.seq_length, cfg.hidden_size, cfg.num_layers
     f, q, kv = cfg.ffn_hidden_size, cfg.num_attention_heads * cfg.kv_channels, \
         cfg.num_query_groups * cfg.kv_channels
-    fc1, M, fl, hbm = f * (1 + cfg.swiglu), s * b, m.flops(t), gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    fc1, M, fl = f * (1 + cfg.swiglu), s * b / c, m.flops(t)
+    hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     # one layer, one micro-batch, forward, on this GPU's shard: four GEMMs, attention,
     # element-wise work (norms and bias-dropout-adds ~12h per token, /t under SP; activation)
     gemm = sum(_gemm_s(2 * M * k * n, (M, k, n), gpu) for k, n in
                ((h, (q + 2 * kv) / t), (q / t, h), (h, fc1 / t), (f / t, h)))
-    attn_flops = fl["attention"] / L / 3 * b / t
+    attn_flops = fl["attention"] / L / 3 * b / t / c
     if m.flash_attention:
         attn = attn_flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency
                              * FLASH_ATTENTION_EFFICIENCY)
@@ -322,23 +373,26 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     per_micro = layers * (3 * fwd + again) + logits  # backward = 2 x forward
     # TP: 2 all-reduces per layer and pass (SP: all-gather + reduce-scatter, the same bytes)
     tp_layer = (4 + 2 * (rc == "full")) * _coll_s(True, M * h * E, t, cl.link(t))
+    cp_layer = _cp_layer_s(m, lay, cl, attn)
     compute, tp = num_micro * per_micro, num_micro * layers * tp_layer
+    cp = num_micro * layers * cp_layer
     # bubble: (p - 1)/v idle slots of a micro-batch's F + B; ZB-H1 fills them with W (the
     # weight-gradient GEMMs, one forward's worth); p2p of activations and their gradients
-    slot = per_micro + layers * tp_layer
+    slot = per_micro + layers * (tp_layer + cp_layer)
     bubble = (p - 1) * (slot - layers * gemm) if lay.pipeline_schedule == "zb-h1" \
         else (p - 1) / v * slot
     if lay.pipeline_schedule in V_SCHEDULES:  # in chunk times (half a stage's): F, B, W
         f_c, w_c = (layers * (fwd + tp_layer / 2) + logits / 3) / 2, layers * gemm / 2
         bubble = v_bubble(lay.pipeline_schedule, p, f_c, slot / 2 - f_c - w_c, w_c)
     if p > 1:
-        link = cl.link(t * d * p)
+        link = cl.link(t * c * d * p)
         msg = M * h * E / (t if lay.sequence_parallel else 1)
         bubble += 2 * (num_micro + (p - 1) / v) * (COLLECTIVE_LATENCY_S[link[0]] / 2 + msg
                                                    / (link[1] * 1e9 * COLLECTIVE_EFFICIENCY))
     # DP/ZeRO over this stage's parameters (gradients reduced in fp32), overlapped with the
     # last backward (+ the first forward for the parameter gather); ZeRO-3 gathers twice and
     # reduce-scatters every micro-batch, hidden by prefetch but for each pass's first unit
+    d *= c  # gradients are reduced, and ZeRO shards, over DP x CP
     psi, link = stage_params(m, lay, 0), cl.link(t * d)
     if lay.zero_stage == 0:
         dp, overlap = _coll_s(True, 4 * psi, d, link), layers * (2 * fwd + again)
@@ -353,10 +407,10 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     # optimizer step: one read and one write of this GPU's model states
     compute += 2 * theoretical_model_state_bytes(psi, d, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] / hbm
-    total = compute + tp + bubble + dp
+    total = compute + tp + bubble + dp + cp
     extra = fl["layers"] / 3 if rc == "full" else fl["attention"] / 3 if rc == "selective" else 0
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
-            "step_time_s": total, "num_micro": num_micro,
+            "cp_comm_s": cp, "step_time_s": total, "num_micro": num_micro,
             "tflops_per_gpu": (fl["total"] + extra) * gbs / cl.num_gpus / total / 1e12,
             "mfu": fl["total"] * gbs / cl.num_gpus / total / (gpu.peak_tflops * 1e12)}
 
@@ -367,20 +421,23 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
     t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
                      lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
                      lay.micro_batch_size)
+    c = lay.context_parallel_size
     try:
         m.cfg.validate(t)
-        ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=lay.sequence_parallel
-                       ).validate(seq_length=m.cfg.seq_length)
+        pc = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=lay.sequence_parallel,
+                            context_parallel_size=c, cp_comm_type=lay.cp_comm_type)
+        pc.validate(seq_length=m.cfg.seq_length)
+        pc.check_context_parallel(m.cfg)
     except ConfigError as e:
         return str(e)
     sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
-    if (t * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b)
-            or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d == 1)
+    if (t * c * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b)
+            or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
             or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))
             or (lay.zero_stage == 3 and sched in ("zb-h1",) + V_SCHEDULES)):
-        return ("TP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the batch, "
-                "PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs DP > 1, "
-                "ZeRO-3 no zero-bubble schedule")
+        return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
+                "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
+                "DP x CP > 1, ZeRO-3 no zero-bubble schedule")
     return None
 
 
@@ -391,16 +448,18 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
     """Every layout pretrain.py could run (``fixed`` pins Layout fields): those that fit first,
     by predicted step time (ties within 0.1% to the simpler one)."""
     out, div = [], [k for k in range(1, cl.num_gpus + 1) if cl.num_gpus % k == 0]
-    for t, p in itertools.product(div, div):
-        if t > cl.gpus_per_node or t & (t - 1) or cl.num_gpus % (t * p) or m.cfg.num_layers % p:
+    for t, p, c in itertools.product(div, div, div):
+        if t > cl.gpus_per_node or t & (t - 1) or c & (c - 1) or cl.num_gpus % (t * p * c) \
+                or m.cfg.num_layers % p or m.cfg.seq_length % (2 * c):
             continue
-        d = cl.num_gpus // (t * p)
+        d = cl.num_gpus // (t * p * c)
         vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
                               + [(v, "interleaved") for v in range(2, 9)
                                  if (m.cfg.num_layers // p) % v == 0] if p > 1 else [])
-        for (v, sched), b, z, sp, rc in itertools.product(
-                vs, (1, 2, 4, 8, 16), range(4), (False, True), ("none", "selective", "full")):
-            lay = Layout(t, p, v, d, z, sp, rc, b, sched)
+        for (v, sched), b, z, sp, rc, ct in itertools.product(
+                vs, (1, 2, 4, 8, 16), range(4), (False, True), ("none", "selective", "full"),
+                CP_COMM_TYPES if c > 1 else ("p2p",)):
+            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct)
             if all(getattr(lay, k) == x for k, x in (fixed or {}).items()) \
                     and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
                 mem = memory(m, lay, gbs)
@@ -411,7 +470,8 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                              if pl.fits else pl.memory["total"], pl.layout.zero_stage,
                              rank[pl.layout.recompute_granularity],
                              pl.layout.tensor_model_parallel_size
-                             * pl.layout.pipeline_model_parallel_size))
+                             * pl.layout.pipeline_model_parallel_size
+                             * pl.layout.context_parallel_size))
     return out
 
 
@@ -422,9 +482,10 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
     t, p, v = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                2 if tr.pipeline_schedule in V_SCHEDULES
                else par.virtual_pipeline_model_parallel_size or 1)
-    lay = Layout(t, p, v, world_size // (t * p),
+    c = par.context_parallel_size
+    lay = Layout(t, p, v, world_size // (t * p * c),
                  opt.zero_stage or int(opt.use_distributed_optimizer),
                  cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",
                  tr.micro_batch_size,
-                 tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"))
+                 tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"), c, par.cp_comm_type)
     return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)

@@ -7,9 +7,9 @@ data-parallel wrapping -> optimizer -> LR schedule -> checkpoint -> datasets -> 
 The loss contract (docs/design.md, contract 4): a global batch is ``global_batch_size`` samples
 whatever the layout; each micro-batch's loss is ``sum(per_token_loss * loss_mask) / N`` where N is
 the number of loss tokens in the whole *global* batch, counted up front by summing this rank's
-micro-batch masks and all-reducing over the DP group. Summing those losses over micro-batches and
-(through the DP all-reduce SUM of gradients) over DP ranks gives exactly the single-device mean loss
-and its gradient.
+micro-batch masks and all-reducing over the DP x CP group (a CP rank holds some of each sample's
+tokens). Summing those losses over micro-batches and (through the DP x CP all-reduce SUM of
+gradients) over DP and CP ranks gives exactly the single-device mean loss and its gradient.
 
 Seams other parts plug into:
   * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (bucketed
@@ -33,6 +33,7 @@ import torch
 from megalite import checkpointing
 from megalite import collectives as C
 from megalite.config import V_SCHEDULES, MegaliteConfig
+from megalite.context_parallel.sharding import shard as cp_shard
 from megalite.exit_conditions import ExitConditions
 from megalite.logging import (
     MetricsLogger,
@@ -209,7 +210,7 @@ class Trainer:
     def _log_start(self) -> None:
         cfg, ps, tr, log = self.cfg, self.ps, self.cfg.training, self.logger
         n_params = cfg.model.num_parameters()
-        log.print(f" megalite: world size {ps.world_size} | tp {ps.tp_size} "
+        log.print(f" megalite: world size {ps.world_size} | tp {ps.tp_size} cp {ps.cp_size} "
                   f"pp {ps.pp_size} dp {ps.dp_size} | device {ps.device} | "
                   f"{n_params / 1e6:.2f}M parameters | vocab {cfg.model.vocab_size} | "
                   f"{cfg.optimizer.params_dtype}")
@@ -473,10 +474,12 @@ class Trainer:
     # Batches and losses
     # --------------------------------------------------------------------------------------------
     def _micro_batches(self, it, m: int):
-        out = []
+        """Every CP rank of a DP rank reads the same samples and keeps its chunks of each."""
+        out, ps = [], self.ps
         for _ in range(m):
-            tokens, labels, loss_mask, position_ids = (self._to_device(t) for t in self.get_batch(
-                next(it), self.eod, self.cfg.data.eod_mask_loss))
+            tokens, labels, loss_mask, position_ids = (
+                self._to_device(cp_shard(t, ps.cp_rank, ps.cp_size, dim=1)) for t in
+                self.get_batch(next(it), self.eod, self.cfg.data.eod_mask_loss))
             out.append((tokens, labels, loss_mask.float(), position_ids))
         return out
 
@@ -491,7 +494,7 @@ class Trainer:
         n = torch.zeros(1, dtype=torch.float32, device=self.ps.device)
         for b in batches:
             n += b[2].sum()
-        C.all_reduce(n, group=self.ps.dp_group, tag="loss_token_count")
+        C.all_reduce(n, group=self.ps.dp_cp_group, tag="loss_token_count")  # CP: token shards
         return n.clamp_min(1.0).squeeze(0)
 
     def _forward_backward(self, batches, num_global_tokens: torch.Tensor, forward_only: bool):
@@ -509,7 +512,8 @@ class Trainer:
         return self.forward_backward(
             forward_step_func=partial(_forward_step, num_global_tokens),
             data_iterator=iter(batches), model=self.chunks, num_microbatches=len(batches),
-            seq_length=self.cfg.model.seq_length, micro_batch_size=tr.micro_batch_size,
+            seq_length=self.cfg.model.seq_length // self.ps.cp_size,  # CP: this rank's tokens
+            micro_batch_size=tr.micro_batch_size,
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
     def _sum_loss(self, stats_list) -> torch.Tensor:
@@ -551,6 +555,7 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
     if ps is None:
         ps = initialize_model_parallel(
             par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+            context_parallel_size=par.context_parallel_size, cp_comm_type=par.cp_comm_type,
             backend=par.distributed_backend, device=par.device,
             timeout_minutes=par.distributed_timeout_minutes)
     t_start = time.time()

@@ -68,7 +68,7 @@ def test_valid_config_passes_and_counts_parameters():
 
 
 def test_rank_grid_order_is_tp_dp_pp():
-    dp, tp_groups, dp_groups, pp_groups, _ = rank_grid(8, 2, 2)
+    dp, tp_groups, dp_groups, pp_groups, *_ = rank_grid(8, 2, 2)
     assert dp == 2
     assert tp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -207,7 +207,7 @@ def test_json_schema_and_single_layout():
     keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
             "sequence_parallel", "recompute_granularity", "micro_batch_size",
-            "pipeline_schedule", "fits",
+            "pipeline_schedule", "context_parallel_size", "cp_comm_type", "fits",
             "memory_gib", "step_time_s", "tflops_per_gpu", "mfu"]
     times = []
     for lay in out["layouts"]:

@@ -42,7 +42,8 @@ _PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
            "--zero-stage": "zero_stage", "--use-distributed-optimizer": "zero_stage",
            "--num-layers-per-virtual-pipeline-stage": "virtual_pipeline_model_parallel_size",
            "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
-           "--pipeline-schedule": "pipeline_schedule"}
+           "--pipeline-schedule": "pipeline_schedule",
+           "--context-parallel-size": "context_parallel_size", "--cp-comm-type": "cp_comm_type"}
 # layout flags of pretrain.py the planner does not model: refused rather than silently ignored
 _UNMODELLED = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                "--recompute-method", "--recompute-num-layers")

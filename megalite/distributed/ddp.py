@@ -73,7 +73,7 @@ class DistributedDataParallel(nn.Module):
         self.zero_stage = config.zero_stage  # 0-2 (stage 3 is megalite/distributed/zero3.py)
         size = bucket_size if bucket_size is not None else config.ddp_bucket_size
         self.bucket_size = size if size is not None else DEFAULT_BUCKET_SIZE
-        self.dp_group = parallel_state.dp_group
+        self.dp_group = parallel_state.dp_cp_group  # CP ranks hold the same parameters
         self.dp_size = C.group_size(self.dp_group)
         self.overlap_grad_reduce = config.overlap_grad_reduce
         self.overlap_param_gather = config.overlap_param_gather

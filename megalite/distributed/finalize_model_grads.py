@@ -54,7 +54,7 @@ def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) ->
 
 def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
     grads = [g for m in models for p in m.parameters() if (g := _grad_of(p)) is not None]
-    _all_reduce_coalesced(grads, ps.dp_group, "dp_grad_all_reduce")
+    _all_reduce_coalesced(grads, ps.dp_cp_group, "dp_grad_all_reduce")
 
 
 def finalize_model_grads(models, ps: ParallelState, data_parallel: bool = True) -> None:

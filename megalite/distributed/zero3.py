@@ -109,9 +109,9 @@ class ShardedUnit:
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
-        self.dp_group = ps.dp_group
-        self.dp_size = C.group_size(ps.dp_group)
-        self.dp_rank = C.group_rank(ps.dp_group)
+        self.dp_group = ps.dp_cp_group  # ZeRO shards over DP x CP (parallel_state.py)
+        self.dp_size = C.group_size(self.dp_group)
+        self.dp_rank = C.group_rank(self.dp_group)
         # Padding to a multiple of N makes every shard the same size (all-gather/reduce-scatter
         # need equal pieces); the padding is zero and stays zero under AdamW.
         self.offsets, self.padded = packed(self.numels, self.dp_size)
@@ -296,7 +296,7 @@ class Zero3Model(nn.Module):
         self.ps = ps
         self.opt_cfg = opt_cfg
         self.zero_stage = 3
-        self.dp_size = C.group_size(ps.dp_group)
+        self.dp_size = C.group_size(ps.dp_cp_group)
         # Prefetch is stage 3's default (the `depth` next units' all-gathers in flight while one
         # computes); --zero3-prefetch-depth 0 turns it off and makes every collective blocking.
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)

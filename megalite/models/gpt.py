@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from megalite import collectives as C
 from megalite.config import ModelConfig, dtype_from_name
+from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.init import initialize_parameters
 from megalite.models.norms import build_norm
 from megalite.models.transformer import TransformerLayer
@@ -111,7 +112,8 @@ class GPTModel(nn.Module):
                                        self.sequence_parallel)
         start, end = self.layer_range
         self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel)
+            {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel,
+                                      ps.cp_group, ps.cp_comm_type)
              for i in range(start, end)})
         if post_process:
             self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)
@@ -173,6 +175,10 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+        ps = self.parallel_state
+        if self.pre_process and position_ids is None and ps.cp_size > 1:  # CP: global positions
+            position_ids = cp_positions(input_ids.shape[1] * ps.cp_size, ps.cp_rank, ps.cp_size,
+                                        input_ids.device).expand_as(input_ids)
         if self.pre_process:
             x = self.embedding(input_ids, position_ids)
         else:

@@ -48,6 +48,12 @@ class RotaryEmbedding(torch.nn.Module):
             hit = self._cache[key] = self._tables(seq_len, device, dtype)
         return hit[0][:seq_len], hit[1][:seq_len]
 
+    def at(self, positions: torch.Tensor, seq_len: int, device, dtype):
+        """cos, sin_signed [s, 1, 1, d] at the global ``positions`` [s] of this rank's tokens, all
+        below ``seq_len`` (context parallelism: a rank's tokens are not 0..s-1)."""
+        cos, sin = self(seq_len, device, dtype)
+        return cos[positions], sin[positions]
+
     def _tables(self, seq_len: int, device, dtype):
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq.to(device))

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from megalite import collectives as C
 from megalite.compiled import compile_or_eager
 from megalite.config import ModelConfig, dtype_from_name
+from megalite.context_parallel.attention import context_parallel_attention
+from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.norms import RMSNorm, build_norm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -35,6 +37,11 @@ def _in_tracked_rng(fn, *args, **kwargs):  # one graph break here instead of one
     """fn(*args) with its random draws taken from the tracked, per-TP-rank RNG stream."""
     with get_rng_tracker().fork():
         return fn(*args, **kwargs)
+
+
+# --torch-compile: the CP attention stays eager (its sends, receives and byte counts would
+# otherwise be traced and retraced as the counters change): one graph break per layer.
+_cp_attention = torch.compiler.disable(context_parallel_attention)
 
 
 def _activation(name: str):
@@ -58,9 +65,12 @@ class SelfAttention(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         self.config = config
+        # context parallelism: this rank holds s/C tokens of a sequence (docs/context_parallel.md)
+        self.cp_group, self.cp_comm_type = cp_group, cp_comm_type
+        self.cp_size, self._cp_positions = C.group_size(cp_group), {}
         tp = C.group_size(tp_group)
         dtype = dtype_from_name(config.params_dtype)
         d = config.kv_channels
@@ -96,6 +106,8 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
+        if self.cp_size > 1:  # over the whole sequence; config.py refuses attention dropout here
+            return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type)
         gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
         if self.heads_per_group > 1 and not gqa:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
@@ -122,7 +134,11 @@ class SelfAttention(nn.Module):
             q, k = qk.split([hpg, 1], dim=3)
             qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=3)
         if self.rotary is not None:  # q and k rotated together: one pass over both
-            cos, sin = self.rotary(s, x.device, qkv.dtype)
+            if self.cp_size > 1:  # this rank's tokens sit at their global positions
+                cos, sin = self.rotary.at(self._global_positions(s, x.device), s * self.cp_size,
+                                          x.device, qkv.dtype)
+            else:
+                cos, sin = self.rotary(s, x.device, qkv.dtype)
             qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk.split([hpg, 1], dim=3)
         q = q.reshape(s, b, g * hpg, d)
@@ -141,6 +157,13 @@ class SelfAttention(nn.Module):
             ctx = checkpoint(self.core_attention, x.device, q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * d)
         return self.linear_proj(ctx)
+
+    def _global_positions(self, s_local: int, device) -> torch.Tensor:
+        key = (s_local, torch.device(device))
+        if key not in self._cp_positions:  # built once per length, not per layer call
+            self._cp_positions[key] = cp_positions(s_local * self.cp_size, C.group_rank(
+                self.cp_group), self.cp_size, device)
+        return self._cp_positions[key]
 
 
 def swiglu(h: torch.Tensor) -> torch.Tensor:
@@ -198,7 +221,8 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
-                 sequence_parallel: bool = False):  # ParallelConfig's, passed by GPTModel
+                 sequence_parallel: bool = False,  # ParallelConfig's, passed by GPTModel
+                 cp_group=None, cp_comm_type: str = "p2p"):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
         sp = sequence_parallel and C.group_size(tp_group) > 1
@@ -206,7 +230,8 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
         self.input_layernorm = build_norm(config, sp, dtype, device)
-        self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp)
+        self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp, cp_group,
+                                            cp_comm_type)
         self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
         self.mlp = MLP(config, tp_group, device, sp)
         # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,

@@ -99,9 +99,9 @@ class DistributedOptimizer(ShardedAdamW):
         self.chunks = chunks
         self.zero_stage = config.zero_stage
         self.dp_sharded = self.zero_stage >= 1
-        self.dp_group = ps.dp_group
-        self.dp_size = C.group_size(ps.dp_group)
-        self.dp_rank = C.group_rank(ps.dp_group)
+        self.dp_group = ps.dp_cp_group  # ZeRO shards over DP x CP (parallel_state.py)
+        self.dp_size = C.group_size(self.dp_group)
+        self.dp_rank = C.group_rank(self.dp_group)
         names: Dict[str, nn.Parameter] = {}
         self.shards: List[Shard] = []
         for ci, ddp in enumerate(chunks):

@@ -256,7 +256,7 @@ class ShardedAdamW(_LossScaling):
         else:
             sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
         if self.dp_sharded:
-            C.all_reduce(sq, group=self.ps.dp_group, tag="grad_norm_all_reduce")
+            C.all_reduce(sq, group=self.ps.dp_cp_group, tag="grad_norm_all_reduce")
         C.all_reduce(sq, group=self.ps.mp_group, tag="grad_norm_all_reduce")
         return float(sq.sqrt().item())
 

@@ -1,0 +1,315 @@
+"""Causal attention of a CP rank's queries against the whole sequence (docs/context_parallel.md).
+
+Three ways to bring every key to every query, each with its own backward:
+
+* ``p2p`` (ring): K/V travel around the ring in C steps, each step's transfer overlapped with
+  that step's attention; partial outputs are merged by log-sum-exp; dK/dV ride the ring back.
+* ``allgather``: all-gather K/V, attend to the prefix each local chunk needs, reduce-scatter
+  dK/dV.
+* ``a2a`` (Ulysses): all-to-all from sequence-sharded to head-sharded, plain causal attention on
+  the whole sequence for n/C heads, all-to-all back.
+
+Every rank holds the load-balanced chunks ``sharding.chunk_ids(r, C)`` = (r, 2C-1-r), so the
+causal structure of a block is known from the ranks alone: against its own K/V a rank's block is
+causal (its two chunks are in increasing order); against an earlier rank j < r all local queries
+see only j's first chunk; against a later rank only the local second chunk sees anything, and it
+sees all of j's K/V. No step computes a fully masked block, and no block needs a mask other than
+a square causal one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite import collectives as C
+from megalite.config import CP_COMM_TYPES
+from megalite.context_parallel.sharding import chunk_ids, chunk_owner, shard
+
+
+# ---- one block of attention: (out, lse) forward and its backward given the merged out/lse ----
+
+def _block_fwd(q, k, v, causal: bool, scale: float):
+    """One block: (out [b, n, sq, d] in q's dtype, lse [b, n, sq] fp32); k, v may have fewer
+    heads (GQA). ``causal`` only for square blocks (the kernels align the mask top-left)."""
+    if q.device.type == "cpu":  # the fused CPU kernel returns the fp32 lse, also for bf16
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+    return _math_fwd(q, k, v, causal, scale)
+
+
+def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block, given the *merged* out and lse of the rows: P = exp(S - lse)
+    is then this block's share of the full softmax, so block gradients sum to the full ones."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return _math_bwd(dout, q, k, v, out, lse, causal, scale)
+
+
+def _scores(q, k, causal, scale):
+    s = q.float() @ k.float().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)
+    s = s * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    return s
+
+
+def _math_fwd(q, k, v, causal, scale):
+    """Plain q@k^T attention with an fp32 softmax, for devices without a fused (out, lse) path."""
+    s = _scores(q, k, causal, scale)
+    lse = s.logsumexp(-1)
+    p = (s - lse.unsqueeze(-1)).exp()
+    return (p @ v.float().repeat_interleave(q.shape[1] // v.shape[1], 1)).to(q.dtype), lse
+
+
+def _math_bwd(dout, q, k, v, out, lse, causal, scale):
+    rep = q.shape[1] // k.shape[1]
+    p = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
+    do = dout.float()
+    dp = do @ v.float().repeat_interleave(rep, 1).transpose(-1, -2)
+    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
+    dq = ds @ k.float().repeat_interleave(rep, 1)
+    fold = lambda t: t.unflatten(1, (-1, rep)).sum(2)  # noqa: E731  the GQA heads' K/V share
+    return (dq.to(q.dtype), fold(ds.transpose(-1, -2) @ q.float()).to(k.dtype),
+            fold(p.transpose(-1, -2) @ do).to(v.dtype))
+
+
+def _merge(out, lse, blk_out, blk_lse):
+    """Fold a block's (out, lse) into the fp32 running (out, lse), in place (views allowed)."""
+    new = torch.logaddexp(lse, blk_lse)
+    out.mul_((lse - new).exp().unsqueeze(-1))
+    out.add_(blk_out.float() * (blk_lse - new).exp().unsqueeze(-1))
+    lse.copy_(new)
+
+
+# ---- communication helpers (all through megalite.collectives) ----
+
+def _ring(t, group, tag: int):
+    """Post the send of ``t`` to the next CP rank and a receive of its like from the previous."""
+    rank, size = C.group_rank(group), C.group_size(group)
+    peer = lambda r: dist.get_global_rank(group, r % size)  # noqa: E731
+    recv = torch.empty_like(t)
+    C.count_p2p(t.numel() * t.element_size(), "cp_p2p")
+    ops = [dist.P2POp(dist.isend, t, peer(rank + 1), group, tag),
+           dist.P2POp(dist.irecv, recv, peer(rank - 1), group, tag)]
+    return C.batch_isend_irecv(ops, tag="cp_p2p"), recv
+
+
+def _wait(reqs):
+    for r in reqs:
+        r.wait()
+
+
+def _all_to_all(pieces, group):
+    """pieces[j] (1-D) goes to CP rank j; returns the pieces each rank sent here, as pairwise
+    batched sends (NCCL's all-to-all is the same grouped send/recv)."""
+    rank = C.group_rank(group)
+    got, ops = [torch.empty_like(p) for p in pieces], []
+    got[rank] = pieces[rank]
+    for j, p in enumerate(pieces):
+        if j != rank:
+            C.count_p2p(p.numel() * p.element_size(), "cp_a2a")
+            ops.append(dist.P2POp(dist.isend, p, dist.get_global_rank(group, j), group, 2))
+            ops.append(dist.P2POp(dist.irecv, got[j], dist.get_global_rank(group, j), group, 2))
+    _wait(C.batch_isend_irecv(ops, tag="cp_a2a"))
+    return got
+
+
+def _natural(shards, dim):
+    """The whole sequence in natural order from every CP rank's local shard (list, rank order)."""
+    size, chunks = len(shards), [None] * (2 * len(shards))
+    for j, t in enumerate(shards):
+        first, second = t.chunk(2, dim)
+        chunks[chunk_ids(j, size)[0]], chunks[chunk_ids(j, size)[1]] = first, second
+    return torch.cat(chunks, dim)
+
+
+# ---- p2p (ring) ----
+
+def _ring_block(rank, src, half):
+    """(query rows, key rows) of this rank's block against CP rank ``src``'s K/V (module doc)."""
+    return (slice(half, None) if src > rank else slice(None),
+            slice(None, half) if src < rank else slice(None))
+
+
+def _ring_fwd(q, k, v, group, scale):
+    rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
+    kv, out, lse = torch.stack([k, v]), None, None
+    for step in range(size):
+        reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
+        rows, keys = _ring_block(rank, (rank - step) % size, half)
+        o, l = _block_fwd(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0, scale)
+        if step == 0:  # own K/V: the causal diagonal
+            out, lse = o.float(), l.clone()
+        else:
+            _merge(out[:, :, rows], lse[:, :, rows], o, l)
+        _wait(reqs)
+        kv = nxt
+    return out.to(q.dtype), lse
+
+
+def _ring_bwd(dout, q, k, v, out, lse, group, scale):
+    """K/V go round again; each rank adds its share to the travelling fp32 dK/dV, which after C
+    steps arrives back at its owner (the last hop runs from rank r-1 to r)."""
+    rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
+    kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
+    dkv, dkv_in, dreqs = None, None, []
+    for step in range(size):
+        reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
+        rows, keys = _ring_block(rank, (rank - step) % size, half)
+        g = _block_bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                       out[:, :, rows], lse[:, :, rows], step == 0, scale)
+        dq[:, :, rows] += g[0]
+        _wait(dreqs)  # these K/V's dK/dV so far, from the ranks that held them before
+        dkv = torch.zeros_like(kv, dtype=torch.float32) if dkv_in is None else dkv_in
+        dkv[0][:, :, keys] += g[1]
+        dkv[1][:, :, keys] += g[2]
+        dreqs, dkv_in = _ring(dkv, group, 1)
+        _wait(reqs)
+        kv = nxt
+    _wait(dreqs)
+    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+
+
+# ---- allgather ----
+
+def _gather_kv(k, v, group):
+    """K/V of the whole sequence in natural order, [2, b, g, s, d]."""
+    kv = torch.stack([k, v])
+    full = kv.new_empty((C.group_size(group) * 2,) + kv.shape[1:])  # ranks along dim 0
+    C.all_gather_into_tensor(full, kv, group, tag="cp_allgather")
+    return _natural(list(full.view((-1,) + kv.shape).unbind(0)), dim=3)
+
+
+def _prefix_blocks(rank, size, chunk):
+    """(local query rows, key range of the non-causal prefix, key range of the causal diagonal)
+    for each of this rank's two chunks: chunk c sees keys [0, c*chunk) whole, its own causally."""
+    for i, c in enumerate(chunk_ids(rank, size)):
+        yield slice(i * chunk, (i + 1) * chunk), slice(0, c * chunk), slice(c * chunk,
+                                                                               (c + 1) * chunk)
+
+
+def _allgather_fwd(q, k, v, group, scale):
+    kv = _gather_kv(k, v, group)
+    out = torch.empty_like(q, dtype=torch.float32)
+    lse = out.new_empty(q.shape[:3])
+    for rows, pre, diag in _prefix_blocks(C.group_rank(group), C.group_size(group),
+                                          q.shape[2] // 2):
+        o, l = _block_fwd(q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True, scale)
+        out[:, :, rows], lse[:, :, rows] = o.float(), l
+        if pre.stop > 0:
+            _merge(out[:, :, rows], lse[:, :, rows],
+                   *_block_fwd(q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False, scale))
+    return out.to(q.dtype), lse
+
+
+def _allgather_bwd(dout, q, k, v, out, lse, group, scale):
+    """K/V are gathered again rather than kept (the memory CP saves); dK/dV of the whole sequence
+    are reduce-scattered back to the ranks that own them."""
+    size = C.group_size(group)
+    kv = _gather_kv(k, v, group)
+    chunk = q.shape[2] // 2
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dkv = kv.new_zeros((size, 2) + tuple(k.shape), dtype=torch.float32)  # [owner rank, k|v, ...]
+    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk):
+        for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > 0 else []):
+            g = _block_bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                           out[:, :, rows], lse[:, :, rows], causal, scale)
+            dq[:, :, rows] += g[0]
+            for i, part in enumerate(torch.stack(g[1:]).split(chunk, dim=3)):
+                j, half = chunk_owner(keys.start // chunk + i, size)  # to the owner's place
+                dkv[j][:, :, :, half * chunk:(half + 1) * chunk] += part
+    mine = dkv.new_empty(dkv.shape[1:])
+    C.reduce_scatter_tensor(mine, dkv.flatten(0, 1), group, tag="cp_allgather")
+    return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype)
+
+
+# ---- a2a (Ulysses) ----
+
+def _seq_to_heads(ts, group):
+    """[b, h, s/C, d] tensors sharded on the sequence -> [b, h/C, s, d] in natural order."""
+    size = C.group_size(group)
+    got = _all_to_all([torch.cat([t.chunk(size, 1)[j].reshape(-1) for t in ts])
+                       for j in range(size)], group)
+    out, offset = [], 0
+    for t in ts:
+        shape = (t.shape[0], t.shape[1] // size) + tuple(t.shape[2:])
+        n = math.prod(shape)
+        out.append(_natural([g[offset:offset + n].view(shape) for g in got], dim=2))
+        offset += n
+    return out
+
+
+def _heads_to_seq(ts, group):
+    """The inverse of :func:`_seq_to_heads`."""
+    size = C.group_size(group)
+    got = _all_to_all([torch.cat([shard(t, j, size, 2).reshape(-1) for t in ts])
+                       for j in range(size)], group)
+    out, offset = [], 0
+    for t in ts:
+        shape = (t.shape[0], t.shape[1], t.shape[2] // size, t.shape[3])
+        n = math.prod(shape)
+        out.append(torch.cat([g[offset:offset + n].view(shape) for g in got], dim=1))
+        offset += n
+    return out
+
+
+# ---- one autograd function over the three ----
+
+class _Attention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, comm_type, scale):
+        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
+        if comm_type == "a2a":
+            qh, kh, vh = _seq_to_heads([q, k, v], group)
+            oh, lse = _block_fwd(qh, kh, vh, True, scale)
+            ctx.save_for_backward(qh, kh, vh, oh, lse)
+            return _heads_to_seq([oh], group)[0]
+        out, lse = (_ring_fwd if comm_type == "p2p" else _allgather_fwd)(q, k, v, group, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        group, scale, saved = ctx.group, ctx.scale, ctx.saved_tensors
+        dout = dout.contiguous()
+        if ctx.comm_type == "a2a":
+            doh, = _seq_to_heads([dout], group)
+            grads = _heads_to_seq(list(_block_bwd(doh, *saved, True, scale)), group)
+        else:
+            bwd = _ring_bwd if ctx.comm_type == "p2p" else _allgather_bwd
+            grads = bwd(dout, *saved, group, scale)
+        return (*grads, None, None, None)
+
+
+def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None):
+    """Causal attention of this rank's queries against the whole sequence.
+    q: [b, n, s_local, d]; k, v: [b, g, s_local, d] (SDPA layout, g divides n: GQA);
+    s_local = s / C, the two chunks sharding.chunk_ids(cp_rank, C) in local order.
+    Returns [b, n, s_local, d] in q's dtype; differentiable in q, k, v.
+    cp_group None or of size 1: plain causal SDPA. comm_type: "p2p" | "allgather" | "a2a".
+    No dropout (the caller refuses attention dropout under CP)."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"context-parallel comm type must be one of {', '.join(CP_COMM_TYPES)}, "
+                         f"got {comm_type!r}")
+    size = C.group_size(cp_group)
+    if size == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    n, g, s_local = q.shape[1], k.shape[1], q.shape[2]
+    if s_local % 2:
+        raise ValueError(f"context parallelism needs an even local sequence (two chunks of s/2C "
+                         f"per rank), got {s_local} tokens on this rank")
+    if comm_type == "a2a" and (n % size or g % size):
+        raise ValueError(f"cp comm type a2a splits the attention heads over the {size} CP ranks: "
+                         f"heads ({n}) and K/V groups ({g}) must both divide by {size}; use p2p "
+                         f"or allgather, or another context-parallel size")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
+                            scale)
