@@ -107,7 +107,9 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        if not x.is_contiguous():  # the collective's copy is then the output
+        # a non-contiguous input: the collective's copy is the output; a leaf that requires grad
+        # (a caller's own tensor, never a layer's partial) autograd forbids changing in place
+        if not x.is_contiguous() or (x.is_leaf and x.requires_grad):
             return _all_reduce(x, group)
         ctx.mark_dirty(x)
         C.all_reduce(x, group=group, tag="tp_all_reduce")
