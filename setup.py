@@ -6,8 +6,9 @@ setup(
     description="Megatron-style model-parallel GPT pretraining (TP, SP, PP, DP/ZeRO) that runs on CPU and GPU",
     packages=find_packages(include=["megalite", "megalite.*"]),
     python_requires=">=3.9",
-    # torch is constrained, never left open: an unpinned torch can pull a multi-GB CUDA build.
-    # The README's commands pin the exact CPU build the suite is tested with.
+    # torch is constrained to the tested range, never left open. On Linux the default index's
+    # torch is the CUDA build (several GB); a CPU-only machine installs torch first from
+    # https://download.pytorch.org/whl/cpu (docs/quickstart.md).
     install_requires=[
         "torch>=2.4,<=2.14.1",
         "transformers>=4.40",

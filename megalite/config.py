@@ -627,9 +627,10 @@ class MegaliteConfig(_Section):
         """The run's configuration: derived values filled in, validated, read-only.
 
         Derived here: the global batch (default micro-batch x data-parallel size), the layers per
-        virtual stage (from ``parallel.virtual_pipeline_model_parallel_size``, never back), and the vocabulary: the tokenizer's, unless the model's came from a
-        checkpoint (``--use-checkpoint-args``), which may be larger (the extra rows are never
-        predicted). (Defaults that need no outside facts are filled in at construction, in
+        virtual stage (from ``parallel.virtual_pipeline_model_parallel_size``, never back), and
+        the vocabulary: the tokenizer's, unless the model's came from a checkpoint
+        (``--use-checkpoint-args``), which may be larger (the extra rows are never predicted).
+        (Defaults that need no outside facts are filled in at construction, in
         ``__post_init__``.)
         """
         m, par, tr = self.model, self.parallel, self.training

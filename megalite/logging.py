@@ -153,13 +153,6 @@ def _json_default(o):
     return str(o)
 
 
-def _finite_or_none(x):
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
 class MetricsLogger:
     """Console + metrics.jsonl + W&B + TensorBoard for one run; only ``is_writer`` writes."""
 
@@ -232,10 +225,6 @@ _ACTIVE: Optional[MetricsLogger] = None
 def set_active_logger(logger: Optional[MetricsLogger]) -> None:
     global _ACTIVE
     _ACTIVE = logger
-
-
-def get_active_logger() -> Optional[MetricsLogger]:
-    return _ACTIVE
 
 
 def log_metrics(metrics: dict, step: int, split: Optional[str] = None) -> None:

@@ -105,24 +105,12 @@ class ParallelState:
     backend: Optional[str] = None
 
     @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
     def is_pipeline_first_stage(self) -> bool:
         return self.pp_rank == 0
 
     @property
     def is_pipeline_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
-
-    @property
-    def pp_next_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank + 1) % self.pp_size]
-
-    @property
-    def pp_prev_rank(self) -> int:
-        return self.pp_ranks[(self.pp_rank - 1) % self.pp_size]
 
     @property
     def in_embedding_group(self) -> bool:

@@ -185,10 +185,11 @@ def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
     b = Job(tmp_path, "b", flags(*FAULT_FLAGS, save=ck, load=ck, save_interval=1,
                                  metrics_file=tmp_path / "b.jsonl"))
     b.wait_for(f"saved checkpoint {ck}/iter_{k + 2:07d}")
-    t_kill = time.time()
     b.procs[1].kill()
-    rcs = b.finish(timeout=60)
-    assert rcs[0] not in (0, None) and time.time() - t_kill < 0.2 * 60 + 15
+    # rank 0 notices on its own, by the 12 s distributed timeout (about 15 s on a quiet
+    # machine); finish fails the test (TimeoutExpired) if it has not ended in 10x that
+    rcs = b.finish(timeout=150)
+    assert rcs[0] not in (0, None)
     err = _lines(b.err[0])
     assert len(err) == 1 and "another rank died or stopped responding" in err[0], err
     assert not b.alive() and not a.alive()

@@ -58,19 +58,21 @@ def test_tiny_row_on_cpu_prints_table_and_json(tmp_path, env):
     for system in ("megalite", "hf"):
         assert res[system]["tokens_per_sec"] > 0 and res[system]["peak_memory_bytes"] > 0
         assert 0 < res[system]["mfu"] <= 1 and res[system]["timed_iterations"] == 2
-    assert abs(res["megalite"]["ratio_to_hf"]
-               - res["megalite"]["tokens_per_sec"] / res["hf"]["tokens_per_sec"]) < 1e-9
     assert "| tiny-llama | megalite |" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == doc
 
 
 def test_timeouts_budget_and_json_written_after_each_run(tmp_path, env):
     """Runs that cannot finish in --run-timeout are killed and recorded; the plan stops at
-    --time-budget; the JSON holds each finished run while the next one is still going."""
+    --time-budget; the JSON holds each finished run while the next one is still going.
+
+    The numbers hold on a loaded machine: each run is killed after 8 s, so two runs leave less
+    than the budget's 26 s - MIN_RUN_S (10 s) for the third whatever the load, and the first
+    leaves enough for the second unless killing it takes another 8 s."""
     out = tmp_path / "result.json"
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "--rows", "tiny-gpt2", "--systems", "megalite,hf,hf-compile",
-         "--iters", "5000", "--warmup", "1", "--run-timeout", "4", "--time-budget", "16",
+         "--iters", "100000", "--warmup", "1", "--run-timeout", "8", "--time-budget", "26",
          "--json", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen_in_flight = False
     while proc.poll() is None and not seen_in_flight:
@@ -88,10 +90,9 @@ def test_timeouts_budget_and_json_written_after_each_run(tmp_path, env):
     res = doc["rows"]["tiny-gpt2"]["results"]
     assert doc["complete"] and list(res) == ["megalite", "hf", "hf-compile"]
     for system in ("megalite", "hf"):
-        assert res[system]["timed_out"] and res[system]["error"].startswith("timed out after 4 s")
-        assert res[system]["wall_s"] < 15
-    assert res["hf-compile"] == {"skipped": "--time-budget 16 s spent"}
-    assert "| tiny-gpt2 | hf-compile | | | | | | | skipped: --time-budget 16 s spent |" in stdout
+        assert res[system]["timed_out"] and res[system]["error"].startswith("timed out after 8 s")
+    assert res["hf-compile"] == {"skipped": "--time-budget 26 s spent"}
+    assert "| tiny-gpt2 | hf-compile | | | | | | | skipped: --time-budget 26 s spent |" in stdout
 
 
 def test_a_run_cut_short_keeps_its_timed_iterations(tmp_path):

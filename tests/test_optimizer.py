@@ -80,8 +80,7 @@ def test_grad_norm_and_clipping_match_torch():
     want = torch.nn.utils.clip_grad_norm_(params, max_norm=0.05).item()
     opt = build_optimizer([model], OptimizerConfig(clip_grad=0.05, lr=0.0, weight_decay=0.0),
                           ParallelState())
-    got_norm = global_grad_norm(opt.model_params, [p.grad for p in opt.model_params],
-                                ParallelState())
+    got_norm = global_grad_norm([p.grad for p in opt.model_params], ParallelState())
     assert abs(got_norm - want) <= 1e-6 * want
     updated, grad_norm, _ = opt.step()
     assert updated and abs(grad_norm - want) <= 1e-6 * want

@@ -9,8 +9,9 @@ Each parameter's gradient must be counted exactly once over the model-parallel g
     first stage, and the output layer's (``local_tied_copy``) is the one left out.
 The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
 hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
-rank computes the same norm. The result equals ``torch.nn.utils.clip_grad_norm_`` on the
-single-device model (tests/test_optimizer.py).
+rank computes the same norm; ZeRO's disjoint shards are summed over DP first. ``global_grad_norm``
+is the one norm of every optimizer (plain, ZeRO 0-2, ZeRO-3). The result equals
+``torch.nn.utils.clip_grad_norm_`` on the single-device model (tests/test_optimizer.py).
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) 
     return tp_rank == 0
 
 
-def global_grad_norm(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ps,
-                     group="mp") -> float:
-    """sqrt(sum of squares over the whole model); ``params`` carry the parallel attributes."""
-    device = grads[0].device if grads else ps.device
-    sq = torch.zeros(1, dtype=torch.float32, device=device)
-    for p, g in zip(params, grads):
-        if g is not None and counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
-            sq += g.detach().float().pow(2).sum()
-    grp = ps.mp_group if group == "mp" else group
-    C.all_reduce(sq, group=grp, tag="grad_norm_all_reduce")
+def global_grad_norm(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False) -> float:
+    """The one gradient norm of every optimizer: sqrt of the sum of squares of ``counted`` (this
+    rank's gradients, or pieces of them, that ``counts_for_norm``), summed over DP x CP when
+    those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel group. One host
+    read."""
+    if counted:
+        sq = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum().float().reshape(1)
+    else:
+        sq = torch.zeros(1, dtype=torch.float32, device=ps.device)
+    if dp_sharded:
+        C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
+    C.all_reduce(sq, group=ps.mp_group, tag="grad_norm_all_reduce")
     return float(sq.sqrt().item())
 
 

@@ -32,8 +32,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalite import collectives as C
-from megalite.optimizer.clip_grads import clip_grads_by_norm, global_grad_norm
+from megalite.optimizer.clip_grads import clip_grads_by_norm, counts_for_norm, global_grad_norm
 from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm, found_inf_anywhere
 
 # The per-parameter optimizer state every format can be merged into (by parameter name): the
@@ -150,7 +149,10 @@ class MixedPrecisionOptimizer(_LossScaling):
         if unscale_and_check_overflow(self.grad_scaler, present, self.ps.device):
             self.zero_grad()
             return False, None, None
-        grad_norm = global_grad_norm(self.model_params, grads, self.ps)
+        ps = self.ps
+        counted = [g for p, g in zip(self.model_params, grads) if g is not None
+                   and counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage)]
+        grad_norm = global_grad_norm(counted, ps)
         check_grad_norm(self, grad_norm)
         if self.cfg.clip_grad > 0:
             clip_grads_by_norm(present, grad_norm, self.cfg.clip_grad)
@@ -232,7 +234,8 @@ class ShardedAdamW(_LossScaling):
         if unscale_and_check_overflow(self.grad_scaler, grads, self.ps.device):
             self.zero_grad()
             return False, None, None
-        grad_norm = self._grad_norm(grads)
+        grad_norm = global_grad_norm([g[a:b] for g, runs in zip(grads, self.norm_runs)
+                                      for a, b in runs], self.ps, self.dp_sharded)
         check_grad_norm(self, grad_norm)
         clip_grads_by_norm(grads, grad_norm, self.cfg.clip_grad)
         self.step_count += 1
@@ -245,20 +248,6 @@ class ShardedAdamW(_LossScaling):
 
     def _wait_param_sync(self) -> None:
         """Never read or write the params while a gather of them is in flight (ZeRO-1/2)."""
-
-    def _grad_norm(self, grads: List[torch.Tensor]) -> float:
-        """L2 norm of the full model's gradient, each element counted once over the world: the
-        squares of the counted runs summed over DP (disjoint shards), then over model
-        parallelism."""
-        views = [g[a:b] for g, runs in zip(grads, self.norm_runs) for a, b in runs]
-        if views:
-            sq = torch.stack(torch._foreach_norm(views)).double().pow(2).sum().float().reshape(1)
-        else:
-            sq = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
-        if self.dp_sharded:
-            C.all_reduce(sq, group=self.ps.dp_cp_group, tag="grad_norm_all_reduce")
-        C.all_reduce(sq, group=self.ps.mp_group, tag="grad_norm_all_reduce")
-        return float(sq.sqrt().item())
 
     def _adamw(self, grads: List[torch.Tensor]) -> None:
         """torch.optim.AdamW's update (decoupled decay first; the order of its foreach path, so a

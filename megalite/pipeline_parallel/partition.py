@@ -111,14 +111,6 @@ def virtual_layer_ranges(num_layers: int, pp_size: int,
             for r in range(p)]
 
 
-def virtual_pipeline_size(num_layers: int, pp_size: int,
-                          num_layers_per_virtual_pipeline_stage: Optional[int]) -> Optional[int]:
-    """v, the number of model chunks per rank (None without interleaving)."""
-    if num_layers_per_virtual_pipeline_stage is None:
-        return None
-    return len(virtual_layer_ranges(num_layers, pp_size, num_layers_per_virtual_pipeline_stage)[0])
-
-
 def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int = 1234,
                        num_layers_per_virtual_pipeline_stage: Optional[int] = None,
                        decoder_first_pipeline_num_layers: Optional[int] = None,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megalite.config import SCHEDULES, V_SCHEDULES, ConfigError, check_pipeline_args  # noqa: F401
@@ -42,7 +42,6 @@ class Op:
     kind: str  # "F", "B" or "W"
     chunk: int
     microbatch: int
-    steady: bool = field(default=False, compare=False)  # an F of the steady 1F1B phase
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch + 1}.{self.chunk}"
@@ -72,8 +71,7 @@ def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
     warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
     ops = [_interleaved_op(k, p, v, True) for k in range(warmup)]
     for i in range(total - warmup):
-        f = _interleaved_op(warmup + i, p, v, True)
-        ops += [Op("F", f.chunk, f.microbatch, steady=True), _interleaved_op(i, p, v, False)]
+        ops += [_interleaved_op(warmup + i, p, v, True), _interleaved_op(i, p, v, False)]
     ops += [_interleaved_op(k, p, v, False) for k in range(total - warmup, total)]
     return ops
 

@@ -40,10 +40,6 @@ def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool,
     param.partition_stride = stride
 
 
-def param_is_tensor_parallel(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False))
-
-
 def divide(numerator: int, denominator: int, what: str = "") -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what or numerator} ({numerator}) is not divisible by {denominator}")
