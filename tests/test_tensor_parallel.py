@@ -148,7 +148,7 @@ def _sp_unmarked_defers_nothing_worker(rank, world_size):
     ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
     grads = []
     for marked in (False, True):
-        model = GPTModel(tiny_config("gpt2", sequence_parallel=True), ps, seed=3)
+        model = GPTModel(tiny_config("gpt2"), ps, seed=3, sequence_parallel=True)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
         if marked:
