@@ -5,7 +5,7 @@
 Spawns ``--dp`` gloo processes on the CPU and, in those same processes and on the same GPTModel
 (same seed, same data), trains a few AdamW steps with each of
 
-* megalite ``DistributedDataParallel`` + ``DistributedOptimizer`` at ZeRO stages 0, 1 and 2;
+* megalite ``DistributedDataParallel`` + ``build_optimizer``'s optimizer at ZeRO stages 0, 1, 2;
 * ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW``;
 * FSDP2 (``torch.distributed.fsdp.fully_shard`` per transformer layer and on the root) +
   ``torch.optim.AdamW``.
@@ -66,7 +66,7 @@ def _worker(rank, world_size, args):
     from megalite.distributed.ddp import wrap_chunks
     from megalite.memory import memory_report
     from megalite.models import GPTModel
-    from megalite.optimizer.distrib_optimizer import DistributedOptimizer
+    from megalite.optimizer import build_optimizer
     from megalite.parallel_state import ParallelState, initialize_model_parallel
 
     mcfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
@@ -94,7 +94,7 @@ def _worker(rank, world_size, args):
                                overlap_grad_reduce=True, overlap_param_gather=stage > 0,
                                ddp_bucket_size=args.bucket).validate()
         chunks, _, finalize = wrap_chunks([GPTModel(mcfg, ps, seed=1)], ocfg, ps)
-        opt = DistributedOptimizer(chunks, ocfg, ps)
+        opt = build_optimizer(chunks, ocfg, ps)
 
         def step(i, chunks=chunks, opt=opt, finalize=finalize):
             tokens, labels, ntok = batch(i)

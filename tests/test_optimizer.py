@@ -162,3 +162,30 @@ def test_bf16_keeps_fp32_masters_and_state_roundtrip():
     opt2.load_state_dict(sd)
     for a, b in zip(opt.masters, opt2.masters):
         assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_zero_stage0_zero_grad_zeroes_each_flat_buffer_once():
+    """ZeRO 0 over DDP's flat grad buffers (bf16: the fp32 buffer): zero_grad is one aten op per
+    buffer, not one per parameter, and leaves the buffer zero."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megalite.distributed.ddp import wrap_chunks
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    cfg = OptimizerConfig(bf16=True)
+    chunks = wrap_chunks([_model("bfloat16")], cfg, ParallelState())[0]
+    opt = build_optimizer(chunks, cfg, ParallelState())
+    _backward(chunks[0])
+    bufs = chunks[0].grad_buffers
+    assert any(b.grad_data.abs().sum() > 0 for b in bufs)
+    mode = Ops()
+    mode.ops = []
+    with mode:
+        opt.zero_grad()
+    assert mode.ops == [torch.ops.aten.zero_.default] * len(bufs), mode.ops
+    assert len(bufs) < len(opt.model_params)
+    assert all(b.grad_data.abs().sum() == 0 for b in bufs)

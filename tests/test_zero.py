@@ -25,6 +25,7 @@ from megalite import collectives as C
 from megalite.config import ConfigError, OptimizerConfig
 from megalite.distributed.ddp import wrap_chunks
 from megalite.models import GPTModel
+from megalite.optimizer import build_optimizer
 from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 from megalite.memory import memory_report
 from megalite.parallel_state import ParallelState, initialize_model_parallel
@@ -91,13 +92,14 @@ def reference_run(model_cfg, cfg: OptimizerConfig, iters: int, b: int = GLOBAL_B
 def train(ps: ParallelState, model_cfg, cfg: OptimizerConfig, iters: int, micro_batches: int = 1,
           before_step=None, bucket_size: Optional[int] = None, start: int = 0,
           full_state: Optional[dict] = None, sequence_parallel: bool = False) -> Dict:
-    """Train iterations [start, iters) with DDP + DistributedOptimizer (from ``full_state`` if
-    given); returns the per-iteration global losses, final full params, flags and traffic."""
+    """Train iterations [start, iters) with DDP + the optimizer pretrain builds for the stage
+    (from ``full_state`` if given); returns the per-iteration global losses, final full params,
+    flags and traffic."""
     if bucket_size is not None:
         cfg.ddp_bucket_size = bucket_size
     model = GPTModel(model_cfg, ps, seed=SEED, sequence_parallel=sequence_parallel)
     chunks, no_sync, finalize = wrap_chunks([model], cfg, ps)
-    opt = DistributedOptimizer(chunks, cfg, ps)
+    opt = build_optimizer(chunks, cfg, ps)
     if full_state is not None:
         opt.load_full_state(full_state)
     dp, r = ps.dp_size, ps.dp_rank
@@ -293,8 +295,8 @@ def _mixed_precision_worker(rank, world_size):
 
     def inject(it, chunks, opt):
         snapshots[it] = {k: v.detach().clone() for k, v in chunks[0].module.named_parameters()}
-        if it == 2 and rank == 1:
-            opt.shards[0].grad[0] = float("inf")
+        if it == 2 and rank == 1:  # the first reduced gradient element (stage 0: the buffer's)
+            (opt.shards[0].grad if stage else chunks[0].grad_buffers[0].grad_data)[0] = float("inf")
 
     fp16 = {}
     for stage in (0, 1, 2):
@@ -326,7 +328,7 @@ def _one_backward_events(ps, stage, overlap):
                      overlap_param_gather=overlap and stage > 0, ddp_bucket_size=BUCKET)
     model = GPTModel(parity_config(), ps, seed=SEED)
     chunks, _, finalize = wrap_chunks([model], cfg, ps)
-    opt = DistributedOptimizer(chunks, cfg, ps)
+    opt = build_optimizer(chunks, cfg, ps)
     ddp = chunks[0]
     tokens, labels = global_batch(0)
     ddp.record_events = True
@@ -368,7 +370,7 @@ def _overlap_worker(rank, world_size):
             cfg = opt_config(zero_stage=stage, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)
             model = GPTModel(parity_config(), ps, seed=SEED)
             chunks, no_sync, finalize = wrap_chunks([model], cfg, ps)
-            opt = DistributedOptimizer(chunks, cfg, ps)
+            opt = build_optimizer(chunks, cfg, ps)
             if marked:
                 enable_weight_grad_deferral(chunks)  # as the zero-bubble executor does
             tokens, labels = global_batch(0)
@@ -461,6 +463,9 @@ def test_bad_config_is_a_clear_error():
     model = GPTModel(parity_config(), ParallelState(), seed=SEED)
     with pytest.raises(ConfigError, match="DistributedDataParallel"):
         DistributedOptimizer([model], OptimizerConfig(zero_stage=1), ParallelState())
+    chunks = wrap_chunks([model], OptimizerConfig(), ParallelState())[0]
+    with pytest.raises(ConfigError, match="--zero-stage 1 or 2"):  # stage 0 is the plain one
+        DistributedOptimizer(chunks, OptimizerConfig(zero_stage=0), ParallelState())
 
 
 # ------------------------------------------------------------------------------ pp x dp=2
@@ -483,7 +488,7 @@ def _pp_dp2_worker(rank, world_size, runs, layers, m):
                           ddp_bucket_size=BUCKET)
         chunks, no_sync, finalize = wrap_chunks(build_model_chunks(
             cfg, ps, seed=SEED, v_shape=schedule in V_SCHEDULES), ocfg, ps)
-        opt = DistributedOptimizer(chunks, ocfg, ps)
+        opt = build_optimizer(chunks, ocfg, ps)
         fb = get_forward_backward_func(pp, ps.vpp_size, schedule)
         local, mbs = m, 1
         losses = []

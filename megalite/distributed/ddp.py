@@ -285,8 +285,6 @@ class DistributedDataParallel(nn.Module):
 
         With overlap the gathers stay in flight and the forward pre-hooks wait for them.
         """
-        if self.zero_stage == 0:
-            return
         overlap = self.overlap_param_gather if overlap is None else overlap
         for buf in self.grad_buffers:
             for b in buf.buckets:

@@ -1,4 +1,4 @@
-"""The ZeRO distributed optimizer (stages 0, 1, 2) over DistributedDataParallel's buffers.
+"""The ZeRO distributed optimizer (stages 1, 2) over DistributedDataParallel's buffers.
 
 ZeRO (Rajbhandari et al. 2020; docs/theory.md, "ZeRO"): with N data-parallel ranks, rank r owns
 shard r of every bucket (``bucket[r*B/N:(r+1)*B/N]``, param_and_grad_buffer.py) and keeps the fp32
@@ -10,14 +10,13 @@ master parameters and the Adam moments of that shard only. A step is
 
 which moves the same 2Ψ elements per rank as the all-reduce of plain DP (docs/theory.md: all-reduce
 = reduce-scatter + all-gather) while cutting optimizer memory by N. Stage 2 additionally keeps only
-the gradient shard (ddp.py). Stage 0 is the same code with the "shard" = the whole bucket: every
-rank all-reduces and steps the full model.
+the gradient shard (ddp.py). Stage 0 (replicas) is the plain optimizer, optimizer.py.
 
 Per-rank model-state bytes (megalite's layout; measured by megalite/memory.py):
 
-    fp32:        params 4Ψ + grads 4Ψ (stage 2: 4Ψ/N) + Adam 8Ψ/N (stage 0: 8Ψ)   [masters = params]
-    bf16/fp16:   params 2Ψ + fp32 grads 4Ψ (stage 2: 4Ψ/N) + masters 4Ψ/N + Adam 8Ψ/N
-                 (stage 0: 4Ψ + 8Ψ), i.e. Megatron's 6 + 12/N bytes per parameter for stage 1.
+    fp32:        params 4Ψ + grads 4Ψ (stage 2: 4Ψ/N) + Adam 8Ψ/N   [masters = params]
+    bf16/fp16:   params 2Ψ + fp32 grads 4Ψ (stage 2: 4Ψ/N) + masters 4Ψ/N + Adam 8Ψ/N,
+                 i.e. Megatron's 6 + 12/N bytes per parameter for stage 1.
 
 The step (unscale, overflow check, norm, clipping, AdamW on the flat shards) is
 ``optimizer.ShardedAdamW``'s, shared with ZeRO-3. Shards straddle parameters, so weight decay is
@@ -89,16 +88,15 @@ class DistributedOptimizer(ShardedAdamW):
 
     def __init__(self, model_chunks, config: OptimizerConfig, ps: ParallelState, **unused):
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-        for c in chunks:
-            if not isinstance(c, DistributedDataParallel):
-                raise ConfigError(
-                    "--zero-stage >= 1 / --use-distributed-optimizer needs the model chunks wrapped "
-                    "in megalite.distributed.DistributedDataParallel (training.py's "
-                    "wrap_model_for_data_parallel does it)")
+        if config.zero_stage not in (1, 2) or not all(
+                isinstance(c, DistributedDataParallel) for c in chunks):
+            raise ConfigError(
+                "the distributed optimizer needs --zero-stage 1 or 2 (stage 0: build_optimizer's "
+                "plain optimizer) and the model chunks wrapped in megalite.distributed."
+                "DistributedDataParallel (training.py's wrap_model_for_data_parallel does it)")
         self._init_shared(config, ps)
         self.chunks = chunks
         self.zero_stage = config.zero_stage
-        self.dp_sharded = self.zero_stage >= 1
         self.dp_group = ps.dp_cp_group  # ZeRO shards over DP x CP (parallel_state.py)
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
@@ -189,9 +187,7 @@ class DistributedOptimizer(ShardedAdamW):
             c.start_param_sync(overlap=False)
 
     def _gather_flat(self, i: int, t: torch.Tensor) -> torch.Tensor:
-        """Shard ``i``'s bucket, all of it (stage 0: every rank holds the whole bucket)."""
-        if self.zero_stage == 0:
-            return t.clone()
+        """Shard ``i``'s bucket, all of it."""
         full = torch.empty(self.shards[i].bucket.numel, dtype=torch.float32, device=t.device)
         C.all_gather_into_tensor(full, t.float(), group=self.dp_group,
                                  tag="checkpoint_all_gather")

@@ -89,6 +89,7 @@ class MixedPrecisionOptimizer(_LossScaling):
     def __init__(self, model_chunks, opt_cfg, ps):
         self.ps = ps
         self.cfg = opt_cfg
+        self.ddp_chunks = [c for c in model_chunks if hasattr(c, "zero_grad_buffer")]
         self.model_params = model_parameters(model_chunks)
         self.mixed = any(p.dtype in (torch.float16, torch.bfloat16) for p in self.model_params)
         self.masters: List[torch.Tensor] = []
@@ -121,10 +122,10 @@ class MixedPrecisionOptimizer(_LossScaling):
         return self.inner.param_groups
 
     def zero_grad(self) -> None:
+        for c in self.ddp_chunks:  # main_grad: one zero_ per flat DDP buffer, not per parameter
+            c.zero_grad_buffer()
         for p in self.model_params:
             p.grad = None
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()
         if self.mixed:
             for m in self.masters:
                 m.grad = None
@@ -202,7 +203,7 @@ class MixedPrecisionOptimizer(_LossScaling):
 # ============================================================ what the ZeRO optimizers share
 class ShardedAdamW(_LossScaling):
     """AdamW on flat fp32 shards: the step of both ZeRO optimizers (distrib_optimizer.py, stages
-    0-2 over DDP's buckets; zero3_optimizer.py, stage 3 over the model's units).
+    1-2 over DDP's buckets; zero3_optimizer.py, stage 3 over the model's units).
 
     A subclass fills ``masters``, ``exp_avg``, ``exp_avg_sq`` (flat fp32 tensors, one per shard),
     ``runs`` (per shard, ``[(lo, hi, group)]``: the part of the shard holding one parameter, and
@@ -216,7 +217,6 @@ class ShardedAdamW(_LossScaling):
     """
 
     sharded_state_dict_per_dp_rank = True
-    dp_sharded = True  # the DP ranks hold disjoint shards (False: ZeRO stage 0, replicas)
 
     def _init_shared(self, cfg, ps) -> None:
         self.cfg, self.ps = cfg, ps
@@ -235,7 +235,7 @@ class ShardedAdamW(_LossScaling):
             self.zero_grad()
             return False, None, None
         grad_norm = global_grad_norm([g[a:b] for g, runs in zip(grads, self.norm_runs)
-                                      for a, b in runs], self.ps, self.dp_sharded)
+                                      for a, b in runs], self.ps, dp_sharded=True)
         check_grad_norm(self, grad_norm)
         clip_grads_by_norm(grads, grad_norm, self.cfg.clip_grad)
         self.step_count += 1
@@ -452,8 +452,7 @@ def upgrade_shard(sd: dict) -> dict:
 
 
 def check_shard_set(sds: List[dict]) -> List[dict]:
-    """Every DP rank's file exactly once, in rank order, in SHARD_FORMAT (stage 0: rank 0's,
-    which holds everything)."""
+    """Every DP rank's file exactly once, in rank order, in SHARD_FORMAT."""
     if not sds:
         raise ValueError("no optimizer shards to merge")
     sds = sorted((upgrade_shard(sd) for sd in sds), key=lambda sd: int(sd["dp_rank"]))
@@ -465,7 +464,7 @@ def check_shard_set(sds: List[dict]) -> List[dict]:
             int(sd["dp_size"]) != n for sd in sds):
         raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} do not "
                          f"make up one DP group of {n} (missing or mixed files?)")
-    return sds[:1] if sds[0].get("zero_stage") == 0 else sds
+    return sds
 
 
 def merge_shard_state_dicts(sds: List[dict]) -> dict:
