@@ -22,6 +22,16 @@ computed without communication), with the spread (max - min) / mean of each.
 ``torch.distributed.tensor.experimental.context_parallel`` is tried side by side unless
 ``--no-torch``; where it cannot run (on the CPU in torch 2.13) the error is printed instead.
 
+``--pretrain``: the issue's pretrain-level targets instead, from pretrain.py runs (torchrun, one
+thread per process; the pinned shape: 4 layers, hidden 256, 4 heads, ``--seq 8192`` tokens,
+micro-batch 1, vocab 300, attention dropout 0, fp32, Adam) at each ``--cp`` and ``--comm``. Per
+run it reads metrics.jsonl: the median ``iteration_time_ms`` of the iterations after the second
+(the second is the one whose memory is probed, which slows it), and rank 0's peak of tensor
+memory on the second iteration (``measured_memory_bytes``, the same PeakTensorMemory as
+:func:`measure`) minus the model states (parameters, gradients, Adam moments: 16 bytes per
+parameter, ``estimated_{params,grads,optimizer}_bytes``): the activation memory. Prints each
+against C = 1 (targets: activations at C = 4 at most 0.30x, p2p step time at C = 2 at most 0.65x).
+
 :func:`measure` times any callable the same way (a pretrain step, for instance).
 """
 
@@ -147,6 +157,51 @@ def _worker(rank, size, args):
     return rows
 
 
+def _pretrain_run(args, cp, comm, out_dir):
+    """One pretrain.py run at CP ``cp``: (median step seconds, peak bytes, model-state bytes)."""
+    import json
+    import subprocess
+
+    path = os.path.join(out_dir, f"cp{cp}_{comm}.jsonl")
+    if os.path.exists(path):
+        os.remove(path)
+    flags = ["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
+             "4", "--seq-length", str(args.seq[0]), "--vocab-size", "300",
+             "--make-vocab-size-divisible-by", "8", "--micro-batch-size", "1",
+             "--global-batch-size", "1", "--train-iters", str(args.iters), "--log-interval", "1",
+             "--eval-iters", "0", "--attention-dropout", "0", "--no-log-throughput",
+             "--context-parallel-size", str(cp), "--cp-comm-type", comm, "--metrics-file", path]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={cp}", os.path.join(ROOT, "pretrain.py")] + flags
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"CP {cp} {comm} failed:\n{r.stderr[-3000:]}")
+    recs = [json.loads(x) for x in open(path)]
+    mem = next(x for x in recs if "measured_memory_bytes" in x)
+    times = [x["iteration_time_ms"] / 1e3 for x in recs
+             if x.get("split") == "train" and x["iteration"] > 2]
+    states = sum(mem[f"estimated_{k}_bytes"] for k in ("params", "grads", "optimizer"))
+    return statistics.median(times), mem["measured_memory_bytes"], states
+
+
+def pretrain_main(args):
+    out_dir = os.path.join(ROOT, "runs", "context_parallel")
+    os.makedirs(out_dir, exist_ok=True)
+    print(f"pretrain.py, 4 layers, hidden 256, 4 heads, {args.seq[0]} tokens, micro-batch 1, fp32; "
+          f"step: median of iterations 3..{args.iters}; memory: rank 0, iteration 2")
+    print("| C | type | step s | step / C1 | peak MiB | states MiB | activations MiB "
+          "| activations / C1 |\n|---|---|---|---|---|---|---|---|")
+    base = None
+    for cp in args.cp:
+        for comm in (args.comm if cp > 1 else ["p2p"]):
+            t, peak, states = _pretrain_run(args, cp, comm, out_dir)
+            base = base or (t, peak - states)
+            print(f"| {cp} | {comm if cp > 1 else '-'} | {t:.2f} | {t / base[0]:.3f} | "
+                  f"{peak / 2**20:.1f} | {states / 2**20:.1f} | {(peak - states) / 2**20:.1f} | "
+                  f"{(peak - states) / base[1]:.3f} |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
@@ -158,8 +213,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--balance-seq", type=int, default=8192, help="0: skip")
     p.add_argument("--no-torch", action="store_true", help="skip torch's experimental CP")
+    p.add_argument("--pretrain", action="store_true",
+                   help="pretrain-level targets (first --seq only; default 8192)")
+    p.add_argument("--iters", type=int, default=5, help="--pretrain: iterations per run")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
+    if args.pretrain:
+        if argv is None and "--seq" not in sys.argv:
+            args.seq = [8192]
+        return pretrain_main(args)
     from dist_utils import run_distributed
 
     rows = [r for size in args.cp for per in run_distributed(_worker, size, args, timeout=7200)

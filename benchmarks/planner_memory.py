@@ -51,6 +51,10 @@ CASES = [  # name, processes, flags
                                          "--global-batch-size", "8"]),
     ("TP2+SP PP2 full recompute", 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--recompute-granularity", "full"] + PP),
+    # context parallelism: s/C tokens per rank plus the K/V in flight (planner.cp_kv_bytes)
+    *[(f"CP{c} {ct}", c, ["--context-parallel-size", str(c), "--cp-comm-type", ct,
+                          "--global-batch-size", "4"])
+      for c in (2, 4) for ct in ("p2p", "allgather", "a2a")],
     ("bf16 TP2 PP2 interleaved", 4, ["--bf16", "--tensor-model-parallel-size", "2",
                                      "--num-virtual-stages-per-pipeline-rank", "2"] + PP),
 ]

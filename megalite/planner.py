@@ -227,14 +227,16 @@ def cp_local(m: Model, c: int) -> Model:
 def cp_kv_bytes(m: Model, lay: Layout) -> float:
     """K/V (and their gradients) in flight in one layer's CP attention beyond its own s/C
     tokens (``m`` is cp_local): p2p two blocks each way in the backward (sent, received), all-
-    gather the whole sequence's K/V and dK/dV, a2a head-sharded q, k, v, out of the sequence."""
+    gather the whole sequence's K/V and dK/dV, and as much again (the gather's reordered copy,
+    the prefix blocks' gradients and their stack: measured, docs/context_parallel.md), a2a
+    head-sharded q, k, v, out of the sequence."""
     c, cfg = lay.context_parallel_size, m.cfg
     if c == 1:
         return 0.0
     n, E, t = cfg.seq_length * lay.micro_batch_size, m.bytes_per_value, \
         lay.tensor_model_parallel_size
     q, kv = cfg.num_attention_heads * cfg.kv_channels, 2 * cfg.num_query_groups * cfg.kv_channels
-    per = {"p2p": 4 * kv, "allgather": 2 * c * kv, "a2a": 2 * (q + kv)}[lay.cp_comm_type]
+    per = {"p2p": 4 * kv, "allgather": 4 * c * kv, "a2a": 2 * (q + kv)}[lay.cp_comm_type]
     return n * per * E / t
 
 
