@@ -1,4 +1,4 @@
-"""The planner's time model against the Llama 3 405B rows (Llama 3 paper, Table 4; issue 20).
+"""The planner's time model against the Llama 3 405B rows (Llama 3 paper, Table 4).
 
     python benchmarks/planner_llama3.py [--rank]
 
