@@ -286,8 +286,8 @@ class Trainer:
         ``measured_memory_bytes``, beside ``memory_estimate``'s figures where one was given
         (pretrain.py passes the planner's, so this loop never imports the planner)."""
         cfg, ps = self.cfg, self.ps
-        it, n, every = self.iteration + 1, cfg.training.train_iters, cfg.logging.log_interval
-        if it != next((i for i in range(2, n + 1) if i % every == 0 or i == n), 1):
+        it = self.iteration + 1
+        if it != next((i for i in range(2, cfg.training.train_iters + 1) if self._logs_at(i)), 1):
             return self.train_step(batches)
         from megalite.memory import PeakTensorMemory
 
@@ -317,8 +317,8 @@ class Trainer:
     def train_step(self, batches) -> Tuple[torch.Tensor, bool, Optional[float]]:
         """Forward-backward over the global batch, then the optimizer step.
 
-        Returns (global-batch loss, a device scalar read only at log lines, whether the weights
-        were updated, grad norm).
+        Returns (global-batch loss as a device scalar, read only at log lines; whether the
+        weights were updated; grad norm).
         """
         num_global_tokens = self._global_token_count(batches)
         self.optimizer.zero_grad()
