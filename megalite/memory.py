@@ -27,7 +27,7 @@ Theory (docs/theory.md, "ZeRO"), per rank, Ψ = this rank's parameter count, N =
   (fp32 gradients: +2Ψ over the paper in stages 0/1, +2Ψ/N in stage 2).
 
 Ψ counted with bucket padding (each bucket padded to a multiple of N; stage 0's per-parameter
-masters and moments unpadded) makes measured == theory exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets. Stage 3
+Adam moments unpadded) makes measured == theory exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets. Stage 3
 is the same with its units in place of buckets (each unit's flat buffer padded to a multiple of
 N; ZeRO paper: 16Ψ/N, reported as ``mem_theory_zero_paper_total_bytes``).
 """
@@ -187,9 +187,9 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
     psi = num_params_local(chunks)
     theory = theoretical_model_state_bytes(psi_padded, dp_size, zero_stage, params_dtype)
     unpadded = theoretical_model_state_bytes(psi, dp_size, zero_stage, params_dtype)
-    if zero_stage == 0:  # the plain optimizer keeps masters and Adam moments per parameter
-        for c in ("master_params", "optimizer_states"):
-            theory[c + "_bytes"] = unpadded[c + "_bytes"]
+    if zero_stage == 0:  # the plain optimizer's Adam moments are per parameter (its 16-bit
+        # masters are a copy of the padded buffer: optimizer.MixedPrecisionOptimizer)
+        theory["optimizer_states_bytes"] = unpadded["optimizer_states_bytes"]
         theory["total_bytes"] = sum(theory[c + "_bytes"] for c in _CATEGORIES)
     report = {"zero_stage": zero_stage, "dp_size": dp_size, "num_params_local": psi,
               "num_params_local_padded": psi_padded}

@@ -44,7 +44,7 @@ from megalite.logging import (
     training_log_line,
 )
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
-from megalite.optimizer.grad_scaler import NonFiniteGradNorm
+from megalite.optimizer.grad_scaler import NonFiniteStep
 from megalite.parallel_state import (
     ParallelState,
     initialize_model_parallel,
@@ -122,21 +122,30 @@ def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model):
 
 
 class _Interval:
-    """What the training log line averages over: the iterations since the last log line."""
+    """What the training log line averages over: the iterations since the last log line. Its
+    time runs from the host's start of the first step to the device's end of the last: the one
+    synchronize is at the log line, so between log lines the host queues work ahead of the device
+    (the device is idle when the first step starts: the last log line synchronized, and an
+    evaluation or a save reads device values)."""
 
     def __init__(self):
-        self.n, self.time, self.grad_norm, self.skipped = 0, 0.0, None, 0
+        self.n, self.start, self.time, self.grad_norm, self.skipped = 0, None, 0.0, None, 0
 
-    def add(self, dt: float, updated: bool, grad_norm) -> None:
-        self.n, self.time = self.n + 1, self.time + dt
-        self.grad_norm, self.skipped = grad_norm, self.skipped + (not updated)
+    def add(self, start: float, updated: bool, grad_norm) -> None:
+        self.start = start if self.start is None else self.start
+        self.n, self.grad_norm, self.skipped = self.n + 1, grad_norm, self.skipped + (not updated)
+
+    def close(self, device) -> None:
+        synchronize(device)
+        self.time = time.perf_counter() - self.start
 
 
 class Trainer:
     """One pretraining run. Construction is the set-up; :meth:`train` is the loop.
 
-    The loop (:meth:`train`) reads as its steps: one timed :meth:`train_step`, then
-    :meth:`_record` (summary; NaN checks are in :meth:`train_step`), :meth:`_log` every ``--log-interval``,
+    The loop (:meth:`train`) reads as its steps: one :meth:`train_step` (timed per log interval),
+    then :meth:`_record` (summary; NaN checks are in :meth:`train_step`), :meth:`_log` every
+    ``--log-interval``,
     :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every ``--save-interval``,
     and :meth:`_stop_reason`, the one per-iteration "stop now?" check; :meth:`_finish` evaluates
     and saves the final state.
@@ -243,14 +252,19 @@ class Trainer:
         interval = _Interval()
         for c in self.chunks:
             c.train()
+        synchronize(self.ps.device)  # the first interval starts on an idle device
         # --exit-signal-handler / --exit-duration-in-mins, held until the final save is done
         with ExitConditions(tr, self.ps, self.t_start) as self.exits:
             while self.iteration < tr.train_iters:
                 lr = self.scheduler.current_lr
-                loss, updated, grad_norm, dt = self._timed_train_step(data_it)
-                self._record(loss, updated, grad_norm, dt)
-                interval.add(dt, updated, grad_norm)
+                start = time.perf_counter()
+                m = tr.num_micro_batches(self.ps.dp_size)
+                loss, updated, grad_norm = self._measured_train_step(
+                    self._micro_batches(data_it, m))
+                self._record(loss, updated, grad_norm)
+                interval.add(start, updated, grad_norm)
                 if self._logs_at(self.iteration):
+                    interval.close(self.ps.device)
                     self._log(interval, lr)
                     interval = _Interval()
                 if self.iteration % tr.eval_interval == 0:
@@ -267,15 +281,6 @@ class Trainer:
     def _logs_at(self, iteration: int) -> bool:
         return iteration % self.cfg.logging.log_interval == 0 \
             or iteration == self.cfg.training.train_iters
-
-    def _timed_train_step(self, data_it):
-        synchronize(self.ps.device)
-        t0 = time.perf_counter()
-        m = self.cfg.training.num_micro_batches(self.ps.dp_size)
-        batches = self._micro_batches(data_it, m)
-        loss, updated, grad_norm = self._measured_train_step(batches)
-        synchronize(self.ps.device)
-        return loss, updated, grad_norm, time.perf_counter() - t0
 
     memory_estimate = None  # (cfg, world size, device type, pipeline stage) -> {"total", ...}
 
@@ -325,15 +330,13 @@ class Trainer:
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
         loss = self._reduce_loss(stats)
         # Here the loss (on every rank) and the reduced gradients exist but have not touched the
-        # weights: a NaN/Inf loss, or grad norm (checked by the optimizer before it updates
-        # anything), stops every rank before the step and before any save. fp16 skips instead.
+        # weights: a NaN/Inf loss or grad norm stops every rank before the step and before any
+        # save; the optimizer reads both with its other decisions, one host read per step.
+        # fp16 skips overflowing steps instead.
         check = self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.optimizer.fp16
-        self.optimizer.check_for_nan = check
-        if check and not math.isfinite(float(loss)):  # one read per step, before any update
-            raise self._diverged(f"loss {float(loss)}")
         try:
-            updated, grad_norm, _num_zeros = self.optimizer.step()
-        except NonFiniteGradNorm as e:
+            updated, grad_norm, _num_zeros = self.optimizer.step(loss if check else None)
+        except NonFiniteStep as e:
             raise self._diverged(str(e)) from None
         if updated:
             self.scheduler.step()
@@ -345,10 +348,9 @@ class Trainer:
             f"stopped before the optimizer step (--check-for-nan-in-loss-and-grad): training "
             f"diverged; lower --lr, raise --lr-warmup-iters or set --clip-grad")
 
-    def _record(self, loss: torch.Tensor, updated: bool, grad_norm, dt: float) -> None:
+    def _record(self, loss: torch.Tensor, updated: bool, grad_norm) -> None:
         self.iteration += 1
         self.consumed += self.cfg.training.global_batch_size
-        self.times.append(dt)
         self.summary["train_losses"][self.iteration] = loss  # a device scalar until _read_losses
         self.skipped += not updated
         if self.iteration == 1:  # model-state bytes vs docs/theory.md's ZeRO formula (memory.py)
@@ -401,6 +403,7 @@ class Trainer:
     def _log(self, interval: _Interval, lr: float) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
         gbs, t_it = tr.global_batch_size, interval.time / interval.n
+        self.times += [t_it] * interval.n
         rec = {"iteration": self.iteration, "consumed_samples": self.consumed,
                "lm_loss": sum(self._read_losses()) / interval.n, "lr": lr,
                "grad_norm": interval.grad_norm, "loss_scale": self.optimizer.get_loss_scale(),

@@ -10,8 +10,8 @@ from model_utils import tiny_config
 from megalite.config import OptimizerConfig
 from megalite.models import GPTModel
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
-from megalite.optimizer.clip_grads import global_grad_norm
-from megalite.optimizer.grad_scaler import DynamicGradScaler
+from megalite.optimizer.clip_grads import grad_norm_squared
+from megalite.optimizer.grad_scaler import DynamicGradScaler, NonFiniteStep
 from megalite.optimizer.optimizer import MixedPrecisionOptimizer
 from megalite.parallel_state import ParallelState
 
@@ -80,7 +80,7 @@ def test_grad_norm_and_clipping_match_torch():
     want = torch.nn.utils.clip_grad_norm_(params, max_norm=0.05).item()
     opt = build_optimizer([model], OptimizerConfig(clip_grad=0.05, lr=0.0, weight_decay=0.0),
                           ParallelState())
-    got_norm = global_grad_norm([p.grad for p in opt.model_params], ParallelState())
+    got_norm = grad_norm_squared([p.grad for p in opt.model_params], ParallelState()).sqrt().item()
     assert abs(got_norm - want) <= 1e-6 * want
     updated, grad_norm, _ = opt.step()
     assert updated and abs(grad_norm - want) <= 1e-6 * want
@@ -164,28 +164,65 @@ def test_bf16_keeps_fp32_masters_and_state_roundtrip():
         assert a.dtype == torch.float32 and torch.equal(a, b)
 
 
-def test_zero_stage0_zero_grad_zeroes_each_flat_buffer_once():
-    """ZeRO 0 over DDP's flat grad buffers (bf16: the fp32 buffer): zero_grad is one aten op per
-    buffer, not one per parameter, and leaves the buffer zero."""
+def test_zero_stage0_works_on_each_flat_buffer_at_once():
+    """ZeRO 0 over DDP's flat buffers (bf16: an fp32 grad buffer, fp32 masters as views of one
+    copy of the bf16 param buffer): zero_grad is one aten op per buffer and the step writes the
+    model back with one copy per buffer, not one per parameter; the model equals its rounded
+    masters after the step, and the buffer is zero after zero_grad."""
+    from collections import Counter
+
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megalite.distributed.ddp import wrap_chunks
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
+            self.ops[func] += 1
             return func(*args, **(kwargs or {}))
 
-    cfg = OptimizerConfig(bf16=True)
+    cfg = OptimizerConfig(bf16=True, lr=1e-2)
     chunks = wrap_chunks([_model("bfloat16")], cfg, ParallelState())[0]
     opt = build_optimizer(chunks, cfg, ParallelState())
-    _backward(chunks[0])
     bufs = chunks[0].grad_buffers
-    assert any(b.grad_data.abs().sum() > 0 for b in bufs)
+    assert len(bufs) < len(opt.model_params)
+    before = [p.detach().clone() for p in opt.model_params]
+    _backward(chunks[0])
     mode = Ops()
-    mode.ops = []
+    mode.ops = Counter()
+    with mode:
+        updated, _, _ = opt.step()
+    assert updated and mode.ops[torch.ops.aten.copy_.default] == len(bufs), mode.ops
+    for p, m, b in zip(opt.model_params, opt.masters, before):
+        assert m.dtype == torch.float32 and torch.equal(p, m.to(p.dtype))
+    assert any(not torch.equal(p, b) for p, b in zip(opt.model_params, before))
+    assert any(b.grad_data.abs().sum() > 0 for b in bufs)
+    mode.ops = Counter()
     with mode:
         opt.zero_grad()
-    assert mode.ops == [torch.ops.aten.zero_.default] * len(bufs), mode.ops
-    assert len(bufs) < len(opt.model_params)
+    assert mode.ops == {torch.ops.aten.zero_.default: len(bufs)}, mode.ops
     assert all(b.grad_data.abs().sum() == 0 for b in bufs)
+
+
+def test_step_stops_on_a_non_finite_loss_or_grad_norm_before_any_update():
+    """--check-for-nan-in-loss-and-grad: given the step's loss, a NaN loss or an inf gradient
+    raises before any weight changes, and the step reads the device once (loss and norm
+    together; tests/host_reads.py counts the reads)."""
+    from host_reads import HostReads
+
+    model = _model()
+    opt = build_optimizer([model], OptimizerConfig(lr=1e-2), ParallelState())
+    before = [p.detach().clone() for p in model.parameters()]
+    _backward(model)
+    with pytest.raises(NonFiniteStep, match="loss nan"):
+        opt.step(torch.tensor(float("nan"), dtype=torch.float64))
+    next(model.parameters()).grad.view(-1)[0] = float("inf")
+    with pytest.raises(NonFiniteStep, match="grad norm inf"):
+        opt.step(torch.tensor(2.5, dtype=torch.float64))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    _backward(model)
+    reads = HostReads()
+    with reads:
+        updated, grad_norm, _ = opt.step(torch.tensor(2.5, dtype=torch.float64))
+    assert updated and math.isfinite(grad_norm)
+    assert sum(reads.per_iteration[0].values()) == 1, reads.per_iteration

@@ -9,7 +9,7 @@ Each parameter's gradient must be counted exactly once over the model-parallel g
     first stage, and the output layer's (``local_tied_copy``) is the one left out.
 The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
 hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
-rank computes the same norm; ZeRO's disjoint shards are summed over DP first. ``global_grad_norm``
+rank computes the same norm; ZeRO's disjoint shards are summed over DP first. ``grad_norm_squared``
 is the one norm of every optimizer (plain, ZeRO 0-2, ZeRO-3). The result equals
 ``torch.nn.utils.clip_grad_norm_`` on the single-device model (tests/test_optimizer.py).
 """
@@ -33,11 +33,13 @@ def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) 
     return tp_rank == 0
 
 
-def global_grad_norm(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False) -> float:
-    """The one gradient norm of every optimizer: sqrt of the sum of squares of ``counted`` (this
-    rank's gradients, or pieces of them, that ``counts_for_norm``), summed over DP x CP when
-    those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel group. One host
-    read."""
+def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False
+                      ) -> torch.Tensor:
+    """The one gradient norm of every optimizer, squared, as a float32 device tensor of shape [1]
+    (read on the host with the step's other decisions, optimizer.py): the sum of squares of
+    ``counted`` (this rank's gradients, or pieces of them, that ``counts_for_norm``), summed over
+    DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel
+    group."""
     if counted:
         sq = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum().float().reshape(1)
     else:
@@ -45,7 +47,7 @@ def global_grad_norm(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = Fal
     if dp_sharded:
         C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
     C.all_reduce(sq, group=ps.mp_group, tag="grad_norm_all_reduce")
-    return float(sq.sqrt().item())
+    return sq
 
 
 @torch.no_grad()

@@ -9,8 +9,6 @@ doubled. bf16 and fp32 need no scaling (bf16 has fp32's exponent range).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -93,14 +91,17 @@ def build_grad_scaler(opt_cfg):
                              hysteresis=opt_cfg.hysteresis)
 
 
-def found_inf_anywhere(grads, device: torch.device, group=None, inv_scale: float = 1.0) -> bool:
-    """True if any gradient on any rank of ``group`` (None: the world) holds an inf or NaN;
-    the gradients are multiplied by ``inv_scale`` (unscaled) in the same pass.
+def found_inf_flag(grads, device: torch.device, group=None, inv_scale: float = 1.0
+                   ) -> torch.Tensor:
+    """A float32 device tensor of shape [1], > 0 if any gradient on any rank of ``group`` (None:
+    the world) holds an inf or NaN; the gradients are multiplied by ``inv_scale`` (unscaled) in
+    the same pass.
 
     Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag,
     on the compute ``device`` even on a rank without gradients (NCCL takes device tensors only).
-    The check is one fused kernel per dtype writing a device flag, and the flag is the one host
-    read: a read per gradient would stall the host behind the device once per parameter.
+    The check is one fused kernel per dtype writing the flag, which stays on the device: the
+    optimizer reads it together with the gradient norm (optimizer.py, ``_decide_step``), since a
+    read per gradient, or even one of its own, would stall the host behind the device.
     """
     from megalite import collectives as C
     import torch.distributed as dist
@@ -115,17 +116,9 @@ def found_inf_anywhere(grads, device: torch.device, group=None, inv_scale: float
     if dist.is_initialized():
         C.all_reduce(flag, group=group if group is not None else dist.group.WORLD,
                      op=C.ReduceOp.MAX, tag="found_inf_all_reduce")
-    return bool(flag.item() > 0)
+    return flag
 
 
-class NonFiniteGradNorm(RuntimeError):
-    """The global gradient norm is NaN or Inf (bf16/fp32: the run has diverged)."""
-
-
-def check_grad_norm(optimizer, grad_norm: float) -> None:
-    """--check-for-nan-in-loss-and-grad: every optimizer calls this with the global grad norm
-    (equal on all ranks) before it changes any weight, so a diverged step is never applied and
-    every rank stops together. The training loop sets ``optimizer.check_for_nan``; fp16 runs never
-    get here with a non-finite norm, since their overflowing steps are skipped above it."""
-    if getattr(optimizer, "check_for_nan", False) and not math.isfinite(grad_norm):
-        raise NonFiniteGradNorm(f"grad norm {grad_norm}")
+class NonFiniteStep(RuntimeError):
+    """The step's loss or global gradient norm is NaN or Inf (bf16/fp32: the run has diverged);
+    raised before any weight changes, on every rank alike (both values are global)."""

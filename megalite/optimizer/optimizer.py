@@ -6,7 +6,8 @@ The interface every megalite optimizer keeps (the ZeRO ``DistributedOptimizer`` 
     opt = build_optimizer(model_chunks, opt_cfg, ps)
     opt.zero_grad()
     loss = opt.scale_loss(loss)                         # x loss scale (fp16), else identity
-    updated, grad_norm, num_zeros_or_None = opt.step()  # unscale, overflow check, clip, step
+    updated, grad_norm, num_zeros_or_None = opt.step(loss)  # unscale, overflow and NaN checks
+                                                        # (one host read), clip, step
     opt.get_loss_scale(); opt.param_groups              # the LR scheduler writes group["lr"]
     opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only; the load
                                                         # is local (ZeRO-1/2 then: opt.
@@ -32,8 +33,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalite.optimizer.clip_grads import clip_grads_by_norm, counts_for_norm, global_grad_norm
-from megalite.optimizer.grad_scaler import build_grad_scaler, check_grad_norm, found_inf_anywhere
+from megalite.optimizer.clip_grads import clip_grads_by_norm, counts_for_norm, grad_norm_squared
+from megalite.optimizer.grad_scaler import NonFiniteStep, build_grad_scaler, found_inf_flag
 
 # The per-parameter optimizer state every format can be merged into (by parameter name): the
 # fp32 master weights and Adam's two moments. One vocabulary for every file and every ZeRO stage.
@@ -60,15 +61,37 @@ def model_parameters(model_chunks) -> List[torch.nn.Parameter]:
     return out
 
 
-def unscale_and_check_overflow(grad_scaler, grads: List[torch.Tensor], device) -> bool:
-    """Divide the gradients by the loss scale and report (and record in the scaler) whether any
-    rank saw an inf/NaN, in which case every rank skips the step. False without a scaler."""
-    if grad_scaler is None:
-        return False
-    # Every rank must agree (the world), or some would step and some would skip.
-    found_inf = found_inf_anywhere(grads, device, inv_scale=1.0 / grad_scaler.scale)
-    grad_scaler.update(found_inf)
-    return found_inf
+def decide_step(grad_scaler, grads: List[torch.Tensor], counted: List[torch.Tensor], ps,
+                dp_sharded: bool, loss: Optional[torch.Tensor]) -> Optional[float]:
+    """Everything the step decides on the host, from one host read: the global gradient norm, or
+    None when an fp16 gradient overflowed on some rank (the scaler records it; every rank skips).
+
+    With a scaler the gradients are first divided by the loss scale and checked for inf/NaN
+    (``found_inf_flag``); then the norm of ``counted`` (``grad_norm_squared``). Given the step's
+    ``loss`` (a device scalar: --check-for-nan-in-loss-and-grad, bf16/fp32), a NaN/Inf loss or norm
+    raises NonFiniteStep before any weight changes. The flag, the norm and the loss are already
+    global (all-reduced), so every rank reads the same values and decides alike; reading them
+    together stalls the host behind the device once per step instead of once per decision.
+    """
+    parts = []
+    if grad_scaler is not None:
+        parts.append(found_inf_flag(grads, ps.device, inv_scale=1.0 / grad_scaler.scale))
+    parts.append(grad_norm_squared(counted, ps, dp_sharded).sqrt())
+    if loss is not None:
+        parts.append(loss.detach().reshape(1))
+    values = torch.cat([t.double() for t in parts]).tolist()  # the step's one host read
+    if grad_scaler is not None:
+        found_inf = values.pop(0) > 0
+        grad_scaler.update(found_inf)
+        if found_inf:
+            return None
+    grad_norm = values[0]
+    if loss is not None:
+        if not math.isfinite(values[1]):
+            raise NonFiniteStep(f"loss {values[1]}")
+        if not math.isfinite(grad_norm):
+            raise NonFiniteStep(f"grad norm {grad_norm}")
+    return grad_norm
 
 
 class _LossScaling:
@@ -92,13 +115,28 @@ class MixedPrecisionOptimizer(_LossScaling):
         self.ddp_chunks = [c for c in model_chunks if hasattr(c, "zero_grad_buffer")]
         self.model_params = model_parameters(model_chunks)
         self.mixed = any(p.dtype in (torch.float16, torch.bfloat16) for p in self.model_params)
+        # 16-bit parameters in a DDP buffer get their masters as views of one fp32 copy of that
+        # buffer, so the step writes the model back with one copy per buffer, not one per
+        # parameter (padding included: it is zero on both sides). Others get a master each.
+        self.flat_masters: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, fp32 copy)
+        in_buffer: Dict[torch.nn.Parameter, torch.Tensor] = {}
+        for c in self.ddp_chunks:
+            for buf in c.grad_buffers:
+                if buf.param_dtype != torch.float32:
+                    flat = buf.param_data.float()
+                    self.flat_masters.append((buf.param_data, flat))
+                    for p, slot in buf.slots.items():
+                        in_buffer[p] = flat[slot.start:slot.end].view_as(p)
         self.masters: List[torch.Tensor] = []
         for p in self.model_params:
             if p.dtype == torch.float32:
                 self.masters.append(p)
             else:
-                m = torch.nn.Parameter(p.detach().clone().float())
+                m = torch.nn.Parameter(in_buffer[p] if p in in_buffer else
+                                       p.detach().clone().float())
                 self.masters.append(m)
+        self.loose = [(p, m) for p, m in zip(self.model_params, self.masters)
+                      if m is not p and p not in in_buffer]  # copied back one by one
         decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() > 1]
         no_decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() <= 1]
         groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
@@ -144,32 +182,33 @@ class MixedPrecisionOptimizer(_LossScaling):
         return grads
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+    def step(self, loss: Optional[torch.Tensor] = None
+             ) -> Tuple[bool, Optional[float], Optional[int]]:
         grads = self._master_grads()
         present = [g for g in grads if g is not None]
-        if unscale_and_check_overflow(self.grad_scaler, present, self.ps.device):
-            self.zero_grad()
-            return False, None, None
         ps = self.ps
         counted = [g for p, g in zip(self.model_params, grads) if g is not None
                    and counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage)]
-        grad_norm = global_grad_norm(counted, ps)
-        check_grad_norm(self, grad_norm)
+        grad_norm = decide_step(self.grad_scaler, present, counted, ps, False, loss)
+        if grad_norm is None:
+            self.zero_grad()
+            return False, None, None
         if self.cfg.clip_grad > 0:
             clip_grads_by_norm(present, grad_norm, self.cfg.clip_grad)
         self.inner.step()
-        if self.mixed:
-            for p, m in zip(self.model_params, self.masters):
-                if m is not p:
-                    p.data.copy_(m.data)
+        for model_flat, master_flat in self.flat_masters:
+            model_flat.copy_(master_flat)  # rounds the fp32 masters into the 16-bit model
+        for p, m in self.loose:
+            p.data.copy_(m.data)
         return True, grad_norm, None
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Refresh the fp32 masters from the model (after loading weights into the model)."""
-        for p, m in zip(self.model_params, self.masters):
-            if m is not p:
-                m.data.copy_(p.data.float())
+        for model_flat, master_flat in self.flat_masters:
+            master_flat.copy_(model_flat)
+        for p, m in self.loose:
+            m.data.copy_(p.data.float())
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -228,15 +267,15 @@ class ShardedAdamW(_LossScaling):
                              {"name": "no_decay", "lr": cfg.lr, "weight_decay": 0.0}]
 
     @torch.no_grad()
-    def step(self) -> Tuple[bool, Optional[float], Optional[int]]:
+    def step(self, loss: Optional[torch.Tensor] = None
+             ) -> Tuple[bool, Optional[float], Optional[int]]:
         self._finish_grads()
         grads = self._grads()
-        if unscale_and_check_overflow(self.grad_scaler, grads, self.ps.device):
+        grad_norm = decide_step(self.grad_scaler, grads, [
+            g[a:b] for g, runs in zip(grads, self.norm_runs) for a, b in runs], self.ps, True, loss)
+        if grad_norm is None:
             self.zero_grad()
             return False, None, None
-        grad_norm = global_grad_norm([g[a:b] for g, runs in zip(grads, self.norm_runs)
-                                      for a, b in runs], self.ps, dp_sharded=True)
-        check_grad_norm(self, grad_norm)
         clip_grads_by_norm(grads, grad_norm, self.cfg.clip_grad)
         self.step_count += 1
         self._adamw(grads)
