@@ -152,8 +152,10 @@ class Trainer:
     """
 
     def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger, tokenizer,
-                 t_start: float):
+                 t_start: float, memory_estimate: Optional[Callable[..., dict]] = None):
         self.cfg, self.ps, self.logger, self.t_start = cfg, ps, logger, t_start
+        # (cfg, world size, device type, pipeline stage) -> {"total", "params", ...} bytes, or None
+        self.memory_estimate = memory_estimate
         self.tokenizer, self.eod = tokenizer, tokenizer.eod
         self.summary = {"train_losses": {}, "valid": {}}
         self.skipped = 0
@@ -281,8 +283,6 @@ class Trainer:
     def _logs_at(self, iteration: int) -> bool:
         return iteration % self.cfg.logging.log_interval == 0 \
             or iteration == self.cfg.training.train_iters
-
-    memory_estimate = None  # (cfg, world size, device type, pipeline stage) -> {"total", ...}
 
     def _measured_train_step(self, batches):
         """``train_step(batches)``; on the first logged iteration after the first (whose lazily
@@ -548,7 +548,8 @@ class Trainer:
 def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=None,
              memory_estimate=None) -> dict:
     """Train as configured; returns a summary (final iteration, last losses) for scripts/tests.
-    ``memory_estimate``: see ``Trainer.memory_estimate`` (pretrain.py passes the planner's).
+    ``memory_estimate``: logged beside the measured peak (``Trainer._measured_train_step``;
+    pretrain.py passes the planner's).
 
     The configuration is resolved once (megalite.config.MegaliteConfig.resolve) as soon as the
     world size and the tokenizer are known: the tokenizer fixes the vocab, which fixes the
@@ -571,9 +572,7 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
     logger = MetricsLogger(cfg, is_writer=(ps.rank == 0), stream=stream)
     set_active_logger(logger)
     try:
-        trainer = Trainer(cfg, ps, logger, tokenizer, t_start)
-        trainer.memory_estimate = memory_estimate
-        return trainer.train()
+        return Trainer(cfg, ps, logger, tokenizer, t_start, memory_estimate).train()
     finally:
         set_active_logger(None)
         logger.close()
