@@ -3,6 +3,7 @@ and the summary. Each subcommand writes one JSON result to --result; exit code 0
 
     python benchmarks/gpu_check.py env --result env.json
     python benchmarks/gpu_check.py correctness --device cuda --result corr.json
+    python benchmarks/gpu_check.py syncs --device cuda --result syncs.json
     python benchmarks/gpu_check.py summarize --work DIR --out DIR
 """
 
@@ -165,6 +166,35 @@ def cmd_correctness(args):
     return 0 if ok else 1
 
 
+# ----------------------------------------------------------------------------------------- syncs
+def cmd_syncs(args):
+    """Host synchronisations per iteration of pretrain.py (bf16, --log-interval 1): megalite's
+    own reads counted at dispatch (tests/host_reads.py) and, on CUDA, every synchronizing call
+    torch.cuda.set_sync_debug_mode reports, torch's included. Pass: both counts are the same at
+    2 layers x 1 micro-batch and 8 layers x 8 micro-batches (docs/logging.md, "Host reads")."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests"))
+    from host_reads import count_pretrain
+
+    cuda = torch.device(args.device).type == "cuda"
+    base = ["--device", args.device, "--mock-data", "--hidden-size", "256",
+            "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "2",
+            "--vocab-size", "1000", "--bf16", "--train-iters", "4", "--log-interval", "1",
+            "--lr-warmup-iters", "1", "--eval-interval", "100000", "--eval-iters", "0"]
+    res = {"device": args.device}
+    for name, layers, gbs in (("small", 2, 2), ("large", 8, 16)):
+        counts = count_pretrain(base + ["--num-layers", str(layers), "--global-batch-size",
+                                        str(gbs)], cuda_syncs=cuda)
+        steady = counts[3]  # iteration 4 with iteration 3's log line (1: warm-up, 2: memory)
+        res[name] = {"megalite_reads": sum(n for k, n in steady.items()
+                                           if not k.startswith("cuda sync")),
+                     "cuda_syncs": sum(n for k, n in steady.items() if k.startswith("cuda sync")),
+                     "where": dict(steady)}
+    res["pass"] = all(res["small"][k] == res["large"][k] for k in ("megalite_reads", "cuda_syncs"))
+    _write(args.result, res)
+    return 0 if res["pass"] else 1
+
+
 # ------------------------------------------------------------------------------------- summarize
 def _train_stats(path):
     recs = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -225,6 +255,9 @@ def cmd_summarize(args):
                 f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
                 f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
                 for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
+        elif s["step"] == "host_syncs" and "small" in r:
+            detail = "; ".join(f"{k}: {r[k]['megalite_reads']} megalite reads, {r[k]['cuda_syncs']} "
+                               f"CUDA syncs" for k in ("small", "large")) + f"  {detail}"
         elif "megalite" in r and "hf" in r:
             detail = (f"megalite {r['megalite']['tokens_per_s']:,.0f} tok/s, HF {r['hf']['tokens_per_s']:,.0f}"
                       f" tok/s, per-round ratio {r['paired_ratio_median']:.2f}x, {r['threads']} threads"
@@ -246,12 +279,16 @@ def main(argv=None):
     c = sub.add_parser("correctness")
     c.add_argument("--device", default="cuda")
     c.add_argument("--result", required=True)
+    y = sub.add_parser("syncs")
+    y.add_argument("--device", default="cuda")
+    y.add_argument("--result", required=True)
     s = sub.add_parser("summarize")
     s.add_argument("--work", required=True)
     s.add_argument("--out", required=True)
     s.add_argument("--mode", default="gpu")
     args = p.parse_args(argv)
-    return {"env": cmd_env, "correctness": cmd_correctness, "summarize": cmd_summarize}[args.cmd](args)
+    return {"env": cmd_env, "correctness": cmd_correctness, "syncs": cmd_syncs,
+            "summarize": cmd_summarize}[args.cmd](args)
 
 
 if __name__ == "__main__":

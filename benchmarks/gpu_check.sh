@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_check.sh                    # CUDA if present, else the --dry-run below
 #   bash benchmarks/gpu_check.sh --dry-run          # no GPU needed: tiny CPU stand-ins for the CUDA steps
 #   bash benchmarks/gpu_check.sh --out DIR          # where the results go (default ./gpu_check_out)
-# Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | train x3 (pretrain.py bf16,
+# Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | host syncs per iteration | train x3 (pretrain.py bf16,
 # no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU: it has no device flag).
 # Each step has its own timeout, all capped by a total time limit (GC_TIME_LIMIT seconds, default
 # 420), so one hang does not lose the rest. Writes summary.txt (also printed), summary.json and
@@ -72,6 +72,8 @@ step() {
 step env 90 "" $PY benchmarks/gpu_check.py env --result "$WORK/env.json"
 step correctness 150 "GPTModel $DEV vs cpu: fp32 close, bf16 sane" \
   $PY benchmarks/gpu_check.py correctness --device $DEV --result "$WORK/correctness.json"
+step host_syncs 150 "per iteration, 2 vs 8 layers and micro-batches" \
+  $PY benchmarks/gpu_check.py syncs --device $DEV --result "$WORK/host_syncs.json"
 for g in none selective full; do
   extra=""; [ $g != none ] && extra="--recompute-granularity $g"
   step "train_$g" 150 "pretrain.py $DEV recompute=$g" \

@@ -86,18 +86,34 @@ class _ToList(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_pretrain(argv) -> List[Counter]:
+def count_pretrain(argv, cuda_syncs: bool = False) -> List[Counter]:
     """Run pretrain.py's main in this process under :class:`HostReads`; one Counter per
     iteration (reads after iteration k's record up to iteration k+1's: its log line, its step).
-    Calls of megalite's ``synchronize`` (a no-op on CPU, a device sync on a GPU) count too."""
+    Calls of megalite's ``synchronize`` (a no-op on CPU, a device sync on a GPU) count too.
+
+    ``cuda_syncs`` (a CUDA run): also count every synchronizing CUDA call, from any code (torch's
+    own included), as ``torch.cuda.set_sync_debug_mode("warn")`` reports it: the device's own
+    cross-check of the dispatch-level count (keys ``cuda sync FILE:LINE``)."""
+    import warnings
+
     from megalite import parallel_state
     from megalite.training import Trainer
     from pretrain_utils import run_main
 
     mode, record, sync = HostReads(), Trainer._record, parallel_state.synchronize
+    caught: list = []
+
+    def drain():
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                where = os.path.relpath(w.filename, _ROOT) if w.filename.startswith(_ROOT) \
+                    else os.path.basename(w.filename)
+                mode.per_iteration[-1][f"cuda sync {where}:{w.lineno}"] += 1
+        caught.clear()
 
     def _record(self, *a, **k):
         record(self, *a, **k)
+        drain()
         mode.next_iteration()
 
     def _sync(device):
@@ -111,8 +127,18 @@ def count_pretrain(argv) -> List[Counter]:
     for m in users:
         m.synchronize = _sync
     try:
-        with mode:
-            assert run_main(list(argv)) == 0
+        with warnings.catch_warnings(record=cuda_syncs) as recorded:
+            if cuda_syncs:
+                caught = recorded
+                warnings.simplefilter("always")  # every sync, not the first per line
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with mode:
+                    assert run_main(list(argv)) == 0
+            finally:
+                if cuda_syncs:
+                    torch.cuda.set_sync_debug_mode("default")
+            drain()
     finally:
         Trainer._record = record
         for m in users:
