@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megalite.models.norms import RMSNorm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
-from megalite.models.transformer import swiglu, swiglu_fused
+from megalite.models.transformer import sliding_window_attention, swiglu, swiglu_fused
 from megalite.tensor_parallel import cross_entropy as ce
 from model_utils import tiny_config
 
@@ -178,3 +178,25 @@ def test_cuda_init_is_deterministic_and_distributed_like_the_cpu_draw():
         assert torch.equal(a[name], b[name]), name
         if cpu[name].numel() >= 10000:
             assert abs(a[name].std() / cpu[name].std() - 1) < 0.05, name
+
+
+@pytest.mark.parametrize("s,window,heads,groups", [(70, 5, 4, 2), (64, 16, 2, 2), (33, 6, 4, 4),
+                                                   (12, 6, 2, 1)])
+def test_blocked_sliding_window_attention_matches_the_masked_formula(s, window, heads, groups):
+    """Query i sees keys i - W < j <= i: the blocked kernel (s x 2W scores; s not a multiple of W,
+    GQA, and s <= 2W, where it is one masked SDPA) against SDPA with the full [s, s] mask."""
+    g = torch.Generator().manual_seed(s)
+    q = torch.randn(2, heads, s, 8, generator=g)
+    k, v = (torch.randn(2, groups, s, 8, generator=g) for _ in range(2))
+    i = torch.arange(s)
+    mask = (i[:, None] - i[None, :] >= 0) & (i[:, None] - i[None, :] < window)
+
+    def reference(q, k, v):
+        k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def blocked(q, k, v):
+        return sliding_window_attention(q, k, v, window, enable_gqa=heads != groups)
+
+    _assert_all_close(_value_and_grads(blocked, q, k, v), _value_and_grads(reference, q, k, v),
+                      torch.float32)

@@ -167,13 +167,14 @@ def _run_layout(name, layout, model=("gpt2", {})):
     w_ops = sum(o.kind == "W" for o in schedule_order(schedule, pp, ps.pp_rank, m, len(chunks)))
     assert (w_ops > 0) == (schedule in ZERO_BUBBLE) and len(W_RUNS) == ITERS * w_ops, name
     assert all(n == linears[c] > 0 for c, n in W_RUNS), f"{name}: W ops ran {W_RUNS[:4]}"
-    # Trained weights track the reference (norm-relative, as every parity test) ...
+    # Trained weights track the reference (norm-relative, as every parity test; 2e-4 as the
+    # gradients after step 0, above) ...
     ref_params = full_params(ref, None)
     for c in chunks:
         for k, w in full_params(c, ps.tp_group).items():
             r = ref_params[EMB if (tied and k == "output_layer.weight") else k]
             rel = ((w - r).norm() / r.norm()).item()
-            assert rel <= 1e-4, f"{name}: {k} drifted from the reference, rel {rel:.2e}"
+            assert rel <= 2e-4, f"{name}: {k} drifted from the reference, rel {rel:.2e}"
     # ... and the two copies of a tied embedding stay bit-identical (their gradients are summed
     # over the embedding group every step, or on rank 0 under the V, so both get the same update).
     if tied and schedule in V_SCHEDULES and ps.pp_rank == 0:
