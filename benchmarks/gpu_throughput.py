@@ -166,9 +166,13 @@ def summarize(recs, warmup):
     timed = recs[warmup:]
     if not timed:
         return None
-    return {"iteration_ms": statistics.median(r["iteration_time_ms"] for r in timed),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in recs),
-            "timed_iterations": len(timed)}
+    out = {"iteration_ms": statistics.median(r["iteration_time_ms"] for r in timed),
+           "peak_memory_bytes": max(r["peak_memory_bytes"] for r in recs),
+           "timed_iterations": len(timed)}
+    host = [r["host_queue_ms_per_iteration"] for r in timed if "host_queue_ms_per_iteration" in r]
+    if host:  # the host's time to queue forward-backward, no synchronize (docs/logging.md)
+        out["host_queue_ms"] = statistics.median(host)
+    return out
 
 
 def run_one(row, system, args, workdir, cuda, timeout):
@@ -249,6 +253,7 @@ def run_hf_worker(row, args, compile_model, out_path):
                 with torch.autocast(device.type, torch.bfloat16, enabled=cuda):
                     loss = fwd(input_ids=ids, labels=ids).loss / len(batches)
                 loss.backward()
+            host_queue = time.perf_counter() - t0  # as megalite's, no synchronize
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -256,6 +261,7 @@ def run_hf_worker(row, args, compile_model, out_path):
                 torch.cuda.synchronize()
             out.write(json.dumps({"split": "train", "iteration": it + 1,
                                   "iteration_time_ms": 1000 * (time.perf_counter() - t0),
+                                  "host_queue_ms_per_iteration": 1000 * host_queue,
                                   "peak_memory_bytes": peak_memory_bytes(device)}) + "\n")
 
 
@@ -291,19 +297,21 @@ def _status(r):
 
 
 def table(results):
-    lines = ["| row | system | tokens/s | TFLOP/s | MFU | peak GiB | vs HF | vs HF+compile "
-             "| status |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | system | tokens/s | TFLOP/s | MFU | peak GiB | ms/it | host ms/it | vs HF "
+             "| vs HF+compile | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row, res in results.items():
         for name, r in res.items():
             if "tokens_per_sec" not in r:
-                lines.append(f"| {row} | {name} | | | | | | | {_status(r)} |")
+                lines.append(f"| {row} | {name} | | | | | | | | | {_status(r)} |")
                 continue
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
             ratio = lambda k: f"{r[k]:.2f}x" if k in r else ""  # noqa: E731
+            host = f"{r['host_queue_ms']:.1f}" if "host_queue_ms" in r else ""
             lines.append(f"| {row} | {name} | {r['tokens_per_sec']:,.0f} | {r['tflops']:.3g} | "
-                         f"{mfu} | {r['peak_memory_gib']:.2f} | {ratio('ratio_to_hf')} | "
-                         f"{ratio('ratio_to_hf-compile')} | {_status(r)} |")
+                         f"{mfu} | {r['peak_memory_gib']:.2f} | {r['iteration_ms']:.1f} | {host} | "
+                         f"{ratio('ratio_to_hf')} | {ratio('ratio_to_hf-compile')} | "
+                         f"{_status(r)} |")
     return "\n".join(lines)
 
 

@@ -130,9 +130,11 @@ class _Interval:
 
     def __init__(self):
         self.n, self.start, self.time, self.grad_norm, self.skipped = 0, None, 0.0, None, 0
+        self.host_queue = 0.0  # seconds the host took to queue the steps' forward-backward
 
-    def add(self, start: float, updated: bool, grad_norm) -> None:
+    def add(self, start: float, updated: bool, grad_norm, host_queue: float) -> None:
         self.start = start if self.start is None else self.start
+        self.host_queue += host_queue
         self.n, self.grad_norm, self.skipped = self.n + 1, grad_norm, self.skipped + (not updated)
 
     def close(self, device) -> None:
@@ -264,7 +266,7 @@ class Trainer:
                 loss, updated, grad_norm = self._measured_train_step(
                     self._micro_batches(data_it, m))
                 self._record(loss, updated, grad_norm)
-                interval.add(start, updated, grad_norm)
+                interval.add(start, updated, grad_norm, self.host_queue_s)
                 if self._logs_at(self.iteration):
                     interval.close(self.ps.device)
                     self._log(interval, lr)
@@ -327,7 +329,11 @@ class Trainer:
         """
         num_global_tokens = self._global_token_count(batches)
         self.optimizer.zero_grad()
+        start = time.perf_counter()
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
+        # no synchronize: on a GPU the host's time to queue the work, which must stay below the
+        # device's time to run it (logged as host_queue_ms_per_iteration)
+        self.host_queue_s = time.perf_counter() - start
         loss = self._reduce_loss(stats)
         # Here the loss (on every rank) and the reduced gradients exist but have not touched the
         # weights: a NaN/Inf loss or grad norm stops every rank before the step and before any
@@ -408,6 +414,7 @@ class Trainer:
                "lm_loss": sum(self._read_losses()) / interval.n, "lr": lr,
                "grad_norm": interval.grad_norm, "loss_scale": self.optimizer.get_loss_scale(),
                "global_batch_size": gbs, "iteration_time_ms": 1000 * t_it,
+               "host_queue_ms_per_iteration": 1000 * interval.host_queue / interval.n,
                "skipped_iterations": interval.skipped,
                "peak_memory_bytes": peak_memory_bytes(ps.device)}
         if cfg.logging.log_throughput:

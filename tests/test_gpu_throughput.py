@@ -92,19 +92,20 @@ def test_timeouts_budget_and_json_written_after_each_run(tmp_path, env):
     for system in ("megalite", "hf"):
         assert res[system]["timed_out"] and res[system]["error"].startswith("timed out after 8 s")
     assert res["hf-compile"] == {"skipped": "--time-budget 26 s spent"}
-    assert "| tiny-gpt2 | hf-compile | | | | | | | skipped: --time-budget 26 s spent |" in stdout
+    assert "| tiny-gpt2 | hf-compile | | | | | | | | | skipped: --time-budget 26 s spent |" in stdout
 
 
 def test_a_run_cut_short_keeps_its_timed_iterations(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    recs = [{"split": "train", "iteration_time_ms": t, "peak_memory_bytes": m}
+    recs = [{"split": "train", "iteration_time_ms": t, "peak_memory_bytes": m,
+             "host_queue_ms_per_iteration": t / 2}
             for t, m in ((900.0, 5), (12.0, 7), (10.0, 6), (11.0, 6))]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs)
                     + '{"split": "memory"}\n{"split": "train", "iteration_ti')  # killed mid-line
     got = gpu_throughput._train_records(str(path))
     assert got == recs
     assert gpu_throughput.summarize(got, 1) == {"iteration_ms": 11.0, "peak_memory_bytes": 7,
-                                                "timed_iterations": 3}
+                                                "timed_iterations": 3, "host_queue_ms": 5.5}
     assert gpu_throughput.summarize(got, 4) is None  # nothing after warm-up: no figure at all
 
 
