@@ -223,7 +223,9 @@ def test_json_schema_and_single_layout():
     keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
             "sequence_parallel", "recompute_granularity", "micro_batch_size",
-            "pipeline_schedule", "context_parallel_size", "cp_comm_type", "fits",
+            "pipeline_schedule", "context_parallel_size", "cp_comm_type", "recompute_method",
+            "recompute_num_layers", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers", "fits",
             "memory_gib", "step_time_s", "tflops_per_gpu", "mfu"]
     times = []
     for lay in out["layouts"]:
@@ -271,6 +273,11 @@ def _plan_tool():
     (["--pipeline-schedule", "zb-h1"], dict(pipeline_schedule="zb-h1")),
     (["--micro-batch-size", "8", "--recompute-granularity", "full"],
      dict(micro_batch_size=8, recompute_granularity="full")),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+      "2"], dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
+    (["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "5",
+      "--decoder-last-pipeline-num-layers", "5"],
+     dict(decoder_first_pipeline_num_layers=5, decoder_last_pipeline_num_layers=5)),
     (["--use-distributed-optimizer"], dict(zero_stage=1)),
     (["--zero-stage", "3"], dict(zero_stage=3)),
 ])
@@ -285,10 +292,7 @@ def test_cli_bad_input_one_line(capsys):
     tool = _plan_tool()
     for args, needle in ((["--num-gpus", "0"], "--num-gpus"), (["--gpu", "V100"], "--gpu"),
                          (["--num-gpus", "12", "--gpus-per-node", "8"], "--gpus-per-node"),
-                         (["--num-attention-heads", "5"], "--num-attention-heads"),
-                         (["--recompute-method", "block"], "--recompute-method"),
-                         (["--decoder-first-pipeline-num-layers", "2"],
-                          "--decoder-first-pipeline-num-layers")):
+                         (["--num-attention-heads", "5"], "--num-attention-heads")):
         base = list(MODEL)
         for flag in ("--num-gpus", "--gpu", "--num-attention-heads"):
             if flag in args:
@@ -298,6 +302,38 @@ def test_cli_bad_input_one_line(capsys):
         out = capsys.readouterr()
         lines = out.err.strip().splitlines()
         assert out.out == "" and len(lines) == 1 and needle in lines[0], out.err
+
+
+@pytest.mark.parametrize("args", [
+    ["--recompute-method", "block"],  # without --recompute-granularity full
+    ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+    ["--recompute-granularity", "full", "--recompute-num-layers", "0"],
+    ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "12",
+     "--decoder-last-pipeline-num-layers", "13"],  # leaves -1 layers to the middle stages
+    ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "5"],
+    ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "3",
+     "--num-virtual-stages-per-pipeline-rank", "2"],
+    ["--pipeline-model-parallel-size", "1", "--decoder-last-pipeline-num-layers", "3"],
+])
+def test_cli_partial_recompute_and_uneven_errors_are_pretrains(args, capsys):
+    """An invalid partial recompute or uneven split is one line, pretrain.py's own: its config
+    checks (arguments.parse_args) or its layer placement (partition.virtual_layer_ranges)."""
+    from megalite.arguments import parse_args
+    from megalite.config import ConfigError
+    from megalite.pipeline_parallel.partition import virtual_layer_ranges
+
+    ns = {a: args[i + 1] for i, a in enumerate(args[:-1])}
+    with pytest.raises(ConfigError) as want:
+        parse_args(MODEL[:8] + args)  # pretrain.py's flags: the model and the layout
+        v = int(ns.get("--num-virtual-stages-per-pipeline-rank", 1))
+        virtual_layer_ranges(24, int(ns["--pipeline-model-parallel-size"]),
+                             24 // (4 * v) if v > 1 else None,
+                             *(int(ns[f]) if f in ns else None for f in (
+                                 "--decoder-first-pipeline-num-layers",
+                                 "--decoder-last-pipeline-num-layers")))
+    assert _plan_tool().main([*MODEL, *args]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"plan.py: error: {want.value}\n", out.err
 
 
 def test_peak_memory_counts_frees_on_other_threads():
