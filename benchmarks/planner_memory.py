@@ -37,6 +37,7 @@ CASES = [  # name, processes, flags
     ("PP2 1F1B", 2, PP),
     ("PP2 interleaved v=2", 2, PP + ["--num-virtual-stages-per-pipeline-rank", "2"]),
     ("PP2 ZB-H1", 2, PP + ["--pipeline-schedule", "zb-h1"]),
+    ("PP2 1F1B 5 + 3 layers", 2, PP + ["--decoder-first-pipeline-num-layers", "5"]),
     ("PP2 ZB-V", 2, PP + ["--pipeline-schedule", "zb-v"]),  # loss head on rank 0
     ("PP2 DualPipeV", 2, PP + ["--pipeline-schedule", "dualpipev"]),
     ("DP2 ZeRO-1", 2, ["--zero-stage", "1", "--global-batch-size", "8"]),
@@ -45,6 +46,15 @@ CASES = [  # name, processes, flags
     ("selective recompute", 1, ["--recompute-granularity", "selective",
                                 "--global-batch-size", "4"]),
     ("full recompute", 1, ["--recompute-granularity", "full", "--global-batch-size", "4"]),
+    # partial recompute: block keeps the first k layers' inputs, the rest whole; uniform one
+    # input per group of k layers, recomputed k at once
+    ("block recompute 2 of 8", 1, ["--recompute-granularity", "full", "--recompute-method",
+                                   "block", "--recompute-num-layers", "2",
+                                   "--global-batch-size", "4"]),
+    ("uniform recompute groups of 4", 1, ["--recompute-granularity", "full",
+                                          "--recompute-method", "uniform",
+                                          "--recompute-num-layers", "4",
+                                          "--global-batch-size", "4"]),
     ("TP2+SP selective, DP2 ZeRO-1", 4, ["--tensor-model-parallel-size", "2",
                                          "--sequence-parallel", "--recompute-granularity",
                                          "selective", "--zero-stage", "1",

@@ -219,6 +219,10 @@ class ModelConfig(_Section):
             raise ConfigError("--recompute-method only applies to --recompute-granularity full")
         if self.recompute_method not in (None, "uniform", "block"):
             raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
+        k = self.recompute_num_layers  # layers per checkpoint (uniform) or recomputed (block)
+        if k is not None and not (k >= 1 and self.recompute_granularity == "full"):
+            raise ConfigError(f"--recompute-num-layers ({k}) must be >= 1 and needs "
+                              f"--recompute-granularity full")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"params dtype must be float32, bfloat16 or float16, got {self.params_dtype!r}")
         if self.torch_compile not in (None, "inductor", "aot_eager", "eager"):

@@ -20,7 +20,7 @@ from megalite.config import CP_COMM_TYPES, ConfigError, ModelConfig, ParallelCon
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
-from megalite.pipeline_parallel.partition import V_SCHEDULES
+from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_layer_ranges
 from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
 
@@ -69,18 +69,27 @@ class Layout:
     pipeline_schedule: str = "1f1b"  # 1f1b | interleaved | zb-h1 | zb-v | dualpipev (v = 2)
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"  # p2p | allgather | a2a (docs/context_parallel.md)
+    recompute_method: Optional[str] = None  # full only: uniform (None) | block
+    recompute_num_layers: Optional[int] = None  # k (None: 1)
+    decoder_first_pipeline_num_layers: Optional[int] = None  # uneven stages (None: L/p)
+    decoder_last_pipeline_num_layers: Optional[int] = None
 
     def short(self) -> str:
         t, p, v = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
                    self.virtual_pipeline_model_parallel_size)
         c = self.context_parallel_size
+        uneven = "".join(f" {w}{n}" for w, n in (("first", self.decoder_first_pipeline_num_layers),
+                                                  ("last", self.decoder_last_pipeline_num_layers))
+                         if n is not None)
+        partial = (f" {self.recompute_method or 'uniform'} {self.recompute_num_layers or 1}"
+                   if self.recompute_method or self.recompute_num_layers else "")
         name = {"zb-h1": " ZB-H1", "zb-v": " ZB-V", "dualpipev": " DualPipeV"}
         return (f"TP{t}{'+SP' * self.sequence_parallel}"
-                f"{f' CP{c} {self.cp_comm_type}' if c > 1 else ''} PP{p}"
+                f"{f' CP{c} {self.cp_comm_type}' if c > 1 else ''} PP{p}{uneven}"
                 f"{f'x{v}' if v > 1 and self.pipeline_schedule == 'interleaved' else ''}"
                 f"{name.get(self.pipeline_schedule, '')} DP"
                 f"{self.data_parallel_size} ZeRO{self.zero_stage} mb{self.micro_batch_size} "
-                f"recompute {self.recompute_granularity}")
+                f"recompute {self.recompute_granularity}{partial}")
 
 
 @dataclass
@@ -126,11 +135,48 @@ def head_rank(lay: Layout) -> int:
     return 0 if lay.pipeline_schedule in V_SCHEDULES else lay.pipeline_model_parallel_size - 1
 
 
+@functools.lru_cache(maxsize=4096)
+def _chunk_layers(L: int, p: int, v: int, v_shape: bool, first, last) -> tuple:
+    return tuple(tuple(e - s for s, e in rank) for rank in virtual_layer_ranges(
+        L, p, L // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
+
+
+def stage_chunks(m: Model, lay: Layout) -> tuple:
+    """Layers of each model chunk on each pipeline rank, as pretrain.py places them
+    (partition.virtual_layer_ranges; its one-line ConfigError for an invalid uneven split)."""
+    return _chunk_layers(m.cfg.num_layers, lay.pipeline_model_parallel_size,
+                         lay.virtual_pipeline_model_parallel_size,
+                         lay.pipeline_schedule in V_SCHEDULES,
+                         lay.decoder_first_pipeline_num_layers,
+                         lay.decoder_last_pipeline_num_layers)
+
+
+def recomputed(lay: Layout, n: int) -> int:
+    """Layers of a model chunk of n whose forward full recompute runs again (GPTModel._run_layers,
+    per chunk): every layer under uniform (k layers a checkpoint), the first k under block."""
+    if lay.recompute_granularity != "full":
+        return 0
+    return min(lay.recompute_num_layers or 1, n) if lay.recompute_method == "block" else n
+
+
+def chunk_activation_bytes(m: Model, lay: Layout, n: int) -> float:
+    """Bytes a model chunk of n layers keeps per micro-batch: full recompute keeps the input of
+    each checkpoint (a group of k layers under uniform, one of the first k layers under block)
+    and everything of the layers block does not recompute."""
+    b, t, sp = lay.micro_batch_size, lay.tensor_model_parallel_size, lay.sequence_parallel
+    if lay.recompute_granularity != "full":
+        return n * layer_activation_bytes(m, b, t, sp, lay.recompute_granularity)
+    k, inp = lay.recompute_num_layers or 1, layer_activation_bytes(m, b, t, sp, "full")
+    if lay.recompute_method == "block":
+        return min(k, n) * inp + (n - min(k, n)) * layer_activation_bytes(m, b, t, sp)
+    return -(-n // k) * inp
+
+
 def stage_params(m: Model, lay: Layout, r: int) -> float:
     """Parameters one GPU of pipeline stage r holds (its TP shard)."""
     cfg, t, p = m.cfg, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
     vh = cfg.padded_vocab_size(t) * cfg.hidden_size / t
-    n = cfg.num_layers / p * m.layer_params() / t
+    n = sum(stage_chunks(m, lay)[r]) * m.layer_params() / t
     if r == 0:
         n += vh + (cfg.max_position_embeddings * cfg.hidden_size
                    if cfg.position_embedding_type == "learned_absolute" else 0)
@@ -243,10 +289,12 @@ def cp_kv_bytes(m: Model, lay: Layout) -> float:
 def memory(m: Model, lay: Layout, gbs: int, stage: Optional[int] = None) -> Dict:
     """Bytes per GPU {params, grads, optimizer, activations, total} of the fullest stage (or of
     ``stage``); activations include the transient working set at the peak. Under CP every
-    activation holds s/C tokens, plus the K/V in flight (cp_kv_bytes)."""
+    activation holds s/C tokens, plus the K/V in flight (cp_kv_bytes). Even stages peak on the
+    first or the last; uneven ones are each evaluated."""
     p, m = lay.pipeline_model_parallel_size, cp_local(m, lay.context_parallel_size)
-    return max((_stage_memory(m, lay, gbs, r) for r in ([stage] if stage is not None
-                                                        else sorted({0, p - 1}))),
+    even = lay.decoder_first_pipeline_num_layers is None is lay.decoder_last_pipeline_num_layers
+    return max((_stage_memory(m, lay, gbs, r) for r in ([stage] if stage is not None else
+                                                        sorted({0, p - 1}) if even else range(p))),
                key=lambda d: d["total"])
 
 
@@ -258,9 +306,8 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     st = theoretical_model_state_bytes(psi, lay.data_parallel_size * lay.context_parallel_size,
                                        lay.zero_stage, cfg.params_dtype)  # ZeRO over DP x CP
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
-    live = in_flight(lay, num_micro, r)
-    layer = layer_activation_bytes(m, b, t, sp, lay.recompute_granularity)
-    act = layer * cfg.num_layers / p * live
+    live, chunks = in_flight(lay, num_micro, r), stage_chunks(m, lay)[r]
+    act = live * sum(chunk_activation_bytes(m, lay, n) for n in chunks)  # chunks of equal size
     vt = cfg.padded_vocab_size(t) / t
     # what a deferred W pass keeps (tensor_parallel/layers.py): every linear's input and output
     # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input
@@ -269,21 +316,24 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     w_layer = s * b * E * ((2 * q + 2 * kv + (2 + cfg.swiglu) * f) / t + 4 * h)
     w_head = s * b * E * (vt + h)
     if lay.pipeline_schedule in V_SCHEDULES:  # 2 chunks of L/(2p) layers; chunk 1 of rank 0
-        n = cfg.num_layers / (2 * p)          # holds the head
-        act = max(fw * n * layer + (w0 + w1) * n * w_layer + w1 * w_head * (r == 0)
+        n = chunks[0]                         # holds the head
+        act = max(fw * chunk_activation_bytes(m, lay, n) + (w0 + w1) * n * w_layer
+                  + w1 * w_head * (r == 0)
                   for fw, w0, w1 in v_live_states(lay.pipeline_schedule, p, r, num_micro))
     if r == 0:  # token ids (int64) and the embedding's dropout mask
         act += live * s * b * (8 + h * m.mask_bytes * (cfg.hidden_dropout > 0) / (t if sp else 1))
     # transient working set, the largest of: a layer's backward (gradients of the fc1 output and
-    # of two [s, b, h] tensors, a weight-gradient temporary), plus the recomputed layer; ...
-    fl = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t
+    # of two [s, b, h] tensors, a weight-gradient temporary), plus the recomputed checkpoint (k
+    # layers under uniform; under block none beyond the stored layers freed before it); ...
+    fl, n = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t, max(chunks)
+    again = min(lay.recompute_num_layers or 1, n) if lay.recompute_method != "block" else 1
     work = [s * b * (2 * fl + 2 * h) * E + fl * h * E + cp_kv_bytes(m, lay)
-            + (layer_activation_bytes(m, b, t, sp) if lay.recompute_granularity == "full" else 0)]
+            + max(0, again - n + recomputed(lay, n)) * layer_activation_bytes(m, b, t, sp)]
     if r == head_rank(lay):  # ... or the loss head; the final norm's input and output are kept
         act += s * b * 2 * h * E / (t if sp else 1)
         work.append(loss_head_bytes(m, b, t, sp))
     if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1)
-        act += r * (cfg.num_layers / p * w_layer + w_head * (r == p - 1))
+        act += r * (sum(chunks) * w_layer + w_head * (r == p - 1))
     grads = st["grads_bytes"]
     if lay.zero_stage == 2:  # fp32 storage of the buckets being filled and reduced
         grads += 4 * min(2 * DEFAULT_BUCKET_SIZE, psi)
@@ -319,24 +369,24 @@ def v_bubble(schedule: str, p: int, t_f: float, t_b: float, t_w: float) -> float
 
 
 def _cp_layer_s(m: Model, lay: Layout, cl: Cluster, attn: float) -> float:
-    """Exposed CP communication of one layer and micro-batch, forward and backward (and the
-    forward again under recompute): the ring hides each step's K/V transfer behind that step's
-    attention (``attn``: the layer's forward attention time, C steps); all-gather and all-to-all
-    wait for theirs. The backward moves twice the forward's bytes (dK/dV back, or both ways)."""
+    """Exposed CP communication of one layer's forward pass, one micro-batch (the backward
+    counts as two passes, a recomputed forward as one more): the ring hides each step's K/V
+    transfer behind that step's attention (``attn``: the layer's forward attention time, C
+    steps); all-gather and all-to-all wait for theirs (dK/dV go back, or both ways)."""
     c, cfg, t = lay.context_parallel_size, m.cfg, lay.tensor_model_parallel_size
     if c == 1:
         return 0.0
     lat, bw = cl.link(t * c)
-    bw, passes = bw * 1e9 * COLLECTIVE_EFFICIENCY, 3 + (lay.recompute_granularity != "none")
+    bw = bw * 1e9 * COLLECTIVE_EFFICIENCY
     kv = cfg.seq_length // c * lay.micro_batch_size * m.bytes_per_value / t  # per K/V channel
     q, kv = kv * cfg.num_attention_heads * cfg.kv_channels, kv * 2 * cfg.num_query_groups \
         * cfg.kv_channels
     if lay.cp_comm_type == "p2p":  # C - 1 steps, each a neighbour's K/V block
-        return passes * (c - 1) * max(0.0, COLLECTIVE_LATENCY_S[lat] + kv / bw - attn / c)
+        return (c - 1) * max(0.0, COLLECTIVE_LATENCY_S[lat] + kv / bw - attn / c)
     if lay.cp_comm_type == "allgather":  # the whole sequence's K/V
-        return passes * _coll_s(False, c * kv, c, (lat, bw / 1e9 / COLLECTIVE_EFFICIENCY))
+        return _coll_s(False, c * kv, c, (lat, bw / 1e9 / COLLECTIVE_EFFICIENCY))
     # a2a: q, k, v to head shards and the output back, (C - 1)/C of each leaves the rank
-    return passes * (4 * COLLECTIVE_LATENCY_S[lat] + (c - 1) / c * (2 * q + kv) / bw)
+    return (4 * COLLECTIVE_LATENCY_S[lat] + (c - 1) / c * (2 * q + kv) / bw)
 
 
 def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
@@ -364,43 +414,51 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         attn = _gemm_s(attn_flops, (cfg.kv_channels, s), gpu) \
             + cfg.num_attention_heads / t * s * M * UNFUSED_SOFTMAX_BYTES / hbm
     fwd = gemm + attn + M * (12 * h / (t if lay.sequence_parallel else 1) + 3 * fc1 / t) * E / hbm
-    again = fwd if rc == "full" else attn if rc == "selective" else 0.0
+    sel = attn if rc == "selective" else 0.0  # the attention core again, every layer
     # logits (last stage): the GEMM and the cross entropy's bytes per logit: megalite's reads
     # them once forward, reads them and writes their gradient backward (cross_entropy.py);
     # Megatron's casts to fp32 and back and makes ~10 fp32 passes (docs/planner.md)
     vt = cfg.padded_vocab_size(t) / t
     ce_bytes = 48 + 2 * E if m.cross_entropy == "megatron" else 3 * E
     logits = 3 * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) + ce_bytes * M * vt / hbm
-    num_micro, layers = gbs // (d * b), L / p
-    per_micro = layers * (3 * fwd + again) + logits  # backward = 2 x forward
     # TP: 2 all-reduces per layer and pass (SP: all-gather + reduce-scatter, the same bytes)
-    tp_layer = (4 + 2 * (rc == "full")) * _coll_s(True, M * h * E, t, cl.link(t))
-    cp_layer = _cp_layer_s(m, lay, cl, attn)
-    compute, tp = num_micro * per_micro, num_micro * layers * tp_layer
-    cp = num_micro * layers * cp_layer
+    ar, cp_pass, chunks = _coll_s(True, M * h * E, t, cl.link(t)), _cp_layer_s(m, lay, cl, attn), \
+        stage_chunks(m, lay)
+
+    def stage(r):  # a micro-batch's F + B (backward = 2 x forward) + recompute, TP, CP; layers
+        n, k = sum(chunks[r]), sum(recomputed(lay, x) for x in chunks[r])  # k: full recompute
+        return (n * (3 * fwd + sel) + k * fwd + logits * (r == head_rank(lay)),
+                (4 * n + 2 * k) * ar, (3 * n + k + n * (sel > 0)) * cp_pass, n)
+
+    # the slowest stage sets the pipeline's pace: the head's, or the one with the most layers
+    pace = max(range(p), key=lambda r: sum(stage(r)[:3]))
+    per_micro, tp_micro, cp_micro, layers = stage(pace)
+    logits *= pace == head_rank(lay)
+    num_micro = gbs // (d * b)
+    compute, tp, cp = num_micro * per_micro, num_micro * tp_micro, num_micro * cp_micro
     # bubble: (p - 1)/v idle slots of a micro-batch's F + B; ZB-H1 fills them with W (the
     # weight-gradient GEMMs, one forward's worth); p2p of activations and their gradients
-    slot = per_micro + layers * (tp_layer + cp_layer)
+    slot = per_micro + tp_micro + cp_micro
     bubble = (p - 1) * (slot - layers * gemm) if lay.pipeline_schedule == "zb-h1" \
         else (p - 1) / v * slot
     if lay.pipeline_schedule in V_SCHEDULES:  # in chunk times (half a stage's): F, B, W
-        f_c, w_c = (layers * (fwd + tp_layer / 2) + logits / 3) / 2, layers * gemm / 2
+        f_c, w_c = (layers * fwd + tp_micro / 2 + logits / 3) / 2, layers * gemm / 2
         bubble = v_bubble(lay.pipeline_schedule, p, f_c, slot / 2 - f_c - w_c, w_c)
     if p > 1:
         link = cl.link(t * c * d * p)
         msg = M * h * E / (t if lay.sequence_parallel else 1)
         bubble += 2 * (num_micro + (p - 1) / v) * (COLLECTIVE_LATENCY_S[link[0]] / 2 + msg
                                                    / (link[1] * 1e9 * COLLECTIVE_EFFICIENCY))
-    # DP/ZeRO over this stage's parameters (gradients reduced in fp32), overlapped with the
-    # last backward (+ the first forward for the parameter gather); ZeRO-3 gathers twice and
+    # DP/ZeRO over the largest stage's parameters (gradients reduced in fp32), overlapped with
+    # the last backward (+ the first forward for the parameter gather); ZeRO-3 gathers twice and
     # reduce-scatters every micro-batch, hidden by prefetch but for each pass's first unit
     d *= c  # gradients are reduced, and ZeRO shards, over DP x CP
-    psi, link = stage_params(m, lay, 0), cl.link(t * d)
+    psi, link = max(stage_params(m, lay, r) for r in range(p)), cl.link(t * d)
     if lay.zero_stage == 0:
-        dp, overlap = _coll_s(True, 4 * psi, d, link), layers * (2 * fwd + again)
+        dp, overlap = _coll_s(True, 4 * psi, d, link), per_micro - logits - layers * fwd
     elif lay.zero_stage <= 2:
         dp = _coll_s(False, 4 * psi, d, link) + _coll_s(False, E * psi, d, link)
-        overlap = layers * (3 * fwd + again)
+        overlap = per_micro - logits
     else:
         one = 2 * _coll_s(False, E * psi, d, link) + _coll_s(False, 4 * psi, d, link)
         first = 2 * _coll_s(False, E * m.layer_params() / t, d, link)
@@ -410,7 +468,8 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     compute += 2 * theoretical_model_state_bytes(psi, d, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] / hbm
     total = compute + tp + bubble + dp + cp
-    extra = fl["layers"] / 3 if rc == "full" else fl["attention"] / 3 if rc == "selective" else 0
+    extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / L * sum(
+        recomputed(lay, x) for rank in chunks for x in rank)
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
             "cp_comm_s": cp, "step_time_s": total, "num_micro": num_micro,
             "tflops_per_gpu": (fl["total"] + extra) * gbs / cl.num_gpus / total / 1e12,
@@ -425,15 +484,21 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
                      lay.micro_batch_size)
     c = lay.context_parallel_size
     try:
-        m.cfg.validate(t)
+        cfg = m.cfg if lay.recompute_method is None is lay.recompute_num_layers else \
+            dataclasses.replace(m.cfg, recompute_method=lay.recompute_method,
+                                recompute_num_layers=lay.recompute_num_layers,
+                                recompute_granularity={"none": None}.get(
+                                    lay.recompute_granularity, lay.recompute_granularity))
+        cfg.validate(t)
         pc = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=lay.sequence_parallel,
                             context_parallel_size=c, cp_comm_type=lay.cp_comm_type)
         pc.validate(seq_length=m.cfg.seq_length)
         pc.check_context_parallel(m.cfg)
+        stage_chunks(m, lay)  # pretrain.py's checks of the (uneven) layer placement
     except ConfigError as e:
         return str(e)
     sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
-    if (t * c * p * d != cl.num_gpus or m.cfg.num_layers % (p * v) or gbs % (d * b)
+    if (t * c * p * d != cl.num_gpus or (v > 1 and m.cfg.num_layers % (p * v)) or gbs % (d * b)
             or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
             or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))
             or (lay.zero_stage == 3 and sched in ("zb-h1",) + V_SCHEDULES)):
@@ -450,9 +515,11 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
     """Every layout pretrain.py could run (``fixed`` pins Layout fields): those that fit first,
     by predicted step time (ties within 0.1% to the simpler one)."""
     out, div = [], [k for k in range(1, cl.num_gpus + 1) if cl.num_gpus % k == 0]
+    # what the search does not vary: partial recompute and uneven stages, pinned or absent
+    extra = [(fixed or {}).get(f.name) for f in dataclasses.fields(Layout)[11:]]
     for t, p, c in itertools.product(div, div, div):
         if t > cl.gpus_per_node or t & (t - 1) or c & (c - 1) or cl.num_gpus % (t * p * c) \
-                or m.cfg.num_layers % p or m.cfg.seq_length % (2 * c):
+                or (m.cfg.num_layers % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
             continue
         d = cl.num_gpus // (t * p * c)
         vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
@@ -461,7 +528,7 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
         for (v, sched), b, z, sp, rc, ct in itertools.product(
                 vs, (1, 2, 4, 8, 16), range(4), (False, True), ("none", "selective", "full"),
                 CP_COMM_TYPES if c > 1 else ("p2p",)):
-            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct)
+            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra)
             if all(getattr(lay, k) == x for k, x in (fixed or {}).items()) \
                     and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
                 mem = memory(m, lay, gbs)
@@ -489,5 +556,7 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
                  opt.zero_stage or int(opt.use_distributed_optimizer),
                  cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",
                  tr.micro_batch_size,
-                 tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"), c, par.cp_comm_type)
+                 tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"), c, par.cp_comm_type,
+                 cfg.model.recompute_method, cfg.model.recompute_num_layers,
+                 tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers)
     return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)

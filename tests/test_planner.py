@@ -13,6 +13,7 @@ tensor memory.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.memory import PeakTensorMemory
+from megalite.memory import PeakTensorMemory, theoretical_model_state_bytes
 from megalite.planner import (
     GPUS,
     Cluster,
@@ -223,7 +224,9 @@ def test_json_schema_and_single_layout():
     keys = ["tensor_model_parallel_size", "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size", "data_parallel_size", "zero_stage",
             "sequence_parallel", "recompute_granularity", "micro_batch_size",
-            "pipeline_schedule", "context_parallel_size", "cp_comm_type", "fits",
+            "pipeline_schedule", "context_parallel_size", "cp_comm_type", "recompute_method",
+            "recompute_num_layers", "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers", "fits",
             "memory_gib", "step_time_s", "tflops_per_gpu", "mfu"]
     times = []
     for lay in out["layouts"]:
@@ -271,6 +274,11 @@ def _plan_tool():
     (["--pipeline-schedule", "zb-h1"], dict(pipeline_schedule="zb-h1")),
     (["--micro-batch-size", "8", "--recompute-granularity", "full"],
      dict(micro_batch_size=8, recompute_granularity="full")),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+      "2"], dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)),
+    (["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "5",
+      "--decoder-last-pipeline-num-layers", "5"],
+     dict(decoder_first_pipeline_num_layers=5, decoder_last_pipeline_num_layers=5)),
     (["--use-distributed-optimizer"], dict(zero_stage=1)),
     (["--zero-stage", "3"], dict(zero_stage=3)),
 ])
@@ -285,10 +293,7 @@ def test_cli_bad_input_one_line(capsys):
     tool = _plan_tool()
     for args, needle in ((["--num-gpus", "0"], "--num-gpus"), (["--gpu", "V100"], "--gpu"),
                          (["--num-gpus", "12", "--gpus-per-node", "8"], "--gpus-per-node"),
-                         (["--num-attention-heads", "5"], "--num-attention-heads"),
-                         (["--recompute-method", "block"], "--recompute-method"),
-                         (["--decoder-first-pipeline-num-layers", "2"],
-                          "--decoder-first-pipeline-num-layers")):
+                         (["--num-attention-heads", "5"], "--num-attention-heads")):
         base = list(MODEL)
         for flag in ("--num-gpus", "--gpu", "--num-attention-heads"):
             if flag in args:
@@ -298,6 +303,38 @@ def test_cli_bad_input_one_line(capsys):
         out = capsys.readouterr()
         lines = out.err.strip().splitlines()
         assert out.out == "" and len(lines) == 1 and needle in lines[0], out.err
+
+
+@pytest.mark.parametrize("args", [
+    ["--recompute-method", "block"],  # without --recompute-granularity full
+    ["--recompute-granularity", "selective", "--recompute-num-layers", "2"],
+    ["--recompute-granularity", "full", "--recompute-num-layers", "0"],
+    ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "12",
+     "--decoder-last-pipeline-num-layers", "13"],  # leaves -1 layers to the middle stages
+    ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "5"],
+    ["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "3",
+     "--num-virtual-stages-per-pipeline-rank", "2"],
+    ["--pipeline-model-parallel-size", "1", "--decoder-last-pipeline-num-layers", "3"],
+])
+def test_cli_partial_recompute_and_uneven_errors_are_pretrains(args, capsys):
+    """An invalid partial recompute or uneven split is one line, pretrain.py's own: its config
+    checks (arguments.parse_args) or its layer placement (partition.virtual_layer_ranges)."""
+    from megalite.arguments import parse_args
+    from megalite.config import ConfigError
+    from megalite.pipeline_parallel.partition import virtual_layer_ranges
+
+    ns = {a: args[i + 1] for i, a in enumerate(args[:-1])}
+    with pytest.raises(ConfigError) as want:
+        parse_args(MODEL[:8] + args)  # pretrain.py's flags: the model and the layout
+        v = int(ns.get("--num-virtual-stages-per-pipeline-rank", 1))
+        virtual_layer_ranges(24, int(ns["--pipeline-model-parallel-size"]),
+                             24 // (4 * v) if v > 1 else None,
+                             *(int(ns[f]) if f in ns else None for f in (
+                                 "--decoder-first-pipeline-num-layers",
+                                 "--decoder-last-pipeline-num-layers")))
+    assert _plan_tool().main([*MODEL, *args]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == f"plan.py: error: {want.value}\n", out.err
 
 
 def test_peak_memory_counts_frees_on_other_threads():
@@ -332,22 +369,28 @@ def test_loss_head_bytes_measured(dtype, h):
     assert abs((probe.peak_bytes - probe.baseline) / est - 1) < 0.03, (probe.peak_bytes, est)
 
 
-def test_pretrain_estimate_within_10_percent(tmp_path):
-    """A 2-process TP+SP run with selective recompute: the logged planner estimate for rank 0
-    is within 10% of the peak tensor memory measured during the second iteration."""
+def _pretrain_estimate(tmp_path, nproc, *flags):
+    """(estimate, measured peak, stdout) that pretrain.py logs for rank 0 at iteration 2 of a
+    small run (4 layers, hidden 256, sequence 128, vocabulary 4096, global batch 4)."""
     path = str(tmp_path / "m.jsonl")
     r = run_cli(["--mock-data", "--num-layers", "4", "--hidden-size", "256",
                  "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "4096",
-                 "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
-                 "--log-interval", "2", "--eval-iters", "0", "--tensor-model-parallel-size", "2",
-                 "--sequence-parallel", "--recompute-granularity", "selective",
-                 "--metrics-file", path], nproc=2)
+                 "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "2",
+                 "--eval-iters", "0", "--metrics-file", path, *flags], nproc=nproc)
     assert r.returncode == 0, r.stderr[-2000:]
     rec = [x for x in read_metrics(path, "memory") if "estimated_memory_bytes" in x]
     assert len(rec) == 1 and rec[0]["iteration"] == 2
-    est, got = rec[0]["estimated_memory_bytes"], rec[0]["measured_memory_bytes"]
+    return rec[0]["estimated_memory_bytes"], rec[0]["measured_memory_bytes"], r.stdout
+
+
+def test_pretrain_estimate_within_10_percent(tmp_path):
+    """A 2-process TP+SP run with selective recompute: the logged planner estimate for rank 0
+    is within 10% of the peak tensor memory measured during the second iteration."""
+    est, got, out = _pretrain_estimate(tmp_path, 2, "--micro-batch-size", "2",
+                                       "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--recompute-granularity", "selective")
     assert abs(got / est - 1) < 0.10, (est, got)
-    assert "planner estimate" in r.stdout
+    assert "planner estimate" in out
 
 
 @pytest.mark.parametrize("schedule,untied", [("zb-v", False), ("dualpipev", True)])
@@ -355,18 +398,74 @@ def test_pretrain_estimate_v_schedules(tmp_path, schedule, untied):
     """PP 2 under a V schedule (2 processes): rank 0 holds the embedding, the output layer and
     the loss, two chunks; its logged estimate is within 5% of the measured peak (the estimate of
     a 1F1B placement, the head on rank 1, read -31% here)."""
-    path = str(tmp_path / "m.jsonl")
-    r = run_cli(["--mock-data", "--num-layers", "4", "--hidden-size", "256",
-                 "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "4096",
-                 "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
-                 "--log-interval", "2", "--eval-iters", "0", "--pipeline-model-parallel-size",
-                 "2", "--pipeline-schedule", schedule, "--metrics-file", path]
-                + ["--untie-embeddings-and-output-weights"] * untied, nproc=2)
-    assert r.returncode == 0, r.stderr[-2000:]
-    rec = [x for x in read_metrics(path, "memory") if "estimated_memory_bytes" in x]
-    assert len(rec) == 1 and rec[0]["iteration"] == 2
-    est, got = rec[0]["estimated_memory_bytes"], rec[0]["measured_memory_bytes"]
+    est, got, _ = _pretrain_estimate(tmp_path, 2, "--micro-batch-size", "1",
+                                     "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                     schedule, *["--untie-embeddings-and-output-weights"] * untied)
     assert abs(got / est - 1) < 0.05, (est, got)
+
+
+@pytest.mark.parametrize("nproc,flags", [
+    (1, ["--recompute-granularity", "full", "--recompute-method", "block",
+         "--recompute-num-layers", "1"]),
+    (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"]),
+], ids=["block-recompute-1-of-4", "pp2-uneven-3-1"])
+def test_pretrain_estimate_partial_recompute_and_uneven_stages(tmp_path, nproc, flags):
+    """Block recompute of 1 of 4 layers (3 keep their activations), and PP 2 with 3 layers on
+    rank 0 and 1 on rank 1: the logged estimate is within 5% of the measured peak (planned as
+    full recompute of every layer and as 2 + 2 layers they read +14.5% and +32.6%)."""
+    est, got, _ = _pretrain_estimate(tmp_path, nproc, "--micro-batch-size", "2", *flags)
+    assert abs(got / est - 1) < 0.05, (est, got)
+
+
+def test_partial_recompute_memory_and_time():
+    """Block recompute of k of a stage's 8 layers: activations fall and the step time grows with
+    k, the compute by k/8 of full recompute's extra (the recomputed layers' forward only); k >= 8
+    is full recompute of every layer (pretrain.py, as Megatron-LM, accepts k above the layers of
+    a chunk). Uniform recomputes every layer and keeps the input of each group of k."""
+    m = model_from_args(16, 2048, 16, 4096, 51200)
+    cl, base = Cluster(8, 8, GPUS[H100]), Layout(2, 2, 1, 2, 1, True, "full", 1, "1f1b")
+
+    def run(**kw):
+        lay = dataclasses.replace(base, **kw)
+        return memory(m, lay, 16, stage=0)["activations"], step_time(m, lay, cl, 16)
+
+    (a_none, t_none), (a_full, t_full) = run(recompute_granularity="none"), run()
+    act, times = zip(*(run(recompute_method="block", recompute_num_layers=k)
+                       for k in range(1, 10)))
+    assert a_none > act[0] and all(x > y for x, y in zip(act[:7], act[1:8]))
+    assert act[7] == act[8] == a_full
+    steps = [t_none["step_time_s"]] + [t["step_time_s"] for t in times]
+    assert all(x < y for x, y in zip(steps[:8], steps[1:9])) and times[8] == t_full
+    for k, t in enumerate(times[:8], 1):
+        assert t["compute_s"] - t_none["compute_s"] == pytest.approx(
+            k / 8 * (t_full["compute_s"] - t_none["compute_s"]))
+    inp = layer_activation_bytes(m, 1, 2, True, "full")
+    for k in (2, 4):  # 8/k inputs of 2 micro-batches in flight; k layers recomputed at once
+        a, t = run(recompute_method="uniform", recompute_num_layers=k)
+        assert t == t_full and a - a_full == pytest.approx(
+            2 * (8 / k - 8) * inp + (k - 1) * layer_activation_bytes(m, 1, 2, True))
+
+
+def test_uneven_stages_memory_and_pace():
+    """PP 2 with 9 + 7 layers instead of 8 + 8: the last stage loses one layer's model states
+    and one micro-batch of its activations (1 in flight), the first gains one layer's states and
+    two micro-batches' (2 in flight). The slowest stage sets the pace: with a large vocabulary
+    the head's logits make the last stage the slowest, and the split is faster; with a small one
+    the first stage's ninth layer is the slowest, and it is slower."""
+    for vocab, faster in ((131072, True), (1024, False)):
+        m = model_from_args(16, 2048, 16, 4096, vocab)
+        even = Layout(2, 2, 1, 2, 0, True, "none", 1, "1f1b")
+        uneven = dataclasses.replace(even, decoder_first_pipeline_num_layers=9)
+        layer = theoretical_model_state_bytes(m.layer_params() / 2, 2, 0, "bfloat16")
+        for r, sign in ((0, 1), (1, -1)):
+            a, b = memory(m, even, 16, stage=r), memory(m, uneven, 16, stage=r)
+            states = sum(b[k] - a[k] for k in ("params", "grads", "optimizer"))
+            assert states == pytest.approx(sign * layer["total_bytes"])
+            assert b["activations"] - a["activations"] == pytest.approx(
+                sign * in_flight(even, 16, r) * layer_activation_bytes(m, 1, 2, True))
+        cl = Cluster(8, 8, GPUS[H100])
+        t_even, t_uneven = (step_time(m, x, cl, 16)["step_time_s"] for x in (even, uneven))
+        assert (t_uneven < t_even) == faster, (vocab, t_even, t_uneven)
 
 
 if __name__ == "__main__":  # the leave-one-out table of docs/planner.md

@@ -9,7 +9,8 @@ Model flags are pretrain.py's (same spellings and checks). Give --tensor-model-p
 --pipeline-model-parallel-size (optionally --num-layers-per-virtual-pipeline-stage, --zero-stage
 or --use-distributed-optimizer, --sequence-parallel, --recompute-granularity,
 --micro-batch-size, --pipeline-schedule, including zb-v and dualpipev) to evaluate that layout;
-flags not given are searched.
+flags not given are searched. --recompute-method/--recompute-num-layers (partial full recompute)
+and --decoder-first/last-pipeline-num-layers (uneven stages) are evaluated where given.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from megalite.planner import (  # noqa: E402
     USABLE_MEMORY_FRACTION,
     Cluster,
     GiB,
+    Layout,
     Model,
     Plan,
     plan,
+    stage_chunks,
 )
 
 # layout flags -> planner Layout fields; only the flags present on the command line are pinned
@@ -43,10 +46,12 @@ _PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
            "--num-layers-per-virtual-pipeline-stage": "virtual_pipeline_model_parallel_size",
            "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
            "--pipeline-schedule": "pipeline_schedule",
-           "--context-parallel-size": "context_parallel_size", "--cp-comm-type": "cp_comm_type"}
-# layout flags of pretrain.py the planner does not model: refused rather than silently ignored
-_UNMODELLED = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-               "--recompute-method", "--recompute-num-layers")
+           "--context-parallel-size": "context_parallel_size", "--cp-comm-type": "cp_comm_type",
+           # not searched: evaluated where given
+           "--recompute-method": "recompute_method",
+           "--recompute-num-layers": "recompute_num_layers",
+           "--decoder-first-pipeline-num-layers": "decoder_first_pipeline_num_layers",
+           "--decoder-last-pipeline-num-layers": "decoder_last_pipeline_num_layers"}
 
 
 def as_json(pl: Plan) -> dict:
@@ -129,10 +134,6 @@ def parse(argv):
         raise ConfigError("--global-batch-size N is required to plan (DP and PP consume it)")
     if ns.top < 1:
         raise ConfigError(f"--top must be >= 1, got {ns.top}")
-    for flag in _UNMODELLED:
-        if flag in given:
-            raise ConfigError(f"{flag}: the planner models even pipeline stages and full recompute "
-                              f"of every layer, not this flag; leave it out (docs/planner.md)")
     cfg = _config_from_namespace(ns)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
     cfg.model.validate(1)
@@ -158,6 +159,8 @@ def parse(argv):
     if "virtual_pipeline_model_parallel_size" in fixed and "pipeline_schedule" not in fixed:
         v = fixed["virtual_pipeline_model_parallel_size"]  # pretrain.py's default schedule for v
         fixed["pipeline_schedule"] = "interleaved" if v > 1 else "1f1b"
+    if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
+        stage_chunks(Model(cfg.model), Layout(**fixed))
     model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy)
     return model, cluster, ns.global_batch_size, fixed, ns
 
