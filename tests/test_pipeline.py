@@ -41,7 +41,7 @@ from megalite.pipeline_parallel.timeline import (
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SEQ, MBS, ITERS = 16, 2, 10
+SEQ, MBS, ITERS = 16, 2, 4
 EMB = "embedding.word_embeddings.weight"
 ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipev")
 
