@@ -40,7 +40,8 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.parallel_st
             "megalite.training", "transformers"]
 
 
-def _context():
+def worker_context():
+    """The multiprocessing context workers are started with (forkserver on CPU, else spawn)."""
     import torch
 
     # A server whose imports had touched CUDA would fork workers that cannot initialise it, and
@@ -89,7 +90,7 @@ def _worker(call, caller, rank, world_size, port, result_queue):
 def run_distributed(fn: Callable[..., Any], world_size: int, *args, timeout: float = 300,
                     **kwargs) -> List[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes."""
-    ctx = _context()
+    ctx = worker_context()
     result_queue = ctx.Queue()
     port = free_port()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

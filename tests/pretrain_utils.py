@@ -35,14 +35,49 @@ def run_main(argv: List[str]) -> int:
     return pretrain.main(argv)
 
 
+def _cli_rank(rank: int, world_size: int, argv: List[str]):
+    """One rank of :func:`run_cli`: pretrain.py's main in strict mode (emulating a GPU: a
+    collective on a tensor its group cannot carry on NCCL fails), its output captured."""
+    import contextlib
+    import io
+
+    import strict_collectives
+
+    strict_collectives.enable()
+    import pretrain
+
+    os.chdir(ROOT)
+    sys.argv = [PRETRAIN] + argv
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = pretrain.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
 def run_cli(argv: List[str], nproc: int = 1, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    """pretrain.py on ``nproc`` ranks, as ``torchrun --nproc-per-node nproc`` would run it under
+    tests/strict_collectives.py; returns the exit code (0, or the first rank's failing one) and
+    the ranks' stdout and stderr, in rank order.
+
+    One rank is a fresh interpreter. Several are forked by dist_utils.run_distributed (with the
+    RANK/WORLD_SIZE/MASTER_* environment torchrun sets): the launcher and an interpreter per rank
+    would each import torch again, seconds of CPU apiece. (The launcher itself is run by
+    test_multinode.py.)"""
+    argv = [str(a) for a in argv]
     if nproc == 1:
-        cmd = [sys.executable, PRETRAIN] + argv
-    else:  # emulating a GPU: a collective on a tensor its group cannot carry on NCCL fails
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", STRICT, PRETRAIN] + argv
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+        return subprocess.run([sys.executable, PRETRAIN] + argv, cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    from dist_utils import run_distributed
+
+    cmd = ["torchrun", f"--nproc-per-node={nproc}", STRICT, PRETRAIN] + argv
+    try:
+        ranks = run_distributed(_cli_rank, nproc, argv, timeout=timeout)
+    except AssertionError as e:  # a rank raised: what the launcher would report, exit 1
+        return subprocess.CompletedProcess(cmd, 1, "", str(e))
+    rc = next((r for r, _, _ in ranks if r != 0), 0)
+    return subprocess.CompletedProcess(cmd, rc, "".join(o for _, o, _ in ranks),
+                                       "".join(e for _, _, e in ranks))
 
 
 def read_metrics(path: str, split: str = "train") -> List[dict]:

@@ -1,11 +1,11 @@
 """Checkpoints: bit-exact resume, atomic saves, and one-line errors for unusable checkpoints."""
 
 import json
-import multiprocessing as mp
 import os
 
 import torch
 
+from dist_utils import worker_context
 from pretrain_utils import flags, read_metrics, run_main, train_losses
 
 from megalite import checkpointing
@@ -65,7 +65,7 @@ def _killed_during_save(argv, stage, iteration):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     argv = flags(train_iters=4, save=ck, save_interval=2)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # a process of its own, forked from one that imported torch already
     for stage in ("shard_written", "before_rename"):
         p = ctx.Process(target=_killed_during_save, args=(argv, stage, 4))
         p.start()

@@ -446,13 +446,24 @@ print(json.dumps({{"growth": (kb("VmHWM") - base) * 1024}}))
 """
 
 
-def _peak_growth(tmp_path, cmd, src, dst, tiny, tp=1, pp=1, shard=2 << 30) -> int:
+def _start_peak_growth(cmd, src, dst, tiny, tp=1, pp=1, shard=2 << 30):
+    """Start measuring in a fresh process (its own peak RSS); :func:`_peak_growth` reads it."""
     code = _MEASURE.format(root=ROOT, cmd=cmd, tp=tp, pp=pp, shard=shard, tiny=str(tiny),
                            src=str(src), dst=str(dst))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])["growth"]
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _peak_growth(proc) -> int:
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1])["growth"]
 
 
 def _dir_bytes(d) -> int:
@@ -470,12 +481,15 @@ def test_streaming_peak_memory_is_one_stage_not_the_model(tmp_path):
                           save=tmp_path / "big", eval_iters=0)) == 0
     size = _dir_bytes(tmp_path / "big" / "iter_0000001")  # weights + Adam moments
     assert size > 80e6
-    growth = _peak_growth(tmp_path, "reshard", tmp_path / "big", tmp_path / "pp8",
-                          tmp_path / "tiny", tp=1, pp=8)
+    # both at once: each process measures its own peak
+    reshard = _start_peak_growth("reshard", tmp_path / "big", tmp_path / "pp8", tmp_path / "tiny",
+                                 tp=1, pp=8)
+    export = _start_peak_growth("export", tmp_path / "big", tmp_path / "hf", tmp_path / "tiny",
+                                shard=4 << 20)
+    growth, export_growth = _peak_growth(reshard), _peak_growth(export)
     print(f"reshard to pp=8: peak RSS growth {growth / 2**20:.1f} MiB, checkpoint "
           f"{size / 2**20:.1f} MiB")
     assert growth < 0.3 * size, (growth, size)  # one stage (1/8) + one layer + slack
-    growth = _peak_growth(tmp_path, "export", tmp_path / "big", tmp_path / "hf",
-                          tmp_path / "tiny", shard=4 << 20)
+    growth = export_growth
     print(f"export in 4 MiB shards: peak RSS growth {growth / 2**20:.1f} MiB")
     assert growth < 0.2 * size, (growth, size)  # one 4 MB output shard + one layer + slack

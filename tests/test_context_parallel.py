@@ -110,9 +110,14 @@ def _argv(model, layout, metrics, **kw):
 
 
 def _cases_worker(rank, world_size, runs):
-    """Every case of one world size, one after another in the same processes."""
+    """Every case of one world size, one after another in the same processes, in strict mode
+    (multi-rank runs emulate a GPU: docs/design.md, contract 1)."""
+    import strict_collectives
+
     from megalite import collectives as C
     from megalite.training import pretrain
+
+    strict_collectives.enable()
 
     for argv in runs:
         pretrain(parse_args(argv))
@@ -135,9 +140,7 @@ def cp_runs(tmp_path_factory):
         runs = [_argv(model, layout, d / f"{name}.jsonl")
                 for name, (w, model, layout) in CASES.items() if w == world]
         runs += [save] if world == 2 else [cp4]
-        with pytest.MonkeyPatch.context() as mp:  # multi-rank runs emulate a GPU (design.md, 1)
-            mp.setenv("MEGALITE_STRICT_COLLECTIVES", "1")
-            assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+        assert all(run_distributed(_cases_worker, world, runs, timeout=600))
     assert run_main(_argv([], zero1, d / "resume_cp1.jsonl", load=d / "ck")) == 0
     refs = {}
     for model in {tuple(m) for _w, m, _l in CASES.values()}:

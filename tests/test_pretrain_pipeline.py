@@ -3,10 +3,11 @@ one process (docs/design.md, contract 5), logs the measured bubble (contract 10)
 tools/plot_pipeline.py can draw, and bad pipeline layouts fail in one line without hanging
 (contract 8).
 
-The ranks are started directly (RANK/WORLD_SIZE/MASTER_* as torchrun sets them) rather than through
-torchrun, so each rank's stderr is exactly pretrain.py's, without the launcher's failure report.
-The runs of one test start together: they are tiny, so start-up dominates and overlaps. The
-one-process references run in the test's own process meanwhile (no interpreter to start).
+The parallel runs are pretrain_utils.run_cli's (ranks forked in strict mode, no interpreter to
+start per rank); the one-process references run in the test's own process. The bad layouts start
+pretrain.py's ranks directly (RANK/WORLD_SIZE/MASTER_* as torchrun sets them) rather than through
+torchrun, so each rank's stderr is exactly pretrain.py's, without the launcher's failure report;
+they start together: start-up dominates and overlaps.
 """
 
 import json
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
-from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_main, train_losses
+from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_cli, run_main, train_losses
 
 from megalite.checkpointing import TRACKER_FILE
 
@@ -69,11 +70,11 @@ def _finish(jobs, timeout):
     return out
 
 
-def _all_exit_0(jobs, timeout):
-    """Wait for the jobs (as :func:`_finish`); every rank of every job must exit 0."""
-    for name, ranks in _finish(jobs, timeout).items():
-        for r, (rc, _so, se) in enumerate(ranks):
-            assert rc == 0, f"{name} rank {r} exit {rc}:\n{se[-3000:]}"
+def _all_exit_0(jobs):
+    """Run each job, ``name: (argv, nproc)``, one after the other; every rank must exit 0."""
+    for name, (argv, nproc) in jobs.items():
+        proc = run_cli(argv, nproc=nproc, timeout=300)
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}:\n{proc.stderr[-3000:]}"
 
 
 SCHEDULES = {
@@ -93,11 +94,10 @@ def runs(tmp_path_factory):
         # --metrics-file: both ways put them in d/name
         where = (dict(save=d / name) if name == "zb-h1"
                  else dict(metrics_file=d / name / "metrics.jsonl"))
-        jobs[name] = _start(flags("--pipeline-model-parallel-size", str(P), "--timing-log-level",
-                                  "1", *extra, **where, **BASE), P)
-    rc = run_main(flags("--timing-log-level", "1", metrics_file=d / "single.jsonl", **BASE))
-    _all_exit_0(jobs, timeout=240)
-    assert rc == 0
+        jobs[name] = (flags("--pipeline-model-parallel-size", str(P), "--timing-log-level", "1",
+                            *extra, **where, **BASE), P)
+    assert run_main(flags("--timing-log-level", "1", metrics_file=d / "single.jsonl", **BASE)) == 0
+    _all_exit_0(jobs)
     return d
 
 
@@ -204,16 +204,15 @@ def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
     dpv = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev",
            "--use-distributed-optimizer", "--zero-stage", "2"]
     jobs = {
-        "zb-v tp2 sp recompute": _start(flags(
+        "zb-v tp2 sp recompute": (flags(
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
             "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--recompute-granularity", "full", metrics_file=tmp_path / "zbv.jsonl", **V), 4),
-        "dualpipev dp2 zero2": _start(flags(*dpv, "--save-interval", "3", save=ck,
-                                            metrics_file=tmp_path / "dpv.jsonl", **V), 4),
+        "dualpipev dp2 zero2": (flags(*dpv, "--save-interval", "3", save=ck,
+                                      metrics_file=tmp_path / "dpv.jsonl", **V), 4),
     }
-    rc = run_main(flags(metrics_file=tmp_path / "single.jsonl", **V))
-    _all_exit_0(jobs, timeout=300)
-    assert rc == 0
+    assert run_main(flags(metrics_file=tmp_path / "single.jsonl", **V)) == 0
+    _all_exit_0(jobs)
     ref = train_losses(tmp_path / "single.jsonl")
     for name in ("zbv", "dpv"):
         got = train_losses(tmp_path / f"{name}.jsonl")
@@ -243,12 +242,12 @@ def test_v_schedules_train_resume_and_reshard_like_one_process(tmp_path):
         # rank 0's chunk 1 keeps its own copy of the tied embedding, as 1F1B's last stage does
         assert ("output_layer.weight" in a["model1"]) == (r == "mp_rank_00_000")
     jobs = {
-        "resume V": _start(flags(*dpv, load=tmp_path / "v2",
-                                 metrics_file=tmp_path / "resume_v.jsonl", **V), 4),
-        "resume 1f1b": _start(flags("--pipeline-model-parallel-size", "2", load=tmp_path / "f1b",
-                                    metrics_file=tmp_path / "resume_1f1b.jsonl", **V), 2),
+        "resume V": (flags(*dpv, load=tmp_path / "v2",
+                           metrics_file=tmp_path / "resume_v.jsonl", **V), 4),
+        "resume 1f1b": (flags("--pipeline-model-parallel-size", "2", load=tmp_path / "f1b",
+                              metrics_file=tmp_path / "resume_1f1b.jsonl", **V), 2),
     }
-    _all_exit_0(jobs, timeout=300)
+    _all_exit_0(jobs)
     whole = train_losses(tmp_path / "dpv.jsonl")
     for name in ("resume_v", "resume_1f1b"):
         got = train_losses(tmp_path / f"{name}.jsonl")
