@@ -514,10 +514,16 @@ Plan = collections.namedtuple("Plan", "layout memory time fits")
 def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[Plan]:
     """Every layout pretrain.py could run (``fixed`` pins Layout fields): those that fit first,
     by predicted step time (ties within 0.1% to the simpler one)."""
-    out, div = [], [k for k in range(1, cl.num_gpus + 1) if cl.num_gpus % k == 0]
+    fixed, out = fixed or {}, []
+    div = [k for k in range(1, cl.num_gpus + 1) if cl.num_gpus % k == 0]
+
+    def only(field: str, values):  # a pinned field's one value, before the products (speed)
+        return [x for x in values if field not in fixed or x == fixed[field]]
     # what the search does not vary: partial recompute and uneven stages, pinned or absent
-    extra = [(fixed or {}).get(f.name) for f in dataclasses.fields(Layout)[11:]]
-    for t, p, c in itertools.product(div, div, div):
+    extra = [fixed.get(f.name) for f in dataclasses.fields(Layout)[11:]]
+    for t, p, c in itertools.product(only("tensor_model_parallel_size", div),
+                                     only("pipeline_model_parallel_size", div),
+                                     only("context_parallel_size", div)):
         if t > cl.gpus_per_node or t & (t - 1) or c & (c - 1) or cl.num_gpus % (t * p * c) \
                 or (m.cfg.num_layers % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
             continue
@@ -526,10 +532,12 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                               + [(v, "interleaved") for v in range(2, 9)
                                  if (m.cfg.num_layers // p) % v == 0] if p > 1 else [])
         for (v, sched), b, z, sp, rc, ct in itertools.product(
-                vs, (1, 2, 4, 8, 16), range(4), (False, True), ("none", "selective", "full"),
+                vs, only("micro_batch_size", (1, 2, 4, 8, 16)), only("zero_stage", range(4)),
+                only("sequence_parallel", (False, True)),
+                only("recompute_granularity", ("none", "selective", "full")),
                 CP_COMM_TYPES if c > 1 else ("p2p",)):
             lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra)
-            if all(getattr(lay, k) == x for k, x in (fixed or {}).items()) \
+            if all(getattr(lay, k) == x for k, x in fixed.items()) \
                     and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
                 mem = memory(m, lay, gbs)
                 out.append(Plan(lay, mem, step_time(m, lay, cl, gbs),
