@@ -123,10 +123,11 @@ def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model):
 
 class _Interval:
     """What the training log line averages over: the iterations since the last log line. Its
-    time runs from the host's start of the first step to the device's end of the last: the one
-    synchronize is at the log line, so between log lines the host queues work ahead of the device
-    (the device is idle when the first step starts: the last log line synchronized, and an
-    evaluation or a save reads device values)."""
+    time is the training time only: from the host's start of a step to the device's end of the
+    last, with one synchronize at the log line (between log lines the host queues work ahead of
+    the device), paused by a synchronize around an evaluation or a save between log lines (not
+    training time, as in Megatron-LM). The device is idle when a step starts after a pause or a
+    log line."""
 
     def __init__(self):
         self.n, self.start, self.time, self.grad_norm, self.skipped = 0, None, 0.0, None, 0
@@ -137,9 +138,12 @@ class _Interval:
         self.host_queue += host_queue
         self.n, self.grad_norm, self.skipped = self.n + 1, grad_norm, self.skipped + (not updated)
 
-    def close(self, device) -> None:
-        synchronize(device)
-        self.time = time.perf_counter() - self.start
+    def pause(self, device) -> None:
+        if self.start is not None:
+            synchronize(device)
+            self.time, self.start = self.time + time.perf_counter() - self.start, None
+
+    close = pause  # at the log line
 
 
 class Trainer:
@@ -147,10 +151,9 @@ class Trainer:
 
     The loop (:meth:`train`) reads as its steps: one :meth:`train_step` (timed per log interval),
     then :meth:`_record` (summary; NaN checks are in :meth:`train_step`), :meth:`_log` every
-    ``--log-interval``,
-    :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every ``--save-interval``,
-    and :meth:`_stop_reason`, the one per-iteration "stop now?" check; :meth:`_finish` evaluates
-    and saves the final state.
+    ``--log-interval``, :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every
+    ``--save-interval``, and :meth:`_stop_reason`, the one per-iteration "stop now?" check;
+    :meth:`_finish` evaluates and saves the final state.
     """
 
     def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger, tokenizer,
@@ -163,6 +166,7 @@ class Trainer:
         self.skipped = 0
         self.saved_at = None
         self.times: List[float] = []
+        self.host_queue_s = 0.0  # the last step's (train_step)
         self._build_data()
         self._build_model_and_optimizer()
         self._load_checkpoint()
@@ -272,8 +276,10 @@ class Trainer:
                     self._log(interval, lr)
                     interval = _Interval()
                 if self.iteration % tr.eval_interval == 0:
+                    interval.pause(self.ps.device)
                     self._evaluate_and_log()
                 if self._save_due():
+                    interval.pause(self.ps.device)
                     self._save()
                 reason = self._stop_reason()
                 if reason:
