@@ -76,6 +76,11 @@ def test_rope_without_concatenation_matches_rotate_half(dtype):
     c4, s4 = rope(4, x.device, dtype)
     assert c4.shape[0] == 4 and c4.data_ptr() == rope(s, x.device, dtype)[0].data_ptr()
     assert rope(s, x.device, torch.float64)[0].dtype == torch.float64
+    # one table per model, not per layer: every layer's instance with the same frequencies reads
+    # the same storage; other frequencies get their own
+    assert RotaryEmbedding(16, base=500.0)(s, x.device, dtype)[0].data_ptr() == c4.data_ptr()
+    other = RotaryEmbedding(16, base=1000.0)(s, x.device, dtype)[0]
+    assert other.data_ptr() != c4.data_ptr() and not torch.equal(other[:4], c4)
 
 
 def test_swiglu_matches_its_formula():

@@ -27,13 +27,18 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
 
 
 class RotaryEmbedding(torch.nn.Module):
+    # (head_dim, base, scaling, device, dtype) -> (cos, sin_signed) for the longest length asked
+    # so far, shared by every layer's instance: one copy per model, not one per layer (at 128k
+    # tokens and d = 128 a bf16 pair is 64 MiB)
+    _tables_cache: dict = {}
+
     def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None):
         super().__init__()  # llama3_scaling: None or llama3_scaled's arguments after inv_freq
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if llama3_scaling is not None:
             inv_freq = llama3_scaled(inv_freq, *llama3_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._cache = {}  # (device, dtype) -> (cos, sin_signed) for the longest length asked so far
+        self._key = (head_dim, float(base), tuple(llama3_scaling or ()))
 
     def forward(self, seq_len: int, device, dtype):
         """cos, sin_signed of shape [s, 1, 1, d] for positions 0..seq_len-1."""
@@ -42,10 +47,10 @@ class RotaryEmbedding(torch.nn.Module):
             # cache there would guard on its contents: the layer traced with an empty cache is
             # recompiled once the cache is filled.
             return self._tables(seq_len, device, dtype)
-        key = (torch.device(device), dtype)
-        hit = self._cache.get(key)
+        key = (*self._key, torch.device(device), dtype)
+        hit = self._tables_cache.get(key)
         if hit is None or hit[0].shape[0] < seq_len:
-            hit = self._cache[key] = self._tables(seq_len, device, dtype)
+            hit = self._tables_cache[key] = self._tables(seq_len, device, dtype)
         return hit[0][:seq_len], hit[1][:seq_len]
 
     def at(self, positions: torch.Tensor, seq_len: int, device, dtype):
