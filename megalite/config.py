@@ -333,11 +333,12 @@ class ParallelConfig(_Section):
                 f"--attention-dropout {model.attention_dropout} with --context-parallel-size {c}:"
                 f" the fused attention kernels CP merges take no dropout; set it to 0")
         windowed = [i for i in range(model.num_layers) if model.attention_window(i) is not None]
-        if windowed:
+        if windowed and kind != "a2a":
             raise ConfigError(
-                f"--sliding-window {model.sliding_window} with --context-parallel-size {c}: CP "
-                f"attention is plain causal over the whole sequence and has no window yet (layers "
-                f"{windowed[0]}.. are windowed); train with --context-parallel-size 1")
+                f"--sliding-window {model.sliding_window} with --cp-comm-type {kind}: its CP "
+                f"attention has no window (layers {windowed[0]}.. are windowed); use "
+                f"--cp-comm-type a2a (each rank attends over the whole sequence for its heads) or "
+                f"--context-parallel-size 1")
 
 
 @dataclass

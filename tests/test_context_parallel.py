@@ -1,6 +1,6 @@
 """Context parallelism in the training stack (docs/context_parallel.md, "Using it"): bad layouts
 fail in one line, the rank grid is tp -> cp -> dp -> pp, pretrain.py at CP 2/4 (alone and with
-TP+SP, PP, DP with ZeRO 1 and 3, recompute, Llama GQA) gives the losses, gradient norms and
+TP+SP, PP, DP with ZeRO 1 and 3, recompute, Llama GQA, a sliding window under a2a) gives the losses, gradient norms and
 validation losses of one process, a CP2 checkpoint resumes at CP1 and CP4, and the planner
 divides activations by C. The attention itself is tested in test_context_parallel_attention.py."""
 
@@ -29,6 +29,9 @@ _BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
       "--num-query-groups", "1"], "1 query groups"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout 0.1"),
+    (["--context-parallel-size", "2", "--sliding-window", "8"], "use --cp-comm-type a2a"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "allgather", "--sliding-window", "8"],
+     "--cp-comm-type allgather: its CP attention has no window"),
     (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1"),
 ])
 def test_bad_context_parallel_layouts_fail_in_one_line(extra, expect):
@@ -94,6 +97,8 @@ CASES = {
     "cp2_selective_recompute": (2, [], CP2 + ["--recompute-granularity", "selective"]),
     "llama_gqa_cp2_p2p": (2, LLAMA, CP2),
     "llama_gqa_cp2_a2a": (2, LLAMA, CP2 + ["--cp-comm-type", "a2a"]),
+    # a window of 8 of 64 tokens on every layer (the blocked kernel, W < s/2)
+    "llama_window_cp2_a2a": (2, LLAMA + ["--sliding-window", "8"], CP2 + ["--cp-comm-type", "a2a"]),
     "cp4_p2p": (4, [], ["--context-parallel-size", "4"]),
     "tp2_sp_cp2": (4, [], CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "cp2_pp2": (4, [], CP2 + ["--pipeline-model-parallel-size", "2"]),

@@ -7,7 +7,9 @@ Three ways to bring every key to every query, each with its own backward:
 * ``allgather``: all-gather K/V, attend to the prefix each local chunk needs, reduce-scatter
   dK/dV.
 * ``a2a`` (Ulysses): all-to-all from sequence-sharded to head-sharded, plain causal attention on
-  the whole sequence for n/C heads, all-to-all back.
+  the whole sequence for n/C heads, all-to-all back. The attention in between is any local
+  function (autograd runs its backward between the two all-to-alls), so a layer's sliding window
+  works here: the caller passes it as ``local_attention``.
 
 Every rank holds the load-balanced chunks ``sharding.chunk_ids(r, C)`` = (r, 2C-1-r), so the
 causal structure of a block is known from the ranks alone: against its own K/V a rank's block is
@@ -20,6 +22,7 @@ a square causal one.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -259,18 +262,37 @@ def _heads_to_seq(ts, group):
     return out
 
 
-# ---- one autograd function over the three ----
+class _SeqToHeads(torch.autograd.Function):
+    """:func:`_seq_to_heads` forward, :func:`_heads_to_seq` backward: one all-to-all each way."""
+
+    @staticmethod
+    def forward(ctx, group, *ts):
+        ctx.group = group
+        return tuple(_seq_to_heads(list(ts), group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *_heads_to_seq([g.contiguous() for g in grads], ctx.group))
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, t):
+        ctx.group = group
+        return _heads_to_seq([t], group)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, _seq_to_heads([grad.contiguous()], ctx.group)[0]
+
+
+# ---- one autograd function over the ring and all-gather ----
 
 class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, comm_type, scale):
         ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
-        if comm_type == "a2a":
-            qh, kh, vh = _seq_to_heads([q, k, v], group)
-            oh, lse = _block_fwd(qh, kh, vh, True, scale)
-            ctx.save_for_backward(qh, kh, vh, oh, lse)
-            return _heads_to_seq([oh], group)[0]
         out, lse = (_ring_fwd if comm_type == "p2p" else _allgather_fwd)(q, k, v, group, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -278,23 +300,20 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         group, scale, saved = ctx.group, ctx.scale, ctx.saved_tensors
-        dout = dout.contiguous()
-        if ctx.comm_type == "a2a":
-            doh, = _seq_to_heads([dout], group)
-            grads = _heads_to_seq(list(_block_bwd(doh, *saved, True, scale)), group)
-        else:
-            bwd = _ring_bwd if ctx.comm_type == "p2p" else _allgather_bwd
-            grads = bwd(dout, *saved, group, scale)
-        return (*grads, None, None, None)
+        bwd = _ring_bwd if ctx.comm_type == "p2p" else _allgather_bwd
+        return (*bwd(dout.contiguous(), *saved, group, scale), None, None, None)
 
 
-def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None):
+def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None,
+                               local_attention=None):
     """Causal attention of this rank's queries against the whole sequence.
     q: [b, n, s_local, d]; k, v: [b, g, s_local, d] (SDPA layout, g divides n: GQA);
     s_local = s / C, the two chunks sharding.chunk_ids(cp_rank, C) in local order.
     Returns [b, n, s_local, d] in q's dtype; differentiable in q, k, v.
     cp_group None or of size 1: plain causal SDPA. comm_type: "p2p" | "allgather" | "a2a".
-    No dropout (the caller refuses attention dropout under CP)."""
+    No dropout (the caller refuses attention dropout under CP). ``local_attention(q, k, v)``:
+    a2a only, the attention of one head shard over the whole sequence in natural order (default:
+    causal SDPA; a layer with a sliding window passes its own)."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"context-parallel comm type must be one of {', '.join(CP_COMM_TYPES)}, "
                          f"got {comm_type!r}")
@@ -311,5 +330,10 @@ def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=
                          f"heads ({n}) and K/V groups ({g}) must both divide by {size}; use p2p "
                          f"or allgather, or another context-parallel size")
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    if comm_type == "a2a":
+        qh, kh, vh = _SeqToHeads.apply(cp_group, q.contiguous(), k.contiguous(), v.contiguous())
+        oh = (local_attention or partial(F.scaled_dot_product_attention, is_causal=True,
+                                         scale=scale, enable_gqa=g != n))(qh, kh, vh)
+        return _HeadsToSeq.apply(cp_group, oh.contiguous())
     return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
                             scale)
