@@ -10,7 +10,6 @@ and the summary. Each subcommand writes one JSON result to --result; exit code 0
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import platform

@@ -20,7 +20,6 @@ planner's search at 131,072 tokens on 16,384 GPUs, with TP 8 pinned (and ``--pin
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess

@@ -34,7 +34,7 @@ from megalite.config import SCHEDULES, V_SCHEDULES, check_pipeline_args
 from megalite.pipeline_parallel.executor import get_forward_backward_func
 from megalite.pipeline_parallel.partition import virtual_stage
 from megalite.pipeline_parallel.schedules import (
-    eager_program, op_peers, order_1f1b, order_interleaved, p2p_program, schedule_order)
+    eager_program, op_peers, p2p_program, schedule_order)
 from megalite.pipeline_parallel.timeline import (
     StageTimeline, bubble_stats, schedule_idle_times, write_chrome_trace)
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

@@ -6,7 +6,6 @@
 iterations 6-10 match the uninterrupted dp=2 run.
 """
 
-import torch
 
 from pretrain_utils import flags, read_metrics, run_cli, run_main, train_losses
 

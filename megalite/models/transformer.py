@@ -143,8 +143,8 @@ class SelfAttention(nn.Module):
         if self.cp_size > 1:  # over the whole sequence; config.py refuses attention dropout here
             local = None  # a2a: this layer's window over the whole sequence (config.py: only a2a)
             if self.window is not None and self.window < q.shape[2] * self.cp_size:
-                local = lambda q, k, v: sliding_window_attention(  # noqa: E731
-                    q, k, v, self.window, enable_gqa=k.shape[1] != q.shape[1])
+                local = partial(sliding_window_attention, window=self.window,
+                                enable_gqa=self.heads_per_group > 1)  # a2a keeps the ratio
             return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, local_attention=local)
         gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
         if self.heads_per_group > 1 and not gqa:
