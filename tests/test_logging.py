@@ -108,8 +108,8 @@ def test_log_interval_and_metrics_file_locations(tmp_path, monkeypatch):
 
 def test_interval_time_is_training_time_only(tmp_path, monkeypatch):
     """iteration_time_ms averages the steps of the log interval: an evaluation or a save between
-    log lines is paused out (as Megatron-LM). On a fake clock: each step takes 1 s, each
-    evaluation and save 1000 s."""
+    log lines is paused out (as Megatron-LM). On a fake clock: each step takes 1 s, 0.25 s of
+    it queueing forward-backward (host_queue_ms_per_iteration), each evaluation and save 1000 s."""
     import time as real_time
 
     from megalite import training
@@ -117,8 +117,8 @@ def test_interval_time_is_training_time_only(tmp_path, monkeypatch):
     clock = [0.0]
     monkeypatch.setattr(training, "time", type("FakeTime", (), {
         "perf_counter": staticmethod(lambda: clock[0]), "time": staticmethod(real_time.time)}))
-    for name, seconds in (("train_step", 1.0), ("_evaluate_and_log", 1000.0),
-                          ("_save", 1000.0)):
+    for name, seconds in (("train_step", 0.75), ("_forward_backward", 0.25),
+                          ("_evaluate_and_log", 1000.0), ("_save", 1000.0)):
         def slow(self, *a, _real=getattr(training.Trainer, name), _s=seconds, **k):
             clock[0] += _s
             return _real(self, *a, **k)
@@ -127,6 +127,7 @@ def test_interval_time_is_training_time_only(tmp_path, monkeypatch):
     assert run_main(flags(train_iters=8, log_interval=4, eval_interval=2, eval_iters=1,
                           save=tmp_path / "ckpt", save_interval=3, metrics_file=path)) == 0
     assert [r["iteration_time_ms"] for r in read_metrics(str(path))] == [1000.0, 1000.0]
+    assert [r["host_queue_ms_per_iteration"] for r in read_metrics(str(path))] == [250.0, 250.0]
 
 
 def test_model_flops_match_theory_for_gpt2_shapes():
