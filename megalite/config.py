@@ -42,6 +42,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
+    """The data-parallel size of a world of ``world_size`` ranks at TP x CP x PP, or a
+    ConfigError naming the three flags (the one home of this check)."""
+    if world_size % (tp * cp * pp) != 0:
+        raise ConfigError(
+            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
+            f"x --context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = "
+            f"{tp * cp * pp}")
+    return world_size // (tp * cp * pp)
+
+
 class _Section:
     """Read-only once frozen (``MegaliteConfig.resolve`` freezes what it returns)."""
 
@@ -283,11 +294,8 @@ class ParallelConfig(_Section):
             raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
         if v is not None and v > 1 and p == 1:
             raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        if world_size is not None and world_size % (t * c * p) != 0:
-            raise ConfigError(
-                f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
-                f"x --context-parallel-size ({c}) x --pipeline-model-parallel-size ({p}) = "
-                f"{t * c * p}")
+        if world_size is not None:
+            check_world_divisible(world_size, t, c, p)
         if self.sequence_parallel and t == 1:
             # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
             # it is an error rather than a silent no-op (docs/tensor_parallel.md).
