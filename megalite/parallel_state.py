@@ -18,15 +18,17 @@ sets, for convenience. Without ``torch.distributed`` every size is 1 and every g
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from megalite import collectives as C
-from megalite.config import ConfigError
+from megalite.config import ConfigError, check_world_divisible
 from megalite.memory import cuda_peak_bytes
 
 
@@ -153,34 +155,42 @@ def set_parallel_state(state: ParallelState) -> None:
     _DEFAULT = state
 
 
+def grid_groups(grid: torch.Tensor, axes: str, of: str) -> List[List[int]]:
+    """The rank lists of the groups that span the axes ``of`` of ``grid`` (``axes`` names its
+    axes, one letter each): those axes moved last, in the order given, and flattened, one row per
+    position of the others. Rows come in the grid's order, the order every rank creates them in."""
+    inner = [axes.index(a) for a in of]
+    outer = [i for i in range(grid.dim()) if i not in inner]
+    size = math.prod(grid.shape[i] for i in inner)
+    return grid.permute(*outer, *inner).reshape(-1, size).tolist()
+
+
 def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1):
     """The rank lists of every TP, DP, PP, model-parallel (TP x PP), CP and DP x CP group, in the
     tp -> cp -> dp -> pp order (pure function)."""
     if tp < 1 or pp < 1 or cp < 1:
         raise ConfigError(f"--tensor-model-parallel-size ({tp}), --context-parallel-size ({cp}) "
                           f"and --pipeline-model-parallel-size ({pp}) must be >= 1")
-    if world_size % (tp * cp * pp) != 0:
+    dp = check_world_divisible(world_size, tp, cp, pp)
+    # axes slowest first, so rank = ((p * dp + d) * cp + c) * tp + t (the module docstring)
+    groups = partial(grid_groups, torch.arange(world_size).view(pp, dp, cp, tp), "pdct")
+    return dp, groups("t"), groups("d"), groups("p"), groups("pt"), groups("c"), groups("dc")
+
+
+def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
+    """The expert grid of the folded MoE layout over the same ranks (pure function): expert-tensor
+    (ETP, fastest) -> expert (EP) -> expert-data (EDP) -> pp, EDP = world / (PP x ETP x EP).
+    Returns (edp, etp_groups, ep_groups, edp_groups, pp_groups); the pipeline groups are the dense
+    grid's, since both grids cut each stage's ranks the same way. Nothing builds process groups
+    from it yet: MoE will, as ``initialize_model_parallel`` does from :func:`rank_grid`."""
+    if etp < 1 or ep < 1 or pp < 1 or world_size % (etp * ep * pp):
         raise ConfigError(
-            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) x "
-            f"--context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = "
-            f"{tp * cp * pp}")
-    dp = world_size // (tp * cp * pp)
-
-    def rank_of(t: int, d: int, p: int, c: int = 0) -> int:
-        return ((p * dp + d) * cp + c) * tp + t
-
-    grid = [(t, c) for c in range(cp) for t in range(tp)]  # every (tp, cp) position
-    tp_groups = [[rank_of(t, d, p, c) for t in range(tp)]
-                 for p in range(pp) for d in range(dp) for c in range(cp)]
-    dp_groups = [[rank_of(t, d, p, c) for d in range(dp)] for p in range(pp) for t, c in grid]
-    pp_groups = [[rank_of(t, d, p, c) for p in range(pp)] for d in range(dp) for t, c in grid]
-    mp_groups = [[rank_of(t, d, p, c) for p in range(pp) for t in range(tp)]
-                 for d in range(dp) for c in range(cp)]
-    cp_groups = [[rank_of(t, d, p, c) for c in range(cp)]
-                 for p in range(pp) for d in range(dp) for t in range(tp)]
-    dp_cp_groups = [[rank_of(t, d, p, c) for d in range(dp) for c in range(cp)]
-                    for p in range(pp) for t in range(tp)]
-    return dp, tp_groups, dp_groups, pp_groups, mp_groups, cp_groups, dp_cp_groups
+            f"world size ({world_size}) must be divisible by --expert-tensor-parallel-size ({etp})"
+            f" x --expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}), "
+            f"each >= 1")
+    edp = world_size // (etp * ep * pp)
+    groups = partial(grid_groups, torch.arange(world_size).view(pp, edp, ep, etp), "pdet")
+    return edp, groups("t"), groups("e"), groups("d"), groups("p")
 
 
 def initialize_model_parallel(

@@ -1,12 +1,67 @@
-"""Process groups from torchrun's environment, and the conjugate collective pairs."""
+"""The rank grids (dense and expert), process groups from torchrun's environment, and the
+conjugate collective pairs."""
 
+import itertools
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megalite import collectives as C
-from megalite.parallel_state import get_parallel_state, initialize_model_parallel
+from megalite.config import ConfigError
+from megalite.parallel_state import (
+    expert_rank_grid,
+    get_parallel_state,
+    initialize_model_parallel,
+    rank_grid,
+)
 from megalite.tensor_parallel import mappings as M
+
+
+def test_rank_grid_is_the_tp_cp_dp_pp_layout_group_by_group():
+    """Every group kind, from the rank formula of the module docstring: one group per position
+    of the other axes, those positions (and each group's ranks) in pp -> dp -> cp -> tp order,
+    the order every rank creates the process groups in."""
+    tp, cp, dp, pp = 2, 3, 2, 2
+    sizes = dict(p=pp, d=dp, c=cp, t=tp)
+
+    def rank(x):
+        return ((x["p"] * dp + x["d"]) * cp + x["c"]) * tp + x["t"]
+
+    def want(of):
+        rest = [a for a in "pdct" if a not in of]
+        return [[rank({**dict(zip(rest, o)), **dict(zip(of, i))})
+                 for i in itertools.product(*(range(sizes[a]) for a in of))]
+                for o in itertools.product(*(range(sizes[a]) for a in rest))]
+
+    got = rank_grid(tp * cp * dp * pp, tp, pp, cp)
+    assert got == (dp, want("t"), want("d"), want("p"), want("pt"), want("c"), want("dc"))
+    with pytest.raises(ConfigError, match=r"world size \(18\).*--context-parallel-size \(3\)"):
+        rank_grid(18, 2, 2, 3)
+
+
+def test_expert_grid_folds_onto_the_same_ranks():
+    # world 8, TP 2, EP 4, ETP 1: EP spans two dense TP groups; EDP joins the two EP groups'
+    # ranks at the same position
+    edp, etp_g, ep_g, edp_g, pp_g = expert_rank_grid(8, 1, 4, 1)
+    assert edp == 2 and etp_g == [[r] for r in range(8)] and pp_g == rank_grid(8, 2, 1)[3]
+    assert ep_g == [[0, 1, 2, 3], [4, 5, 6, 7]] and edp_g == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for world, pp in ((8, 1), (16, 2), (24, 2)):
+        for etp, ep in ((1, 1), (2, 2), (1, 4), (4, 2)):
+            if world % (etp * ep * pp):
+                continue
+            edp, *groups, pp_g = expert_rank_grid(world, etp, ep, pp)
+            for g, size in zip(groups + [pp_g], (etp, ep, edp, pp)):  # partitions of the ranks
+                assert all(len(r) == size for r in g) and sorted(sum(g, [])) == list(range(world))
+            for tp, cp in ((1, 1), (2, 1), (2, 2)):  # the dense grid's pipeline groups
+                assert world % (tp * cp * pp) or pp_g == rank_grid(world, tp, pp, cp)[3]
+    # ETP = TP, EP = DP x CP: the experts reuse the dense groups, EDP is 1 (the folding's point)
+    _, tp_g, _, _, _, _, dp_cp_g = rank_grid(16, 2, 2, 2)
+    edp, etp_g, ep_g, edp_g, _ = expert_rank_grid(16, 2, 4, 2)
+    assert (edp, etp_g, ep_g, edp_g) == (1, tp_g, dp_cp_g, [[r] for r in range(16)])
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size \(3\)"):
+        expert_rank_grid(8, 1, 3, 1)
 
 
 def _groups_worker(rank, world_size):
