@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import collectives as C
+from megalite.config import ConfigError, ModelConfig, ParallelConfig
 from megalite.context_parallel import attention as A
 from megalite.context_parallel.sharding import shard
 from tests.dist_utils import run_distributed
@@ -52,8 +53,6 @@ def _all_cases(rank, size):
         assert C.bytes_sent() == want, (comm, C.bytes_sent(), want)
     bf16 = {comm: _case(group, rank, size, comm, size, torch.bfloat16, 3)
             for comm in ("p2p", "allgather", "a2a")}
-    with pytest.raises(ValueError, match="heads .* must both divide by"):
-        A.context_parallel_attention(*(torch.zeros(1, h, 8, 4) for h in (N, 1, 1)), group, "a2a")
     return errs, bf16
 
 
@@ -70,8 +69,23 @@ def test_single_rank_is_plain_causal_attention():
     q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.allclose(A.context_parallel_attention(q, k, v, None, "p2p"), ref)
-    with pytest.raises(ValueError, match="must be one of p2p, allgather, a2a"):
-        A.context_parallel_attention(q, k, v, None, "ring")
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_what_the_attention_needs_is_refused_by_the_config(size):
+    """context_parallel_attention checks nothing itself: the validated config is the one home of
+    its needs (an unknown comm type; a2a with K/V groups, here 1, not divisible by C; an odd
+    local sequence, s not divisible by 2C)."""
+    with pytest.raises(ConfigError, match="must be one of p2p, allgather, a2a"):
+        ParallelConfig(cp_comm_type="ring").validate()
+    model = dict(num_attention_heads=N, hidden_size=N * D, seq_length=S, attention_dropout=0.0)
+    ParallelConfig(context_parallel_size=size, cp_comm_type="a2a").check_context_parallel(
+        ModelConfig(**model))  # the shapes the parity test above runs
+    for comm, extra, match in (("a2a", dict(num_query_groups=1), "1 query groups"),
+                               ("p2p", dict(seq_length=2 * size * 4 + size), "divisible by")):
+        with pytest.raises(ConfigError, match=match):
+            ParallelConfig(context_parallel_size=size, cp_comm_type=comm).check_context_parallel(
+                ModelConfig(**{**model, **extra}))
 
 
 @pytest.mark.parametrize("causal", [True, False])

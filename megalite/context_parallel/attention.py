@@ -29,7 +29,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megalite import collectives as C
-from megalite.config import CP_COMM_TYPES
 from megalite.context_parallel.sharding import chunk_ids, chunk_owner, shard
 
 
@@ -311,29 +310,20 @@ def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=
     s_local = s / C, the two chunks sharding.chunk_ids(cp_rank, C) in local order.
     Returns [b, n, s_local, d] in q's dtype; differentiable in q, k, v.
     cp_group None or of size 1: plain causal SDPA. comm_type: "p2p" | "allgather" | "a2a".
-    No dropout (the caller refuses attention dropout under CP). ``local_attention(q, k, v)``:
-    a2a only, the attention of one head shard over the whole sequence in natural order (default:
-    causal SDPA; a layer with a sliding window passes its own)."""
-    if comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"context-parallel comm type must be one of {', '.join(CP_COMM_TYPES)}, "
-                         f"got {comm_type!r}")
-    size = C.group_size(cp_group)
+    ``local_attention(q, k, v)``: a2a only, the attention of one head shard over the whole
+    sequence in natural order (default: causal SDPA; a layer with a sliding window passes its own).
+    What this needs is checked once, where the caller's configuration is validated
+    (``ParallelConfig.check_context_parallel``; ``validate`` for the comm type name), not again
+    here: an even s_local, n and g divisible by C under a2a, no attention dropout."""
+    size, gqa = C.group_size(cp_group), k.shape[1] != q.shape[1]
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
-                                              enable_gqa=k.shape[1] != q.shape[1])
-    n, g, s_local = q.shape[1], k.shape[1], q.shape[2]
-    if s_local % 2:
-        raise ValueError(f"context parallelism needs an even local sequence (two chunks of s/2C "
-                         f"per rank), got {s_local} tokens on this rank")
-    if comm_type == "a2a" and (n % size or g % size):
-        raise ValueError(f"cp comm type a2a splits the attention heads over the {size} CP ranks: "
-                         f"heads ({n}) and K/V groups ({g}) must both divide by {size}; use p2p "
-                         f"or allgather, or another context-parallel size")
+                                              enable_gqa=gqa)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if comm_type == "a2a":
         qh, kh, vh = _SeqToHeads.apply(cp_group, q.contiguous(), k.contiguous(), v.contiguous())
         oh = (local_attention or partial(F.scaled_dot_product_attention, is_causal=True,
-                                         scale=scale, enable_gqa=g != n))(qh, kh, vh)
+                                         scale=scale, enable_gqa=gqa))(qh, kh, vh)
         return _HeadsToSeq.apply(cp_group, oh.contiguous())
     return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
                             scale)
