@@ -38,13 +38,14 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from megalite import collectives as C
-from megalite.arguments import (
+from megalite.config import (
     CHECKPOINT_ARGS_FIELDS,
+    ConfigError,
+    MegaliteConfig,
     config_from_dict,
     config_to_json,
     model_shape_differences,
 )
-from megalite.config import ConfigError, MegaliteConfig
 from megalite.tensor_parallel.random import get_all_rng_states
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -259,20 +260,16 @@ def _agree_on_save(ps, error: Optional[BaseException], iteration: int, tmp: str)
                      host=True)
         if int(flag.item()) < ps.world_size:
             failed = int(flag.item())
-            msg = C.all_gather_object(None if error is None else _one_line(error),
+            msg = C.all_gather_object(None if error is None else C.one_line(error),
                                       C.world_group())[failed]
     elif error is not None:
-        failed, msg = ps.rank, _one_line(error)
+        failed, msg = ps.rank, C.one_line(error)
     if failed is None:
         return
     if ps.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing that looks like a checkpoint is left
     raise CheckpointError(f"saving checkpoint iteration {iteration} failed on rank {failed}: "
                           f"{msg}; the previous checkpoint is untouched")
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:300]
 
 
 def save_tokenizer(save_dir: str, tokenizer, ps) -> None:
@@ -361,8 +358,7 @@ def _load_file(path: str, what: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle, disallowed global, ...
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{what}: {path} is corrupt or truncated ({msg[:200]})")
+        raise CheckpointError(f"{what}: {path} is corrupt or truncated ({C.one_line(e, 200)})")
 
 
 def _agree_on_errors(ps, error: Optional[BaseException]) -> None:
@@ -431,7 +427,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
             raise CheckpointError(f"{what}: no such directory")
         iteration = read_tracker(load_dir)
     except Exception as e:  # e.g. an unreadable tracker: every rank must hear of it
-        error = e if isinstance(e, CheckpointError) else CheckpointError(f"{what}: {_one_line(e)}")
+        error = e if isinstance(e, CheckpointError) else CheckpointError(f"{what}: {C.one_line(e)}")
     _agree_on_errors(ps, error)
     if iteration is None:
         if ck.exit_on_missing_checkpoint:
@@ -507,7 +503,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
             scheduler.load_state_dict(state["opt_param_scheduler"])
     except Exception as e:  # any failure, not only ours: a peer must not wait for this rank
         error = e if isinstance(e, CheckpointError) else CheckpointError(
-            f"{what}: loading {file or it_dir} failed: {_one_line(e)}")
+            f"{what}: loading {file or it_dir} failed: {C.one_line(e)}")
     _agree_on_errors(ps, error)
     if load_optim and hasattr(optimizer, "sync_model_params"):
         optimizer.sync_model_params()

@@ -15,6 +15,8 @@ import sys
 
 import torch
 
+from megalite.collectives import one_line
+
 
 class compile_or_eager:  # noqa: N801 - used like torch.compile
     def __init__(self, fn, **compile_kwargs):
@@ -30,7 +32,6 @@ class compile_or_eager:  # noqa: N801 - used like torch.compile
         except Exception as e:  # noqa: BLE001 - retried eagerly just below
             out = self.fn(*args)
             self.failed = True
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            print(f"megalite: torch.compile of {self.fn.__name__} failed ({type(e).__name__}: "
-                  f"{first}); it runs eagerly from now on", file=sys.stderr, flush=True)
+            print(f"megalite: torch.compile of {self.fn.__name__} failed ({one_line(e)}); it "
+                  f"runs eagerly from now on", file=sys.stderr, flush=True)
             return out

@@ -74,7 +74,6 @@ def peer_failure(e: BaseException) -> Optional[str]:
                "Socket Timeout", "NCCL", "gloo", "Gloo")
     if not (isinstance(e, dist.DistError) or any(m in text for m in markers)):
         return None
-    first = text.splitlines()[0] if text else type(e).__name__
-    first = first.split("] ", 1)[-1].split(". This is typically")[0]  # gloo's prefix, advice
+    first = C.one_line(e).split("] ", 1)[-1].split(". This is typically")[0]  # gloo prefix, advice
     return (f"rank {dist.get_rank()}: a collective failed because another rank died or stopped "
             f"responding ({first[:200]}); resume from the last checkpoint with --load")

@@ -25,6 +25,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 
+from megalite.collectives import one_line
 from megalite.config import ConfigError, DataConfig
 from megalite.data import indexed_dataset
 from megalite.data.gpt_dataset import ArrayDocumentStore
@@ -138,7 +139,7 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
                                        **kwargs)
         except Exception as e:  # parse errors of user files: name the file, keep one line
             raise ConfigError(f"--data-path: cannot read {path} as {builder}: "
-                              f"{_one_line(e)}") from e
+                              f"{one_line(e)}") from e
         if builder == "text":
             # datasets splits paragraphs on "\n\n" literally; the blank lines around a paragraph
             # are separators, not content.
@@ -152,7 +153,7 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
     except Exception as e:
         raise ConfigError(f"--data-path: {path!r} is not a local file/folder or PREFIX.bin/.idx, "
                           f"and loading it as a Hugging Face dataset failed (offline or no such "
-                          f"dataset): {_one_line(e)}") from e
+                          f"dataset): {one_line(e)}") from e
 
 
 def _has_no_content(path: str) -> bool:
@@ -169,11 +170,6 @@ def _has_no_content(path: str) -> bool:
 
 def _strip_paragraphs(batch):
     return {"text": [t.strip("\n") for t in batch["text"]]}
-
-
-def _one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split())
-    return f"{type(e).__name__}: {msg[:300]}"
 
 
 def text_column(ds, text_field: str, where: str) -> str:
