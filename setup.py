@@ -3,14 +3,17 @@ from setuptools import find_packages, setup
 setup(
     name="megalite",
     version="0.1.0",
-    description="Megatron-style model-parallel GPT pretraining (TP, SP, PP, DP/ZeRO) that runs on CPU and GPU",
+    description=("Megatron-style model-parallel GPT pretraining (TP, SP, CP, PP, DP/ZeRO) "
+                 "that runs on CPU and GPU"),
     packages=find_packages(include=["megalite", "megalite.*"]),
     python_requires=">=3.9",
-    # torch is constrained to the tested range, never left open. On Linux the default index's
+    # torch is never left open. The floor is the version tested, 2.13.0 (README,
+    # docs/quickstart.md): older releases are untested, and before 2.5 SDPA lacks the enable_gqa
+    # the CP a2a path passes. The ceiling admits 2.14, not yet tested. On Linux the default index's
     # torch is the CUDA build (several GB); a CPU-only machine installs torch first from
     # https://download.pytorch.org/whl/cpu (docs/quickstart.md).
     install_requires=[
-        "torch>=2.4,<=2.14.1",
+        "torch>=2.13,<=2.14.1",
         "transformers>=4.40",
         "datasets>=2.18",
         "tokenizers>=0.15",
