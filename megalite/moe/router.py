@@ -1,0 +1,189 @@
+"""Mixture-of-Experts routing as pure functions (docs/moe.md): top-k gating with its options, the
+load-balancing and z losses, expert capacity with token dropping, and the loss-free balancing
+bias update. No process groups here: a caller that spreads tokens over ranks sums the counts
+(``tokens_per_expert``) over them first and passes the totals in.
+
+Shapes: ``logits``, ``probs``, ``routing_map`` are [tokens, experts]; tokens are the flattened
+[s, b] activations (sequence first, as the transformer layers hold them). Flag names in messages
+are Megatron-LM's, the vocabulary the configuration will use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megalite.config import ConfigError
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+GROUP_SCORES = ("topk_sum", "top2_sum")
+DROP_POLICIES = ("probs", "position")
+
+
+def _check(num_experts, topk, score_function, pre_softmax, num_groups, group_topk, group_score,
+           expert_bias):
+    if score_function not in SCORE_FUNCTIONS:
+        raise ConfigError(f"--moe-router-score-function must be one of "
+                          f"{', '.join(SCORE_FUNCTIONS)}, got {score_function!r}")
+    if not 1 <= topk <= num_experts:
+        raise ConfigError(f"--moe-router-topk ({topk}) must be in [1, {num_experts}], "
+                          "the number of experts")
+    if topk == 1 and score_function == "softmax" and not pre_softmax:
+        # a softmax over one logit is constant 1: the router would get no gradient at all
+        raise ConfigError("--moe-router-topk 1 with softmax needs --moe-router-pre-softmax")
+    if expert_bias is not None and score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias needs "
+                          "--moe-router-score-function sigmoid")
+    if group_topk:
+        if group_score not in GROUP_SCORES:
+            raise ConfigError(f"group_score must be one of {', '.join(GROUP_SCORES)}, "
+                              f"got {group_score!r}")
+        if not num_groups or num_experts % num_groups:
+            raise ConfigError(f"--moe-router-num-groups ({num_groups}) must divide the "
+                              f"{num_experts} experts")
+        per_group = num_experts // num_groups
+        if not group_topk <= num_groups or topk > group_topk * per_group:
+            raise ConfigError(f"--moe-router-group-topk ({group_topk}) must be <= "
+                              f"--moe-router-num-groups ({num_groups}) and hold the top {topk}")
+        if group_score == "topk_sum" and topk < group_topk:
+            raise ConfigError(f"--moe-router-topk ({topk}) must be >= --moe-router-group-topk "
+                              f"({group_topk}): a group is scored by its top topk/group_topk")
+        if group_score == "top2_sum" and per_group < 2:
+            raise ConfigError("top2_sum group scores need at least 2 experts per group")
+
+
+def _topk_indices(scores, topk, num_groups, group_topk, group_score):
+    """Indices [tokens, topk] of the chosen experts; group-limited when ``group_topk`` is set."""
+    if not group_topk:
+        return scores.topk(topk, dim=-1).indices
+    tokens, experts = scores.shape
+    grouped = scores.view(tokens, num_groups, experts // num_groups)
+    # Megatron scores a group by its best topk/group_topk experts (what the token could take from
+    # it if the picks spread evenly); DeepSeek-V3 and GLM in Hugging Face by its best two.
+    per_group = topk // group_topk if group_score == "topk_sum" else 2
+    group_scores = grouped.topk(per_group, dim=-1).values.sum(-1)
+    chosen = group_scores.topk(group_topk, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, experts)
+    return masked.topk(topk, dim=-1).indices
+
+
+def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
+          pre_softmax: bool = False, num_groups: int | None = None, group_topk: int | None = None,
+          scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None,
+          group_score: str = "topk_sum", normalize: bool = True):
+    """Top-k routing -> (probs [tokens, experts] in fp32, zero off the chosen experts;
+    routing_map, bool, True on them).
+
+    softmax: post-softmax (default) takes the top-k logits and softmaxes over those k; with
+    ``pre_softmax`` the softmax runs over all experts and the top-k values are the gates.
+    sigmoid: gates are the chosen sigmoid scores, renormalised to sum to 1 over the k when
+    ``normalize`` and k > 1 (Hugging Face's ``norm_topk_prob``). ``expert_bias`` (sigmoid only) is
+    added for choosing experts, never to the gates: the bias steers load, not the output mix.
+    ``scaling_factor`` multiplies the gates last.
+    """
+    logits = logits.float()  # routing decisions and gates in fp32 whatever the model's dtype
+    _check(logits.shape[-1], topk, score_function, pre_softmax, num_groups, group_topk,
+           group_score, expert_bias)
+    if score_function == "softmax":
+        scores = logits.softmax(-1) if pre_softmax else logits
+    else:
+        scores = logits.sigmoid()
+    choice = scores if expert_bias is None else scores + expert_bias.float()
+    idx = _topk_indices(choice, topk, num_groups, group_topk, group_score)
+    gates = scores.gather(1, idx)
+    if score_function == "softmax" and not pre_softmax:
+        gates = gates.softmax(-1)
+    elif score_function == "sigmoid" and normalize and topk > 1:
+        gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)  # the epsilon guards all-zero rows
+    if scaling_factor:
+        gates = gates * scaling_factor
+    probs = torch.zeros_like(logits).scatter(1, idx, gates)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, idx, True)
+    return probs, routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str = "softmax"):
+    """(scores over all experts, their plain top-k map): what the balancing losses measure.
+
+    The loss looks at the router's full distribution and its unconstrained choice, apart from the
+    group limit, bias, or capacity that shaped the actual routing; sigmoid scores are normalised
+    over all experts so that both score functions give a distribution.
+    """
+    logits = logits.float()
+    if score_function == "softmax":
+        scores = logits.softmax(-1)
+    else:
+        scores = logits.sigmoid()
+        scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+    idx = scores.topk(topk, dim=-1).indices
+    return scores, torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
+
+
+def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                               total_tokens: int, topk: int, num_experts: int, coeff: float):
+    """Switch-Transformer balancing loss, coeff · E · Σᵢ fᵢ·Pᵢ, with fᵢ = countᵢ/(k·T) and
+    Pᵢ = Σ_t scores[t, i]/T: written as one sum, coeff·E/(k·T²)·Σᵢ (Σ_t scores[t, i])·countᵢ.
+
+    ``scores`` may be this rank's tokens only while ``tokens_per_expert`` and ``total_tokens``
+    count every token of the scope (micro-batch, or the global batch for global_aux_loss): the sum
+    over ranks of the partial losses is then the loss of the whole scope.
+    """
+    aggregated = scores.float().sum(0)
+    scale = num_experts * coeff / (topk * total_tokens ** 2)
+    return (aggregated * tokens_per_expert).sum() * scale
+
+
+def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                            seq_length: int, topk: int, coeff: float):
+    """The same loss per sequence, averaged over the b sequences (seq_aux_loss): it balances
+    experts within each sequence, not just over the batch. ``scores`` [s, b, E] (s may be this
+    rank's part of the sequence), ``tokens_per_expert`` [b, E] over the whole sequence of length
+    ``seq_length``."""
+    num_experts = scores.shape[-1]
+    per_seq = (scores.float().sum(0) * tokens_per_expert).sum(-1)
+    return per_seq.mean() * (num_experts * coeff / (topk * seq_length ** 2))
+
+
+def z_loss(logits: torch.Tensor, coeff: float):
+    """ST-MoE router z-loss, coeff · mean_t (logsumexp_i logits[t, i])²: keeps logits small, where
+    fp32 softmax stays accurate."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Tokens one expert takes: ⌈k·T/E · capacity_factor⌉ (k·T assignments spread over E)."""
+    return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
+
+
+def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
+                       policy: str = "probs", pad_to_capacity: bool = False):
+    """Keep at most ``capacity`` tokens per expert -> (probs, routing_map) with the rest dropped.
+
+    policy "probs" keeps each expert's tokens of highest probability, "position" its earliest
+    tokens. With ``pad_to_capacity`` every expert gets exactly ``capacity`` rows (padded with
+    unrouted tokens of zero probability, earliest first) so that expert inputs have a fixed shape.
+    """
+    if policy not in DROP_POLICIES:
+        raise ConfigError(f"--moe-token-drop-policy must be one of {', '.join(DROP_POLICIES)}, "
+                          f"got {policy!r}")
+    tokens, experts = routing_map.shape
+    key = probs if policy == "probs" else routing_map.to(probs.dtype)
+    # rank of each token within its expert's column; the stable sort breaks ties by position
+    order = key.argsort(dim=0, descending=True, stable=True)
+    positions = torch.arange(tokens, device=key.device).unsqueeze(1).expand(tokens, experts)
+    rank = torch.empty_like(order).scatter_(0, order, positions)
+    keep = rank < capacity
+    kept = keep if pad_to_capacity else keep & routing_map
+    return probs * kept, kept
+
+
+@torch.no_grad()
+def expert_bias_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float):
+    """Loss-free balancing: bias + rate·sign(mean load − load). An overloaded expert's bias falls,
+    an idle one's rises, by a fixed step (no gradient, no loss term). ``tokens_per_expert`` must
+    already be summed over every rank that routed different tokens."""
+    load = tokens_per_expert.float()
+    mean = load.sum(-1, keepdim=True) / load.shape[-1]
+    return bias + torch.sign(mean - load) * rate
