@@ -50,16 +50,6 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     return out.movedim(0, -1).contiguous()
 
 
-def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
-    n = C.group_size(group)
-    if n == 1:
-        return x
-    size = x.shape[0]
-    if size % n != 0:
-        raise ValueError(f"sequence length {size} is not divisible by the TP size {n}")
-    return x.chunk(n, dim=0)[C.group_rank(group)].contiguous()
-
-
 def gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     n = C.group_size(group)
     if n == 1:
@@ -120,42 +110,21 @@ class _ReduceFromRegion(torch.autograd.Function):
         return grad, None
 
 
-# (forward, backward) of each operator; every backward is its forward's conjugate.
-_CopyToRegion = _pair("_CopyToRegion", _identity, _all_reduce)  # f
-_ScatterToRegion = _pair("_ScatterToRegion", _split_last_dim, _gather_last_dim)
-_GatherFromRegion = _pair("_GatherFromRegion", _gather_last_dim, _split_last_dim)
-_ScatterToSequenceParallelRegion = _pair("_ScatterToSequenceParallelRegion", _split_first_dim,
-                                         gather_first_dim)
-_GatherFromSequenceParallelRegion = _pair("_GatherFromSequenceParallelRegion", gather_first_dim,
-                                          reduce_scatter_first_dim)  # g (SP)
-_ReduceScatterToSequenceParallelRegion = _pair("_ReduceScatterToSequenceParallelRegion",
-                                               reduce_scatter_first_dim, gather_first_dim)  # ḡ
+def _op(fn):
+    """The operator as the layers call it: for a group of one (or ``None``) the input itself,
+    without an autograd node (each costs Python time in every layer's forward and backward)."""
+    return lambda x, group: fn.apply(x, group) if C.group_size(group) > 1 else x
 
 
 # ---------------------------------------------------------------------------------- public API
-def copy_to_tensor_model_parallel_region(x, group):
-    return _CopyToRegion.apply(x, group) if C.group_size(group) > 1 else x
-
-
-def reduce_from_tensor_model_parallel_region(x, group):
-    return _ReduceFromRegion.apply(x, group) if C.group_size(group) > 1 else x
-
-
-def scatter_to_tensor_model_parallel_region(x, group):
-    return _ScatterToRegion.apply(x, group) if C.group_size(group) > 1 else x
-
-
-def gather_from_tensor_model_parallel_region(x, group):
-    return _GatherFromRegion.apply(x, group) if C.group_size(group) > 1 else x
-
-
-def scatter_to_sequence_parallel_region(x, group):
-    return _ScatterToSequenceParallelRegion.apply(x, group) if C.group_size(group) > 1 else x
-
-
-def gather_from_sequence_parallel_region(x, group):
-    return _GatherFromSequenceParallelRegion.apply(x, group) if C.group_size(group) > 1 else x
-
-
-def reduce_scatter_to_sequence_parallel_region(x, group):
-    return _ReduceScatterToSequenceParallelRegion.apply(x, group) if C.group_size(group) > 1 else x
+# Each operator's backward is its forward's conjugate.
+copy_to_tensor_model_parallel_region = _op(_pair("_CopyToRegion", _identity, _all_reduce))  # f
+reduce_from_tensor_model_parallel_region = _op(_ReduceFromRegion)  # g
+scatter_to_tensor_model_parallel_region = _op(_pair("_ScatterToRegion", _split_last_dim,
+                                                    _gather_last_dim))
+gather_from_tensor_model_parallel_region = _op(_pair("_GatherFromRegion", _gather_last_dim,
+                                                     _split_last_dim))
+gather_from_sequence_parallel_region = _op(_pair(  # g (SP)
+    "_GatherFromSequenceParallelRegion", gather_first_dim, reduce_scatter_first_dim))
+reduce_scatter_to_sequence_parallel_region = _op(_pair(  # ḡ (SP)
+    "_ReduceScatterToSequenceParallelRegion", reduce_scatter_first_dim, gather_first_dim))
