@@ -39,6 +39,8 @@ from typing import Dict, Iterable, List, Optional
 import torch
 import torch.nn as nn
 
+from megalite.param_meta import grad_of
+
 _CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
 
 
@@ -78,7 +80,8 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
     """Bytes this rank holds for params, grads, masters and optimizer states (deduplicated)."""
     chunks = _chunks(model_chunks)
     params = [p for c in chunks for p in c.parameters()]
-    grads: List[torch.Tensor] = [p.grad for p in params if p.grad is not None]
+    # .grad and a DDP buffer's main_grad (both, where both exist; storages are counted once)
+    grads: List[torch.Tensor] = [g for p in params for g in (p.grad, grad_of(p)) if g is not None]
     for c in chunks:
         # ZeRO-3: param.data is a size-0 placeholder; the model state is in the units: the
         # gather source (the fp32 master itself in fp32 — counted once, as params), the fp32
@@ -93,8 +96,6 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
             for b in buf.buckets:
                 grads.extend(t for t in (b.grad_data, b.grad_shard_acc, b.pending_out)
                              if t is not None)
-        grads.extend(g for p in c.parameters()
-                     if (g := getattr(p, "main_grad", None)) is not None)
     masters: List[torch.Tensor] = []
     states: List[torch.Tensor] = []
     if optimizer is not None:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from megalite import collectives as C
 from megalite.config import ModelConfig
+from megalite.param_meta import param_meta
 from megalite.tensor_parallel.utils import unshard_tensors
 
 VOCAB = 100  # deliberately not a multiple of tp * divisible_by, so padding is exercised
@@ -30,12 +31,12 @@ def tiny_config(family: str = "gpt2", **overrides) -> ModelConfig:
 
 def gather_full_tensor(t: torch.Tensor, param, tp_group) -> torch.Tensor:
     """All-gather a TP-sharded tensor (a parameter or its grad) to its full shape."""
-    n = C.group_size(tp_group)
-    if n == 1 or not getattr(param, "tensor_model_parallel", False):
+    n, meta = C.group_size(tp_group), param_meta(param)
+    if n == 1 or not meta.tp_split:
         return t.detach().clone()
     shards = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(shards, t.detach().contiguous(), group=tp_group)
-    return unshard_tensors(shards, param.partition_dim, getattr(param, "partition_stride", 1))
+    return unshard_tensors(shards, meta.partition_dim, meta.partition_stride)
 
 
 def full_grads(model, tp_group, vocab_size: int = VOCAB) -> Dict[str, torch.Tensor]:

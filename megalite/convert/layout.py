@@ -3,10 +3,10 @@
 A megalite checkpoint stores, per (tp rank, pp rank), the ``state_dict`` of each model chunk and
 the state of the optimizer that stepped those chunks. To read or write one offline the converter
 needs, for every chunk: which parameters it has (in registration order: the optimizers key their
-state by that order), each parameter's TP split (``partition_dim`` / ``partition_stride``,
-tensor_parallel/utils.py), whether it is a vocab tensor (padded to ``padded_vocab_size(t)``), its
-dtype and whether it is a ``shared_embedding`` copy (the tied embedding on the first and last
-pipeline stage; it gets a ZeRO bucket of its own).
+state by that order), each parameter's record (megalite/param_meta.py: its TP split, and whether
+it is a ``tied_embedding`` copy, the tied embedding on the first and last pipeline stage, which
+gets a ZeRO bucket of its own), whether it is a vocab tensor (padded to ``padded_vocab_size(t)``)
+and its dtype.
 
 All of that is read off a ``GPTModel`` built on the ``meta`` device at tp=1 (no memory, no process
 group): the stage cuts come from ``pipeline_parallel.partition.virtual_layer_ranges``, the same
@@ -23,6 +23,7 @@ import torch
 
 from megalite.config import V_SCHEDULES, ConfigError, MegaliteConfig, ModelConfig
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, pad_vocab
+from megalite.param_meta import ParamMeta, param_meta, set_param_meta
 from megalite.pipeline_parallel.partition import virtual_layer_ranges, virtual_stage
 from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
 
@@ -95,11 +96,8 @@ class ParamSpec:
     name: str
     shape: Tuple[int, ...]  # at tp=1; vocab tensors at padded_vocab_size(1) rows
     dtype: torch.dtype
-    tp_split: bool
-    dim: int
-    stride: int
+    meta: ParamMeta  # the record the trainer's parameter carries (TP split, tied embedding)
     is_vocab: bool
-    shared_embedding: bool
 
     @property
     def decay(self) -> bool:
@@ -116,8 +114,8 @@ class ParamSpec:
         shape = list(self.shape)
         if self.is_vocab:
             shape[0] = cfg.padded_vocab_size(tp)
-        if self.tp_split:
-            shape[self.dim] //= tp
+        if self.meta.tp_split:
+            shape[self.meta.partition_dim] //= tp
         return tuple(shape)
 
     def numel(self, cfg: ModelConfig, tp: int) -> int:
@@ -129,7 +127,9 @@ class ParamSpec:
     # -------------------------------------------------------------------- full <-> TP shards
     def unshard(self, shards: List[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
         """TP shards (rank order) -> the canonical full tensor (a fresh tensor, vocab unpadded)."""
-        full = unshard_tensors(shards, self.dim, self.stride) if self.tp_split else shards[0]
+        m = self.meta
+        full = (unshard_tensors(shards, m.partition_dim, m.partition_stride) if m.tp_split
+                else shards[0])
         if self.is_vocab:
             full = full[: cfg.vocab_size]
         return full.clone()
@@ -139,7 +139,9 @@ class ParamSpec:
         their slice, since torch.save writes a view's whole storage)."""
         if self.is_vocab:
             full = pad_vocab(full, cfg.vocab_size, cfg.padded_vocab_size(tp))
-        out = shard_tensor(full, self.dim, rank, tp, self.stride) if self.tp_split else full
+        m = self.meta
+        out = (shard_tensor(full, m.partition_dim, rank, tp, m.partition_stride) if m.tp_split
+               else full)
         return out.clone() if out.data_ptr() == full.data_ptr() or not out.is_contiguous() else out
 
 
@@ -163,13 +165,10 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
     specs = []
     for name, p in model.named_parameters():
         # build_model_chunks flags both copies of a tied embedding when pp > 1
-        p.shared_embedding = shared and name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
-        specs.append(ParamSpec(
-            name=name, shape=tuple(p.shape), dtype=p.dtype,
-            tp_split=bool(getattr(p, "tensor_model_parallel", False)),
-            dim=int(getattr(p, "partition_dim", 0)), stride=int(getattr(p, "partition_stride", 1)),
-            is_vocab=name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME),
-            shared_embedding=p.shared_embedding))
+        vocab = name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
+        set_param_meta(p, tied_embedding=shared and vocab)
+        specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=p.dtype,
+                               meta=param_meta(p), is_vocab=vocab))
     units = tuple((unit, tuple(n for _, _, nps in uses for n, _ in nps))
                   for unit, uses in unit_plan(model))
     return tuple(specs), units

@@ -208,7 +208,7 @@ def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
         specs = {s.name: s for s in chunk_specs(cfg, ch, pp)}
         key = (lambda n: n) if len(chunks) == 1 else (lambda n, ci=ci: f"chunk{ci}.{n}")
         for named in params_by_dtype(list(specs.items())):
-            info = [(n, s.numel(cfg, tp), s.shared_embedding) for n, s in named]
+            info = [(n, s.numel(cfg, tp), s.meta.tied_embedding) for n, s in named]
             for placed, padded in bucket_layout(info, size, dp):
                 slots = [(n, a, specs[n].numel(cfg, tp), list(specs[n].local_shape(cfg, tp)))
                          for n, a in placed]

@@ -6,8 +6,8 @@ A *full* megalite state dict holds every parameter at its tp=1 shape under its g
 ``cfg.padded_vocab_size(t)`` instead (docs/theory.md, vocab-parallel embedding: V is padded to a
 multiple of make_vocab_size_divisible_by * t), so vocab tensors are re-padded here before slicing.
 The slicing itself is :func:`megalite.tensor_parallel.utils.shard_tensor` with the parameter's own
-``partition_dim`` / ``partition_stride``: the one definition of "rank r's slice" that
-initialization and checkpoints also use.
+``partition_dim`` / ``partition_stride`` (its record, megalite/param_meta.py): the one definition
+of "rank r's slice" that initialization and checkpoints also use.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from megalite.models.init import full_shape
+from megalite.param_meta import param_meta
 from megalite.tensor_parallel.utils import shard_tensor
 
 EMBEDDING_WEIGHT_NAME = "embedding.word_embeddings.weight"
@@ -69,9 +70,8 @@ def load_full_state_dict_into(model: nn.Module, full_sd: Mapping[str, torch.Tens
         if list(src.shape) != shape:
             raise ValueError(f"full state dict tensor {name} has shape {tuple(src.shape)}, "
                              f"the model expects {tuple(shape)} before TP sharding")
-        if getattr(param, "tensor_model_parallel", False):
-            src = shard_tensor(src, param.partition_dim, tp_rank, tp_size,
-                               getattr(param, "partition_stride", 1))
+        if (m := param_meta(param)).tp_split:
+            src = shard_tensor(src, m.partition_dim, tp_rank, tp_size, m.partition_stride)
         param.copy_(src.to(device=param.device, dtype=param.dtype))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""

@@ -46,6 +46,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import queue_at_end_of_backward
 
@@ -349,18 +350,18 @@ def add_tied_copies_here(grads: List[torch.Tensor]) -> bool:
 
 
 def finalize_model_grads_ddp(chunks: Iterable[DistributedDataParallel], ps: ParallelState) -> None:
-    """DP reduction of every chunk, then TP (sequence-parallel) and embedding-group all-reduces on
+    """DP reduction of every chunk, then TP (partial gradients) and embedding-group all-reduces on
     the DP-reduced slices this rank holds (the order is explained in the module docstring)."""
     chunks = list(chunks)
     for c in chunks:
         c.finish_grad_sync()
     if C.group_size(ps.tp_group) > 1:
         sp = [s for c in chunks for s in c.valid_grad_slices(
-            lambda p: getattr(p, "sequence_parallel", False))]
+            lambda p: param_meta(p).grad_partial_over_tp)]
         _all_reduce_slices(sp, ps.tp_group, "tp_sp_grad_all_reduce")
     if ps.pp_size > 1 and ps.in_embedding_group:
         emb = [s for c in chunks for s in c.valid_grad_slices(
-            lambda p: getattr(p, "shared_embedding", False))]
+            lambda p: param_meta(p).tied_embedding)]
         if not add_tied_copies_here(emb):
             _all_reduce_slices(emb, ps.embedding_group, "embedding_grad_all_reduce")
 

@@ -1,7 +1,7 @@
 """The gradient reductions that must happen after backward and before the optimizer step.
 
-1. Sequence-parallel parameters (norms, row-parallel biases, position embeddings under SP) saw
-   only this rank's sequence shard: all-reduce their gradients over the TP group.
+1. Parameters whose gradient is partial over TP (norms, row-parallel biases, position embeddings
+   under SP, which saw only this rank's sequence shard; qk-norms): all-reduce over the TP group.
 2. Tied embeddings split across pipeline stages: the first stage's input embedding and the last
    stage's output layer are two copies of one weight; sum their gradients over the embedding group
    (or on rank 0, which holds both under zb-v / dualpipev).
@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 import torch
 import torch.nn as nn
@@ -20,12 +20,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalite import collectives as C
 from megalite.distributed.ddp import add_tied_copies_here
+from megalite.param_meta import grad_of, param_meta
 from megalite.parallel_state import ParallelState
-
-
-def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
 
 
 def _all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
@@ -39,7 +35,7 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
 
 def allreduce_sequence_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
     grads = [g for m in models for p in m.parameters()
-             if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
+             if param_meta(p).grad_partial_over_tp and (g := grad_of(p)) is not None]
     _all_reduce_coalesced(grads, ps.tp_group, "tp_sp_grad_all_reduce")
 
 
@@ -47,13 +43,13 @@ def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) ->
     if ps.pp_size == 1 or not ps.in_embedding_group:
         return
     grads = [g for m in models for p in m.parameters()
-             if getattr(p, "shared_embedding", False) and (g := _grad_of(p)) is not None]
+             if param_meta(p).tied_embedding and (g := grad_of(p)) is not None]
     if not add_tied_copies_here(grads):
         _all_reduce_coalesced(grads, ps.embedding_group, "embedding_grad_all_reduce")
 
 
 def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
-    grads = [g for m in models for p in m.parameters() if (g := _grad_of(p)) is not None]
+    grads = [g for m in models for p in m.parameters() if (g := grad_of(p)) is not None]
     _all_reduce_coalesced(grads, ps.dp_cp_group, "dp_grad_all_reduce")
 
 

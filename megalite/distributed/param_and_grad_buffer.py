@@ -20,12 +20,12 @@ Layout rules (and why):
   every parameter, bucket and shard starts on a 256-byte boundary (fp32), which vectorised kernels
   and NCCL's fast paths want. Padding elements hold zeros forever: their gradient is 0, so Adam
   leaves them at 0. ZeRO-3 units (zero3.py) are packed by the same rule (:func:`packed`).
-* A parameter flagged ``shared_embedding`` (the two copies of a tied embedding on the first and last
-  pipeline stage) gets a bucket of its own. Both copies have the same shape, so their buckets — and
-  hence the DP shards of them — line up on both stages, and the embedding-group all-reduce can run
-  on the DP-reduced shard (see ddp.py, "order of reductions").
+* A ``tied_embedding`` parameter (megalite/param_meta.py: the two copies of a tied embedding on
+  the first and last pipeline stage) gets a bucket of its own. Both copies have the same shape, so
+  their buckets — and hence the DP shards of them — line up on both stages, and the
+  embedding-group all-reduce can run on the DP-reduced shard (see ddp.py, "order of reductions").
 * All TP ranks build identical layouts (TP shards have equal shapes), so the same holds for the
-  tensor-parallel all-reduce of sequence-parallel gradients.
+  tensor-parallel all-reduce of gradients that are partial over TP.
 
 Stage 2 keeps no full-size grad buffer between micro-batches: a bucket's full gradient storage is
 allocated when its first gradient arrives, reduce-scattered as soon as the bucket is complete, added
@@ -41,6 +41,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megalite import collectives as C
+from megalite.param_meta import param_meta
 
 
 @dataclass
@@ -101,7 +102,7 @@ def packed(numels: List[int], dp_size: int) -> Tuple[List[int], int]:
 
 def bucket_layout(params: List[Tuple[str, int, bool]], bucket_size: Optional[int], dp_size: int
                   ) -> List[Tuple[List[Tuple[str, int]], int]]:
-    """The layout rules above, as data: ``params`` are (name, numel, shared_embedding) in
+    """The layout rules above, as data: ``params`` are (name, numel, tied_embedding) in
     registration order; returns each bucket's (parameter name, start in the bucket) in buffer
     order and its padded numel. The buffer below and the checkpoint converter
     (convert/optimizer_state.py) both lay buckets out with this function."""
@@ -147,7 +148,7 @@ class ParamAndGradBuffer:
         by_name = dict(named_params)
         offset = 0
         for i, (placed, numel) in enumerate(bucket_layout(
-                [(n, p.numel(), getattr(p, "shared_embedding", False)) for n, p in named_params],
+                [(n, p.numel(), param_meta(p).tied_embedding) for n, p in named_params],
                 bucket_size, N)):
             slots = [ParamSlot(name, by_name[name], offset + a, offset + a + by_name[name].numel())
                      for name, a in placed]

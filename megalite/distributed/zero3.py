@@ -64,6 +64,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite.config import OptimizerConfig, dtype_from_name
 from megalite.distributed.param_and_grad_buffer import packed
+from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import WeightGradStore
 
@@ -244,9 +245,6 @@ def unit_plan(model: nn.Module) -> List[Tuple[str, List[Tuple[nn.Module, nn.Modu
     def params_of(prefix: str, module: nn.Module):
         return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
 
-    def shared(p) -> bool:
-        return bool(getattr(p, "shared_embedding", False))
-
     pre = getattr(model, "pre_process", True)
     post = getattr(model, "post_process", True)
     tied = pre and post and model.output_layer.weight is None
@@ -263,8 +261,8 @@ def unit_plan(model: nn.Module) -> List[Tuple[str, List[Tuple[nn.Module, nn.Modu
             # too: each copy is a unit of its own, so both have the same flat layout and their
             # reduce-scattered gradient shards line up element for element for the all-reduce
             # over the embedding group (finalize_grads).
-            own = [np_ for np_ in emb if shared(np_[1])]
-            rest = [np_ for np_ in emb if not shared(np_[1])]
+            own = [np_ for np_ in emb if param_meta(np_[1]).tied_embedding]
+            rest = [np_ for np_ in emb if not param_meta(np_[1]).tied_embedding]
             units += [(name, [(model.embedding, model.embedding, nps)]) for name, nps in
                       (("embedding.word_embeddings", own), ("embedding", rest)) if nps]
     units += [(f"layers.{k}", [(layer, layer, params_of(f"layers.{k}", layer))])
@@ -272,7 +270,7 @@ def unit_plan(model: nn.Module) -> List[Tuple[str, List[Tuple[nn.Module, nn.Modu
     if post and not tied:
         norm, out = model.final_layernorm, model.output_layer
         norm_params, out_params = params_of("final_layernorm", norm), params_of("output_layer", out)
-        if any(shared(p) for _, p in out_params):  # the last stage's copy (see above)
+        if any(param_meta(p).tied_embedding for _, p in out_params):  # the last stage's copy
             if len(out_params) != 1:
                 raise RuntimeError("ZeRO-3: a shared output layer must hold its weight only")
             units += [("output", [(norm, norm, norm_params)]),
@@ -537,16 +535,17 @@ class Zero3Model(nn.Module):
 
     @torch.no_grad()
     def finalize_grads(self, *unused) -> None:
-        """After the last micro-batch: sequence-parallel parameters (norms, row-parallel biases,
-        position embeddings) saw only this rank's sequence shard, so their gradients are summed
-        over TP. The flat layouts are the same on every TP rank (same local shapes), so this is an
-        all-reduce of the same shard segments: done once per step, on 1/N of the elements."""
+        """After the last micro-batch: parameters whose gradient is partial over TP (under SP the
+        norms, row-parallel biases and position embeddings, which saw only this rank's sequence
+        shard; qk-norms) have their gradients summed over TP. The flat layouts are the same on
+        every TP rank (same local shapes), so this is an all-reduce of the same shard segments:
+        done once per step, on 1/N of the elements."""
         if self._grads_finalized:
             return
         self._complete_reduce_scatters()
         if C.group_size(self.ps.tp_group) > 1:
             pieces = [u.grad[s.start:s.end] for u in self.units for s in u.segments
-                      if getattr(u.params[s.param_index], "sequence_parallel", False)]
+                      if param_meta(u.params[s.param_index]).grad_partial_over_tp]
             if pieces:
                 flat = torch.cat(pieces)
                 C.all_reduce(flat, group=self.ps.tp_group, tag="tp_sp_grad_all_reduce")
@@ -561,7 +560,7 @@ class Zero3Model(nn.Module):
         # copies then take identical AdamW steps and stay equal.
         if self.ps.pp_size > 1 and self.ps.embedding_group is not None:
             for u in self.units:
-                if len(u.params) == 1 and getattr(u.params[0], "shared_embedding", False):
+                if len(u.params) == 1 and param_meta(u.params[0]).tied_embedding:
                     C.all_reduce(u.grad, group=self.ps.embedding_group,
                                  tag="zero3_embedding_grad_all_reduce")
         self._grads_finalized = True

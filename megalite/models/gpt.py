@@ -28,6 +28,7 @@ from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.init import initialize_parameters
 from megalite.models.norms import build_norm
 from megalite.models.transformer import TransformerLayer
+from megalite.param_meta import set_param_meta
 from megalite.parallel_state import ParallelState, get_parallel_state
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (
@@ -59,9 +60,10 @@ class Embedding(nn.Module):
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings,
                                                     config.hidden_size, dtype=dtype, device=device)
-            self.position_embeddings.weight.init_method = ("normal", config.init_method_std)
             # Under SP each rank adds the positions of its own sequence shard: partial gradient.
-            self.position_embeddings.weight.sequence_parallel = self.sequence_parallel
+            set_param_meta(self.position_embeddings.weight,
+                           init_method=("normal", config.init_method_std),
+                           grad_partial_over_tp=self.sequence_parallel)
         self.dropout = config.hidden_dropout
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
@@ -124,15 +126,16 @@ class GPTModel(nn.Module):
                 init_std=config.init_method_std, params_dtype=dtype, device=device,
                 skip_weight_param_allocation=share)
             if not share:
-                self.output_layer.weight.init_method = ("normal_vocab", config.init_method_std)
+                set_param_meta(self.output_layer.weight,
+                               init_method=("normal_vocab", config.init_method_std))
                 if config.tie_embeddings:
                     # A separate copy of the tied embedding on the last pipeline stage: it starts
                     # equal (same seed name) and its gradient is summed with the first stage's
                     # over the embedding group every step (finalize_model_grads).
-                    self.output_layer.weight.init_seed_name = EMBEDDING_WEIGHT_NAME
-                    self.output_layer.weight.shared_embedding = True
+                    set_param_meta(self.output_layer.weight, init_seed_name=EMBEDDING_WEIGHT_NAME,
+                                   tied_embedding=True)
         if pre_process and post_process is False and config.tie_embeddings:
-            self.embedding.word_embeddings.weight.shared_embedding = ps.pp_size > 1
+            set_param_meta(self.embedding.word_embeddings.weight, tied_embedding=ps.pp_size > 1)
         self._input_tensor: Optional[torch.Tensor] = None
         if seed is not None:
             initialize_parameters(self, seed, ps.tp_rank, self.tp_size, config)

@@ -22,6 +22,7 @@ import hashlib
 import torch
 import torch.nn as nn
 
+from megalite.param_meta import param_meta
 from megalite.tensor_parallel.utils import shard_tensor
 
 
@@ -31,16 +32,17 @@ def _name_seed(seed: int, name: str) -> int:
 
 
 def full_shape(param: torch.Tensor, tp_size: int):
-    shape = list(param.shape)
-    if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= tp_size
+    shape, meta = list(param.shape), param_meta(param)
+    if meta.tp_split:
+        shape[meta.partition_dim] *= tp_size
     return shape
 
 
 @torch.no_grad()
 def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, config) -> None:
     for name, param in model.named_parameters():
-        method = getattr(param, "init_method", None)
+        meta = param_meta(param)
+        method = meta.init_method
         if method is None:
             raise RuntimeError(f"parameter {name} has no init_method")
         kind = method[0]
@@ -53,7 +55,7 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
         shape = full_shape(param, tp_size)
         dev = param.device
         gen = torch.Generator(device=dev).manual_seed(
-            _name_seed(seed, getattr(param, "init_seed_name", name)))
+            _name_seed(seed, meta.init_seed_name or name))
         std = method[1]
         if kind == "normal_vocab":
             full = torch.zeros(shape, device=dev)
@@ -62,7 +64,6 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
             full = torch.empty(shape, device=dev).normal_(0.0, std, generator=gen)
         else:
             raise RuntimeError(f"unknown init method {kind!r} for {name}")
-        if getattr(param, "tensor_model_parallel", False):
-            full = shard_tensor(full, param.partition_dim, tp_rank, tp_size,
-                                getattr(param, "partition_stride", 1))
+        if meta.tp_split:
+            full = shard_tensor(full, meta.partition_dim, tp_rank, tp_size, meta.partition_stride)
         param.copy_(full)

@@ -1,8 +1,9 @@
 """LayerNorm and RMSNorm, marked for sequence parallelism.
 
 Under SP a norm runs on this rank's sequence shard, so its weight gradient is a partial sum over
-the shard: ``finalize_model_grads`` all-reduces every parameter flagged ``sequence_parallel`` over
-the TP group (forgetting this is the classic SP bug; tests/test_tensor_parallel.py checks it).
+the shard: ``finalize_model_grads`` all-reduces every parameter whose record says
+``grad_partial_over_tp`` over the TP group (forgetting this is the classic SP bug;
+tests/test_tensor_parallel.py checks it). The qk-norms set it for another reason (transformer.py).
 
 Both norms stay in the compute dtype: ``F.layer_norm`` and ``F.rms_norm`` accumulate the
 statistics in fp32 inside one kernel, so a bf16 activation is never written out in fp32
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.config import ConfigError
+from megalite.param_meta import set_param_meta
 
 
 def _apex_norm_functions(device):
@@ -34,24 +36,26 @@ def _apex_norm_functions(device):
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size, eps, sequence_parallel, params_dtype, device, bias, use_apex):
+    def __init__(self, hidden_size, eps, grad_partial_over_tp, params_dtype, device, bias,
+                 use_apex):
         super().__init__()
         self.eps, self.shape = eps, (hidden_size,)
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
-        self.weight.init_method = ("ones",)
+        set_param_meta(self.weight, init_method=("ones",),
+                       grad_partial_over_tp=grad_partial_over_tp)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
-            self.bias.init_method = ("zeros",)
-        for p in self.parameters():
-            p.sequence_parallel = sequence_parallel
+            set_param_meta(self.bias, init_method=("zeros",),
+                           grad_partial_over_tp=grad_partial_over_tp)
         self.apex = _apex_norm_functions(device) if use_apex else None
 
 
 class LayerNorm(_Norm):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
+    def __init__(self, hidden_size: int, eps: float = 1e-5, grad_partial_over_tp: bool = False,
                  params_dtype=torch.float32, device=None, use_apex: bool = False):
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, device, True, use_apex)
+        super().__init__(hidden_size, eps, grad_partial_over_tp, params_dtype, device, True,
+                         use_apex)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.apex is not None:
@@ -62,9 +66,10 @@ class LayerNorm(_Norm):
 class RMSNorm(_Norm):
     """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019; Llama), statistics in fp32."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, sequence_parallel: bool = False,
+    def __init__(self, hidden_size: int, eps: float = 1e-6, grad_partial_over_tp: bool = False,
                  params_dtype=torch.float32, device=None, use_apex: bool = False):
-        super().__init__(hidden_size, eps, sequence_parallel, params_dtype, device, False, use_apex)
+        super().__init__(hidden_size, eps, grad_partial_over_tp, params_dtype, device, False,
+                         use_apex)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.apex is not None:
@@ -74,5 +79,5 @@ class RMSNorm(_Norm):
 
 def build_norm(config, sequence_parallel: bool, params_dtype, device=None) -> nn.Module:
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
-    return cls(config.hidden_size, eps=config.norm_epsilon, sequence_parallel=sequence_parallel,
+    return cls(config.hidden_size, eps=config.norm_epsilon, grad_partial_over_tp=sequence_parallel,
                params_dtype=params_dtype, device=device, use_apex=config.use_apex)

@@ -132,10 +132,10 @@ class SelfAttention(nn.Module):
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             # One [d] weight shared by all heads, so replicated over TP. Each TP rank applies it
-            # to different heads, so its gradient is a partial sum: flagged like SP's norms, it
-            # is summed over TP after backward (finalize_model_grads), with or without SP.
+            # to different heads, so its gradient is a partial sum: like SP's norms, it is summed
+            # over TP after backward (finalize_model_grads), with or without SP.
             self.q_layernorm, self.k_layernorm = (
-                RMSNorm(d, config.norm_epsilon, sequence_parallel=tp > 1, params_dtype=dtype,
+                RMSNorm(d, config.norm_epsilon, grad_partial_over_tp=True, params_dtype=dtype,
                         device=device, use_apex=config.use_apex) for _ in range(2))
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Gradient clipping by the global L2 norm of the *full* model, whatever the parallel layout.
 
 Each parameter's gradient must be counted exactly once over the model-parallel group (tp x pp):
-  * a TP-sharded parameter (``tensor_model_parallel=True``) contributes its shard on every TP rank;
+  * a TP-sharded parameter (record ``tp_split``, megalite/param_meta.py) contributes its shard on
+    every TP rank;
   * a replicated parameter (norms, row-parallel biases, position embeddings) is identical on every
     TP rank after finalize_model_grads, so only TP rank 0 counts it;
-  * the tied-embedding copy on the last pipeline stage (``shared_embedding=True``) duplicates the
+  * the tied-embedding copy on the last pipeline stage (``tied_embedding``) duplicates the
     first stage's, so only the first stage counts it; under zb-v / dualpipev both copies are on the
     first stage, and the output layer's (``local_tied_copy``) is the one left out.
 The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
@@ -21,14 +22,15 @@ from typing import Iterable, List, Sequence
 import torch
 
 from megalite import collectives as C
+from megalite.param_meta import param_meta
 
 
 def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) -> bool:
     """Whether this rank's copy of ``param`` is the one that counts in the global norm."""
-    if getattr(param, "shared_embedding", False) and (
-            not is_first_pp_stage or getattr(param, "local_tied_copy", False)):
+    meta = param_meta(param)
+    if meta.tied_embedding and (not is_first_pp_stage or meta.local_tied_copy):
         return False
-    if getattr(param, "tensor_model_parallel", False):
+    if meta.tp_split:
         return True
     return tp_rank == 0
 

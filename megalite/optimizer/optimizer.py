@@ -35,6 +35,7 @@ import torch
 
 from megalite.optimizer.clip_grads import clip_grads_by_norm, counts_for_norm, grad_norm_squared
 from megalite.optimizer.grad_scaler import NonFiniteStep, build_grad_scaler, found_inf_flag
+from megalite.param_meta import grad_of
 
 # The per-parameter optimizer state every format can be merged into (by parameter name): the
 # fp32 master weights and Adam's two moments. One vocabulary for every file and every ZeRO stage.
@@ -43,11 +44,6 @@ ADAM_KINDS = ("master", "exp_avg", "exp_avg_sq")
 # one file per DP rank, and the unsharded state by parameter name (any DP size loads it).
 SHARD_FORMAT = "megalite.optim.shard/v2"
 FULL_FORMAT = "megalite.optim.full/v2"
-
-
-def _grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
-    g = getattr(p, "main_grad", None)
-    return g if g is not None else p.grad
 
 
 def model_parameters(model_chunks) -> List[torch.nn.Parameter]:
@@ -171,7 +167,7 @@ class MixedPrecisionOptimizer(_LossScaling):
     def _master_grads(self) -> List[Optional[torch.Tensor]]:
         grads = []
         for p, m in zip(self.model_params, self.masters):
-            g = _grad_of(p)
+            g = grad_of(p)
             if m is p:
                 if g is not None and p.grad is None:
                     p.grad = g  # main_grad (fp32) owned by a DP wrapper

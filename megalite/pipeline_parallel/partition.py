@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 
 from megalite.config import V_SCHEDULES, ConfigError, ModelConfig  # noqa: F401
 from megalite.models.gpt import GPTModel
+from megalite.param_meta import set_param_meta
 from megalite.parallel_state import ParallelState
 
 
@@ -151,9 +152,9 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
             # both on rank 0 (chunk 0 and chunk 1). Then the output copy is a local duplicate,
             # which the gradient norm must not count a second time (clip_grads.counts_for_norm).
             if pre:
-                chunk.embedding.word_embeddings.weight.shared_embedding = True
+                set_param_meta(chunk.embedding.word_embeddings.weight, tied_embedding=True)
             if post:
-                chunk.output_layer.weight.shared_embedding = True
-                chunk.output_layer.weight.local_tied_copy = v_shape
+                set_param_meta(chunk.output_layer.weight, tied_embedding=True,
+                               local_tied_copy=v_shape)
         chunks.append(chunk)
     return chunks

@@ -15,7 +15,7 @@ weight-gradient half ("W") later (Qi et al., arXiv:2401.10241).
 
 Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
 from a generator seeded by the parameter's full name, so the full model does not depend on the
-layout (docs/design.md, contract 3). Each parameter records how to do that in ``param.init_method``.
+layout (docs/design.md, contract 3). Each parameter's record (megalite/param_meta.py) says how.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from megalite.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megalite.tensor_parallel.utils import divide, set_tensor_model_parallel_attributes
+from megalite.param_meta import grad_of, set_param_meta
+from megalite.tensor_parallel.utils import divide
 
 
 # ------------------------------------------------------------------------- deferred weight grads
@@ -70,13 +71,11 @@ class WeightGradStore:
 def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add a deferred weight gradient to the parameter's gradient storage."""
     param.weight_grads_queued -= 1
-    target = getattr(param, "main_grad", None)
+    target = grad_of(param)
     if target is not None:
         target.add_(grad.to(target.dtype))
-    elif param.grad is None:
-        param.grad = grad.to(param.dtype)
     else:
-        param.grad.add_(grad.to(param.grad.dtype))
+        param.grad = grad.to(param.dtype)
     hook = getattr(param, "deferred_grad_hook", None)
     if hook is not None:  # lets a gradient buffer learn that this parameter is ready
         hook(param)
@@ -172,13 +171,13 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size,
                                                    dtype=params_dtype, device=device))
-            set_tensor_model_parallel_attributes(self.weight, True, 0, stride)
-            self.weight.init_method = ("normal", init_std)
+            set_param_meta(self.weight, tp_split=True, partition_stride=stride,
+                           init_method=("normal", init_std))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.output_size_per_partition, dtype=params_dtype,
                                                  device=device))
-            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
-            self.bias.init_method = ("zeros",)
+            set_param_meta(self.bias, tp_split=True, partition_stride=stride,
+                           init_method=("zeros",))
         else:
             self.register_parameter("bias", None)
 
@@ -218,15 +217,14 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear with sequence parallelism needs input_is_parallel")
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition,
                                                dtype=params_dtype, device=device))
-        set_tensor_model_parallel_attributes(self.weight, True, 1, 1)
-        self.weight.init_method = ("normal", init_std)
+        set_param_meta(self.weight, tp_split=True, partition_dim=1,
+                       init_method=("normal", init_std))
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
-            set_tensor_model_parallel_attributes(self.bias, False)
-            self.bias.init_method = ("zeros",)
             # Under SP the bias is added to a sequence shard, so each rank sees only part of its
             # gradient: it must be all-reduced over TP like the norms' (finalize_model_grads).
-            self.bias.sequence_parallel = self.sequence_parallel
+            set_param_meta(self.bias, init_method=("zeros",),
+                           grad_partial_over_tp=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -265,8 +263,7 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel and self.tp_size > 1
         self.weight = nn.Parameter(torch.empty(self.vocab_per_partition, embedding_dim,
                                                dtype=params_dtype, device=device))
-        set_tensor_model_parallel_attributes(self.weight, True, 0, 1)
-        self.weight.init_method = ("normal_vocab", init_std)
+        set_param_meta(self.weight, tp_split=True, init_method=("normal_vocab", init_std))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.t()  # [s, b]: sequence-first from here on

@@ -1,10 +1,10 @@
 """Slicing full tensors into tensor-parallel shards and back.
 
-A parameter that is split across TP ranks carries three attributes (set by the layers):
-``tensor_model_parallel`` (True), ``partition_dim`` (the split dimension) and ``partition_stride``.
-A stride k > 1 means the full tensor is k blocks stacked along ``partition_dim`` (e.g. SwiGLU's
-fused [gate; up] weight) and each rank keeps its chunk of *every* block, so the local tensor is
-again [gate_r; up_r]. Initialization, tests, checkpoints and conversion all use these two functions,
+A parameter that is split across TP ranks says so in its record (megalite/param_meta.py):
+``tp_split``, ``partition_dim`` (the split dimension) and ``partition_stride``. A stride k > 1
+means the full tensor is k blocks stacked along ``partition_dim`` (e.g. SwiGLU's fused
+[gate; up] weight) and each rank keeps its chunk of *every* block, so the local tensor is again
+[gate_r; up_r]. Initialization, tests, checkpoints and conversion all use these two functions,
 so there is exactly one definition of "rank r's slice".
 """
 
@@ -31,13 +31,6 @@ def unshard_tensors(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -
     per_rank_blocks: List[Sequence[torch.Tensor]] = [s.chunk(stride, dim=dim) for s in shards]
     blocks = [torch.cat([blocks[i] for blocks in per_rank_blocks], dim=dim) for i in range(stride)]
     return torch.cat(blocks, dim=dim).contiguous()
-
-
-def set_tensor_model_parallel_attributes(param: torch.Tensor, is_parallel: bool, dim: int = 0,
-                                         stride: int = 1) -> None:
-    param.tensor_model_parallel = is_parallel
-    param.partition_dim = dim
-    param.partition_stride = stride
 
 
 def divide(numerator: int, denominator: int, what: str = "") -> int:
