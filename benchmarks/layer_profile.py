@@ -187,7 +187,7 @@ def startup(args):
     for size in args.sizes.split(","):
         L, h, n = SIZES[size]
         cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=n, seq_length=1024,
-                          vocab_size=50257)
+                          vocab_size=50257, hidden_dropout=0.1, attention_dropout=0.1)
         t0, c0 = time.perf_counter(), time.process_time()
         model = GPTModel(cfg, ParallelState(device=dev), seed=1, device=dev)
         synchronize(dev)

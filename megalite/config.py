@@ -1,8 +1,14 @@
-"""Typed configuration for megalite.
+"""Typed configuration for megalite: every setting declared once.
 
 Config flows one way (docs/design.md, "Conventions"): command-line flags -> these dataclasses
 (validated once, with errors that name the flag) -> the objects built from them. No module reads
 flags or environment variables on its own.
+
+A setting is one dataclass field declared with :func:`setting`: its type (the annotation), its
+default, its ``--help`` text and group, its flag spelling where that is not ``--field-name``, its
+choices and its role (model shape, taken by ``--use-checkpoint-args``, a layout the planner
+searches). ``megalite.arguments`` derives pretrain.py's (and tools/plan.py's) parser from these
+declarations, so ``MegaliteConfig()`` is exactly the run ``python pretrain.py`` makes.
 
 Every check lives in a ``validate`` method here; ``MegaliteConfig.validate`` runs them all (and
 the checks that span sections). ``MegaliteConfig.resolve`` is the one place values are derived
@@ -12,23 +18,61 @@ config that is read-only from then on, so no part of a run can change what anoth
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
-
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import List, Optional, Sequence
 
 # Context-parallel attention implementations (--cp-comm-type; docs/context_parallel.md).
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+# The pipeline schedules (docs/pipeline_parallel.md); the V ones place two chunks per rank in a V
+# (chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r), so rank 0 holds embedding and loss.
+V_SCHEDULES = ("zb-v", "dualpipev")
+SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
+# ZeRO-3 gathers a unit's parameters for its backward and frees them after; the zero-bubble
+# schedules defer weight gradients, which would keep every unit gathered until its W pass.
+ZERO3_SCHEDULES = ("1f1b", "interleaved")
+
+# The --help groups, in the order pretrain.py prints them.
+GROUPS = ("model", "parallelism", "batch", "mixed precision", "optimizer and learning rate",
+          "data parallelism and ZeRO", "activation recomputation", "speed (docs/performance.md)",
+          "checkpoints", "data", "logging and evaluation", "misc")
+# Roles of model fields: SHAPE changes parameter shapes (a checkpoint and the run resuming it must
+# agree); CHECKPOINT_ARG defines the model too, and --use-checkpoint-args takes both from args.json;
+# RUN is each run's own choice (dropout, recomputation, compilation).
+SHAPE, CHECKPOINT_ARG, RUN = "shape", "checkpoint-arg", "run"
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the offending flag(s) and what would be valid."""
 
 
-# The pipeline schedules (docs/pipeline_parallel.md); the V ones place two chunks per rank in a V
-# (chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r), so rank 0 holds embedding and loss.
-V_SCHEDULES = ("zb-v", "dualpipev")
-SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
+def setting(default, help: Optional[str] = None, *, group: Optional[str] = None,
+            flag: Optional[str] = None, choices: Optional[Sequence] = None,
+            role: Optional[str] = None, layout: bool = False, no_flag: Optional[str] = None,
+            shown: Optional[str] = None, **cli):
+    """Declare one setting (docs/design.md, "Adding a setting").
+
+    ``group``: its --help group (default: the section's); ``flag``: its spelling when not
+    ``--field-name``; ``choices``: the valid values (None stays valid when it is the default);
+    ``role``: SHAPE / CHECKPOINT_ARG / RUN for model fields; ``layout``: tools/plan.py searches it
+    unless the flag is given; ``no_flag``: why the field has no flag of its own (derived, written
+    by a converter, or set by a compound flag of megalite.arguments); ``shown``: how error messages
+    name it; ``cli``: extra argparse keywords (nargs, const)."""
+    return field(default=default, metadata=dict(
+        help=help, group=group, flag=flag, choices=choices, role=role, layout=layout,
+        no_flag=no_flag, shown=shown, cli=cli))
+
+
+def flag_name(f) -> Optional[str]:
+    """The command-line flag of dataclass field ``f`` (None if it has none)."""
+    if f.metadata.get("no_flag"):
+        return None
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def dtype_from_name(name: str):
@@ -36,10 +80,6 @@ def dtype_from_name(name: str):
     import torch  # here only: the rest of this module needs no torch
 
     return getattr(torch, name)
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
@@ -53,10 +93,49 @@ def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
     return world_size // (tp * cp * pp)
 
 
+def default_schedule(v: Optional[int]) -> str:
+    """The schedule a pipeline runs when --pipeline-schedule is not given: interleaved with
+    virtual stages (v > 1), else 1F1B."""
+    return "interleaved" if (v or 1) > 1 else "1f1b"
+
+
+def check_zero3_schedule(zero_stage: int, schedule: Optional[str]) -> None:
+    if zero_stage == 3 and schedule is not None and schedule not in ZERO3_SCHEDULES:
+        raise ConfigError(f"--zero-stage 3 does not support --pipeline-schedule {schedule} "
+                          f"(deferred weight gradients would keep every unit gathered until its "
+                          f"W pass); use 1f1b or interleaved, or --zero-stage 1/2")
+
+
+def _virtual_stage_error(num_layers: int, pp: int, what: str) -> ConfigError:
+    return ConfigError(f"--num-layers ({num_layers}) must be divisible by "
+                       f"--pipeline-model-parallel-size ({pp}) x {what}, both positive "
+                       f"(virtual stages: --num-virtual-stages-per-pipeline-rank V or "
+                       f"--num-layers-per-virtual-pipeline-stage K, L = PP x V x K)")
+
+
+def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int) -> int:
+    """V from K (--num-layers-per-virtual-pipeline-stage): L = PP x V x K."""
+    k = layers_per_virtual_stage
+    if k <= 0 or pp <= 0 or num_layers % (k * pp) != 0:
+        raise _virtual_stage_error(num_layers, pp, f"the layers per virtual stage ({k})")
+    return num_layers // (k * pp)
+
+
+def layers_per_virtual_stage(num_layers: int, pp: int, v: Optional[int]) -> Optional[int]:
+    """K from V (the one fact, ``ParallelConfig.virtual_pipeline_model_parallel_size``); None
+    without virtual stages."""
+    if not v or v == 1:
+        return None
+    if num_layers % (pp * v) != 0:
+        raise _virtual_stage_error(num_layers, pp, f"the virtual stages per rank ({v})")
+    return num_layers // (pp * v)
+
+
 class _Section:
     """Read-only once frozen (``MegaliteConfig.resolve`` freezes what it returns)."""
 
     _frozen = False
+    GROUP = "misc"  # the --help group of fields that do not name one
 
     def __setattr__(self, name, value):
         if self._frozen:
@@ -67,6 +146,14 @@ class _Section:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def _check_choices(self) -> None:
+        """Every declared ``choices`` (the parser checks them too; this covers library users)."""
+        for f in fields(self):
+            ok, value = f.metadata.get("choices"), getattr(self, f.name)
+            if ok is not None and value not in ok and not (value is None and f.default is None):
+                name = flag_name(f) or f"{type(self).__name__}.{f.name}"
+                raise ConfigError(f"{name} must be one of {', '.join(map(str, ok))}, got {value!r}")
+
 
 @dataclass
 class ModelConfig(_Section):
@@ -75,53 +162,79 @@ class ModelConfig(_Section):
     Field names follow Megatron-LM's flags (``num_layers`` is ``--num-layers``).
     """
 
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None  # default 4*h (GPT-2) / set explicitly for SwiGLU
-    num_query_groups: Optional[int] = None  # GQA: None means = num_attention_heads (MHA)
-    kv_channels: Optional[int] = None  # head dim; default hidden_size // num_attention_heads
-    seq_length: int = 256
-    max_position_embeddings: Optional[int] = None  # default seq_length
-    vocab_size: int = 8192  # embedding rows before padding (see padded_vocab_size)
+    GROUP = "model"
+    num_layers: int = setting(6, role=SHAPE)
+    hidden_size: int = setting(384, role=SHAPE)
+    num_attention_heads: int = setting(6, role=SHAPE)
+    ffn_hidden_size: Optional[int] = setting(None, "default 4 x hidden size", role=SHAPE)
+    num_query_groups: Optional[int] = setting(
+        None, "KV heads, with --group-query-attention (default: one per attention head)",
+        role=SHAPE)
+    kv_channels: Optional[int] = setting(None, "head dim; default h / heads", role=SHAPE)
+    seq_length: int = setting(256, role=CHECKPOINT_ARG)
+    max_position_embeddings: Optional[int] = setting(None, "default seq length", role=SHAPE)
+    # Embedding rows before padding (see padded_vocab_size): the trained tokenizer's size, or
+    # the tokenizer's own once resolve has seen it.
+    vocab_size: int = setting(8192, "the byte-level BPE's size (a given tokenizer's own wins)",
+                              group="data", role=SHAPE,
+                              shown="--vocab-size (or the tokenizer: --tokenizer-type/"
+                                    "--tokenizer-model)")
     # Ids the tokenizer produces when it has fewer than vocab_size (None: vocab_size). Rows at or
     # beyond it are treated like the padding: never predicted, masked out of the softmax and loss.
-    tokenizer_vocab_size: Optional[int] = None
-    make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
+    tokenizer_vocab_size: Optional[int] = setting(None, role=RUN, no_flag="derived by resolve")
+    make_vocab_size_divisible_by: int = setting(128, role=SHAPE)
+    position_embedding_type: str = setting("learned_absolute", choices=("learned_absolute", "rope"),
+                                           role=SHAPE)
+    rotary_base: float = setting(10000.0, role=CHECKPOINT_ARG)
     # Llama 3.1's "llama3" RoPE scaling (docs/models.md); None: unscaled rotary embedding.
-    rope_scaling_factor: Optional[float] = None
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    qk_layernorm: bool = False  # RMSNorm over each q and k head (Qwen3), before RoPE
+    rope_scaling_factor: Optional[float] = setting(
+        None, "llama3 RoPE scaling (Llama 3.1+); default none", role=CHECKPOINT_ARG)
+    rope_low_freq_factor: float = setting(1.0, role=CHECKPOINT_ARG)
+    rope_high_freq_factor: float = setting(4.0, role=CHECKPOINT_ARG)
+    rope_original_max_position_embeddings: int = setting(8192, role=CHECKPOINT_ARG)
+    qk_layernorm: bool = setting(False, "RMSNorm over each q and k head", role=SHAPE)
     # Sliding-window attention (HF's convention): query q sees keys q - W < k <= q in layers
     # numbered >= max_window_layers (0-based); the first max_window_layers keep full attention.
-    sliding_window: Optional[int] = None
-    max_window_layers: int = 0
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    activation: str = "gelu"  # gelu | gelu_tanh | silu (silu is used with swiglu)
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: Optional[bool] = None  # None: same as add_bias_linear
-    untie_embeddings_and_output_weights: bool = False
+    sliding_window: Optional[int] = setting(
+        None, "W: query q attends keys q-W < k <= q (Megatron --window-size W-1 0)",
+        role=CHECKPOINT_ARG)
+    max_window_layers: int = setting(
+        0, "with --sliding-window: the first N layers keep full attention", role=CHECKPOINT_ARG)
+    normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
+    norm_epsilon: float = setting(1e-5, role=CHECKPOINT_ARG)
+    activation: str = setting("gelu", choices=("gelu", "gelu_tanh", "silu", "relu"),
+                              role=CHECKPOINT_ARG, no_flag="gelu, silu with --swiglu; HF sets it")
+    swiglu: bool = setting(False, role=SHAPE)
+    add_bias_linear: bool = setting(True, role=SHAPE, no_flag="--disable-bias-linear")
+    add_qkv_bias: Optional[bool] = setting(  # None: same as add_bias_linear
+        None, role=SHAPE, no_flag="--add-qkv-bias", shown="--disable-bias-linear / --add-qkv-bias")
+    untie_embeddings_and_output_weights: bool = setting(False, role=SHAPE)
     # The Hugging Face class this model was imported from (e.g. "Qwen2ForCausalLM"): the export
     # writes it back, where the shape alone could be read as more than one family.
-    hf_architecture: Optional[str] = None
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    # Activation recomputation: None | "full" | "selective"
-    recompute_granularity: Optional[str] = None
-    recompute_method: Optional[str] = None  # "uniform" | "block" (full only)
-    recompute_num_layers: Optional[int] = None
-    params_dtype: str = "float32"  # float32 | bfloat16 | float16
+    hf_architecture: Optional[str] = setting(None, role=CHECKPOINT_ARG,
+                                             no_flag="written by the HF import")
+    hidden_dropout: float = setting(0.0, role=RUN)
+    attention_dropout: float = setting(0.0, role=RUN)
+    init_method_std: float = setting(0.02, role=CHECKPOINT_ARG)
+    recompute_granularity: Optional[str] = setting(
+        None, choices=("full", "selective"), group="activation recomputation", role=RUN,
+        layout=True)
+    recompute_method: Optional[str] = setting(  # full only
+        None, choices=("uniform", "block"), group="activation recomputation", role=RUN,
+        layout=True)
+    recompute_num_layers: Optional[int] = setting(None, group="activation recomputation",
+                                                  role=RUN, layout=True)
+    params_dtype: str = setting("float32", choices=("float32", "bfloat16", "float16"), role=RUN,
+                                no_flag="--bf16 / --fp16")
     # Speed only (docs/performance.md): compile each transformer layer with this torch.compile
     # backend (None: eager); use NVIDIA apex's fused norms (CUDA only).
-    torch_compile: Optional[str] = None
-    use_apex: bool = False
+    torch_compile: Optional[str] = setting(
+        None, "compile each transformer layer with torch.compile (backend, default inductor)",
+        choices=("inductor", "aot_eager", "eager"), group="speed (docs/performance.md)",
+        role=RUN, nargs="?", const="inductor")
+    use_apex: bool = setting(
+        False, "NVIDIA apex's fused LayerNorm/RMSNorm (needs apex built with its CUDA extensions "
+        "and a CUDA device)", group="speed (docs/performance.md)", role=RUN)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -162,6 +275,7 @@ class ModelConfig(_Section):
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         t = tensor_model_parallel_size
+        self._check_choices()
         positive = ["num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                     "seq_length", "vocab_size", "num_query_groups", "make_vocab_size_divisible_by"]
         for name in positive:
@@ -182,21 +296,10 @@ class ModelConfig(_Section):
             raise ConfigError(
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
                 f"--num-query-groups ({self.num_query_groups})")
-        if self.num_attention_heads % t != 0:
-            raise ConfigError(
-                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
-                f"--tensor-model-parallel-size ({t})")
-        if self.num_query_groups % t != 0:
-            raise ConfigError(
-                f"--num-query-groups ({self.num_query_groups}) must be divisible by "
-                f"--tensor-model-parallel-size ({t})")
-        if self.ffn_hidden_size % t != 0:
-            raise ConfigError(
-                f"--ffn-hidden-size ({self.ffn_hidden_size}) must be divisible by "
-                f"--tensor-model-parallel-size ({t})")
-        if self.position_embedding_type not in ("learned_absolute", "rope"):
-            raise ConfigError(f"--position-embedding-type must be learned_absolute or rope, got "
-                              f"{self.position_embedding_type!r}")
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            if getattr(self, name) % t != 0:
+                raise ConfigError(f"{_flag(name)} ({getattr(self, name)}) must be divisible by "
+                                  f"--tensor-model-parallel-size ({t})")
         if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
             raise ConfigError(f"rope needs an even head dim, got {self.kv_channels}")
         if self.rope_scaling_factor is not None and (
@@ -212,10 +315,6 @@ class ModelConfig(_Section):
                               f"got {self.sliding_window}")
         if not 0 <= self.max_window_layers:
             raise ConfigError(f"--max-window-layers must be >= 0, got {self.max_window_layers}")
-        if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
-        if self.activation not in ("gelu", "gelu_tanh", "silu", "relu"):
-            raise ConfigError(f"activation must be gelu, gelu_tanh, silu or relu, got {self.activation!r}")
         if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
             raise ConfigError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
@@ -223,22 +322,12 @@ class ModelConfig(_Section):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ConfigError(f"--recompute-granularity must be full or selective, got "
-                              f"{self.recompute_granularity!r}")
         if self.recompute_method is not None and self.recompute_granularity != "full":
             raise ConfigError("--recompute-method only applies to --recompute-granularity full")
-        if self.recompute_method not in (None, "uniform", "block"):
-            raise ConfigError(f"--recompute-method must be uniform or block, got {self.recompute_method!r}")
         k = self.recompute_num_layers  # layers per checkpoint (uniform) or recomputed (block)
         if k is not None and not (k >= 1 and self.recompute_granularity == "full"):
             raise ConfigError(f"--recompute-num-layers ({k}) must be >= 1 and needs "
                               f"--recompute-granularity full")
-        if self.params_dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"params dtype must be float32, bfloat16 or float16, got {self.params_dtype!r}")
-        if self.torch_compile not in (None, "inductor", "aot_eager", "eager"):
-            raise ConfigError(f"--torch-compile must be inductor, aot_eager or eager, got "
-                              f"{self.torch_compile!r}")
         return self
 
     def num_parameters(self, include_embeddings: bool = True) -> int:
@@ -266,19 +355,27 @@ class ModelConfig(_Section):
 
 @dataclass
 class ParallelConfig(_Section):
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    sequence_parallel: bool = False
-    context_parallel_size: int = 1  # the sequence split over C ranks (docs/context_parallel.md)
-    cp_comm_type: str = "p2p"
-    distributed_backend: Optional[str] = None  # None: nccl with CUDA, else gloo
-    device: Optional[str] = None  # None: cuda when available, else cpu
-    distributed_timeout_minutes: float = 10.0
+    GROUP = "parallelism"
+    tensor_model_parallel_size: int = setting(1, layout=True)
+    pipeline_model_parallel_size: int = setting(1, layout=True)
+    # V, the one fact of virtual stages; --num-layers-per-virtual-pipeline-stage K gives it too
+    virtual_pipeline_model_parallel_size: Optional[int] = setting(
+        None, flag="--num-virtual-stages-per-pipeline-rank", layout=True)
+    sequence_parallel: bool = setting(False, layout=True)
+    context_parallel_size: int = setting(  # docs/context_parallel.md
+        1, "split each sequence over this many ranks, attention included", layout=True)
+    cp_comm_type: str = setting(
+        "p2p", "context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses)",
+        choices=CP_COMM_TYPES, layout=True)
+    distributed_backend: Optional[str] = setting(None, "default nccl on CUDA, gloo on CPU",
+                                                 choices=("gloo", "nccl"))
+    device: Optional[str] = setting(None, "default cuda when available", choices=("cpu", "cuda"))
+    distributed_timeout_minutes: float = setting(10.0)
 
     def validate(self, world_size: Optional[int] = None,
                  seq_length: Optional[int] = None) -> "ParallelConfig":
         """``world_size`` (``seq_length``) None: the checks that do not depend on it."""
+        self._check_choices()
         t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         v, c = self.virtual_pipeline_model_parallel_size, self.context_parallel_size
         if t < 1 or p < 1:
@@ -287,9 +384,6 @@ class ParallelConfig(_Section):
                 f"must be >= 1")
         if c < 1:
             raise ConfigError(f"--context-parallel-size must be >= 1, got {c}")
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            raise ConfigError(f"--cp-comm-type must be one of {', '.join(CP_COMM_TYPES)}, got "
-                              f"{self.cp_comm_type!r}")
         if v is not None and v < 1:
             raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
         if v is not None and v > 1 and p == 1:
@@ -304,10 +398,6 @@ class ParallelConfig(_Section):
             raise ConfigError(
                 f"--seq-length ({seq_length}) must be divisible by "
                 f"--tensor-model-parallel-size ({t}) with --sequence-parallel")
-        if self.distributed_backend not in (None, "gloo", "nccl"):
-            raise ConfigError(f"--distributed-backend must be gloo or nccl, got {self.distributed_backend!r}")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
         return self
 
     def data_parallel_size(self, world_size: int) -> int:
@@ -351,48 +441,43 @@ class ParallelConfig(_Section):
 
 @dataclass
 class OptimizerConfig(_Section):
-    optimizer: str = "adam"  # AdamW with decoupled weight decay
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"  # constant | linear | cosine | WSD
-    lr_warmup_iters: int = 0
-    lr_warmup_fraction: Optional[float] = None
-    lr_decay_iters: Optional[int] = None  # default train_iters
-    lr_wsd_decay_iters: Optional[int] = None  # WSD: length of the final decay phase
-    lr_wsd_decay_style: str = "linear"
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0  # 0 disables clipping
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    # Mixed precision (fp32 master weights and Adam states in both 16-bit modes)
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: Optional[float] = None  # static scale; None = dynamic (fp16)
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    # Data parallelism / ZeRO (issue: distributed optimizer)
-    zero_stage: int = 0  # 0 DDP, 1 optimizer states, 2 + grads, 3 + params
-    use_distributed_optimizer: bool = False  # Megatron's spelling of zero_stage >= 1
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    ddp_bucket_size: Optional[int] = None  # elements per bucket; None = one bucket per ~40M elems
-    zero3_prefetch_depth: int = 1
-
-    def __post_init__(self) -> None:
-        if self.use_distributed_optimizer and self.zero_stage == 0:
-            self.zero_stage = 1  # Megatron's spelling of ZeRO-1
+    # The 16-bit mode is the model's (ModelConfig.params_dtype): the optimizer reads it from the
+    # parameters it is given, so the two cannot disagree.
+    GROUP = "optimizer and learning rate"
+    optimizer: str = setting("adam", "adam: AdamW with decoupled weight decay; sgd: with momentum "
+                             "--adam-beta1 (--zero-stage 0 only)", choices=("adam", "adamw", "sgd"))
+    lr: float = setting(1e-3)
+    min_lr: float = setting(1e-4)
+    lr_decay_style: str = setting("cosine", choices=("constant", "linear", "cosine", "WSD",
+                                                     "inverse-square-root"))
+    lr_warmup_iters: int = setting(30)
+    lr_warmup_fraction: Optional[float] = setting(None)
+    lr_decay_iters: Optional[int] = setting(None, "default --train-iters")
+    lr_wsd_decay_iters: Optional[int] = setting(None)  # WSD: length of the final decay phase
+    lr_wsd_decay_style: str = setting("linear", choices=("linear", "cosine", "exponential",
+                                                         "minus_sqrt"))
+    weight_decay: float = setting(0.1)
+    clip_grad: float = setting(1.0)  # 0 disables clipping
+    adam_beta1: float = setting(0.9)
+    adam_beta2: float = setting(0.95)
+    adam_eps: float = setting(1e-8)
+    # fp16 loss scaling (fp32 master weights and Adam states in both 16-bit modes)
+    loss_scale: Optional[float] = setting(None, "static fp16 loss scale", group="mixed precision")
+    initial_loss_scale: float = setting(2.0 ** 32, group="mixed precision")
+    min_loss_scale: float = setting(1.0, group="mixed precision")
+    loss_scale_window: int = setting(1000, group="mixed precision")
+    hysteresis: int = setting(2, group="mixed precision")
+    # Data parallelism / ZeRO (docs/data_parallel.md); --use-distributed-optimizer means stage 1
+    zero_stage: int = setting(0, choices=(0, 1, 2, 3), group="data parallelism and ZeRO",
+                              layout=True)  # 0 DDP, 1 optimizer states, 2 + grads, 3 + params
+    overlap_grad_reduce: bool = setting(False, group="data parallelism and ZeRO")
+    overlap_param_gather: bool = setting(False, group="data parallelism and ZeRO")
+    ddp_bucket_size: Optional[int] = setting(  # elements; None = one bucket per ~40M elements
+        None, group="data parallelism and ZeRO")
+    zero3_prefetch_depth: int = setting(1, group="data parallelism and ZeRO")
 
     def validate(self) -> "OptimizerConfig":
-        if self.optimizer not in ("adam", "adamw", "sgd"):
-            raise ConfigError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
-        if self.bf16 and self.fp16:
-            raise ConfigError("--bf16 and --fp16 are mutually exclusive: choose one")
-        if self.lr_decay_style not in ("constant", "linear", "cosine", "WSD", "inverse-square-root"):
-            raise ConfigError(f"--lr-decay-style must be constant, linear, cosine or WSD, got "
-                              f"{self.lr_decay_style!r}")
+        self._check_choices()
         if self.lr < 0 or self.min_lr < 0:
             raise ConfigError(f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be >= 0")
         if self.min_lr > self.lr:
@@ -406,8 +491,6 @@ class OptimizerConfig(_Section):
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"--adam-beta1/--adam-beta2 must be in [0, 1), got "
                               f"{self.adam_beta1}, {self.adam_beta2}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {self.zero_stage}")
         if self.zero_stage >= 1 and self.optimizer not in ("adam", "adamw"):
             raise ConfigError(f"--optimizer {self.optimizer}: the distributed optimizer (ZeRO) "
                               f"implements adam (AdamW); use --zero-stage 0 for sgd")
@@ -432,23 +515,26 @@ class OptimizerConfig(_Section):
             raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N")
         return self
 
-    @property
-    def params_dtype(self) -> str:
-        return "bfloat16" if self.bf16 else "float16" if self.fp16 else "float32"
-
 
 @dataclass
 class DataConfig(_Section):
-    data_path: Optional[list] = None  # None: the built-in corpus (Python stdlib sources)
-    split: str = "969,30,1"
-    tokenizer_type: Optional[str] = None  # None: byte-level BPE trained on the corpus
-    tokenizer_model: Optional[str] = None
-    vocab_size: int = 8192  # for the trained tokenizer
-    dataset_text_field: str = "text"
-    num_workers: int = 0
-    eod_mask_loss: bool = False
-    mock_data: bool = False
-    data_cache_path: Optional[str] = None
+    GROUP = "data"
+    data_path: Optional[list] = setting(
+        None, "files, HF dataset names or Megatron .bin/.idx prefixes, optionally weighted "
+        "('0.3 a 0.7 b'); default: the built-in corpus", nargs="*")
+    split: str = setting("969,30,1")
+    tokenizer_type: Optional[str] = setting(
+        None, "HuggingFaceTokenizer, GPT2BPETokenizer, ...; default: a byte-level BPE trained on "
+        "the corpus")
+    tokenizer_model: Optional[str] = setting(None)
+    # The size of the byte-level BPE trained on the corpus: --vocab-size, which sets the model's
+    # too (the model's is the tokenizer's once resolved, this one stays the BPE's target)
+    vocab_size: int = setting(8192, no_flag="--vocab-size")
+    dataset_text_field: str = setting("text")
+    num_workers: int = setting(0)
+    eod_mask_loss: bool = setting(False)
+    mock_data: bool = setting(False, "random tokens (for smoke tests)")
+    data_cache_path: Optional[str] = setting(None)
 
     def validate(self) -> "DataConfig":
         parts = self.split.replace("/", ",").split(",")
@@ -471,26 +557,33 @@ class DataConfig(_Section):
 
 @dataclass
 class TrainingConfig(_Section):
-    micro_batch_size: int = 4
-    global_batch_size: Optional[int] = None  # default micro * dp
-    train_iters: int = 500
-    eval_interval: int = 100
-    eval_iters: int = 10
-    skip_train: bool = False
-    seed: int = 1234
-    # pipeline schedule
-    pipeline_schedule: Optional[str] = None  # 1f1b|interleaved|zb-h1|zb-v|dualpipev (None: auto)
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None  # derived by resolve, from v
-    decoder_first_pipeline_num_layers: Optional[int] = None
-    decoder_last_pipeline_num_layers: Optional[int] = None
-    timing_log_level: int = 0
-    exit_interval: Optional[int] = None
-    exit_duration_in_mins: Optional[float] = None  # save and stop after this much wall time
-    exit_signal_handler: bool = False  # SIGTERM/SIGINT: finish the iteration, save, exit 0
-    check_for_nan_in_loss_and_grad: bool = True  # bf16/fp32: stop before applying a NaN step
+    GROUP = "misc"
+    micro_batch_size: int = setting(4, group="batch", layout=True)
+    global_batch_size: Optional[int] = setting(
+        None, "default micro-batch size x data-parallel size", group="batch")
+    train_iters: int = setting(300, group="optimizer and learning rate")
+    eval_interval: int = setting(100, group="logging and evaluation")
+    eval_iters: int = setting(10, group="logging and evaluation")
+    skip_train: bool = setting(False, group="logging and evaluation")
+    seed: int = setting(1234)
+    pipeline_schedule: Optional[str] = setting(  # None: default_schedule(v)
+        None, choices=SCHEDULES, group="parallelism", layout=True)
+    decoder_first_pipeline_num_layers: Optional[int] = setting(None, group="parallelism",
+                                                               layout=True)
+    decoder_last_pipeline_num_layers: Optional[int] = setting(None, group="parallelism",
+                                                              layout=True)
+    timing_log_level: int = setting(0, choices=(0, 1, 2), group="parallelism")
+    exit_interval: Optional[int] = setting(None)
+    exit_duration_in_mins: Optional[float] = setting(
+        None, "save a checkpoint and exit 0 once the run has lasted this long")
+    exit_signal_handler: bool = setting(
+        False, "on SIGTERM/SIGINT finish the iteration, save a checkpoint, exit 0")
+    check_for_nan_in_loss_and_grad: bool = setting(
+        True, "bf16/fp32: a NaN/Inf loss or grad norm stops the run before the optimizer step")
 
     def validate(self, data_parallel_size: Optional[int] = None) -> "TrainingConfig":
         """``data_parallel_size`` None: the checks that do not depend on it."""
+        self._check_choices()
         if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
             raise ConfigError(f"--exit-duration-in-mins must be positive, got "
                               f"{self.exit_duration_in_mins}")
@@ -510,13 +603,6 @@ class TrainingConfig(_Section):
         if self.eval_interval <= 0 or self.eval_iters < 0:
             raise ConfigError(f"--eval-interval must be > 0 and --eval-iters >= 0, got "
                               f"{self.eval_interval}, {self.eval_iters}")
-        if self.num_layers_per_virtual_pipeline_stage is not None and \
-                self.num_layers_per_virtual_pipeline_stage <= 0:
-            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage must be positive, got "
-                              f"{self.num_layers_per_virtual_pipeline_stage}")
-        if self.pipeline_schedule not in (None,) + SCHEDULES:
-            raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
-                              f"{self.pipeline_schedule!r}")
         return self
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
@@ -527,8 +613,7 @@ def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[
                         schedule: Optional[str] = None) -> str:
     """Validate (p, v, m, schedule); return the resolved schedule name. One-line ConfigErrors."""
     p, m, v = pp_size, num_microbatches, vpp_size or 1
-    if schedule is None:
-        schedule = "interleaved" if v > 1 else "1f1b"
+    schedule = schedule or default_schedule(v)
     if schedule not in SCHEDULES:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
                           f"{schedule!r}")
@@ -560,15 +645,17 @@ def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[
 
 @dataclass
 class CheckpointConfig(_Section):
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False
-    exit_on_missing_checkpoint: bool = False
-    use_checkpoint_args: bool = False
+    GROUP = "checkpoints"
+    save: Optional[str] = setting(None)
+    load: Optional[str] = setting(None)
+    save_interval: Optional[int] = setting(None, "default: save only at the end of training")
+    no_save_optim: bool = setting(False)
+    no_load_optim: bool = setting(False)
+    no_load_rng: bool = setting(False)
+    finetune: bool = setting(False, "load model weights only and start at iteration 0")
+    exit_on_missing_checkpoint: bool = setting(False)
+    use_checkpoint_args: bool = setting(
+        False, "take the model-shape flags from the checkpoint's args.json")
 
     def validate(self) -> "CheckpointConfig":
         if self.save_interval is not None and self.save_interval <= 0:
@@ -582,13 +669,15 @@ class CheckpointConfig(_Section):
 
 @dataclass
 class LoggingConfig(_Section):
-    log_interval: int = 10
-    wandb_project: Optional[str] = None
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    tensorboard_dir: Optional[str] = None
-    log_throughput: bool = True
-    metrics_file: Optional[str] = None
+    GROUP = "logging and evaluation"
+    log_interval: int = setting(10)
+    wandb_project: Optional[str] = setting(None)
+    wandb_exp_name: Optional[str] = setting(None)
+    wandb_save_dir: Optional[str] = setting(None)
+    tensorboard_dir: Optional[str] = setting(None)
+    log_throughput: bool = setting(True)
+    metrics_file: Optional[str] = setting(
+        None, "default: metrics.jsonl in --save, else in the working directory")
 
     def validate(self) -> "LoggingConfig":
         if self.log_interval <= 0:
@@ -596,9 +685,14 @@ class LoggingConfig(_Section):
         return self
 
 
+SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
+            "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig,
+            "logging": LoggingConfig}
+
+
 @dataclass
 class MegaliteConfig(_Section):
-    """Everything pretrain.py needs, built by megalite.arguments from the command line."""
+    """Everything pretrain.py needs; ``MegaliteConfig()`` is ``python pretrain.py``'s run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -619,29 +713,25 @@ class MegaliteConfig(_Section):
         tr.validate(None if world_size is None else par.data_parallel_size(world_size))
         self.checkpoint.validate()
         self.logging.validate()
-        L, p, v = self.model.num_layers, par.pipeline_model_parallel_size, \
-            par.virtual_pipeline_model_parallel_size
-        if v is not None and L % (p * v) != 0:
-            raise ConfigError(f"--num-layers ({L}) must be divisible by "
-                              f"--pipeline-model-parallel-size ({p}) x "
-                              f"--num-virtual-stages-per-pipeline-rank ({v})")
-        if self.optimizer.zero_stage == 3 and tr.pipeline_schedule in ("zb-h1",) + V_SCHEDULES:
-            raise ConfigError(f"--zero-stage 3 does not support --pipeline-schedule "
-                              f"{tr.pipeline_schedule} (deferred weight gradients would keep every "
-                              f"unit gathered until its W pass); use 1f1b or interleaved, or "
-                              f"--zero-stage 1/2")
+        p, v = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
+        layers_per_virtual_stage(self.model.num_layers, p, v)
+        check_zero3_schedule(self.optimizer.zero_stage, tr.pipeline_schedule)
         if world_size is not None and p > 1 and tr.global_batch_size is not None:
             # m, p, v and the schedule must fit together, before any model is built
             check_pipeline_args(p, tr.num_micro_batches(par.data_parallel_size(world_size)), v,
                                 tr.pipeline_schedule)
         return self
 
+    def layers_per_virtual_stage(self) -> Optional[int]:
+        par = self.parallel
+        return layers_per_virtual_stage(self.model.num_layers, par.pipeline_model_parallel_size,
+                                        par.virtual_pipeline_model_parallel_size)
+
     def resolve(self, world_size: int, tokenizer_vocab_size: int) -> "MegaliteConfig":
         """The run's configuration: derived values filled in, validated, read-only.
 
-        Derived here: the global batch (default micro-batch x data-parallel size), the layers per
-        virtual stage (from ``parallel.virtual_pipeline_model_parallel_size``, never back), and
-        the vocabulary: the tokenizer's, unless the model's came from a checkpoint
+        Derived here: the global batch (default micro-batch x data-parallel size) and the
+        vocabulary: the tokenizer's, unless the model's came from a checkpoint
         (``--use-checkpoint-args``), which may be larger (the extra rows are never predicted).
         (Defaults that need no outside facts are filled in at construction, in
         ``__post_init__``.)
@@ -650,9 +740,7 @@ class MegaliteConfig(_Section):
         vocab = m.vocab_size if self.checkpoint.use_checkpoint_args else tokenizer_vocab_size
         model = replace(m, vocab_size=vocab, tokenizer_vocab_size=(
             tokenizer_vocab_size if tokenizer_vocab_size != vocab else None))
-        v = par.virtual_pipeline_model_parallel_size  # the fact; layers per virtual stage follow
-        per = m.num_layers // (par.pipeline_model_parallel_size * v) if v else None
-        training = replace(tr, num_layers_per_virtual_pipeline_stage=per, global_batch_size=(
+        training = replace(tr, global_batch_size=(
             tr.global_batch_size or tr.micro_batch_size * par.data_parallel_size(world_size)))
         out = replace(self, model=model, optimizer=replace(self.optimizer), training=training,
                       parallel=replace(par), data=replace(self.data),
@@ -662,3 +750,61 @@ class MegaliteConfig(_Section):
                         out.checkpoint, out.logging):
             object.__setattr__(section, "_frozen", True)
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# roles, and args.json: the MegaliteConfig of a checkpoint
+# ------------------------------------------------------------------------------------------------
+def _with_role(*roles: str) -> tuple:
+    return tuple(f.name for f in fields(ModelConfig) if f.metadata.get("role") in roles)
+
+
+# Flags whose value must agree between a checkpoint and the run that resumes it: they change the
+# shapes of parameters (or, for rope/learned positions, which parameters exist).
+MODEL_SHAPE_FIELDS = _with_role(SHAPE)
+# Taken from args.json with --use-checkpoint-args (shape plus numerics that define the model).
+CHECKPOINT_ARGS_FIELDS = _with_role(SHAPE, CHECKPOINT_ARG)
+
+# What args.json files written before every default was declared once mean by a missing key: the
+# dataclasses' defaults of then, where today's differ (config_from_dict fills these, never today's).
+LEGACY_DEFAULTS = {
+    "model": dict(num_layers=4, hidden_size=256, num_attention_heads=4, hidden_dropout=0.1,
+                  attention_dropout=0.1),
+    "optimizer": dict(lr=3e-4, min_lr=0.0, lr_warmup_iters=0, weight_decay=0.01,
+                      adam_beta2=0.999),
+    "training": dict(train_iters=500),
+}
+
+
+def flag_of(field_name: str) -> str:
+    """How error messages name the ModelConfig field ``field_name``."""
+    f = next(f for f in fields(ModelConfig) if f.name == field_name)
+    return f.metadata.get("shown") or flag_name(f) or f.metadata["no_flag"]
+
+
+def config_to_json(cfg: MegaliteConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
+
+
+def config_from_dict(d: dict) -> MegaliteConfig:
+    """Rebuild a MegaliteConfig from args.json. Unknown keys are ignored (older/newer files);
+    a missing key takes LEGACY_DEFAULTS' value where there is one, else today's default."""
+    kwargs = {}
+    for key, cls in SECTIONS.items():
+        sub = d.get(key, {}) or {}
+        names = {f.name for f in fields(cls)}
+        # (files with use_distributed_optimizer always recorded its zero_stage 1 beside it)
+        values = {**LEGACY_DEFAULTS.get(key, {}), **{k: v for k, v in sub.items() if k in names}}
+        kwargs[key] = cls(**values)
+    return MegaliteConfig(**kwargs)
+
+
+def model_shape_differences(saved: ModelConfig, current: ModelConfig,
+                            names: Sequence[str] = MODEL_SHAPE_FIELDS) -> List[str]:
+    """'--flag: checkpoint X, now Y' for every shape-defining field that differs."""
+    out = []
+    for name in names:
+        a, b = getattr(saved, name), getattr(current, name)
+        if a != b:
+            out.append(f"{flag_of(name)}: checkpoint has {a}, this run has {b}")
+    return out

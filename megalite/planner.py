@@ -16,7 +16,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.config import CP_COMM_TYPES, ConfigError, ModelConfig, ParallelConfig
+from megalite.config import (
+    CP_COMM_TYPES,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    check_zero3_schedule,
+    default_schedule,
+)
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
@@ -494,17 +501,17 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
                             context_parallel_size=c, cp_comm_type=lay.cp_comm_type)
         pc.validate(seq_length=m.cfg.seq_length)
         pc.check_context_parallel(m.cfg)
+        check_zero3_schedule(lay.zero_stage, lay.pipeline_schedule)
         stage_chunks(m, lay)  # pretrain.py's checks of the (uneven) layer placement
     except ConfigError as e:
         return str(e)
     sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
     if (t * c * p * d != cl.num_gpus or (v > 1 and m.cfg.num_layers % (p * v)) or gbs % (d * b)
             or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
-            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))
-            or (lay.zero_stage == 3 and sched in ("zb-h1",) + V_SCHEDULES)):
+            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
         return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
                 "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
-                "DP x CP > 1, ZeRO-3 no zero-bubble schedule")
+                "DP x CP > 1")
     return None
 
 
@@ -561,10 +568,10 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
                else par.virtual_pipeline_model_parallel_size or 1)
     c = par.context_parallel_size
     lay = Layout(t, p, v, world_size // (t * p * c),
-                 opt.zero_stage or int(opt.use_distributed_optimizer),
+                 opt.zero_stage,
                  cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",
                  tr.micro_batch_size,
-                 tr.pipeline_schedule or ("interleaved" if v > 1 else "1f1b"), c, par.cp_comm_type,
+                 tr.pipeline_schedule or default_schedule(v), c, par.cp_comm_type,
                  cfg.model.recompute_method, cfg.model.recompute_num_layers,
                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers)
     return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)

@@ -193,7 +193,7 @@ class Trainer:
         model_parallel_seed(tr.seed, ps.tp_rank, ps.pp_rank, ps.device)
         chunks = build_model_chunks(
             cfg.model, ps, seed=tr.seed,
-            num_layers_per_virtual_pipeline_stage=tr.num_layers_per_virtual_pipeline_stage,
+            num_layers_per_virtual_pipeline_stage=cfg.layers_per_virtual_stage(),
             decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
             device=ps.device, v_shape=tr.pipeline_schedule in V_SCHEDULES,
@@ -230,7 +230,7 @@ class Trainer:
         log.print(f" megalite: world size {ps.world_size} | tp {ps.tp_size} cp {ps.cp_size} "
                   f"pp {ps.pp_size} dp {ps.dp_size} | device {ps.device} | "
                   f"{n_params / 1e6:.2f}M parameters | vocab {cfg.model.vocab_size} | "
-                  f"{cfg.optimizer.params_dtype}")
+                  f"{cfg.model.params_dtype}")
         if ps.rank == 0 and not tr.skip_train and self.train_ds is not None:
             ent, ntok = unigram_entropy(self.train_ds)
             self.summary["unigram_entropy"] = ent
@@ -241,7 +241,7 @@ class Trainer:
                      "num_parameters": n_params}, self.iteration, split="data")
         self.flops_per_iter = model_flops_per_sequence(
             cfg.model, cfg.model.padded_vocab_size(ps.tp_size)) * tr.global_batch_size
-        self.peak_flops = peak_flops_per_device(ps.device, cfg.optimizer.params_dtype) \
+        self.peak_flops = peak_flops_per_device(ps.device, cfg.model.params_dtype) \
             if cfg.logging.log_throughput and ps.rank == 0 else float("nan")
 
     # --------------------------------------------------------------------------------------------
@@ -345,7 +345,8 @@ class Trainer:
         # weights: a NaN/Inf loss or grad norm stops every rank before the step and before any
         # save; the optimizer reads both with its other decisions, one host read per step.
         # fp16 skips overflowing steps instead.
-        check = self.cfg.training.check_for_nan_in_loss_and_grad and not self.cfg.optimizer.fp16
+        check = (self.cfg.training.check_for_nan_in_loss_and_grad
+                 and self.cfg.model.params_dtype != "float16")
         try:
             updated, grad_norm, _num_zeros = self.optimizer.step(loss if check else None)
         except NonFiniteStep as e:
@@ -356,7 +357,7 @@ class Trainer:
 
     def _diverged(self, what: str) -> TrainingError:
         return TrainingError(
-            f"{what} at iteration {self.iteration + 1} in {self.cfg.optimizer.params_dtype}, "
+            f"{what} at iteration {self.iteration + 1} in {self.cfg.model.params_dtype}, "
             f"stopped before the optimizer step (--check-for-nan-in-loss-and-grad): training "
             f"diverged; lower --lr, raise --lr-warmup-iters or set --clip-grad")
 

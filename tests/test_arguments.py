@@ -2,12 +2,8 @@
 
 import pytest
 
-from megalite.arguments import (
-    config_from_dict,
-    model_shape_differences,
-    parse_args,
-)
-from megalite.config import ConfigError
+from megalite.arguments import parse_args
+from megalite.config import ConfigError, config_from_dict, model_shape_differences
 
 
 def test_defaults_are_a_small_gpt2_for_cpu():
@@ -37,7 +33,7 @@ def test_flags_reach_the_dataclasses():
     assert m.num_query_groups == 2 and m.position_embedding_type == "rope" and m.swiglu
     assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
     assert cfg.parallel.sequence_parallel and not hasattr(m, "sequence_parallel")
-    assert m.params_dtype == "bfloat16" and cfg.optimizer.bf16
+    assert m.params_dtype == "bfloat16" and not hasattr(cfg.optimizer, "bf16")  # one fact
     assert m.recompute_granularity == "full" and m.recompute_num_layers == 1
     assert cfg.optimizer.zero_stage == 2 and cfg.optimizer.overlap_grad_reduce
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
@@ -95,3 +91,149 @@ def test_args_json_roundtrip_and_shape_diff():
     diffs = model_shape_differences(cfg.model, other.model)
     assert any(d.startswith("--hidden-size: checkpoint has 64, this run has 128") for d in diffs)
     assert model_shape_differences(cfg.model, back.model) == []
+
+
+# ------------------------------------------------------------------ one declaration per setting
+def test_every_setting_is_declared_once():
+    """A field without a flag says why; a flag is a field's or one of the compound flags; every
+    model field has a role, and the shape fields are among those --use-checkpoint-args takes."""
+    from dataclasses import fields
+
+    from megalite.arguments import COMPOUND_FLAGS, build_parser
+    from megalite.config import (CHECKPOINT_ARGS_FIELDS, MODEL_SHAPE_FIELDS, SECTIONS,
+                                 ModelConfig, flag_name)
+
+    parser_flags = {a.option_strings[0] for a in build_parser()._actions} - {"-h"}
+    compound = {flag for _, flag, _ in COMPOUND_FLAGS}
+    declared = set()
+    for cls in SECTIONS.values():
+        for f in fields(cls):
+            flag = flag_name(f)
+            if flag is None:
+                why = f.metadata["no_flag"]
+                assert why, f"{cls.__name__}.{f.name} has neither a flag nor a reason"
+                if why.startswith("--"):  # set by a compound flag's translation: it exists
+                    assert set(why.replace("/", " ").split()) <= parser_flags, (f.name, why)
+            else:
+                assert flag not in declared, f"{flag} is declared twice"
+                declared.add(flag)
+    assert parser_flags == declared | compound
+    for f in fields(ModelConfig):
+        assert f.metadata["role"] in ("shape", "checkpoint-arg", "run"), f.name
+    assert set(MODEL_SHAPE_FIELDS) < set(CHECKPOINT_ARGS_FIELDS)
+    assert {"num_layers", "hidden_size", "vocab_size", "qk_layernorm"} <= set(MODEL_SHAPE_FIELDS)
+
+
+def test_library_defaults_are_the_cli_defaults():
+    from megalite.config import MegaliteConfig
+
+    assert MegaliteConfig() == parse_args([])
+    MegaliteConfig().validate(1)  # and they are valid as they stand (context parallelism too)
+    cp = MegaliteConfig()
+    cp.parallel.context_parallel_size = 2
+    cp.validate(2)
+
+
+def _describe(parser):
+    out = {}
+    for g in parser._action_groups:
+        for a in g._group_actions:
+            if a.option_strings and "--help" not in a.option_strings:
+                out[" ".join(a.option_strings)] = dict(
+                    default=a.default, choices=None if a.choices is None else list(a.choices),
+                    nargs=a.nargs, const=a.const, action=type(a).__name__, group=g.title,
+                    type=getattr(a.type, "__name__", None))
+    return out
+
+
+def test_flags_and_defaults_are_those_recorded_before_the_declarations():
+    """pretrain.py and tools/plan.py keep every flag, default, kind and --help group they had
+    (tests/fixtures/cli/flags_before.json, dumped from the hand-written parser). The one change:
+    --optimizer offers sgd, which the optimizer always implemented."""
+    import json
+    import os
+    import sys
+
+    from pretrain_utils import ROOT
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from megalite.arguments import build_parser
+    from plan import build_plan_parser
+
+    with open(os.path.join(ROOT, "tests", "fixtures", "cli", "flags_before.json")) as f:
+        before = json.load(f)
+    for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
+        now, old = _describe(parser), before[tool]
+        assert set(now) == set(old), tool
+        old["--optimizer"]["choices"].append("sgd")
+        for flag, want in old.items():
+            got = dict(now[flag])
+            if want["type"] is None:  # choices of strings: argparse took them untyped
+                got["type"] = None
+            assert got == want, (tool, flag)
+
+
+def test_old_args_json_loads_to_the_config_it_meant():
+    """A committed args.json from before the declarations (it still has bf16/fp16,
+    use_distributed_optimizer, the layers per virtual stage) loads with every recorded value,
+    ZeRO-1 from use_distributed_optimizer; keys it lacks take the defaults of when it was
+    written (LEGACY_DEFAULTS), never a default that moved since."""
+    import json
+    import os
+
+    from megalite.config import LEGACY_DEFAULTS
+    from pretrain_utils import ROOT
+
+    path = os.path.join(ROOT, "tests", "fixtures", "optimizer_v1", "zero1", "iter_0000001",
+                        "args.json")
+    with open(path) as f:
+        saved = json.load(f)
+    cfg = config_from_dict(saved)
+    for section, values in saved.items():
+        now = getattr(cfg, section).to_dict()
+        for k, v in values.items():
+            if k in now:
+                assert now[k] == v, (section, k)
+    assert cfg.optimizer.zero_stage == 1 and cfg.parallel.context_parallel_size == 1
+    bare = config_from_dict({})  # a file older than every field
+    for section, values in LEGACY_DEFAULTS.items():
+        for k, v in values.items():
+            assert getattr(getattr(bare, section), k) == v, (section, k)
+    assert bare.model.ffn_hidden_size == 1024 and bare.model.num_query_groups == 4
+
+
+def test_virtual_stages_either_flag_one_fact():
+    a = parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                    "--num-layers-per-virtual-pipeline-stage", "2"])
+    b = parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "8",
+                    "--num-virtual-stages-per-pipeline-rank", "2"])
+    assert a == b and a.parallel.virtual_pipeline_model_parallel_size == 2
+    assert a.layers_per_virtual_stage() == 2
+    for argv in (["--num-layers-per-virtual-pipeline-stage", "4"],
+                 ["--num-virtual-stages-per-pipeline-rank", "4"]):
+        with pytest.raises(ConfigError) as e:
+            parse_args(["--pipeline-model-parallel-size", "2", "--num-layers", "6"] + argv)
+        msg = str(e.value)  # whichever flag was given, the message names both
+        assert "--num-virtual-stages-per-pipeline-rank" in msg
+        assert "--num-layers-per-virtual-pipeline-stage" in msg
+
+
+def test_sgd_is_a_choice_that_runs():
+    import torch
+
+    from megalite.models import GPTModel
+    from megalite.optimizer import build_optimizer
+    from megalite.parallel_state import ParallelState
+    from model_utils import tiny_config
+
+    cfg = parse_args(["--optimizer", "sgd", "--lr", "0.1", "--min-lr", "0"])
+    with pytest.raises(ConfigError, match="--optimizer sgd"):
+        parse_args(["--optimizer", "sgd", "--zero-stage", "1"])
+    model = GPTModel(tiny_config(), ParallelState(), seed=1)
+    opt = build_optimizer([model], cfg.optimizer, ParallelState())
+    assert isinstance(opt.inner, torch.optim.SGD)
+    ids = torch.randint(0, 100, (2, 17))
+    model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    assert opt.step()[0]
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))

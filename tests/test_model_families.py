@@ -116,7 +116,8 @@ def test_bad_family_flags_are_one_line_errors(argv, match):
 
 
 def test_windowed_attention_flops_are_counted_by_the_window():
-    full = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=256)
+    full = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=256,
+                       vocab_size=8192)  # FLOPs count the vocabulary: pinned, not defaulted
     half = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=256,
                        sliding_window=32, max_window_layers=2)
     assert attention_flops(full) == 3 * 4 * 64 * 4 * 256 * 256

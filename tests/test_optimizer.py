@@ -52,7 +52,7 @@ def test_dynamic_scaler_backs_off_and_grows():
 
 def test_fp16_overflow_skips_step_and_halves_scale():
     model = _model("float16")
-    cfg = OptimizerConfig(fp16=True, initial_loss_scale=2.0 ** 8, hysteresis=1, lr=1e-2)
+    cfg = OptimizerConfig(initial_loss_scale=2.0 ** 8, hysteresis=1, lr=1e-2)
     opt = build_optimizer([model], cfg, ParallelState())
     before = [p.detach().clone() for p in model.parameters()]
     _backward(model, scale=opt.get_loss_scale())
@@ -152,13 +152,13 @@ def test_lr_schedule_shapes(style):
 
 def test_bf16_keeps_fp32_masters_and_state_roundtrip():
     model = _model("bfloat16")
-    opt = build_optimizer([model], OptimizerConfig(bf16=True, lr=1e-2), ParallelState())
+    opt = build_optimizer([model], OptimizerConfig(lr=1e-2), ParallelState())
     assert opt.get_loss_scale() == 1.0
     _backward(model)
     assert opt.step()[0]
     sd = opt.state_dict()
     model2 = _model("bfloat16")
-    opt2 = build_optimizer([model2], OptimizerConfig(bf16=True, lr=1e-2), ParallelState())
+    opt2 = build_optimizer([model2], OptimizerConfig(lr=1e-2), ParallelState())
     opt2.load_state_dict(sd)
     for a, b in zip(opt.masters, opt2.masters):
         assert a.dtype == torch.float32 and torch.equal(a, b)
@@ -180,7 +180,7 @@ def test_zero_stage0_works_on_each_flat_buffer_at_once():
             self.ops[func] += 1
             return func(*args, **(kwargs or {}))
 
-    cfg = OptimizerConfig(bf16=True, lr=1e-2)
+    cfg = OptimizerConfig(lr=1e-2)
     chunks = wrap_chunks([_model("bfloat16")], cfg, ParallelState())[0]
     opt = build_optimizer(chunks, cfg, ParallelState())
     bufs = chunks[0].grad_buffers

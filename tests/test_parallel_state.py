@@ -157,6 +157,7 @@ def test_gpt_model_runs_without_torch_distributed():
 
     assert not dist.is_initialized()
     model = GPTModel(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2,
-                                 seq_length=8, vocab_size=50))
+                                 seq_length=8, vocab_size=50, hidden_dropout=0.1,
+                                 attention_dropout=0.1))  # the library's dropout of then
     logits = model(torch.randint(0, 50, (3, 8)))
     assert logits.shape == (3, 8, 50)

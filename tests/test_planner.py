@@ -132,7 +132,8 @@ def test_llama3_405b_cost_of_context_parallelism():
     TP8 PP16 CP1 at 8,192 (16M tokens a batch each). The predicted ratio (full-sequence attention
     FLOPs, the planner's layouts of docs/planner.md) is 0.82: within 15% of 380/400."""
     cfg = dict(num_layers=128, hidden_size=16384, ffn_hidden_size=53248, num_attention_heads=128,
-               num_query_groups=8, swiglu=True, vocab_size=128256, params_dtype="bfloat16")
+               num_query_groups=8, swiglu=True, vocab_size=128256, params_dtype="bfloat16",
+               hidden_dropout=0.1, attention_dropout=0.1)  # as Megatron's runs (and before)
     cl = Cluster(16384, 8, GPUS["H100-80GB"])
     mfu = [step_time(Model.from_config(ModelConfig(seq_length=s, **cfg)),
                      Layout(8, 16, 8, 16384 // (128 * c), 2, True, "full", 1, "interleaved", c,

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from megalite import collectives as C
+from megalite.arguments import parse_args
 from megalite.config import ConfigError, OptimizerConfig
 from megalite.distributed.ddp import wrap_chunks
 from megalite.models import GPTModel
@@ -283,7 +284,7 @@ def _mixed_precision_worker(rank, world_size):
     bf16 = {}
     for stage in (0, 1, 2):
         out = train(ps, parity_config(params_dtype="bfloat16"),
-                    opt_config(zero_stage=stage, bf16=True, overlap_grad_reduce=True), 6,
+                    opt_config(zero_stage=stage, overlap_grad_reduce=True), 6,
                     micro_batches=2, bucket_size=BUCKET)
         check_memory(out, stage, f"bf16 stage {stage}")
         bf16[stage] = out
@@ -303,7 +304,7 @@ def _mixed_precision_worker(rank, world_size):
     fp16 = {}
     for stage in (0, 1, 2):
         out = train(ps, parity_config(params_dtype="float16"),
-                    opt_config(zero_stage=stage, fp16=True, initial_loss_scale=1024.0,
+                    opt_config(zero_stage=stage, initial_loss_scale=1024.0,
                                hysteresis=1), 5, micro_batches=1, bucket_size=BUCKET,
                     before_step=inject)
         where = f"fp16 stage {stage}"
@@ -459,7 +460,7 @@ def test_bad_config_is_a_clear_error():
         OptimizerConfig(zero_stage=4).validate()
     # --zero-stage 2 alone selects the distributed optimizer; --use-distributed-optimizer means 1
     assert OptimizerConfig(zero_stage=2, overlap_param_gather=True).validate().zero_stage == 2
-    assert OptimizerConfig(use_distributed_optimizer=True).validate().zero_stage == 1
+    assert parse_args(["--use-distributed-optimizer"]).optimizer.zero_stage == 1
     with pytest.raises(ConfigError, match="--optimizer sgd"):
         OptimizerConfig(zero_stage=1, optimizer="sgd").validate()
     model = GPTModel(parity_config(), ParallelState(), seed=SEED)

@@ -224,14 +224,14 @@ def _dp2_worker(rank, world_size):
     from megalite.optimizer.distrib_optimizer import DistributedOptimizer
 
     bcfg = tiny_config("gpt2", num_layers=3, params_dtype="bfloat16")
-    model, opt = _build(bcfg, ps, bf16=True)
+    model, opt = _build(bcfg, ps)
     assert model.units[1].shard.dtype == torch.bfloat16
     assert model.units[1].main.dtype == torch.float32
     got = _train(model, opt, ps, 5)
     for (l, _), (r, _) in zip(got, ref):
         assert abs(l - r) <= 2e-2 * r, (l, r)
     for stage in (1, 2):
-        oc = OptimizerConfig(**{**HP, "zero_stage": stage, "bf16": True}).validate()
+        oc = OptimizerConfig(**{**HP, "zero_stage": stage}).validate()
         chunks, _, _ = wrap_chunks([GPTModel(bcfg, ps, seed=7)], oc, ps)
         want = _train(chunks[0], DistributedOptimizer(chunks, oc, ps), ps, 5)
         for it, ((l, g), (wl, wg)) in enumerate(zip(got, want)):
@@ -239,7 +239,7 @@ def _dp2_worker(rank, world_size):
 
     # 6. fp16 with dynamic loss scaling: an inf on one rank makes every rank skip the step.
     fcfg = tiny_config("gpt2", num_layers=2, params_dtype="float16")
-    model, opt = _build(fcfg, ps, fp16=True, initial_loss_scale=2.0 ** 10, hysteresis=1)
+    model, opt = _build(fcfg, ps, initial_loss_scale=2.0 ** 10, hysteresis=1)
     _train(model, opt, ps, 2)
     before = [u.main.clone() for u in model.units]
     tokens, labels = _batch(0)

@@ -22,8 +22,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.arguments import _config_from_namespace, build_parser  # noqa: E402
-from megalite.config import ConfigError  # noqa: E402
+from megalite.arguments import build_parser, config_from_namespace, layout_flags  # noqa: E402
+from megalite.config import ConfigError, default_schedule  # noqa: E402
 from megalite.planner import (  # noqa: E402
     GPUS,
     USABLE_MEMORY_FRACTION,
@@ -36,22 +36,10 @@ from megalite.planner import (  # noqa: E402
     stage_chunks,
 )
 
-# layout flags -> planner Layout fields; only the flags present on the command line are pinned
-_PINNED = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
-           "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
-           "--sequence-parallel": "sequence_parallel",
-           "--recompute-granularity": "recompute_granularity",
-           "--micro-batch-size": "micro_batch_size",
-           "--zero-stage": "zero_stage", "--use-distributed-optimizer": "zero_stage",
-           "--num-layers-per-virtual-pipeline-stage": "virtual_pipeline_model_parallel_size",
-           "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
-           "--pipeline-schedule": "pipeline_schedule",
-           "--context-parallel-size": "context_parallel_size", "--cp-comm-type": "cp_comm_type",
-           # not searched: evaluated where given
-           "--recompute-method": "recompute_method",
-           "--recompute-num-layers": "recompute_num_layers",
-           "--decoder-first-pipeline-num-layers": "decoder_first_pipeline_num_layers",
-           "--decoder-last-pipeline-num-layers": "decoder_last_pipeline_num_layers"}
+# layout flags -> planner Layout fields (their declarations say which); only the flags present on
+# the command line are pinned. --recompute-method/--recompute-num-layers and the uneven stages
+# are not searched: evaluated where given.
+_PINNED = layout_flags()
 
 
 def as_json(pl: Plan) -> dict:
@@ -134,7 +122,7 @@ def parse(argv):
         raise ConfigError("--global-batch-size N is required to plan (DP and PP consume it)")
     if ns.top < 1:
         raise ConfigError(f"--top must be >= 1, got {ns.top}")
-    cfg = _config_from_namespace(ns)
+    cfg = config_from_namespace(ns)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
     cfg.model.validate(1)
     gpu = GPUS[ns.gpu]
@@ -149,8 +137,7 @@ def parse(argv):
     fixed = {}
     for flag, field in _PINNED.items():
         if flag in given:
-            fixed[field] = {"zero_stage": cfg.optimizer.zero_stage or
-                            (1 if cfg.optimizer.use_distributed_optimizer else 0),
+            fixed[field] = {"zero_stage": cfg.optimizer.zero_stage,
                             "virtual_pipeline_model_parallel_size":
                             cfg.parallel.virtual_pipeline_model_parallel_size or 1,
                             "recompute_granularity": cfg.model.recompute_granularity,
@@ -158,7 +145,7 @@ def parse(argv):
                             }.get(field, getattr(ns, field, None))
     if "virtual_pipeline_model_parallel_size" in fixed and "pipeline_schedule" not in fixed:
         v = fixed["virtual_pipeline_model_parallel_size"]  # pretrain.py's default schedule for v
-        fixed["pipeline_schedule"] = "interleaved" if v > 1 else "1f1b"
+        fixed["pipeline_schedule"] = default_schedule(v)
     if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
         stage_chunks(Model(cfg.model), Layout(**fixed))
     model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy)

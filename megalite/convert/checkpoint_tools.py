@@ -33,8 +33,14 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 import torch
 
 from megalite import checkpointing as ckpt
-from megalite.arguments import config_to_json
-from megalite.config import V_SCHEDULES, ConfigError, MegaliteConfig, ModelConfig, dtype_from_name
+from megalite.config import (
+    V_SCHEDULES,
+    ConfigError,
+    MegaliteConfig,
+    ModelConfig,
+    config_to_json,
+    dtype_from_name,
+)
 from megalite.convert.hf import (
     IGNORED_HF_SUFFIXES,
     FAMILY_OF_MODEL_TYPE,
@@ -146,8 +152,6 @@ def check_target_layout(cfg: MegaliteConfig, layout: Layout, dp: Optional[int] =
     if dp is not None and dp < 1:
         raise ConversionError(f"--data-parallel-size must be >= 1, got {dp}")
     m = cfg.model
-    if layout.tp == 1:  # sequence parallelism needs TP; a tp=1 target simply does not use it
-        cfg.parallel.sequence_parallel = False
     m.validate(layout.tp)  # heads, query groups, ffn % t: messages name the flags
     layout.ranges(m.num_layers)  # layers % (p * v), p <= layers
     tr = cfg.training
@@ -168,7 +172,8 @@ def _set_layout(cfg: MegaliteConfig, layout: Layout) -> None:
     v = layout.num_chunks(L)
     vpp = v > 1 and not layout.v_schedule
     cfg.parallel.virtual_pipeline_model_parallel_size = v if vpp else None
-    cfg.training.num_layers_per_virtual_pipeline_stage = layout.layers_per_virtual_stage
+    if layout.tp == 1:  # sequence parallelism needs TP; a tp=1 target simply does not use it
+        cfg.parallel.sequence_parallel = False
     cfg.training.decoder_first_pipeline_num_layers = layout.decoder_first
     cfg.training.decoder_last_pipeline_num_layers = layout.decoder_last
     if layout.v_schedule or cfg.training.pipeline_schedule in V_SCHEDULES or (
@@ -498,8 +503,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
     cfg = copy.deepcopy(src.cfg)
     if zero_stage is not None:
         cfg.optimizer.zero_stage = zero_stage
-        cfg.optimizer.use_distributed_optimizer = zero_stage >= 1
-    target_zero = cfg.optimizer.zero_stage >= 1 or cfg.optimizer.use_distributed_optimizer
+    target_zero = cfg.optimizer.zero_stage >= 1
     dp = data_parallel_size
     if dp is None:
         dp = src.dp_size if src.optim_kind in ("zero", "zero3") else 1

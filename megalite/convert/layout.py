@@ -21,7 +21,13 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from megalite.config import V_SCHEDULES, ConfigError, MegaliteConfig, ModelConfig
+from megalite.config import (
+    V_SCHEDULES,
+    ConfigError,
+    MegaliteConfig,
+    ModelConfig,
+    layers_per_virtual_stage,
+)
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, pad_vocab
 from megalite.param_meta import ParamMeta, param_meta, set_param_meta
 from megalite.pipeline_parallel.partition import virtual_layer_ranges, virtual_stage
@@ -38,10 +44,13 @@ class Layout:
     decoder_first: Optional[int] = None  # uneven first/last stage (--decoder-first/last-...)
     decoder_last: Optional[int] = None
     v_schedule: Optional[str] = None  # zb-v / dualpipev: two chunks per rank in a V
+    virtual_stages: Optional[int] = None  # V instead of K (layers_per_virtual_stage): L = PP V K
 
     def ranges(self, num_layers: int) -> List[List[Tuple[int, int]]]:
         """``ranges[pp_rank][chunk]`` = global layer range; raises ConfigError if impossible."""
-        return virtual_layer_ranges(num_layers, self.pp, self.layers_per_virtual_stage,
+        per = self.layers_per_virtual_stage or layers_per_virtual_stage(
+            num_layers, self.pp, self.virtual_stages)
+        return virtual_layer_ranges(num_layers, self.pp, per,
                                     self.decoder_first, self.decoder_last,
                                     v_shape=self.v_schedule is not None)
 
@@ -57,10 +66,7 @@ class Layout:
 def layout_of_config(cfg: MegaliteConfig) -> Layout:
     """The layout a checkpoint's args.json says it was saved with."""
     par, tr = cfg.parallel, cfg.training
-    per = tr.num_layers_per_virtual_pipeline_stage
-    v = par.virtual_pipeline_model_parallel_size
-    if per is None and v and v > 1:
-        per = cfg.model.num_layers // (par.pipeline_model_parallel_size * v)
+    per = cfg.layers_per_virtual_stage()
     v_schedule = tr.pipeline_schedule if tr.pipeline_schedule in V_SCHEDULES else None
     return Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                   None if v_schedule else per, tr.decoder_first_pipeline_num_layers,

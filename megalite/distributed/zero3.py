@@ -62,7 +62,7 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import OptimizerConfig, dtype_from_name
+from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import packed
 from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
@@ -299,9 +299,8 @@ class Zero3Model(nn.Module):
         # computes); --zero3-prefetch-depth 0 turns it off and makes every collective blocking.
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)
         self.overlap = self.prefetch_depth > 0
-        model_dtype = next(model.parameters()).dtype
-        compute = (dtype_from_name(opt_cfg.params_dtype) if (opt_cfg.bf16 or opt_cfg.fp16)
-                   else model_dtype)
+        # the model's dtype (ModelConfig.params_dtype) is the compute dtype; masters are fp32
+        compute = next(model.parameters()).dtype
         self.compute_dtype = compute
         self.units: List[ShardedUnit] = []
         self.uses: List[Use] = []

@@ -94,7 +94,7 @@ class DistributedOptimizer(ShardedAdamW):
                 "the distributed optimizer needs --zero-stage 1 or 2 (stage 0: build_optimizer's "
                 "plain optimizer) and the model chunks wrapped in megalite.distributed."
                 "DistributedDataParallel (training.py's wrap_model_for_data_parallel does it)")
-        self._init_shared(config, ps)
+        self._init_shared(config, ps, next(chunks[0].parameters()).dtype)
         self.chunks = chunks
         self.zero_stage = config.zero_stage
         self.dp_group = ps.dp_cp_group  # ZeRO shards over DP x CP (parallel_state.py)

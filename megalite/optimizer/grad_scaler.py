@@ -80,9 +80,10 @@ class DynamicGradScaler:
         self._hysteresis_tracker = int(sd["hysteresis_tracker"])
 
 
-def build_grad_scaler(opt_cfg):
-    """None for bf16/fp32; a constant or dynamic scaler for fp16."""
-    if not opt_cfg.fp16:
+def build_grad_scaler(opt_cfg, params_dtype: torch.dtype):
+    """None for bf16/fp32 parameters; a constant or dynamic scaler for fp16 ones (the model's
+    dtype is the one fact of the 16-bit mode: ModelConfig.params_dtype)."""
+    if params_dtype != torch.float16:
         return None
     if opt_cfg.loss_scale is not None:
         return ConstantGradScaler(opt_cfg.loss_scale)

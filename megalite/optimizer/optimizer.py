@@ -148,7 +148,7 @@ class MixedPrecisionOptimizer(_LossScaling):
                                            betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
                                            eps=opt_cfg.adam_eps,
                                            weight_decay=opt_cfg.weight_decay, **kwargs)
-        self.grad_scaler = build_grad_scaler(opt_cfg)
+        self.grad_scaler = build_grad_scaler(opt_cfg, self.model_params[0].dtype)
 
     # --------------------------------------------------------------------------------- interface
     @property
@@ -253,10 +253,10 @@ class ShardedAdamW(_LossScaling):
 
     sharded_state_dict_per_dp_rank = True
 
-    def _init_shared(self, cfg, ps) -> None:
+    def _init_shared(self, cfg, ps, params_dtype: torch.dtype) -> None:
         self.cfg, self.ps = cfg, ps
         self.step_count = 0
-        self.grad_scaler = build_grad_scaler(cfg)
+        self.grad_scaler = build_grad_scaler(cfg, params_dtype)
         # Matrices decay, biases and norm weights do not (as the plain optimizer); the LR
         # scheduler writes group["lr"].
         self.param_groups = [{"name": "decay", "lr": cfg.lr, "weight_decay": cfg.weight_decay},

@@ -41,7 +41,7 @@ class Zero3Optimizer(ShardedAdamW):
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         if not chunks or not all(isinstance(c, Zero3Model) for c in chunks):
             raise TypeError("Zero3Optimizer needs the Zero3Model(s) from shard_model_zero3")
-        self._init_shared(opt_cfg, ps)
+        self._init_shared(opt_cfg, ps, chunks[0].compute_dtype)
         self.chunks = chunks
         self.model = chunks[0]  # its flat-buffer helpers work on any chunk's units
         self.units = [u for c in chunks for u in c.units]

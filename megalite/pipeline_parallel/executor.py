@@ -344,7 +344,5 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
         if v > 1:
             raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
         return ForwardBackwardFunc(forward_backward_no_pipelining, None)
-    if schedule is None:
-        schedule = "interleaved" if v > 1 else "1f1b"
-    check_pipeline_args(p, 2 * p, v, schedule)  # validates the name and v; m is checked per call
+    schedule = check_pipeline_args(p, 2 * p, v, schedule)  # the name, default and v; m per call
     return ForwardBackwardFunc(forward_backward_pipelining, schedule)

@@ -56,8 +56,11 @@ def _layout_flags(p: argparse.ArgumentParser, required: bool) -> None:
                    dest="tp", type=int, required=required, help="target TP size")
     p.add_argument("--pipeline-model-parallel-size", "--target-pipeline-model-parallel-size",
                    dest="pp", type=int, required=required, help="target PP size")
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", dest="vpp_layers", type=int,
+    v = p.add_mutually_exclusive_group()
+    v.add_argument("--num-layers-per-virtual-pipeline-stage", dest="vpp_layers", type=int,
                    default=None, help="target interleaved layout: layers per virtual stage")
+    v.add_argument("--num-virtual-stages-per-pipeline-rank", dest="vpp", type=int,
+                   default=None, help="target interleaved layout: virtual stages per rank")
     p.add_argument("--pipeline-schedule", dest="v_schedule", choices=V_SCHEDULES,
                    default=None, help="target V layout (two chunks per rank, rank r holding "
                                       "stages r and 2p-1-r) for that schedule")
@@ -120,7 +123,7 @@ def _layout(a, default_tp: int = 1, default_pp: int = 1):
 
     return Layout(a.tp if a.tp is not None else default_tp,
                   a.pp if a.pp is not None else default_pp, a.vpp_layers,
-                  v_schedule=a.v_schedule)
+                  v_schedule=a.v_schedule, virtual_stages=a.vpp)
 
 
 def run(a) -> str:
