@@ -1,10 +1,12 @@
 """Thin wrappers over torch.distributed collectives that count bytes and check devices.
 
 Every megalite collective goes through here (tests/test_collectives_strict.py greps for raw
-``dist.`` calls) so that communication volume can be measured and held against the ring formulas
-in docs/theory.md (all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, where S is the
-full array size). A group of ``None`` or size 1 means "no peers": the call is a local no-op, which
-is how single-process runs skip communication (docs/design.md, contract 7).
+``dist.`` calls) so that communication volume can be measured and held against the formulas in
+docs/theory.md: all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, where S is the
+full array size; all-to-all sum over j != r of split_j * row bytes, the input rows rank r sends
+to the other ranks (its own split stays local). A group of ``None`` or size 1 means "no peers":
+the call is a local no-op (a copy where there is an output), which is how single-process runs
+skip communication (docs/design.md, contract 7).
 
 Two paths (docs/clusters.md, "Which collectives run where"): the *device path* (default) carries
 compute-device tensors (NCCL on GPUs); the *host path* (``host=True``) carries CPU control
@@ -125,6 +127,25 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
     _count(tag, input.numel() * input.element_size(), n, 1.0)
     return _reduce_scatter_tensor(output, input.contiguous(), op=op, group=group,
                                       async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes,
+                      input_split_sizes, group, tag: str, async_op: bool = False):
+    """Rows ``input_split_sizes[j]`` of ``input`` (dim 0, in order) go to rank j; ``output`` gets
+    rank j's rows for this rank in the j-th ``output_split_sizes`` block. Split sizes are host
+    ints (None: equal splits); MoE's dispatch reads them once per layer and micro-batch."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(input)
+        return None
+    _check(tag, input, group, False)
+    _check(tag, output, group, False)
+    if not torch.compiler.is_compiling():  # see bytes_sent
+        rows = input_split_sizes or [input.shape[0] // n] * n
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        _BYTES_SENT[tag] += (sum(rows) - rows[group_rank(group)]) * row_bytes
+    return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                                  input_split_sizes, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, tag: str = "broadcast",
