@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 # Context-parallel attention implementations (--cp-comm-type; docs/context_parallel.md).
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -34,9 +35,12 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
 ZERO3_SCHEDULES = ("1f1b", "interleaved")
 
 # The --help groups, in the order pretrain.py prints them.
-GROUPS = ("model", "parallelism", "batch", "mixed precision", "optimizer and learning rate",
-          "data parallelism and ZeRO", "activation recomputation", "speed (docs/performance.md)",
-          "checkpoints", "data", "logging and evaluation", "misc")
+GROUPS = ("model", "mixture of experts", "parallelism", "batch", "mixed precision",
+          "optimizer and learning rate", "data parallelism and ZeRO", "activation recomputation",
+          "speed (docs/performance.md)", "checkpoints", "data", "logging and evaluation", "misc")
+# The balancing losses megalite implements (docs/moe.md); Megatron also has sinkhorn and lists of
+# types, which ModelConfig.validate refuses by name rather than with argparse's generic message.
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 # Roles of model fields: SHAPE changes parameter shapes (a checkpoint and the run resuming it must
 # agree); CHECKPOINT_ARG defines the model too, and --use-checkpoint-args takes both from args.json;
 # RUN is each run's own choice (dropout, recomputation, compilation).
@@ -91,6 +95,76 @@ def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
             f"x --context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = "
             f"{tp * cp * pp}")
     return world_size // (tp * cp * pp)
+
+
+def check_expert_grid_divisible(world_size: int, etp: int, ep: int, pp: int) -> int:
+    """The expert-data-parallel size of the folded expert grid, or a ConfigError naming the
+    flags (the one home of this check): each stage's TP x CP x DP ranks, world / PP, are cut into
+    ETP x EP x EDP instead."""
+    if etp < 1 or ep < 1 or pp < 1 or world_size % (etp * ep * pp):
+        raise ConfigError(
+            f"world size ({world_size}) / --pipeline-model-parallel-size ({pp}) must be divisible "
+            f"by --expert-tensor-parallel-size ({etp}) x --expert-model-parallel-size ({ep}), "
+            f"each >= 1 (the expert grid reuses each stage's TP x CP x DP ranks)")
+    return world_size // (etp * ep * pp)
+
+
+_LAYER_FREQ_HELP = ("an integer N (layer i, from 0, is MoE when N divides i) or a 0/1 list "
+                    "pattern such as [1,0,1,1] or ([0]*3+[1]*29)")
+
+
+def parse_moe_layer_freq(text: str) -> Union[int, List[int]]:
+    """--moe-layer-freq as Megatron reads it, without eval: an integer N, or a list built from
+    integer lists, ``[x]*n`` repeats and ``+`` concatenation, optionally in parentheses."""
+    tokens, pos = re.findall(r"\d+|\S", str(text)), 0
+    bad = ConfigError(f"--moe-layer-freq must be {_LAYER_FREQ_HELP}, got {text!r}")
+    if len(tokens) == 1 and tokens[0].isdigit():
+        return int(tokens[0])
+
+    def take(want: Optional[str] = None) -> str:  # the next token: ``want``, or a number
+        nonlocal pos
+        tok = tokens[pos] if pos < len(tokens) else ""
+        if tok != want if want else not tok.isdigit():
+            raise bad
+        pos += 1
+        return tok
+
+    def peek() -> str:
+        return tokens[pos] if pos < len(tokens) else ""
+
+    def expr() -> list:  # term ('+' term)*
+        out = term()
+        while peek() == "+":
+            take("+")
+            out = out + term()
+        return out
+
+    def term() -> list:  # atom ('*' n)*
+        out = atom()
+        while peek() == "*":
+            take("*")
+            out = out * int(take())
+        return out
+
+    def atom() -> list:  # '(' expr ')' | '[' n, ... ']'
+        if peek() == "(":
+            take("(")
+            out = expr()
+            take(")")
+            return out
+        take("[")
+        out = []
+        while peek() != "]":
+            out.append(int(take()))
+            if peek() != "]":
+                take(",")
+        take("]")
+        return out
+
+    out = expr()
+    if pos != len(tokens):
+        raise bad
+    return out
 
 
 def default_schedule(v: Optional[int]) -> str:
@@ -216,6 +290,78 @@ class ModelConfig(_Section):
     hidden_dropout: float = setting(0.0, role=RUN)
     attention_dropout: float = setting(0.0, role=RUN)
     init_method_std: float = setting(0.02, role=CHECKPOINT_ARG)
+    # Mixture of experts (docs/moe.md): every moe_* setting needs num_experts.
+    num_experts: Optional[int] = setting(
+        None, "E experts in each MoE layer (default: a dense MLP in every layer)",
+        group="mixture of experts", role=SHAPE)
+    moe_router_topk: int = setting(2, "k experts each token is routed to",
+                                   group="mixture of experts", role=CHECKPOINT_ARG)
+    moe_ffn_hidden_size: Optional[int] = setting(
+        None, "each expert's MLP width (default --ffn-hidden-size)", group="mixture of experts",
+        role=SHAPE)
+    moe_layer_freq: str = setting("1", f"which layers are MoE: {_LAYER_FREQ_HELP}",
+                                  group="mixture of experts", role=SHAPE)
+    moe_grouped_gemm: bool = setting(
+        False, "all local experts in one grouped GEMM instead of a loop over them",
+        group="mixture of experts", role=RUN)
+    moe_router_score_function: str = setting(
+        "softmax", "how router logits become scores", choices=("softmax", "sigmoid"),
+        group="mixture of experts", role=CHECKPOINT_ARG)
+    moe_router_pre_softmax: bool = setting(
+        False, "softmax over all experts before the top-k (Switch, Qwen2-MoE)",
+        group="mixture of experts", role=CHECKPOINT_ARG)
+    moe_router_topk_scaling_factor: Optional[float] = setting(
+        None, "multiply the gates by this (DeepSeek-V3: 2.5)", group="mixture of experts",
+        role=CHECKPOINT_ARG)
+    moe_router_num_groups: Optional[int] = setting(
+        None, "group-limited routing: G groups of experts", group="mixture of experts",
+        role=CHECKPOINT_ARG)
+    moe_router_group_topk: Optional[int] = setting(
+        None, "group-limited routing: each token picks its k experts from this many groups",
+        group="mixture of experts", role=CHECKPOINT_ARG)
+    moe_router_group_score: str = setting(
+        "topk_sum", "how a group is scored: topk_sum (Megatron's rule) or top2_sum (HF "
+        "DeepSeek-V3 / GLM-4-MoE); megalite's flag, not Megatron's",
+        choices=("topk_sum", "top2_sum"), group="mixture of experts", role=CHECKPOINT_ARG)
+    moe_router_dtype: str = setting(
+        "fp32", "dtype of the router logits; Megatron's default is no cast, megalite computes "
+        "them in fp32 by default as Megatron's README recommends", choices=("fp32", "fp64"),
+        group="mixture of experts", role=RUN)
+    moe_router_enable_expert_bias: bool = setting(  # SHAPE: the bias is a buffer it adds
+        False, "loss-free balancing: a per-expert bias for the choice only (sigmoid scores)",
+        group="mixture of experts", role=SHAPE)
+    moe_router_bias_update_rate: float = setting(
+        1e-3, "step of the expert-bias update", group="mixture of experts", role=RUN)
+    moe_router_load_balancing_type: str = setting(
+        "aux_loss", f"balancing loss: {', '.join(MOE_LOAD_BALANCING_TYPES)} (Megatron's sinkhorn "
+        "is not implemented)", group="mixture of experts", role=RUN,
+        metavar="{" + ",".join(MOE_LOAD_BALANCING_TYPES) + "}")
+    moe_aux_loss_coeff: float = setting(0.0, "alpha of the balancing loss",
+                                        group="mixture of experts", role=RUN)
+    moe_z_loss_coeff: Optional[float] = setting(None, "beta of the router z-loss (ST-MoE)",
+                                                group="mixture of experts", role=RUN)
+    moe_expert_capacity_factor: Optional[float] = setting(
+        None, "cap each expert at this times a balanced load, dropping the rest (default "
+        "dropless)", group="mixture of experts", role=RUN)
+    moe_token_drop_policy: str = setting(
+        "probs", "over capacity keep the highest gates (probs) or the earliest tokens (position)",
+        choices=("probs", "position"), group="mixture of experts", role=RUN)
+    moe_pad_expert_input_to_capacity: bool = setting(
+        False, "pad every expert's input to the capacity (fixed shapes)",
+        group="mixture of experts", role=RUN)
+    moe_shared_expert_intermediate_size: Optional[int] = setting(
+        None, "width of the shared expert every token also passes through (default none)",
+        group="mixture of experts", role=SHAPE)
+    moe_shared_expert_gate: bool = setting(
+        False, "Qwen2-MoE's sigmoid gate on the shared expert's output (megatron-core's "
+        "moe_shared_expert_gate)", group="mixture of experts", role=SHAPE)
+    moe_router_force_load_balancing: bool = setting(
+        False, "route tokens evenly whatever the router says (benchmarks only)",
+        group="mixture of experts", role=RUN)
+    moe_token_dispatcher_type: str = setting(
+        "alltoall", "how tokens reach the experts' ranks; Megatron's default is allgather, "
+        "megalite's alltoall", choices=("alltoall", "allgather"), group="mixture of experts",
+        role=RUN)
     recompute_granularity: Optional[str] = setting(
         None, choices=("full", "selective"), group="activation recomputation", role=RUN,
         layout=True)
@@ -239,6 +385,8 @@ class ModelConfig(_Section):
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.moe_ffn_hidden_size is None and self.num_experts is not None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size  # (dense: stays None, the default)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if (self.kv_channels is None and self.num_attention_heads > 0
@@ -272,6 +420,29 @@ class ModelConfig(_Section):
     @property
     def tie_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    def _moe_layer_freq(self) -> Union[int, List[int]]:
+        """--moe-layer-freq parsed and checked against --num-layers (one home for both)."""
+        freq = parse_moe_layer_freq(self.moe_layer_freq)
+        if isinstance(freq, int) and freq < 1:
+            raise ConfigError(f"--moe-layer-freq must be {_LAYER_FREQ_HELP}, got {freq}")
+        if isinstance(freq, list) and (len(freq) != self.num_layers or set(freq) - {0, 1}):
+            raise ConfigError(f"--moe-layer-freq {self.moe_layer_freq} must list one 0 (dense) or "
+                              f"1 (MoE) per layer, --num-layers ({self.num_layers}) in all; got "
+                              f"{len(freq)} values {sorted(set(freq))}")
+        return freq
+
+    def moe_layer_pattern(self) -> List[bool]:
+        """Per layer (0-based, global numbering), whether it is an MoE layer."""
+        if self.num_experts is None:
+            return [False] * self.num_layers
+        freq = self._moe_layer_freq()
+        if isinstance(freq, int):
+            return [i % freq == 0 for i in range(self.num_layers)]
+        return [bool(x) for x in freq]
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        return self.moe_layer_pattern()[layer_number]
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         t = tensor_model_parallel_size
@@ -328,10 +499,84 @@ class ModelConfig(_Section):
         if k is not None and not (k >= 1 and self.recompute_granularity == "full"):
             raise ConfigError(f"--recompute-num-layers ({k}) must be >= 1 and needs "
                               f"--recompute-granularity full")
+        self._validate_moe()
         return self
 
+    def _validate_moe(self) -> None:
+        """The MoE settings on their own (those that need the layout: MegaliteConfig.validate);
+        the router's rules (megalite/moe/router.py) are checked here too, before any work."""
+        e, k = self.num_experts, self.moe_router_topk
+        if e is None:
+            changed = [f for f in fields(self) if f.name.startswith("moe_")
+                       and getattr(self, f.name) != f.default]
+            if changed:
+                raise ConfigError(f"{flag_name(changed[0])} needs --num-experts N: without it "
+                                  f"every layer is a dense MLP")
+            return
+        if e < 1:
+            raise ConfigError(f"--num-experts must be >= 1 (omit it for a dense model), got {e}")
+        if not 1 <= k <= e:
+            raise ConfigError(f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e})")
+        softmax = self.moe_router_score_function == "softmax"
+        if k == 1 and softmax and not self.moe_router_pre_softmax:
+            # a softmax over one logit is constant 1: the router would get no gradient at all
+            raise ConfigError("--moe-router-topk 1 with softmax scores needs "
+                              "--moe-router-pre-softmax (or --moe-router-score-function sigmoid)")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{_flag(name)} must be a positive integer, got "
+                                  f"{getattr(self, name)}")
+        g, gk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (g is None) != (gk is None):
+            raise ConfigError(f"group-limited routing needs both --moe-router-num-groups and "
+                              f"--moe-router-group-topk, got {g} and {gk}")
+        if g is not None:
+            if g < 1 or e % g:
+                raise ConfigError(f"--moe-router-num-groups ({g}) must divide --num-experts ({e})")
+            if not 1 <= gk <= g:
+                raise ConfigError(f"--moe-router-group-topk ({gk}) must be between 1 and "
+                                  f"--moe-router-num-groups ({g})")
+            if k > gk * (e // g):
+                raise ConfigError(f"--moe-router-topk ({k}) exceeds the {gk * (e // g)} experts "
+                                  f"of the --moe-router-group-topk ({gk}) groups a token picks")
+            if self.moe_router_group_score == "topk_sum" and k < gk:
+                raise ConfigError(f"--moe-router-topk ({k}) must be >= --moe-router-group-topk "
+                                  f"({gk}) with topk_sum group scores (the top k/group_topk)")
+            if self.moe_router_group_score == "top2_sum" and e // g < 2:
+                raise ConfigError(f"--moe-router-group-score top2_sum needs at least 2 experts "
+                                  f"per group, --num-experts ({e}) / --moe-router-num-groups "
+                                  f"({g}) gives {e // g}")
+        cf = self.moe_expert_capacity_factor
+        if cf is not None and not cf > 0:
+            raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (omit it for dropless), "
+                              f"got {cf}")
+        if self.moe_pad_expert_input_to_capacity and cf is None:
+            raise ConfigError("--moe-pad-expert-input-to-capacity needs "
+                              "--moe-expert-capacity-factor (the capacity it pads to)")
+        if self.moe_router_enable_expert_bias and softmax:
+            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                              "sigmoid (as Megatron)")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("--moe-shared-expert-gate needs "
+                              "--moe-shared-expert-intermediate-size (the shared expert it gates)")
+        if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING_TYPES:
+            raise ConfigError(f"--moe-router-load-balancing-type "
+                              f"{self.moe_router_load_balancing_type} is not supported: use one "
+                              f"of {', '.join(MOE_LOAD_BALANCING_TYPES)} (Megatron's sinkhorn "
+                              f"and lists of types are not implemented)")
+        self._moe_layer_freq()
+
     def num_parameters(self, include_embeddings: bool = True) -> int:
-        """Parameter count Ψ of the full (unsharded, unpadded) model."""
+        """Parameter count Ψ of the full (unsharded, unpadded) model; an MoE layer counts its
+        router, all E experts and the shared expert (the expert bias is a buffer, not counted)."""
+        return self._count(include_embeddings, self.num_experts)
+
+    def num_active_parameters(self, include_embeddings: bool = True) -> int:
+        """The parameters one token uses: an MoE layer counts its router, the k experts the token
+        is routed to and the shared expert (the dense count for a dense model)."""
+        return self._count(include_embeddings, self.moe_router_topk)
+
+    def _count(self, include_embeddings: bool, experts: Optional[int]) -> int:
         h, f, L = self.hidden_size, self.ffn_hidden_size, self.num_layers
         d = self.kv_channels
         q = self.num_attention_heads * d
@@ -339,11 +584,20 @@ class ModelConfig(_Section):
         bias = self.add_bias_linear
         qkv_bias = self.add_qkv_bias
         norm = 2 * h if self.normalization == "LayerNorm" else h
+
+        def mlp(width: int) -> int:  # fc1 (gate and up with SwiGLU) and fc2, biases if any
+            fc1_out = 2 * width if self.swiglu else width
+            return h * fc1_out + (fc1_out if bias else 0) + width * h + (h if bias else 0)
+
         attn = h * (q + kv) + (q + kv if qkv_bias else 0) + q * h + (h if bias else 0)
-        fc1_out = 2 * f if self.swiglu else f
-        mlp = h * fc1_out + (fc1_out if bias else 0) + f * h + (h if bias else 0)
-        per_layer = attn + mlp + 2 * norm + (2 * d if self.qk_layernorm else 0)
-        total = L * per_layer + norm
+        per_layer = attn + 2 * norm + (2 * d if self.qk_layernorm else 0)
+        moe_layers = sum(self.moe_layer_pattern())
+        total = L * per_layer + (L - moe_layers) * mlp(f) + norm
+        if moe_layers:
+            fs = self.moe_shared_expert_intermediate_size
+            shared = (mlp(fs) + (h if self.moe_shared_expert_gate else 0)) if fs else 0
+            total += moe_layers * (self.num_experts * h + experts * mlp(self.moe_ffn_hidden_size)
+                                   + shared)
         if include_embeddings:
             total += self.vocab_size * h
             if self.position_embedding_type == "learned_absolute":
@@ -367,6 +621,14 @@ class ParallelConfig(_Section):
     cp_comm_type: str = setting(
         "p2p", "context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses)",
         choices=CP_COMM_TYPES, layout=True)
+    # The folded expert grid (docs/moe.md): each stage's TP x CP x DP ranks cut into ETP x EP x
+    # EDP. Not layout=True until the planner's Layout has these fields: tools/plan.py pins every
+    # layout flag given, and would fail on one its layouts lack.
+    expert_model_parallel_size: int = setting(
+        1, "EP: the experts of a layer are split over this many ranks")
+    expert_tensor_parallel_size: Optional[int] = setting(
+        None, "ETP: each expert's weights split over this many ranks (default "
+        "--tensor-model-parallel-size, as Megatron)")
     distributed_backend: Optional[str] = setting(None, "default nccl on CUDA, gloo on CPU",
                                                  choices=("gloo", "nccl"))
     device: Optional[str] = setting(None, "default cuda when available", choices=("cpu", "cuda"))
@@ -388,8 +650,13 @@ class ParallelConfig(_Section):
             raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
         if v is not None and v > 1 and p == 1:
             raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
+        if ep < 1 or (etp is not None and etp < 1):
+            raise ConfigError(f"--expert-model-parallel-size ({ep}) and "
+                              f"--expert-tensor-parallel-size ({etp}) must be >= 1")
         if world_size is not None:
             check_world_divisible(world_size, t, c, p)
+            check_expert_grid_divisible(world_size, self.expert_tp_size, ep, p)
         if self.sequence_parallel and t == 1:
             # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
             # it is an error rather than a silent no-op (docs/tensor_parallel.md).
@@ -403,6 +670,16 @@ class ParallelConfig(_Section):
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tensor_model_parallel_size * self.context_parallel_size
                                * self.pipeline_model_parallel_size)
+
+    @property
+    def expert_tp_size(self) -> int:
+        """ETP: --expert-tensor-parallel-size, or TP when not given (as Megatron)."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        return check_expert_grid_divisible(world_size, self.expert_tp_size,
+                                           self.expert_model_parallel_size,
+                                           self.pipeline_model_parallel_size)
 
     def check_context_parallel(self, model: ModelConfig) -> None:
         """What the sequence split needs of the model (docs/context_parallel.md, "Using it")."""
@@ -708,6 +985,7 @@ class MegaliteConfig(_Section):
         self.model.validate(par.tensor_model_parallel_size)
         par.validate(world_size, self.model.seq_length)
         par.check_context_parallel(self.model)
+        self._check_experts()
         self.optimizer.validate()
         self.data.validate()
         tr.validate(None if world_size is None else par.data_parallel_size(world_size))
@@ -721,6 +999,26 @@ class MegaliteConfig(_Section):
             check_pipeline_args(p, tr.num_micro_batches(par.data_parallel_size(world_size)), v,
                                 tr.pipeline_schedule)
         return self
+
+    def _check_experts(self) -> None:
+        """What the MoE settings need of the expert layout (the world size: ParallelConfig)."""
+        m, par = self.model, self.parallel
+        e, ep, etp = m.num_experts, par.expert_model_parallel_size, par.expert_tp_size
+        if e is None:
+            if ep != 1 or par.expert_tensor_parallel_size is not None:
+                raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size "
+                                  "need --num-experts N (a dense model has no experts to split)")
+            return
+        if e % ep:
+            raise ConfigError(f"--num-experts ({e}) must be divisible by "
+                              f"--expert-model-parallel-size ({ep})")
+        if m.moe_ffn_hidden_size % etp:
+            raise ConfigError(f"--moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible "
+                              f"by --expert-tensor-parallel-size ({etp})")
+        fs, t = m.moe_shared_expert_intermediate_size, par.tensor_model_parallel_size
+        if fs is not None and fs % t:  # the shared expert is a dense MLP, split over TP
+            raise ConfigError(f"--moe-shared-expert-intermediate-size ({fs}) must be divisible "
+                              f"by --tensor-model-parallel-size ({t})")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

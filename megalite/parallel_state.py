@@ -1,4 +1,4 @@
-"""Process groups for tensor, context, pipeline, data and model parallelism.
+"""Process groups for tensor, context, pipeline, data, model and expert parallelism.
 
 Ranks are laid out tp (fastest-varying) -> cp -> dp -> pp, as Megatron-LM's default order
 (docs/design.md, contract 6), so the ranks of one TP group, and of one TP x CP block, are
@@ -8,6 +8,11 @@ neighbours and land on one node:
 
 CP ranks hold the same parameters and different tokens, so gradients are reduced, and ZeRO
 shards, over the DP x CP group; the DP group alone says which samples a rank reads.
+
+MoE layers fold a second grid over the same ranks (docs/moe.md, "The folded expert grid"): each
+stage's TP x CP x DP ranks are cut into expert-tensor (ETP) x expert (EP) x expert-data (EDP)
+groups. Expert weights are split over ETP x EP and their gradients reduced over EDP; with the
+defaults (EP 1, ETP = TP) the EDP group is the DP x CP group and a dense run is unchanged.
 
 A :class:`ParallelState` is an object you pass (docs/design.md, "Conventions");
 :func:`get_parallel_state` returns the module-level default that :func:`initialize_model_parallel`
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import collectives as C
-from megalite.config import ConfigError, check_world_divisible
+from megalite.config import ConfigError, check_expert_grid_divisible, check_world_divisible
 from megalite.memory import cuda_peak_bytes
 
 
@@ -101,6 +106,19 @@ class ParallelState:
     cp_ranks: List[int] = field(default_factory=lambda: [0])
     cp_dp_ranks: List[int] = field(default_factory=lambda: [0])
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
+    # The expert grid (MoE): ETP x EP x EDP over each stage's ranks; groups of one are None.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = None  # the ranks that share out a layer's experts
+    ep_ranks: List[int] = field(default_factory=lambda: [0])
+    etp_size: int = 1
+    etp_rank: int = 0
+    etp_group: Optional[dist.ProcessGroup] = None  # the ranks that split one expert's weights
+    etp_ranks: List[int] = field(default_factory=lambda: [0])
+    edp_size: int = 1
+    edp_rank: int = 0
+    edp_group: Optional[dist.ProcessGroup] = None  # expert gradients are reduced over it
+    edp_ranks: List[int] = field(default_factory=lambda: [0])
     # Virtual pipeline (interleaved) bookkeeping, set by the pipeline code.
     vpp_size: Optional[int] = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -138,8 +156,11 @@ class ParallelState:
 
     def describe(self) -> str:
         cp = f"cp {self.cp_rank}/{self.cp_size} " if self.cp_size > 1 else ""
+        expert = (f" | etp {self.etp_rank}/{self.etp_size} ep {self.ep_rank}/{self.ep_size} "
+                  f"edp {self.edp_rank}/{self.edp_size}"
+                  if self.ep_size > 1 or self.etp_size != self.tp_size else "")
         return (f"rank {self.rank}/{self.world_size}: tp {self.tp_rank}/{self.tp_size} "
-                f"{cp}dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}")
+                f"{cp}dp {self.dp_rank}/{self.dp_size} pp {self.pp_rank}/{self.pp_size}{expert}")
 
 
 _DEFAULT = ParallelState()
@@ -181,14 +202,9 @@ def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
     """The expert grid of the folded MoE layout over the same ranks (pure function): expert-tensor
     (ETP, fastest) -> expert (EP) -> expert-data (EDP) -> pp, EDP = world / (PP x ETP x EP).
     Returns (edp, etp_groups, ep_groups, edp_groups, pp_groups); the pipeline groups are the dense
-    grid's, since both grids cut each stage's ranks the same way. Nothing builds process groups
-    from it yet: MoE will, as ``initialize_model_parallel`` does from :func:`rank_grid`."""
-    if etp < 1 or ep < 1 or pp < 1 or world_size % (etp * ep * pp):
-        raise ConfigError(
-            f"world size ({world_size}) must be divisible by --expert-tensor-parallel-size ({etp})"
-            f" x --expert-model-parallel-size ({ep}) x --pipeline-model-parallel-size ({pp}), "
-            f"each >= 1")
-    edp = world_size // (etp * ep * pp)
+    grid's, since both grids cut each stage's ranks the same way. ``initialize_model_parallel``
+    builds the expert process groups from it."""
+    edp = check_expert_grid_divisible(world_size, etp, ep, pp)
     groups = partial(grid_groups, torch.arange(world_size).view(pp, edp, ep, etp), "pdet")
     return edp, groups("t"), groups("e"), groups("d"), groups("p")
 
@@ -199,6 +215,8 @@ def initialize_model_parallel(
     *,
     context_parallel_size: int = 1,
     cp_comm_type: str = "p2p",
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
     backend: Optional[str] = None,
     device: Optional[str] = None,
     timeout_minutes: float = 10.0,
@@ -212,6 +230,7 @@ def initialize_model_parallel(
     Rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR, MASTER_PORT) unless given explicitly (tests). With world size 1 and no
     process group already initialised, no ``torch.distributed`` is needed at all.
+    ``expert_tensor_parallel_size`` None means the TP size (as Megatron).
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     if rank is None:
@@ -222,6 +241,8 @@ def initialize_model_parallel(
     cp = context_parallel_size
     dp, tp_groups, dp_groups, pp_groups, mp_groups, cp_groups, dp_cp_groups = rank_grid(
         world_size, tp, pp, cp)
+    ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
+    edp, etp_groups, ep_groups, edp_groups, _ = expert_rank_grid(world_size, etp, ep, pp)
 
     dev = resolve_device(device, local_rank)
     backend = backend or default_backend(dev.type)
@@ -251,13 +272,21 @@ def initialize_model_parallel(
         rank, world_size = dist.get_rank(), dist.get_world_size()
 
     state = ParallelState(rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
-                          cp_size=cp, cp_comm_type=cp_comm_type, device=dev, backend=backend)
+                          cp_size=cp, cp_comm_type=cp_comm_type, device=dev, backend=backend,
+                          ep_size=ep, etp_size=etp, edp_size=edp)
 
-    # Every rank must create every group, in the same order (a torch.distributed rule).
-    def make(groups, attr_group, attr_ranks):
+    # Every rank must create every group, in the same order (a torch.distributed rule). An expert
+    # group with the ranks of a dense one (ETP = TP, and EDP = DP x CP by default) is that group,
+    # not a second communicator, so a dense run creates exactly the groups it did before MoE.
+    dense = {}
+
+    def make(groups, attr_group, attr_ranks, expert=False):
         for ranks in groups:
-            group = (dist.new_group(ranks, backend=backend, timeout=timeout)
-                     if len(ranks) > 1 else None)
+            group = dense.get(tuple(ranks)) if expert else None
+            if group is None and len(ranks) > 1:
+                group = dist.new_group(ranks, backend=backend, timeout=timeout)
+                if not expert:
+                    dense.setdefault(tuple(ranks), group)
             if rank in ranks:
                 setattr(state, attr_group, group)
                 setattr(state, attr_ranks, list(ranks))
@@ -272,11 +301,17 @@ def initialize_model_parallel(
     # Embedding group: first and last stage of each pipeline (tied input/output embeddings).
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
     make(embedding_groups, "embedding_group", "embedding_ranks")
+    make(etp_groups, "etp_group", "etp_ranks", expert=True)
+    make(ep_groups, "ep_group", "ep_ranks", expert=True)
+    make(edp_groups, "edp_group", "edp_ranks", expert=True)
 
     state.tp_rank = state.tp_ranks.index(rank)
     state.dp_rank = state.dp_ranks.index(rank)
     state.pp_rank = state.pp_ranks.index(rank)
     state.cp_rank = state.cp_ranks.index(rank)
+    state.etp_rank = state.etp_ranks.index(rank)
+    state.ep_rank = state.ep_ranks.index(rank)
+    state.edp_rank = state.edp_ranks.index(rank)
     if set_default:
         set_parallel_state(state)
     return state

@@ -574,6 +574,8 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
         ps = initialize_model_parallel(
             par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
             context_parallel_size=par.context_parallel_size, cp_comm_type=par.cp_comm_type,
+            expert_model_parallel_size=par.expert_model_parallel_size,
+            expert_tensor_parallel_size=par.expert_tensor_parallel_size,
             backend=par.distributed_backend, device=par.device,
             timeout_minutes=par.distributed_timeout_minutes)
     t_start = time.time()

@@ -64,6 +64,61 @@ def test_expert_grid_folds_onto_the_same_ranks():
         expert_rank_grid(8, 1, 3, 1)
 
 
+def test_expert_grid_is_megatrons_expert_rank_generator():
+    """The expert groups are the ones megatron-core derives for the same sizes (its
+    RankGenerator over tp-ep-dp-pp with the expert sizes), as sets of rank lists."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.parallel_state import RankGenerator
+
+    for world, etp, ep, pp in ((8, 1, 4, 1), (8, 2, 2, 1), (16, 2, 2, 2), (24, 1, 3, 2),
+                               (32, 2, 4, 2)):
+        edp, etp_g, ep_g, edp_g, pp_g = expert_rank_grid(world, etp, ep, pp)
+        ref = RankGenerator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order="tp-ep-dp-pp")
+        for ours, kind in ((etp_g, "tp"), (ep_g, "ep"), (edp_g, "dp"), (pp_g, "pp")):
+            assert sorted(ours) == sorted(ref.get_ranks(kind)), (world, etp, ep, pp, kind)
+
+
+# (TP, CP, EP, ETP) at world 4: EP over the data ranks, EP beside TP with ETP 1, the defaults
+# (the expert groups are the dense ones), and EP over DP x CP
+EXPERT_LAYOUTS = ((1, 1, 2, None), (2, 1, 2, 1), (2, 1, 1, None), (1, 2, 4, None))
+
+
+def _expert_groups_worker(rank, world_size):
+    out = []
+    for tp, cp, ep, etp in EXPERT_LAYOUTS:
+        ps = initialize_model_parallel(tp, 1, context_parallel_size=cp,
+                                       expert_model_parallel_size=ep,
+                                       expert_tensor_parallel_size=etp, backend="gloo",
+                                       device="cpu", set_default=False)
+        edp, etp_g, ep_g, edp_g, _ = expert_rank_grid(world_size, etp or tp, ep, 1)
+        for kind, groups in (("etp", etp_g), ("ep", ep_g), ("edp", edp_g)):
+            ranks = next(g for g in groups if rank in g)
+            group = getattr(ps, f"{kind}_group")
+            assert getattr(ps, f"{kind}_ranks") == ranks, (kind, tp, ep, etp)
+            assert getattr(ps, f"{kind}_size") == len(ranks)
+            assert getattr(ps, f"{kind}_rank") == ranks.index(rank)
+            assert (group is None) == (len(ranks) == 1)  # a group of one: None, as the others
+            t = torch.tensor([float(rank)])
+            C.all_reduce(t, group=group)  # sums over exactly those ranks (one: a local no-op)
+            assert t.item() == sum(ranks), (kind, t.item(), ranks)
+        if ep == 1 and etp is None:  # the defaults: the dense groups themselves
+            assert ps.edp_group is ps.dp_cp_group and ps.etp_group is ps.tp_group
+        if ep == world_size // tp and (etp or tp) == tp:
+            assert ps.ep_group is ps.dp_cp_group
+        out.append(ps.describe())
+    return out
+
+
+def test_expert_groups_from_the_expert_grid():
+    out = run_distributed(_expert_groups_worker, 4)
+    assert out[3][0] == "rank 3/4: tp 0/1 dp 3/4 pp 0/1 | etp 0/1 ep 1/2 edp 1/2"
+    assert out[3][1] == "rank 3/4: tp 1/2 dp 1/2 pp 0/1 | etp 0/1 ep 1/2 edp 1/2"
+    assert out[3][2] == "rank 3/4: tp 1/2 dp 1/2 pp 0/1"  # dense layout: as before
+
+
 def _groups_worker(rank, world_size):
     # Picks rank/world size from RANK/WORLD_SIZE set by the harness, as under torchrun.
     ps = initialize_model_parallel(2, 2, backend="gloo", device="cpu")
