@@ -1019,6 +1019,32 @@ class MegaliteConfig(_Section):
         if fs is not None and fs % t:  # the shared expert is a dense MLP, split over TP
             raise ConfigError(f"--moe-shared-expert-intermediate-size ({fs}) must be divisible "
                               f"by --tensor-model-parallel-size ({t})")
+        if t > 1 and not par.sequence_parallel:  # as Megatron: each TP rank routes its own tokens
+            raise ConfigError(f"--num-experts with --tensor-model-parallel-size {t} needs "
+                              f"--sequence-parallel (every TP rank must route different tokens)")
+        # Not implemented yet, each refused rather than run wrongly (docs/moe.md, "Status"):
+        if etp > 1:
+            raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts split by tensor "
+                              f"parallelism are not supported yet; pass "
+                              f"--expert-tensor-parallel-size 1 (its default is "
+                              f"--tensor-model-parallel-size, {t})")
+        if m.moe_router_load_balancing_type == "global_aux_loss":
+            raise ConfigError("--moe-router-load-balancing-type global_aux_loss is not supported "
+                              "yet; use aux_loss (per micro-batch), seq_aux_loss or none")
+        if m.torch_compile:
+            raise ConfigError("--torch-compile with --num-experts: the MoE layer's dropless "
+                              "routing has data-dependent shapes and is not compiled yet; drop "
+                              "--torch-compile")
+        if ep > 1 and self.optimizer.zero_stage >= 1:
+            raise ConfigError(f"--zero-stage {self.optimizer.zero_stage} with "
+                              f"--expert-model-parallel-size {ep}: sharding expert state over the "
+                              f"expert-data-parallel group is not supported yet; use "
+                              f"--zero-stage 0, or --expert-model-parallel-size 1")
+        ck = self.checkpoint
+        if ep > 1 and (ck.save or ck.load):
+            raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints "
+                              f"of experts split over EP ranks are not supported yet; train at "
+                              f"--expert-model-parallel-size 1 to save or resume")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

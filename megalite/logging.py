@@ -44,16 +44,27 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
     h x f matrices): per token per layer, forward = 2·(h·(q + 2·kv) + q·h + h·f·(2 if SwiGLU else
     1) + f·h) + 4·s·q (scores and values, full s as in the formula; :func:`attention_flops`);
     backward = 2 x forward; plus the logits 6·h·V. The q/k norms of --qk-layernorm are O(s·q),
-    not matmuls, and not counted.
+    not matmuls, and not counted. A mixture-of-experts layer counts its active FLOPs: the router
+    2·h·E, the k routed experts and the shared expert (each an MLP of its own f), and the shared
+    expert's gate 2·h (docs/theory.md, "Mixture of experts").
     """
-    h, L, s, f = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.ffn_hidden_size
+    h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     d = cfg.kv_channels
     q = cfg.num_attention_heads * d
     kv = cfg.num_query_groups * d
     V = vocab_size if vocab_size is not None else cfg.vocab_size
-    fc1 = 2 * f if cfg.swiglu else f
-    fwd_layer = 2 * (h * (q + 2 * kv) + q * h + h * fc1 + f * h)
-    per_token = 3 * (L * fwd_layer + 2 * h * V)
+
+    def mlp(f: int) -> int:  # forward FLOPs per token of an MLP of width f
+        return 2 * (h * (2 * f if cfg.swiglu else f) + f * h)
+
+    n_moe = sum(cfg.moe_layer_pattern())
+    moe = 0
+    if n_moe:
+        shared = cfg.moe_shared_expert_intermediate_size
+        moe = (2 * h * cfg.num_experts + cfg.moe_router_topk * mlp(cfg.moe_ffn_hidden_size)
+               + (mlp(shared) + (2 * h if cfg.moe_shared_expert_gate else 0) if shared else 0))
+    fwd = L * 2 * (h * (q + 2 * kv) + q * h) + (L - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
+    per_token = 3 * (fwd + 2 * h * V)
     return float(per_token * s) + attention_flops(cfg)
 
 
@@ -253,6 +264,9 @@ def training_log_line(rec: dict, train_iters: int, eta_seconds: float) -> str:
              f"loss scale: {rec['loss_scale']:.1f}"]
     if rec.get("grad_norm") is not None:
         parts.append(f"grad norm: {rec['grad_norm']:.3f}")
+    if rec.get("moe_load_balancing_loss") is not None:  # mean over MoE layers; worst layer
+        parts.append(f"moe aux loss: {rec['moe_load_balancing_loss']:.4E}")
+        parts.append(f"moe imbalance: {rec['moe_max_imbalance']:.2f}")
     if rec.get("tokens_per_sec") is not None:
         parts.append(f"tokens/s: {rec['tokens_per_sec']:.0f}")
         parts.append(f"TFLOP/s/device: {rec['tflops_per_device']:.3f}")

@@ -43,12 +43,13 @@ class ParamMeta:
     stage's copy only. ``local_tied_copy``: the output-layer copy that shares a rank with the
     input embedding (V schedules), left out of the norm.
 
-    ``expert``: reserved for mixture-of-experts weights, which differ across the expert-parallel
-    ranks: their gradients are to be reduced (and ZeRO-sharded) over the expert-data-parallel
-    group instead of DP x CP. Nothing sets it yet.
+    ``expert``: mixture-of-experts weights (megalite/moe/layer.py), which differ across the
+    expert-parallel ranks: DDP reduces their gradients over the expert-data-parallel group
+    instead of DP x CP (a buffer of their own), and under EP > 1 the norm sums them over EP.
 
     ``init_method``: ``("normal", std)``, ``("normal_vocab", std)`` (real vocab rows drawn, padding
-    zero), ``("ones",)`` or ``("zeros",)``; ``init_seed_name``: the name whose seed draws the full
+    zero), ``("normal_experts", std, first)`` (stacked experts, each drawn from its global index,
+    the first local one being ``first``), ``("ones",)`` or ``("zeros",)``; ``init_seed_name``: the name whose seed draws the full
     tensor when not the parameter's own (the tied output copy draws the embedding's).
     models/init.py reads both.
     """

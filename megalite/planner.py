@@ -124,7 +124,8 @@ class Model:
         if t not in self.memo:
             cfg, V = self.cfg, self.cfg.padded_vocab_size(t)
             total = model_flops_per_sequence(cfg, V)
-            logits = model_flops_per_sequence(dataclasses.replace(cfg, num_layers=0), V)
+            logits = model_flops_per_sequence(dataclasses.replace(
+                cfg, num_layers=0, num_experts=None, moe_layer_freq="1"), V)  # no layer at all
             attn = attention_flops(cfg)
             self.memo[t] = {"total": total, "logits": logits, "attention": attn,
                             "layers": total - logits}
@@ -560,8 +561,11 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
 
 
 # ------------------------------------------------------------------------------- pretrain.py
-def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Dict:
-    """The planner's memory for the layout pretrain.py runs, at pipeline stage ``stage``."""
+def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Optional[Dict]:
+    """The planner's memory for the layout pretrain.py runs, at pipeline stage ``stage``; None
+    for a mixture-of-experts model, which the planner does not model yet."""
+    if cfg.model.num_experts is not None:
+        return None
     par, tr, opt = cfg.parallel, cfg.training, cfg.optimizer
     t, p, v = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                2 if tr.pipeline_schedule in V_SCHEDULES

@@ -43,6 +43,7 @@ from megalite.logging import (
     set_active_logger,
     training_log_line,
 )
+from megalite.moe.layer import moe_interval_metrics, set_aux_loss_scale, update_expert_biases
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
 from megalite.optimizer.grad_scaler import NonFiniteStep
 from megalite.parallel_state import (
@@ -316,8 +317,9 @@ class Trainer:
             settle()
         rec = {"measured_memory_bytes": probe.peak_bytes}
         line = f"measured peak of tensor memory {probe.peak_bytes / 2**30:.3f} GiB"
-        if self.memory_estimate is not None:
-            est = self.memory_estimate(cfg, ps.world_size, ps.device.type, ps.pp_rank)
+        est = None if self.memory_estimate is None else self.memory_estimate(
+            cfg, ps.world_size, ps.device.type, ps.pp_rank)
+        if est is not None:  # (None: a model the planner does not model, e.g. MoE)
             line = (f"planner estimate {est['total'] / 2**30:.3f} GiB, {line} "
                     f"({probe.peak_bytes / est['total'] - 1:+.1%} vs estimate)")
             rec.update({"estimated_memory_bytes": int(est["total"]), **{
@@ -335,6 +337,10 @@ class Trainer:
         """
         num_global_tokens = self._global_token_count(batches)
         self.optimizer.zero_grad()
+        # MoE balancing losses: averaged over the global batch's micro-batches, as the token loss
+        # is (DP sums gradients), and scaled like it under fp16 (megalite/moe/layer.py)
+        set_aux_loss_scale(self.chunks, self.optimizer.get_loss_scale()
+                           / (len(batches) * self.ps.dp_size))
         start = time.perf_counter()
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
         # no synchronize: on a GPU the host's time to queue the work, which must stay below the
@@ -353,6 +359,7 @@ class Trainer:
             raise self._diverged(str(e)) from None
         if updated:
             self.scheduler.step()
+        update_expert_biases(self.chunks, self.ps.tp_group, self.ps.dp_cp_group, updated)
         return loss, updated, grad_norm
 
     def _diverged(self, what: str) -> TrainingError:
@@ -424,6 +431,9 @@ class Trainer:
                "host_queue_ms_per_iteration": 1000 * interval.host_queue / interval.n,
                "skipped_iterations": interval.skipped,
                "peak_memory_bytes": peak_memory_bytes(ps.device)}
+        if cfg.model.num_experts is not None:
+            rec.update(moe_interval_metrics(self.chunks, cfg.model, interval.n * tr.global_batch_size
+                                            // tr.micro_batch_size, ps))
         if cfg.logging.log_throughput:
             achieved = self.flops_per_iter / t_it / ps.world_size
             peak = self.peak_flops

@@ -176,7 +176,8 @@ def test_expert_grid_must_fit_each_stage_one_home():
     known (resolve) with the message the rank grid gives too."""
     ok = parse_args(["--num-experts", "8", "--expert-model-parallel-size", "4",
                      "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
-                     "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                     "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                     "--num-layers", "4",
                      "--micro-batch-size", "1", "--global-batch-size", "24"])
     assert ok.resolve(16, 300).parallel.expert_data_parallel_size(16) == 2
     for world in (4, 12):  # world / PP = 2 or 6 ranks per stage, EP 4 fits neither
@@ -240,3 +241,21 @@ def test_library_config_validates_like_the_cli():
     cfg.model.moe_router_topk = 9
     with pytest.raises(ConfigError, match="--moe-router-topk"):
         cfg.validate()
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "pass --expert-tensor-parallel-size 1"),
+    (["--moe-router-load-balancing-type", "global_aux_loss"], "global_aux_loss is not supported"),
+    (["--torch-compile"], "--torch-compile with --num-experts"),
+    (["--expert-model-parallel-size", "2", "--zero-stage", "1"], "--zero-stage 1 with"),
+    (["--expert-model-parallel-size", "2", "--save", "x"], "--save/--load with"),
+])
+def test_what_moe_does_not_do_yet_is_refused_in_one_line(extra, needle):
+    from megalite.arguments import parse_args
+    from megalite.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--num-experts", "4"] + extra)
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -55,12 +55,14 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 
 
 def params_by_dtype(named_params):
-    """One buffer per parameter dtype, in order of first appearance; names are the chunk's own
-    (no "module." prefix). Items are (name, anything with a ``.dtype``), so the checkpoint
-    converter lays out its parameter descriptions with the same rule."""
-    by_dtype: Dict[torch.dtype, list] = {}
+    """One buffer per parameter dtype, in order of first appearance, and apart from those the
+    expert parameters (reduced over the expert-data-parallel group, megalite/moe/layer.py);
+    names are the chunk's own (no "module." prefix). Items are (name, anything with a
+    ``.dtype``), so the checkpoint converter lays out its parameter descriptions with the same
+    rule."""
+    by_dtype: Dict[tuple, list] = {}
     for name, p in named_params:
-        by_dtype.setdefault(p.dtype, []).append((name, p))
+        by_dtype.setdefault((p.dtype, param_meta(p).expert), []).append((name, p))
     return list(by_dtype.values())
 
 
@@ -90,8 +92,10 @@ class DistributedDataParallel(nn.Module):
         for named in params_by_dtype(named_params):
             dtype = named[0][1].dtype
             grad_dtype = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+            expert = param_meta(named[0][1]).expert
             self.grad_buffers.append(ParamAndGradBuffer(
-                named, grad_dtype=grad_dtype, dp_group=self.dp_group, zero_stage=self.zero_stage,
+                named, grad_dtype=grad_dtype, zero_stage=self.zero_stage,
+                dp_group=parallel_state.edp_group if expert else self.dp_group,
                 bucket_size=self.bucket_size))
         self.param_to_buffer: Dict[nn.Parameter, ParamAndGradBuffer] = {
             p: buf for buf in self.grad_buffers for p in buf.slots}
@@ -193,18 +197,18 @@ class DistributedDataParallel(nn.Module):
         self._record("launch", bucket.index)
         async_op = self.overlap_grad_reduce
         if buf.zero_stage == 0:
-            bucket.grad_handle = C.all_reduce(bucket.grad_data, group=self.dp_group,
+            bucket.grad_handle = C.all_reduce(bucket.grad_data, group=buf.dp_group,
                                               async_op=async_op, tag="dp_grad_all_reduce")
         elif buf.zero_stage == 1:
             # In place: rank r's shard of the bucket receives the sum.
             bucket.grad_handle = C.reduce_scatter_tensor(
-                buf.grad_shard(bucket), bucket.grad_data, group=self.dp_group, async_op=async_op,
+                buf.grad_shard(bucket), bucket.grad_data, group=buf.dp_group, async_op=async_op,
                 tag="dp_grad_reduce_scatter")
         else:
             bucket.pending_out = torch.empty(bucket.shard_numel, dtype=buf.grad_dtype,
                                              device=buf.device)
             bucket.grad_handle = C.reduce_scatter_tensor(
-                bucket.pending_out, bucket.grad_data, group=self.dp_group, async_op=async_op,
+                bucket.pending_out, bucket.grad_data, group=buf.dp_group, async_op=async_op,
                 tag="dp_grad_reduce_scatter")
         bucket.launched = True
 
@@ -293,7 +297,7 @@ class DistributedDataParallel(nn.Module):
                 shard = b.param_data[lo:lo + b.shard_numel]
                 self._record("param_gather", b.index)
                 b.param_handle = C.all_gather_into_tensor(
-                    b.param_data, shard, group=self.dp_group, async_op=overlap,
+                    b.param_data, shard, group=buf.dp_group, async_op=overlap,
                     tag="dp_param_all_gather")
                 if not overlap:
                     b.param_handle = None

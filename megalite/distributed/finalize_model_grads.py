@@ -49,8 +49,11 @@ def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) ->
 
 
 def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
-    grads = [g for m in models for p in m.parameters() if (g := grad_of(p)) is not None]
-    _all_reduce_coalesced(grads, ps.dp_cp_group, "dp_grad_all_reduce")
+    """Over DP x CP; expert weights over the expert-data-parallel group (their replicas)."""
+    for expert, group in ((False, ps.dp_cp_group), (True, ps.edp_group)):
+        grads = [g for m in models for p in m.parameters()
+                 if param_meta(p).expert == expert and (g := grad_of(p)) is not None]
+        _all_reduce_coalesced(grads, group, "dp_grad_all_reduce")
 
 
 def finalize_model_grads(models, ps: ParallelState, data_parallel: bool = True) -> None:

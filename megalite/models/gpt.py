@@ -115,7 +115,7 @@ class GPTModel(nn.Module):
         start, end = self.layer_range
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel,
-                                      ps.cp_group, ps.cp_comm_type)
+                                      ps.cp_group, ps.cp_comm_type, ps.ep_group)
              for i in range(start, end)})
         if post_process:
             self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)

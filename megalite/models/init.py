@@ -57,6 +57,13 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
         gen = torch.Generator(device=dev).manual_seed(
             _name_seed(seed, meta.init_seed_name or name))
         std = method[1]
+        if kind == "normal_experts":  # [E_local, ...]: each expert from its global index
+            for i in range(param.shape[0]):
+                g = torch.Generator(device=dev).manual_seed(
+                    _name_seed(seed, f"{meta.init_seed_name or name}[{method[2] + i}]"))
+                param[i].copy_(torch.empty(param.shape[1:], device=dev).normal_(0.0, std,
+                                                                                generator=g))
+            continue
         if kind == "normal_vocab":
             full = torch.zeros(shape, device=dev)
             full[: config.vocab_size].normal_(0.0, std, generator=gen)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,7 @@ from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.norms import RMSNorm, build_norm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
+from megalite.moe.layer import MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megalite.tensor_parallel.utils import divide
@@ -220,44 +222,48 @@ def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
     return swiglu(h)
 
 
+def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fc1's output -> fc2's input: the activation, or SwiGLU's act(gate) * up (the dense MLP's
+    and every expert's)."""
+    act = _activation(config.activation)
+    if config.swiglu and act is F.silu:
+        return swiglu_fused
+    if config.swiglu:
+        return lambda h: act(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1]
+    return act
+
+
 class MLP(nn.Module):
     """h -> ffn (column-parallel) -> activation -> h (row-parallel). SwiGLU fuses gate and up into
-    one column-parallel weight with stride 2, so each rank holds matching gate/up slices."""
+    one column-parallel weight with stride 2, so each rank holds matching gate/up slices.
+    ``ffn_hidden_size``: the MoE shared expert's (default the config's)."""
 
     def __init__(self, config: ModelConfig, tp_group=None, device=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, ffn_hidden_size: Optional[int] = None):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
         sp = sequence_parallel
-        self.swiglu = config.swiglu
-        fc1_out = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        ffn = ffn_hidden_size or config.ffn_hidden_size
+        fc1_out = 2 * ffn if config.swiglu else ffn
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, fc1_out, bias=config.add_bias_linear, tp_group=tp_group,
             sequence_parallel=sp, init_std=config.init_method_std,
             stride=2 if config.swiglu else 1, params_dtype=dtype, device=device)
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+            ffn, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, tp_group=tp_group, sequence_parallel=sp, init_std=out_std,
             params_dtype=dtype, device=device)
-        self.act = _activation(config.activation)
+        self.act = mlp_activation(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.swiglu and self.act is F.silu:
-            h = swiglu_fused(h)
-        elif self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
-        return self.linear_fc2(h)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
                  sequence_parallel: bool = False,  # ParallelConfig's, passed by GPTModel
-                 cp_group=None, cp_comm_type: str = "p2p"):
+                 cp_group=None, cp_comm_type: str = "p2p", ep_group=None):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
         sp = sequence_parallel and C.group_size(tp_group) > 1
@@ -268,7 +274,13 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp, cp_group,
                                             cp_comm_type)
         self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
-        self.mlp = MLP(config, tp_group, device, sp)
+        if config.is_moe_layer(layer_number):
+            shared = (MLP(config, tp_group, device, sp, config.moe_shared_expert_intermediate_size)
+                      if config.moe_shared_expert_intermediate_size else None)
+            self.mlp = MoELayer(config, layer_number, mlp_activation(config), shared, tp_group,
+                                ep_group, sp, device, cp_group)
+        else:
+            self.mlp = MLP(config, tp_group, device, sp)
         # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,
         # recompute's checkpoint around the layer) stay eager around it. The layer is one graph,
         # its TP collectives included; only a dropout drawn from the tracked RNG breaks it.

@@ -10,7 +10,10 @@ Each parameter's gradient must be counted exactly once over the model-parallel g
     first stage, and the output layer's (``local_tied_copy``) is the one left out.
 The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
 hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
-rank computes the same norm; ZeRO's disjoint shards are summed over DP first. ``grad_norm_squared``
+rank computes the same norm; ZeRO's disjoint shards are summed over DP first. Under expert
+parallelism (EP > 1) each EP rank holds other experts: their squares are summed over the EP group
+instead, and added once per TP group (on TP rank 0) before the model-parallel sum adds the
+pipeline stages (megalite/moe/layer.py). ``grad_norm_squared``
 is the one norm of every optimizer (plain, ZeRO 0-2, ZeRO-3). The result equals
 ``torch.nn.utils.clip_grad_norm_`` on the single-device model (tests/test_optimizer.py).
 """
@@ -35,19 +38,41 @@ def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) 
     return tp_rank == 0
 
 
-def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False
-                      ) -> torch.Tensor:
+def split_counted(params: Sequence[torch.Tensor], grads: Sequence, ps):
+    """(dense, expert): this rank's gradients that count in the global norm; the expert ones
+    apart when EP > 1, for ``grad_norm_squared``'s EP sum."""
+    dense, expert = [], []
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if ps.ep_size > 1 and param_meta(p).expert:
+            expert.append(g)
+        elif counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
+            dense.append(g)
+    return dense, expert
+
+
+def _sum_of_squares(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads)).double().pow(2).sum().float().reshape(1)
+
+
+def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False,
+                      expert: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """The one gradient norm of every optimizer, squared, as a float32 device tensor of shape [1]
     (read on the host with the step's other decisions, optimizer.py): the sum of squares of
     ``counted`` (this rank's gradients, or pieces of them, that ``counts_for_norm``), summed over
     DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel
-    group."""
-    if counted:
-        sq = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum().float().reshape(1)
-    else:
-        sq = torch.zeros(1, dtype=torch.float32, device=ps.device)
+    group. ``expert``: EP > 1's expert gradients (``split_counted``)."""
+    sq = _sum_of_squares(counted, ps.device)
     if dp_sharded:
         C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
+    if ps.ep_size > 1:
+        e = _sum_of_squares(expert, ps.device)
+        C.all_reduce(e, group=ps.ep_group, tag="grad_norm_all_reduce")
+        if ps.tp_rank == 0:
+            sq = sq + e
     C.all_reduce(sq, group=ps.mp_group, tag="grad_norm_all_reduce")
     return sq
 

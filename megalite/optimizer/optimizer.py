@@ -33,7 +33,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalite.optimizer.clip_grads import clip_grads_by_norm, counts_for_norm, grad_norm_squared
+from megalite.optimizer.clip_grads import clip_grads_by_norm, grad_norm_squared, split_counted
 from megalite.optimizer.grad_scaler import NonFiniteStep, build_grad_scaler, found_inf_flag
 from megalite.param_meta import grad_of
 
@@ -58,7 +58,7 @@ def model_parameters(model_chunks) -> List[torch.nn.Parameter]:
 
 
 def decide_step(grad_scaler, grads: List[torch.Tensor], counted: List[torch.Tensor], ps,
-                dp_sharded: bool, loss: Optional[torch.Tensor]) -> Optional[float]:
+                dp_sharded: bool, loss: Optional[torch.Tensor], expert=()) -> Optional[float]:
     """Everything the step decides on the host, from one host read: the global gradient norm, or
     None when an fp16 gradient overflowed on some rank (the scaler records it; every rank skips).
 
@@ -72,7 +72,7 @@ def decide_step(grad_scaler, grads: List[torch.Tensor], counted: List[torch.Tens
     parts = []
     if grad_scaler is not None:
         parts.append(found_inf_flag(grads, ps.device, inv_scale=1.0 / grad_scaler.scale))
-    parts.append(grad_norm_squared(counted, ps, dp_sharded).sqrt())
+    parts.append(grad_norm_squared(counted, ps, dp_sharded, expert).sqrt())
     if loss is not None:
         parts.append(loss.detach().reshape(1))
     values = torch.cat([t.double() for t in parts]).tolist()  # the step's one host read
@@ -183,9 +183,8 @@ class MixedPrecisionOptimizer(_LossScaling):
         grads = self._master_grads()
         present = [g for g in grads if g is not None]
         ps = self.ps
-        counted = [g for p, g in zip(self.model_params, grads) if g is not None
-                   and counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage)]
-        grad_norm = decide_step(self.grad_scaler, present, counted, ps, False, loss)
+        counted, expert = split_counted(self.model_params, grads, ps)
+        grad_norm = decide_step(self.grad_scaler, present, counted, ps, False, loss, expert)
         if grad_norm is None:
             self.zero_grad()
             return False, None, None

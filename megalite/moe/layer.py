@@ -1,0 +1,264 @@
+"""The MoE MLP (docs/moe.md): router -> permute -> [all-to-all over EP] -> experts -> back ->
+combine, plus the always-on shared expert. It replaces the dense MLP on the layers
+``ModelConfig.is_moe_layer`` selects.
+
+Tokens: the layer sees this rank's tokens, [s_local, b, h]. Under TP the model requires sequence
+parallelism, so every rank of TP x CP x DP holds different tokens and the expert grid (ETP x EP x
+EDP, megalite/parallel_state.py) can fold over all of them.
+
+The balancing losses reach the backward through ``AuxLossScaler`` on the layer's output: nothing
+crosses a pipeline boundary and no schedule changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megalite import collectives as C
+from megalite.config import ModelConfig, dtype_from_name
+from megalite.moe import router as R
+from megalite.moe.alltoall import combine, dispatch
+from megalite.moe.dispatch import permute, unpermute
+from megalite.param_meta import set_param_meta
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on ``output``; in backward, ``aux_loss`` gets the gradient ``scale``. The loss
+    that trains the model is then main + scale x aux without aux ever being added to it (so the
+    pipeline carries nothing new): ``scale`` is the main loss's own multiplier for one
+    micro-batch (1 / the micro-batches of the global batch, times the fp16 loss scale)."""
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale: float):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+
+
+def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                      grouped: bool) -> torch.Tensor:
+    """Rows of ``x`` grouped by expert (``counts`` [E_local] rows each) times ``weight[e]``
+    ([E_local, in, out]). ``grouped``: one grouped GEMM; else a loop over the experts (the
+    reference the grouped path is tested against)."""
+    if grouped:
+        offs = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight, offs=offs)
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):  # the loop path reads the counts: a reference only
+        out.append(x[start:start + n] @ weight[e])
+        start += n
+    return torch.cat(out) if out else x.new_zeros(0, weight.shape[-1])
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_number: int, activation: Callable,
+                 shared_expert: Optional[nn.Module] = None, tp_group=None, ep_group=None,
+                 sequence_parallel: bool = False, device=None, cp_group=None):
+        super().__init__()
+        c = config
+        dtype = dtype_from_name(c.params_dtype)
+        self.config, self.layer_number, self.act = c, layer_number, activation
+        self.num_experts, self.topk = c.num_experts, c.moe_router_topk
+        self.ep_group, self.tp_group, self.cp_group = ep_group, tp_group, cp_group
+        ep = C.group_size(ep_group)
+        self.num_local_experts = c.num_experts // ep
+        self.local_expert_offset = C.group_rank(ep_group) * self.num_local_experts
+        h, f = c.hidden_size, c.moe_ffn_hidden_size
+        fc1 = 2 * f if c.swiglu else f
+        # the router: replicated; under SP each TP rank routes its own tokens, so its gradient
+        # is a partial sum over TP (as a norm's). Its logits are computed in moe_router_dtype.
+        self.router = nn.Parameter(torch.empty(c.num_experts, h, dtype=dtype, device=device))
+        set_param_meta(self.router, grad_partial_over_tp=sequence_parallel,
+                       init_method=("normal", c.init_method_std))
+        if c.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(c.num_experts, device=device))
+            self.register_buffer("local_tokens_per_expert",
+                                 torch.zeros(c.num_experts, device=device), persistent=False)
+        else:
+            self.expert_bias = None
+        # this rank's experts, stacked: one [E_local, in, out] tensor per projection
+        e = self.num_local_experts
+        out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers)
+        self.weight1 = nn.Parameter(torch.empty(e, h, fc1, dtype=dtype, device=device))
+        self.weight2 = nn.Parameter(torch.empty(e, f, h, dtype=dtype, device=device))
+        # drawn expert by expert from (seed, name, global expert index): any EP gives the same
+        first = self.local_expert_offset
+        set_param_meta(self.weight1, expert=True,
+                       init_method=("normal_experts", c.init_method_std, first))
+        set_param_meta(self.weight2, expert=True, init_method=("normal_experts", out_std, first))
+        self.bias1 = self.bias2 = None
+        if c.add_bias_linear:
+            self.bias1 = nn.Parameter(torch.zeros(e, fc1, dtype=dtype, device=device))
+            self.bias2 = nn.Parameter(torch.zeros(e, h, dtype=dtype, device=device))
+            for b in (self.bias1, self.bias2):
+                set_param_meta(b, expert=True, init_method=("zeros",))
+        self.shared_expert = shared_expert
+        self.shared_gate = None
+        if shared_expert is not None and c.moe_shared_expert_gate:
+            self.shared_gate = nn.Parameter(torch.empty(1, h, dtype=dtype, device=device))
+            set_param_meta(self.shared_gate, grad_partial_over_tp=sequence_parallel,
+                           init_method=("normal", c.init_method_std))
+        self.aux_loss_scale = 1.0  # set each step by the trainer (see AuxLossScaler)
+        self.metrics = {}  # the last micro-batch's detached values (tests, debugging)
+        # since the last log line: [balancing loss, z loss, tokens per expert...], this rank's
+        # shares; read by moe_interval_metrics at log steps only
+        self.register_buffer("interval_stats", torch.zeros(2 + c.num_experts, device=device),
+                             persistent=False)
+
+    # ------------------------------------------------------------------------------------------
+    def _route(self, tokens: torch.Tensor):
+        c = self.config
+        dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
+        logits = F.linear(tokens.to(dtype), self.router.to(dtype))
+        if c.moe_router_force_load_balancing:  # benchmarks: every expert equally likely
+            logits = torch.randn_like(logits)
+        probs, routing_map = R.route(
+            logits, self.topk, c.moe_router_score_function, c.moe_router_pre_softmax,
+            c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
+            self.expert_bias, c.moe_router_group_score)
+        if c.moe_expert_capacity_factor is not None:
+            cap = R.expert_capacity(tokens.shape[0], self.num_experts, self.topk,
+                                    c.moe_expert_capacity_factor)
+            probs, routing_map = R.drop_over_capacity(probs, routing_map, cap,
+                                                      c.moe_token_drop_policy,
+                                                      c.moe_pad_expert_input_to_capacity)
+        return logits, probs, routing_map
+
+    def _over_sequence(self, t: torch.Tensor, tag: str) -> torch.Tensor:
+        """Sum over the ranks that hold other tokens of the same sequences (TP under SP, CP)."""
+        C.all_reduce(t, group=self.tp_group, tag=tag)
+        C.all_reduce(t, group=self.cp_group, tag=tag)
+        return t
+
+    def _aux_loss(self, logits: torch.Tensor, batch: int) -> torch.Tensor:
+        """This rank's share of the balancing and z losses: the shares summed over TP x CP are
+        the losses of the whole micro-batch, token counts taken over all of it, so every layout
+        gives one process's value (docs/moe.md)."""
+        c = self.config
+        kind, loss = c.moe_router_load_balancing_type, logits.new_zeros(())
+        split = C.group_size(self.tp_group) * C.group_size(self.cp_group)
+        if kind != "none" and c.moe_aux_loss_coeff > 0:
+            scores, top = R.scores_for_aux_loss(logits, self.topk, c.moe_router_score_function)
+            s = logits.shape[0] // batch  # this rank's tokens of each sequence
+            if kind == "seq_aux_loss":
+                counts = self._over_sequence(top.view(s, batch, -1).sum(0).float(), "moe_aux")
+                loss = R.seq_load_balancing_loss(scores.view(s, batch, -1), counts, s * split,
+                                                 self.topk, c.moe_aux_loss_coeff)
+            else:
+                counts = self._over_sequence(top.sum(0).float(), "moe_aux")
+                loss = R.switch_load_balancing_loss(scores, counts, logits.shape[0] * split,
+                                                    self.topk, self.num_experts,
+                                                    c.moe_aux_loss_coeff)
+            self.metrics["load_balancing_loss"] = loss.detach()
+        if c.moe_z_loss_coeff:  # a mean over the micro-batch's tokens: this rank's share
+            z = R.z_loss(logits, c.moe_z_loss_coeff) / split
+            self.metrics["z_loss"] = z.detach()
+            loss = loss + z
+        return loss
+
+    def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        grouped = self.config.moe_grouped_gemm
+        h = grouped_expert_mm(x, self.weight1, counts, grouped)
+        if self.bias1 is not None:
+            h = h + self.bias1.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        h = grouped_expert_mm(self.act(h), self.weight2, counts, grouped)
+        if self.bias2 is not None:
+            h = h + self.bias2.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        logits, probs, routing_map = self._route(tokens)
+        counts = routing_map.sum(0)  # [E] this rank's assignments per global expert
+        self.metrics["tokens_per_expert"] = counts.detach()
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            # (under full recompute the first forward runs without grad: only the replay counts)
+            self.local_tokens_per_expert += counts.detach()
+        permuted, sorted_indices, _ = permute(tokens, routing_map)
+        # over EP, each token block goes to the rank of its expert and its output comes back;
+        # with EP 1 dispatch and combine move nothing
+        received, per_source, handle = dispatch(permuted, counts, self.ep_group,
+                                                self.num_local_experts)
+        out = combine(self._experts(received, per_source.sum(0)), handle)
+        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map).view(s, b, hidden)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x, self.shared_gate))
+            y = y + shared
+        aux = self._aux_loss(logits, b)
+        if self.training and torch.is_grad_enabled():  # (full recompute: the replay counts)
+            m = self.metrics
+            self.interval_stats[0] += m.get("load_balancing_loss", 0.0)
+            self.interval_stats[1] += m.get("z_loss", 0.0)
+            self.interval_stats[2:] += counts.detach()
+        if self.training and aux.requires_grad:
+            y = AuxLossScaler.apply(y, aux, self.aux_loss_scale)
+        return y
+
+
+
+def moe_interval_metrics(chunks, config: ModelConfig, micro_batches: int, ps) -> dict:
+    """Per MoE layer since the last log line: the balancing and z losses (per micro-batch) and
+    the load imbalance (max / mean tokens per expert), plus their mean and worst over layers.
+    Collective over the world at log steps (each layer lives on one pipeline stage), one host
+    read; ``micro_batches``: the interval's micro-batches over every DP rank."""
+    rows = torch.zeros(config.num_layers, 2 + config.num_experts, device=ps.device)
+    for m in moe_layers(chunks):
+        rows[m.layer_number] = m.interval_stats
+        m.interval_stats.zero_()
+    C.all_reduce(rows, group=C.world_group(), tag="moe_metrics")
+    out, pattern = {}, config.moe_layer_pattern()
+    for i, row in enumerate(rows.tolist()):
+        if not pattern[i]:
+            continue
+        counts = row[2:]
+        mean = sum(counts) / len(counts)
+        out[f"moe/layer{i}/load_balancing_loss"] = row[0] / micro_batches
+        out[f"moe/layer{i}/z_loss"] = row[1] / micro_batches
+        out[f"moe/layer{i}/imbalance"] = max(counts) / mean if mean else 0.0
+    losses = [v for k, v in out.items() if k.endswith("load_balancing_loss")]
+    if not losses:  # a pattern with no MoE layer
+        return out
+    out["moe_load_balancing_loss"] = sum(losses) / len(losses)
+    out["moe_max_imbalance"] = max(v for k, v in out.items() if k.endswith("imbalance"))
+    return out
+
+
+def moe_layers(chunks) -> List[MoELayer]:
+    return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
+
+
+def set_aux_loss_scale(chunks, scale: float) -> None:
+    """Each step, before the forward-backward: the balancing losses' gradient multiplier."""
+    for m in moe_layers(chunks):
+        m.aux_loss_scale = scale
+
+
+@torch.no_grad()
+def update_expert_biases(chunks, tp_group, dp_cp_group, applied: bool) -> None:
+    """Loss-free balancing after a step (DeepSeek-V3): b += rate * sign(mean load - load), the
+    loads summed over every rank that routed different tokens (TP under SP, DP x CP), all layers
+    in one all-reduce. A skipped step (fp16 overflow) leaves the biases as they were."""
+    layers = [m for m in moe_layers(chunks) if m.expert_bias is not None]
+    if not layers:
+        return
+    counts = torch.stack([m.local_tokens_per_expert for m in layers])
+    C.all_reduce(counts, group=tp_group, tag="moe_expert_bias")
+    C.all_reduce(counts, group=dp_cp_group, tag="moe_expert_bias")
+    for m, n in zip(layers, counts):
+        if applied:
+            m.expert_bias.copy_(R.expert_bias_update(m.expert_bias, n,
+                                                     m.config.moe_router_bias_update_rate))
+        m.local_tokens_per_expert.zero_()

@@ -1,0 +1,118 @@
+"""Mixture of experts in parallel layouts equals one process (docs/moe.md): pretrain.py's losses
+and grad norms, 6 steps in fp32, within 1e-5, for expert parallelism folded over data, tensor
+(with SP), context and pipeline ranks, and for the router's variants (sigmoid scores with the
+loss-free balancing bias, a gated shared expert, capacity drops, grouped GEMMs, recomputation).
+Every multi-rank run is in strict mode (it emulates a GPU: docs/design.md, contract 1)."""
+
+import pytest
+
+from dist_utils import run_distributed
+
+ITERS = 6
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--num-layers", "2"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear"]
+EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
+SIGMOID = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+           "--moe-router-bias-update-rate", "0.01"]
+# name: (world size, model flags, layout flags); the model flags alone are the one-process run
+CASES = {
+    "dp2": (2, [], []),  # experts replicated: their gradients over the expert-DP group = DP
+    "dp2_zero2": (2, [], ["--zero-stage", "2"]),  # EP 1: the experts' buffer shards over DP
+    "dp2_zero3": (2, [], ["--zero-stage", "3"]),
+    "ep2": (2, [], EP2),
+    "ep2_llama": (2, LLAMA, EP2),
+    "ep2_sigmoid_bias": (2, SIGMOID, EP2),
+    "ep2_shared_gate": (2, ["--moe-shared-expert-intermediate-size", "16",
+                            "--moe-shared-expert-gate"], EP2),
+    "ep2_capacity": (2, ["--moe-expert-capacity-factor", "1.0"], EP2),
+    "ep2_seq_aux_grouped": (2, ["--moe-router-load-balancing-type", "seq_aux_loss",
+                                "--moe-grouped-gemm"], EP2),
+    "ep2_recompute": (2, ["--recompute-granularity", "full"], EP2),
+    "ep4": (4, [], EP4),
+    "ep2_edp2": (4, [], EP2),
+    "ep2_tp2_sp": (4, [], EP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--expert-tensor-parallel-size", "1"]),
+    "ep2_cp2": (4, [], EP2 + ["--context-parallel-size", "2"]),
+    # the first stage is dense: its ranks hold no expert
+    "ep2_pp2_dense_first": (4, ["--moe-layer-freq", "[0,1]"],
+                            EP2 + ["--pipeline-model-parallel-size", "2"]),
+}
+
+
+def _argv(model, layout, metrics):
+    from pretrain_utils import flags
+
+    return flags(*MOE, *model, *layout, train_iters=ITERS, metrics_file=metrics,
+                 attention_dropout=0.0, hidden_dropout=0.0)
+
+
+def _cases_worker(rank, world_size, runs):
+    import strict_collectives
+
+    from megalite import collectives as C
+    from megalite.arguments import parse_args
+    from megalite.training import pretrain
+
+    strict_collectives.enable()
+    for argv in runs:
+        pretrain(parse_args(argv))
+        C.barrier()
+    return True
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    from pretrain_utils import run_main
+
+    d = tmp_path_factory.mktemp("moe")
+    for world in (2, 4):
+        runs = [_argv(model, layout, d / f"{name}.jsonl")
+                for name, (w, model, layout) in CASES.items() if w == world]
+        assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+    refs = {}
+    for model in {tuple(m) for _w, m, _l in CASES.values()}:
+        refs[model] = d / f"single_{len(refs)}.jsonl"
+        assert run_main(_argv(list(model), [], refs[model])) == 0
+    return d, refs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_layout_matches_one_process(moe_runs, name):
+    from pretrain_utils import read_metrics
+
+    d, refs = moe_runs
+    ref, got = read_metrics(refs[tuple(CASES[name][1])]), read_metrics(d / f"{name}.jsonl")
+    assert [r["iteration"] for r in ref] == list(range(1, ITERS + 1))
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref]
+    for a, b in zip(ref, got):
+        # the MoE metrics too: per-micro-batch balancing loss and load imbalance over the whole
+        # global batch, whatever splits the tokens
+        for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss", "moe_max_imbalance",
+                    "moe/layer1/z_loss"):
+            rel = abs(b[key] - a[key]) / abs(a[key])
+            assert rel <= 1e-5, f"{name} iteration {a['iteration']} {key}: {b[key]} vs one " \
+                                f"process {a[key]} (rel {rel:.2e})"
+    assert len({round(r["lm_loss"], 4) for r in ref}) >= ITERS - 1  # the losses do move
+
+
+def test_moe_checkpoint_resumes_exactly_with_its_expert_bias(tmp_path):
+    """Save at iteration 3, resume to 6: the same losses as the run that never stopped, the
+    loss-free balancing bias (sigmoid routing chooses by it) restored from the checkpoint."""
+    import torch
+
+    from pretrain_utils import read_metrics, run_main
+
+    whole, first, second = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "second"))
+    assert run_main(_argv(SIGMOID, [], whole)) == 0
+    assert run_main(_argv(SIGMOID, ["--exit-interval", "3", "--save", tmp_path / "ck"],
+                          first)) == 0
+    state = torch.load(tmp_path / "ck" / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt",
+                       weights_only=False)
+    bias = state["model"]["layers.0.mlp.expert_bias"]
+    assert bias.abs().sum() > 0  # it moved during the first three steps, and it is saved
+    assert run_main(_argv(SIGMOID, ["--load", tmp_path / "ck"], second)) == 0
+    ref = [r["lm_loss"] for r in read_metrics(whole)]
+    got = [r["lm_loss"] for r in read_metrics(first) + read_metrics(second)]
+    assert got == ref
