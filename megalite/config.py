@@ -1028,6 +1028,9 @@ class MegaliteConfig(_Section):
                               f"parallelism are not supported yet; pass "
                               f"--expert-tensor-parallel-size 1 (its default is "
                               f"--tensor-model-parallel-size, {t})")
+        if m.moe_token_dispatcher_type == "allgather":
+            raise ConfigError("--moe-token-dispatcher-type allgather is not supported yet; use "
+                              "alltoall (with --expert-model-parallel-size 1 it moves nothing)")
         if m.moe_router_load_balancing_type == "global_aux_loss":
             raise ConfigError("--moe-router-load-balancing-type global_aux_loss is not supported "
                               "yet; use aux_loss (per micro-batch), seq_aux_loss or none")

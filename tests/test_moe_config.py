@@ -248,6 +248,7 @@ def test_library_config_validates_like_the_cli():
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
      "pass --expert-tensor-parallel-size 1"),
     (["--moe-router-load-balancing-type", "global_aux_loss"], "global_aux_loss is not supported"),
+    (["--moe-token-dispatcher-type", "allgather"], "allgather is not supported yet"),
     (["--torch-compile"], "--torch-compile with --num-experts"),
     (["--expert-model-parallel-size", "2", "--zero-stage", "1"], "--zero-stage 1 with"),
     (["--expert-model-parallel-size", "2", "--save", "x"], "--save/--load with"),
