@@ -30,7 +30,7 @@ def test_flags_reach_the_config_with_their_roles():
         "--moe-router-group-score", "top2_sum", "--moe-router-topk-scaling-factor", "2.5",
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
         "--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate",
-        "--moe-token-dispatcher-type", "allgather", "--expert-model-parallel-size", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", "2",
         "--expert-tensor-parallel-size", "1"])
     m, par = cfg.model, cfg.parallel
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size) == (8, 4, 64)
