@@ -49,3 +49,28 @@ def test_host_reads_per_iteration_constant_pp2(precision, tmp_path):
     large = run_distributed(_pp2, 2, flags(*LARGE, *pp, train_iters=4))
     assert [c for c, _ in large] == [c for c, _ in small], (small, large)
     assert all(n == 1 for c, _ in large for n in c), large
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+       "--moe-grouped-gemm", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _moe(rank, world, argv):
+    return _steady(count_pretrain(argv))
+
+
+def test_moe_reads_only_the_dispatch_split_sizes():
+    """Dropless MoE reads nothing per layer or micro-batch at EP 1 (the permutation's row count
+    is k per token, known on the host); the log line adds one read of the MoE metrics. At EP 2
+    each MoE layer's dispatch reads its split sizes once per micro-batch: the one documented
+    exception (docs/moe.md), exactly L x m more per iteration."""
+    (small, _), (large, where) = (_steady(count_pretrain(flags(*size, *MOE, train_iters=4)))
+                                  for size in (SMALL, ["--num-layers", "4",
+                                                       "--global-batch-size", "8"]))
+    assert small == large == [4, 4], where
+    ep2 = ["--expert-model-parallel-size", "2"]
+    for layers, batch, micro in ((2, 4, 1), (4, 8, 2)):  # micro-batches of 2 per DP rank
+        argv = flags("--num-layers", layers, "--global-batch-size", batch, *MOE, *ep2,
+                     train_iters=4)
+        for got, where in run_distributed(_moe, 2, argv):
+            assert got == [4 + layers * micro] * 2, where

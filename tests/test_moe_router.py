@@ -350,3 +350,24 @@ def test_dispatch_then_combine_is_the_identity():
     out.square().sum().backward()
     assert tokens.grad.abs().sum() > 0 and probs.grad[routing_map].abs().sum() > 0
     assert (probs.grad[~routing_map] == 0).all()  # no gradient to experts a token never met
+
+
+def test_permute_with_a_known_row_count_is_the_same_without_a_host_read():
+    """Dropless (k per token) and capacity padding (C per expert) fix the row count: the
+    argsort path gives the masked_select path's rows, order and combine, with no read."""
+    from host_reads import HostReads
+
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randn(10, 6, generator=g)
+    probs, routing_map = route(torch.randn(10, 5, generator=g), 2)
+    want = permute(tokens, routing_map)
+    with HostReads() as reads:
+        got = permute(tokens, routing_map, 20)
+        out = unpermute(got[0], got[1], probs, routing_map, 20)
+    assert sum(reads.per_iteration[-1].values()) == 0, reads.per_iteration
+    with HostReads() as reads:  # the control: the masked_select path is seen reading
+        permute(tokens, routing_map)
+    assert sum(reads.per_iteration[-1].values()) == 1
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out, unpermute(want[0], want[1], probs, routing_map))

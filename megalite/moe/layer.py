@@ -185,13 +185,20 @@ class MoELayer(nn.Module):
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             # (under full recompute the first forward runs without grad: only the replay counts)
             self.local_tokens_per_expert += counts.detach()
-        permuted, sorted_indices, _ = permute(tokens, routing_map)
+        # rows to permute: known on the host when dropless (k per token) or padded to capacity
+        # (C per expert), so the permutation needs no host read; capacity drops leave it unknown
+        c = self.config
+        rows = (tokens.shape[0] * self.topk if c.moe_expert_capacity_factor is None else
+                self.num_experts * R.expert_capacity(tokens.shape[0], self.num_experts,
+                                                     self.topk, c.moe_expert_capacity_factor)
+                if c.moe_pad_expert_input_to_capacity else None)
+        permuted, sorted_indices, _ = permute(tokens, routing_map, rows)
         # over EP, each token block goes to the rank of its expert and its output comes back;
         # with EP 1 dispatch and combine move nothing
         received, per_source, handle = dispatch(permuted, counts, self.ep_group,
                                                 self.num_local_experts)
         out = combine(self._experts(received, per_source.sum(0)), handle)
-        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map).view(s, b, hidden)
+        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows).view(s, b, hidden)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_gate is not None:
