@@ -102,15 +102,23 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def _alone(tag: str, output: torch.Tensor, input: torch.Tensor, group) -> bool:
+    """True for a group of this rank alone (``output`` then is ``input``, nothing is sent);
+    else both device-path tensors are checked (contract 1)."""
+    if group_size(group) == 1:
+        output.copy_(input)
+        return True
+    _check(tag, input, group, False)
+    _check(tag, output, group, False)
+    return False
+
+
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False, tag: str = "all_gather"):
     """Gather equal shards along dim 0 into ``output`` (size n * input along dim 0)."""
-    n = group_size(group)
-    if n == 1:
-        output.copy_(input)
+    if _alone(tag, output, input, group):
         return None
-    _check(tag, input, group, False)
-    _check(tag, output, group, False)
+    n = group_size(group)
     _count(tag, output.numel() * output.element_size(), n, 1.0)
     return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
 
@@ -118,12 +126,9 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                           op=ReduceOp.SUM, async_op: bool = False, tag: str = "reduce_scatter"):
     """Sum ``input`` over the group and keep this rank's dim-0 shard in ``output``."""
-    n = group_size(group)
-    if n == 1:
-        output.copy_(input)
+    if _alone(tag, output, input, group):
         return None
-    _check(tag, input, group, False)
-    _check(tag, output, group, False)
+    n = group_size(group)
     _count(tag, input.numel() * input.element_size(), n, 1.0)
     return _reduce_scatter_tensor(output, input.contiguous(), op=op, group=group,
                                       async_op=async_op)
@@ -134,12 +139,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     """Rows ``input_split_sizes[j]`` of ``input`` (dim 0, in order) go to rank j; ``output`` gets
     rank j's rows for this rank in the j-th ``output_split_sizes`` block. Split sizes are host
     ints (None: equal splits); MoE's dispatch reads them once per layer and micro-batch."""
-    n = group_size(group)
-    if n == 1:
-        output.copy_(input)
+    if _alone(tag, output, input, group):
         return None
-    _check(tag, input, group, False)
-    _check(tag, output, group, False)
+    n = group_size(group)
     if not torch.compiler.is_compiling():  # see bytes_sent
         rows = input_split_sizes or [input.shape[0] // n] * n
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0

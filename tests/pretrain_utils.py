@@ -80,6 +80,22 @@ def run_cli(argv: List[str], nproc: int = 1, timeout: float = 240) -> subprocess
                                        "".join(e for _, _, e in ranks))
 
 
+def pretrain_cases(rank: int, world_size: int, runs: List[List[str]]) -> bool:
+    """A run_distributed worker: every run of one world size, one after another in the same
+    processes, in strict mode (multi-rank runs emulate a GPU: docs/design.md, contract 1)."""
+    import strict_collectives
+
+    from megalite import collectives as C
+    from megalite.arguments import parse_args
+    from megalite.training import pretrain
+
+    strict_collectives.enable()
+    for argv in runs:
+        pretrain(parse_args(argv))
+        C.barrier()
+    return True
+
+
 def read_metrics(path: str, split: str = "train") -> List[dict]:
     with open(path) as f:
         return [r for r in map(json.loads, f) if r.get("split") == split]

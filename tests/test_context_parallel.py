@@ -114,25 +114,9 @@ def _argv(model, layout, metrics, **kw):
     return flags(*SEQ, *model, *layout, eval_interval=5, metrics_file=metrics, **kw)
 
 
-def _cases_worker(rank, world_size, runs):
-    """Every case of one world size, one after another in the same processes, in strict mode
-    (multi-rank runs emulate a GPU: docs/design.md, contract 1)."""
-    import strict_collectives
-
-    from megalite import collectives as C
-    from megalite.training import pretrain
-
-    strict_collectives.enable()
-
-    for argv in runs:
-        pretrain(parse_args(argv))
-        C.barrier()
-    return True
-
-
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
-    from pretrain_utils import run_main
+    from pretrain_utils import pretrain_cases, run_main
 
     d = tmp_path_factory.mktemp("cp")
     # a ZeRO-1 checkpoint saved at CP2 (its shards over DP x CP = 2) resumes at CP4 (4 shards)
@@ -145,7 +129,7 @@ def cp_runs(tmp_path_factory):
         runs = [_argv(model, layout, d / f"{name}.jsonl")
                 for name, (w, model, layout) in CASES.items() if w == world]
         runs += [save] if world == 2 else [cp4]
-        assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+        assert all(run_distributed(pretrain_cases, world, runs, timeout=600))
     assert run_main(_argv([], zero1, d / "resume_cp1.jsonl", load=d / "ck")) == 0
     refs = {}
     for model in {tuple(m) for _w, m, _l in CASES.values()}:

@@ -48,29 +48,15 @@ def _argv(model, layout, metrics):
                  attention_dropout=0.0, hidden_dropout=0.0)
 
 
-def _cases_worker(rank, world_size, runs):
-    import strict_collectives
-
-    from megalite import collectives as C
-    from megalite.arguments import parse_args
-    from megalite.training import pretrain
-
-    strict_collectives.enable()
-    for argv in runs:
-        pretrain(parse_args(argv))
-        C.barrier()
-    return True
-
-
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    from pretrain_utils import run_main
+    from pretrain_utils import pretrain_cases, run_main
 
     d = tmp_path_factory.mktemp("moe")
     for world in (2, 4):
         runs = [_argv(model, layout, d / f"{name}.jsonl")
                 for name, (w, model, layout) in CASES.items() if w == world]
-        assert all(run_distributed(_cases_worker, world, runs, timeout=600))
+        assert all(run_distributed(pretrain_cases, world, runs, timeout=600))
     refs = {}
     for model in {tuple(m) for _w, m, _l in CASES.values()}:
         refs[model] = d / f"single_{len(refs)}.jsonl"
