@@ -22,14 +22,13 @@ CASES = {
     "dp2_zero2": (2, [], ["--zero-stage", "2"]),  # EP 1: the experts' buffer shards over DP
     "dp2_zero3": (2, [], ["--zero-stage", "3"]),
     "ep2": (2, [], EP2),
-    "ep2_llama": (2, LLAMA, EP2),
-    "ep2_sigmoid_bias": (2, SIGMOID, EP2),
-    "ep2_shared_gate": (2, ["--moe-shared-expert-intermediate-size", "16",
-                            "--moe-shared-expert-gate"], EP2),
+    # Llama shapes with sigmoid routing and its bias, a gated shared expert, seq_aux_loss and
+    # grouped GEMMs, under full recomputation
+    "ep2_llama_variants": (2, LLAMA + SIGMOID + [
+        "--moe-shared-expert-intermediate-size", "16", "--moe-shared-expert-gate",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-grouped-gemm",
+        "--recompute-granularity", "full"], EP2),
     "ep2_capacity": (2, ["--moe-expert-capacity-factor", "1.0"], EP2),
-    "ep2_seq_aux_grouped": (2, ["--moe-router-load-balancing-type", "seq_aux_loss",
-                                "--moe-grouped-gemm"], EP2),
-    "ep2_recompute": (2, ["--recompute-granularity", "full"], EP2),
     "ep4": (4, [], EP4),
     "ep2_edp2": (4, [], EP2),
     "ep2_tp2_sp": (4, [], EP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
