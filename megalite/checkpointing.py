@@ -25,6 +25,11 @@ ZeRO seam: an optimizer whose ``sharded_state_dict_per_dp_rank`` is true has its
 re-split); otherwise DP rank 0 saves it inside model_optim_rng.pt. ZeRO-3 model chunks
 (``zero_stage == 3``) are consolidated for the model file by a DP collective, so the model file
 of every stage has the same full per-(tp, pp) format (docs/zero3.md, "Checkpoints").
+
+Experts: a layer whose experts are split over EP ranks is saved by global expert index, its
+[E_local, ...] tensors (weights, optimizer moments, fp32 masters) all-gathered over the EP group
+into the [E, ...] tensors an EP-1 run saves, so the files do not depend on the EP size; a load
+keeps this rank's [offset, offset + E_local) of them (docs/checkpoints.md, "Experts").
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import json
 import os
 import shutil
 from dataclasses import replace
-from typing import Callable, Optional, Tuple
+from itertools import chain
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -46,6 +52,7 @@ from megalite.config import (
     config_to_json,
     model_shape_differences,
 )
+from megalite.param_meta import param_meta
 from megalite.tensor_parallel.random import get_all_rng_states
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -130,6 +137,8 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
         error = _attempt(lambda: os.makedirs(tmp, exist_ok=True))
     _agree_on_save(ps, error, iteration, tmp)
     full = _gather_zero3_models(model_chunks, ps, iteration, tmp)
+    experts = _gather_experts(model_chunks, optimizer, save_optim and not per_dp, ps, iteration,
+                              tmp)
 
     def write_shard():
         if ps.dp_cp_rank == 0:  # CP peers hold the same model: one writer
@@ -143,12 +152,15 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
                 "rng_state": get_all_rng_states(ps.device),
             }
             for i, chunk in enumerate(model_chunks):
-                state[_chunk_key(i, len(model_chunks))] = (full[i] if full[i] is not None
-                                                           else chunk.state_dict())
+                sd = full[i] if full[i] is not None else chunk.state_dict()
+                for (_, c, key), t in experts.get("model", {}).items():
+                    if c == i:
+                        sd[key] = t
+                state[_chunk_key(i, len(model_chunks))] = sd
             if save_optim:
                 state["opt_param_scheduler"] = scheduler.state_dict()
                 if not per_dp:
-                    state["optimizer"] = optimizer.state_dict()
+                    state["optimizer"] = _with_full_experts(optimizer.state_dict(), experts)
             os.makedirs(shard, exist_ok=True)
             save_file(os.path.join(shard, MODEL_FILE), state)
         if save_optim and per_dp:
@@ -162,7 +174,7 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
             _fsync_dir(shard)
 
     error = _attempt(write_shard)
-    del full
+    del full, experts
     _agree_on_save(ps, error, iteration, tmp)  # every shard is on disk before it becomes visible
     if ps.rank == 0:
         error = _attempt(lambda: _publish(save_dir, final, tmp, iteration, run_id))
@@ -197,6 +209,130 @@ def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
     _agree_on_save(ps, _attempt(precheck), iteration, tmp)
     return [chunk.full_state_dict(keep=ps.dp_cp_rank == 0)
             if getattr(chunk, "zero_stage", 0) == 3 else None for chunk in model_chunks]
+
+
+class _Expert(NamedTuple):
+    """One expert tensor of a layer that splits its experts over EP ranks."""
+    chunk: int
+    key: str  # in the chunk's state_dict
+    param: torch.nn.Parameter
+    first: int  # global index of its first expert
+    total: int  # E
+    group: object  # the EP group that holds the other E - E_local
+
+
+def _split_experts(model_chunks) -> list:
+    out = []
+    for i, chunk in enumerate(model_chunks):
+        module = getattr(chunk, "module", chunk)  # a DDP wrapper's state_dict is its module's
+        for prefix, m in module.named_modules():
+            n, total = getattr(m, "num_local_experts", None), getattr(m, "num_experts", None)
+            if n is None or n == total:
+                continue
+            for name, p in m.named_parameters(recurse=False):
+                if param_meta(p).expert:
+                    out.append(_Expert(i, f"{prefix}.{name}" if prefix else name, p,
+                                       m.local_expert_offset, total, m.ep_group))
+    return out
+
+
+def _optimizer_slots(optimizer, experts):
+    """(expert, index in the fp32 master list, index in torch's packed state, master) per expert
+    tensor: the plain optimizer keys both by the parameter's position, whatever the EP size."""
+    index = {id(p): i for i, p in enumerate(optimizer.model_params)}
+    packed = {id(m): j for j, m in
+              enumerate(chain.from_iterable(g["params"] for g in optimizer.param_groups))}
+    for e in experts:
+        i = index.get(id(e.param))
+        if i is not None:
+            m = optimizer.masters[i]
+            yield e, i, packed[id(m)], m
+
+
+def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: int,
+                    tmp: str) -> dict:
+    """The full [E, ...] tensors of every EP-split expert tensor (model, and with ``with_optim``
+    the optimizer's moments and fp32 masters), all-gathered over each layer's EP group one tensor
+    at a time; the writers (DP x CP rank 0) keep them, the other ranks only take part.
+
+    The ranks of an EP group run the same gathers in the same order (the group lies inside one
+    pipeline stage, whose ranks hold the same layers); a pre-check as ZeRO-3's, agreed by every
+    rank of the world, makes a rank that could not allocate them stop every rank instead of
+    leaving its EP peers in a gather."""
+    if getattr(ps, "ep_size", 1) == 1:  # (every rank of the world has the same EP size)
+        return {}
+    experts = _split_experts(model_chunks)  # none on a stage of dense layers: it still agrees
+    jobs = [(("model", e.chunk, e.key), e.param, e.group) for e in experts]
+    if with_optim:
+        for e, i, j, m in _optimizer_slots(optimizer, experts):
+            st = optimizer.inner.state.get(m, {})
+            jobs += [(("state", j, k), st[k], e.group) for k in sorted(st)
+                     if torch.is_tensor(st[k]) and st[k].shape == m.shape]
+            if m is not e.param:  # a 16-bit model's fp32 master
+                jobs.append((("master", i), m, e.group))
+    keep = ps.dp_cp_rank == 0
+
+    def full_like(t, group):
+        return t.new_empty((t.shape[0] * C.group_size(group),) + tuple(t.shape[1:]))
+
+    def precheck():
+        if fault_hook is not None:
+            fault_hook("before_expert_gather", tmp)
+        if jobs:
+            probe = [full_like(t, g) for _, t, g in jobs] if keep else \
+                [full_like(*max(((t, g) for _, t, g in jobs), key=lambda j: j[0].nbytes))]
+            del probe
+
+    _agree_on_save(ps, _attempt(precheck), iteration, tmp)
+    out = {}
+    with torch.no_grad():
+        for where, t, group in jobs:
+            full = full_like(t, group)
+            C.all_gather_into_tensor(full, t.detach(), group=group, tag="checkpoint_experts")
+            if keep:
+                out[where] = full
+    return {"model": {w: t for w, t in out.items() if w[0] == "model"},
+            "state": {w[1:]: t for w, t in out.items() if w[0] == "state"},
+            "master": {w[1]: t for w, t in out.items() if w[0] == "master"}}
+
+
+def _with_full_experts(sd: dict, experts: dict) -> dict:
+    """The plain optimizer's state_dict with the gathered expert tensors in place of this rank's
+    (the per-parameter dicts are the live state's own: replaced, never written into)."""
+    packed = sd["optimizer"]["state"]
+    for (j, k), t in experts.get("state", {}).items():
+        packed[j] = {**packed[j], k: t}
+    for i, t in experts.get("master", {}).items():
+        sd["fp32_master_params"][i] = t
+    return sd
+
+
+def _keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optimizer) -> None:
+    """On load, in place: this rank's [first, first + E_local) of every saved [E, ...] tensor."""
+    experts = _split_experts(model_chunks)
+    if not experts:
+        return
+
+    def local(t, e, what):
+        if t.shape[0] != e.total:
+            raise CheckpointError(f"{what} holds {t.shape[0]} experts along dim 0, this model "
+                                  f"{e.total} (a checkpoint of this model stores all of them)")
+        return t.narrow(0, e.first, e.param.shape[0]).clone()
+
+    for e in experts:
+        sd = state.get(_chunk_key(e.chunk, len(model_chunks)), {})
+        if e.key in sd:  # a missing key is reported by load_state_dict
+            sd[e.key] = local(sd[e.key], e, e.key)
+    if opt_sd is None:
+        return
+    packed, masters = opt_sd["optimizer"]["state"], opt_sd.get("fp32_master_params")
+    for e, i, j, m in _optimizer_slots(optimizer, experts):
+        st = packed.get(j, {})
+        for k, v in st.items():
+            if torch.is_tensor(v) and v.dim() == m.dim():
+                st[k] = local(v, e, f"the optimizer's {k} of {e.key}")
+        if masters is not None and i < len(masters):
+            masters[i] = local(masters[i], e, f"the fp32 master of {e.key}")
 
 
 def _attempt(fn) -> Optional[BaseException]:
@@ -445,6 +581,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
     it_dir = _loadable_iteration_dir(load_dir, iteration)
     state, file = None, None
     load_optim = not (ck.finetune or ck.no_load_optim)
+    per_dp = bool(getattr(optimizer, "sharded_state_dict_per_dp_rank", False))
     try:
         if not os.path.isdir(it_dir):
             raise CheckpointError(f"{what}: {TRACKER_FILE} names iteration {iteration} but "
@@ -476,7 +613,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
             if "opt_param_scheduler" not in state:
                 raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
                                       f"--no-save-optim); pass --no-load-optim or --finetune")
-            if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):
+            if per_dp:
                 file = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
                 opt_sd = _load_dp_sharded_optimizer_state(shard, optimizer, ps, what)
             elif "optimizer" not in state:
@@ -486,6 +623,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
             else:
                 opt_sd = state["optimizer"]
         file = os.path.join(shard, MODEL_FILE)
+        _keep_local_experts(state, None if per_dp else opt_sd, model_chunks, optimizer)
         for i, chunk in enumerate(model_chunks):
             key = _chunk_key(i, len(model_chunks))
             missing, unexpected = chunk.load_state_dict(state[key], strict=False)

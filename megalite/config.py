@@ -1038,16 +1038,11 @@ class MegaliteConfig(_Section):
             raise ConfigError("--torch-compile with --num-experts: the MoE layer's dropless "
                               "routing has data-dependent shapes and is not compiled yet; drop "
                               "--torch-compile")
-        if ep > 1 and self.optimizer.zero_stage >= 1:
+        if ep > 1 and self.optimizer.zero_stage >= 3:
             raise ConfigError(f"--zero-stage {self.optimizer.zero_stage} with "
-                              f"--expert-model-parallel-size {ep}: sharding expert state over the "
-                              f"expert-data-parallel group is not supported yet; use "
-                              f"--zero-stage 0, or --expert-model-parallel-size 1")
-        ck = self.checkpoint
-        if ep > 1 and (ck.save or ck.load):
-            raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: checkpoints "
-                              f"of experts split over EP ranks are not supported yet; train at "
-                              f"--expert-model-parallel-size 1 to save or resume")
+                              f"--expert-model-parallel-size {ep}: sharding expert parameters "
+                              f"over the expert-data-parallel group is not supported yet; use "
+                              f"--zero-stage 0-2, or --expert-model-parallel-size 1")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

@@ -29,7 +29,9 @@ Theory (docs/theory.md, "ZeRO"), per rank, Ψ = this rank's parameter count, N =
 Ψ counted with bucket padding (each bucket padded to a multiple of N; stage 0's per-parameter
 Adam moments unpadded) makes measured == theory exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets. Stage 3
 is the same with its units in place of buckets (each unit's flat buffer padded to a multiple of
-N; ZeRO paper: 16Ψ/N, reported as ``mem_theory_zero_paper_total_bytes``).
+N; ZeRO paper: 16Ψ/N, reported as ``mem_theory_zero_paper_total_bytes``). Under expert
+parallelism the expert buffers shard over the expert-data-parallel group (ddp.py): their Ψ takes
+that group's N, the rest DP x CP's (the formula is linear in Ψ, so the parts add up).
 """
 
 from __future__ import annotations
@@ -171,6 +173,21 @@ def num_params_local(model_chunks) -> int:
     return total
 
 
+def _theory_by_group(chunks, psi: int, dp_size: int, zero_stage: int, params_dtype: str,
+                     padded: bool) -> Dict[str, float]:
+    """The theory of ``psi`` parameters, those of buffers sharded over a group of another size
+    than ``dp_size`` (EP > 1's expert buffers) counted with their own N."""
+    other: Dict[int, int] = {}
+    for c in chunks:
+        for b in getattr(c, "grad_buffers", None) or ():
+            if b.dp_size != dp_size:
+                other[b.dp_size] = other.get(b.dp_size, 0) + (b.numel if padded
+                                                              else b.numel_unpadded)
+    parts = [theoretical_model_state_bytes(n, size, zero_stage, params_dtype) for size, n in
+             [(dp_size, psi - sum(other.values()))] + sorted(other.items())]
+    return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+
 def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = None,
                   dp_size: Optional[int] = None, params_dtype: Optional[str] = None) -> Dict:
     """Measured and theoretical model-state bytes, flat, ready for log_metrics at iteration 1."""
@@ -186,8 +203,8 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
     measured = model_state_bytes(chunks, optimizer)
     psi_padded = padded_num_params(chunks)
     psi = num_params_local(chunks)
-    theory = theoretical_model_state_bytes(psi_padded, dp_size, zero_stage, params_dtype)
-    unpadded = theoretical_model_state_bytes(psi, dp_size, zero_stage, params_dtype)
+    theory = _theory_by_group(chunks, psi_padded, dp_size, zero_stage, params_dtype, True)
+    unpadded = _theory_by_group(chunks, psi, dp_size, zero_stage, params_dtype, False)
     if zero_stage == 0:  # the plain optimizer's Adam moments are per parameter (its 16-bit
         # masters are a copy of the padded buffer: optimizer.MixedPrecisionOptimizer)
         theory["optimizer_states_bytes"] = unpadded["optimizer_states_bytes"]

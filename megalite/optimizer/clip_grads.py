@@ -12,7 +12,8 @@ The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Dat
 hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
 rank computes the same norm; ZeRO's disjoint shards are summed over DP first. Under expert
 parallelism (EP > 1) each EP rank holds other experts: their squares are summed over the EP group
-instead, and added once per TP group (on TP rank 0) before the model-parallel sum adds the
+instead (ZeRO's expert shards over the expert-data-parallel group first, which they are split
+over), and added once per TP group (on TP rank 0) before the model-parallel sum adds the
 pipeline stages (megalite/moe/layer.py). ``grad_norm_squared``
 is the one norm of every optimizer (plain, ZeRO 0-2, ZeRO-3). The result equals
 ``torch.nn.utils.clip_grad_norm_`` on the single-device model (tests/test_optimizer.py).
@@ -64,12 +65,15 @@ def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = Fa
     (read on the host with the step's other decisions, optimizer.py): the sum of squares of
     ``counted`` (this rank's gradients, or pieces of them, that ``counts_for_norm``), summed over
     DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel
-    group. ``expert``: EP > 1's expert gradients (``split_counted``)."""
+    group. ``expert``: EP > 1's expert gradients (``split_counted``), or with ``dp_sharded`` this
+    rank's shards of them over the expert-data-parallel group."""
     sq = _sum_of_squares(counted, ps.device)
     if dp_sharded:
         C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
     if ps.ep_size > 1:
         e = _sum_of_squares(expert, ps.device)
+        if dp_sharded:
+            C.all_reduce(e, group=ps.edp_group, tag="grad_norm_all_reduce")
         C.all_reduce(e, group=ps.ep_group, tag="grad_norm_all_reduce")
         if ps.tp_rank == 0:
             sq = sq + e

@@ -12,6 +12,11 @@ which moves the same 2Ψ elements per rank as the all-reduce of plain DP (docs/t
 = reduce-scatter + all-gather) while cutting optimizer memory by N. Stage 2 additionally keeps only
 the gradient shard (ddp.py). Stage 0 (replicas) is the plain optimizer, optimizer.py.
 
+Under expert parallelism (EP > 1, docs/moe.md) the expert weights have buffers of their own whose
+group is the expert-data-parallel one (ddp.params_by_dtype): the ranks that hold the same experts.
+Their N is the EDP size and every shard, gather and reduce-scatter of them uses that group (each
+buffer's ``dp_group``); their squares in the gradient norm are summed over EDP, then over EP.
+
 Per-rank model-state bytes (megalite's layout; measured by megalite/memory.py):
 
     fp32:        params 4Ψ + grads 4Ψ (stage 2: 4Ψ/N) + Adam 8Ψ/N   [masters = params]
@@ -45,6 +50,7 @@ from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.optimizer.clip_grads import counts_for_norm
 from megalite.optimizer.optimizer import ShardedAdamW
+from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
 
 
@@ -97,7 +103,9 @@ class DistributedOptimizer(ShardedAdamW):
         self._init_shared(config, ps, next(chunks[0].parameters()).dtype)
         self.chunks = chunks
         self.zero_stage = config.zero_stage
-        self.dp_group = ps.dp_cp_group  # ZeRO shards over DP x CP (parallel_state.py)
+        # ZeRO shards over DP x CP (parallel_state.py), the experts' buffers over their own
+        # expert-data-parallel group (each buffer's dp_group); the file is named by this rank
+        self.dp_group = ps.dp_cp_group
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
         names: Dict[str, nn.Parameter] = {}
@@ -114,9 +122,15 @@ class DistributedOptimizer(ShardedAdamW):
                      for s in self.shards]
         self.segments = [[[g.name, g.lo, g.hi, g.plo, list(g.param.shape)] for g in s.segments]
                          for s in self.shards]
-        self.norm_runs = [[(g.lo, g.hi) for g in s.segments
-                           if counts_for_norm(g.param, ps.tp_rank, ps.is_pipeline_first_stage)]
-                          for s in self.shards]
+        # Under EP > 1 the expert buffers shard over the expert-data-parallel group (ddp.py), and
+        # their squares are summed over it and the EP group (clip_grads.grad_norm_squared).
+        self.shard_is_expert = [ps.ep_size > 1 and param_meta(s.bucket.params[0]).expert
+                                for s in self.shards]
+        self.norm_runs = [[(g.lo, g.hi) for g in s.segments if not e and
+                           counts_for_norm(g.param, ps.tp_rank, ps.is_pipeline_first_stage)]
+                          for s, e in zip(self.shards, self.shard_is_expert)]
+        self.expert_norm_runs = [[(g.lo, g.hi) for g in s.segments] if e else []
+                                 for s, e in zip(self.shards, self.shard_is_expert)]
 
     # ------------------------------------------------------------------------------ layout
     def _key(self, ci: int, name: str) -> str:
@@ -189,7 +203,7 @@ class DistributedOptimizer(ShardedAdamW):
     def _gather_flat(self, i: int, t: torch.Tensor) -> torch.Tensor:
         """Shard ``i``'s bucket, all of it."""
         full = torch.empty(self.shards[i].bucket.numel, dtype=torch.float32, device=t.device)
-        C.all_gather_into_tensor(full, t.float(), group=self.dp_group,
+        C.all_gather_into_tensor(full, t.float(), group=self.shards[i].buffer.dp_group,
                                  tag="checkpoint_all_gather")
         return full
 

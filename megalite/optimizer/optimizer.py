@@ -243,7 +243,8 @@ class ShardedAdamW(_LossScaling):
     ``runs`` (per shard, ``[(lo, hi, group)]``: the part of the shard holding one parameter, and
     its param group — a shard straddles parameters, so weight decay and lr apply per run) and
     ``norm_runs`` (the runs this rank counts in the global gradient norm, clip_grads.
-    counts_for_norm), ``segments`` (per shard, ``[name, lo, hi, plo, shape]``: elements
+    counts_for_norm; under EP > 1 ``expert_norm_runs`` holds the runs of expert parameters, whose
+    shards are split over the expert-data-parallel group instead), ``segments`` (per shard, ``[name, lo, hi, plo, shape]``: elements
     ``[lo, hi)`` of the shard are elements ``[plo, plo + hi - lo)`` of the flattened parameter;
     what the checkpoint formats below are written and merged by), ``zero_stage``, ``dp_size``,
     ``dp_rank``, and implements ``_grads``, ``_finish_grads``, ``_copy_masters_to_model``,
@@ -251,6 +252,8 @@ class ShardedAdamW(_LossScaling):
     """
 
     sharded_state_dict_per_dp_rank = True
+    expert_norm_runs: Sequence = ()
+    shard_is_expert: Sequence[bool] = ()
 
     def _init_shared(self, cfg, ps, params_dtype: torch.dtype) -> None:
         self.cfg, self.ps = cfg, ps
@@ -266,8 +269,9 @@ class ShardedAdamW(_LossScaling):
              ) -> Tuple[bool, Optional[float], Optional[int]]:
         self._finish_grads()
         grads = self._grads()
-        grad_norm = decide_step(self.grad_scaler, grads, [
-            g[a:b] for g, runs in zip(grads, self.norm_runs) for a, b in runs], self.ps, True, loss)
+        counted, expert = ([g[a:b] for g, runs in zip(grads, norm_runs) for a, b in runs]
+                           for norm_runs in (self.norm_runs, self.expert_norm_runs))
+        grad_norm = decide_step(self.grad_scaler, grads, counted, self.ps, True, loss, expert)
         if grad_norm is None:
             self.zero_grad()
             return False, None, None
@@ -332,11 +336,25 @@ class ShardedAdamW(_LossScaling):
         the file self-describing: every DP rank's files merge by parameter name without the
         model (:func:`merge_shard_state_dicts`; another DP size, the converter)."""
         self._wait_param_sync()
-        return {"format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
-                "dp_rank": self.dp_rank, **self._common_state(),
-                "shards": [{"segments": [list(g) for g in segs],
-                            **{k: t.detach().clone() for k, t in zip(ADAM_KINDS, ts)}}
-                           for segs, ts in self._local()]}
+        sd = {"format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
+              "dp_rank": self.dp_rank, **self._expert_layout(), **self._common_state(),
+              "shards": [{"segments": [list(g) for g in segs],
+                          **{k: t.detach().clone() for k, t in zip(ADAM_KINDS, ts)}}
+                         for segs, ts in self._local()]}
+        if self._expert_layout():
+            for shard, expert in zip(sd["shards"], self.shard_is_expert):
+                shard["expert"] = expert
+        return sd
+
+    def _expert_layout(self) -> dict:
+        """Under EP > 1 an expert shard is this rank's part over the expert-data-parallel group of
+        its EP rank's experts (``shard_is_expert``), a dense one over DP x CP as ever: the file
+        says which, with the expert grid position. EP 1 files are unchanged (EDP = DP x CP)."""
+        ps = self.ps
+        if getattr(ps, "ep_size", 1) == 1:
+            return {}
+        return {"ep_size": ps.ep_size, "ep_rank": ps.ep_rank, "edp_size": ps.edp_size,
+                "edp_rank": ps.edp_rank}
 
     def shard_fits(self, sd: dict) -> bool:
         """Whether ``sd`` is this very rank's shard (format, DP size and rank, the same segments
@@ -344,6 +362,7 @@ class ShardedAdamW(_LossScaling):
         mine = [[t[0].numel(), [list(g) for g in segs]] for segs, t in self._local()]
         return (sd.get("format") == SHARD_FORMAT and sd.get("dp_size") == self.dp_size
                 and sd.get("dp_rank") == self.dp_rank
+                and all(sd.get(k) == v for k, v in self._expert_layout().items())
                 and [[s["master"].numel(), [list(g) for g in s["segments"]]]
                      for s in sd.get("shards", [])] == mine)
 
