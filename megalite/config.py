@@ -1038,11 +1038,12 @@ class MegaliteConfig(_Section):
             raise ConfigError("--torch-compile with --num-experts: the MoE layer's dropless "
                               "routing has data-dependent shapes and is not compiled yet; drop "
                               "--torch-compile")
-        if ep > 1 and self.optimizer.zero_stage >= 3:
+        ck = self.checkpoint
+        if ep > 1 and self.optimizer.zero_stage >= 1 and (ck.save or ck.load):
             raise ConfigError(f"--zero-stage {self.optimizer.zero_stage} with "
-                              f"--expert-model-parallel-size {ep}: sharding expert parameters "
-                              f"over the expert-data-parallel group is not supported yet; use "
-                              f"--zero-stage 0-2, or --expert-model-parallel-size 1")
+                              f"--expert-model-parallel-size {ep} and --save/--load: checkpoints "
+                              f"of expert state sharded over the expert-data-parallel group are "
+                              f"not supported yet; use --zero-stage 0 to save or resume")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

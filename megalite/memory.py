@@ -175,14 +175,17 @@ def num_params_local(model_chunks) -> int:
 
 def _theory_by_group(chunks, psi: int, dp_size: int, zero_stage: int, params_dtype: str,
                      padded: bool) -> Dict[str, float]:
-    """The theory of ``psi`` parameters, those of buffers sharded over a group of another size
-    than ``dp_size`` (EP > 1's expert buffers) counted with their own N."""
+    """The theory of ``psi`` parameters, those of buffers (ZeRO-3: units) sharded over a group of
+    another size than ``dp_size`` (EP > 1's experts) counted with their own N."""
     other: Dict[int, int] = {}
     for c in chunks:
         for b in getattr(c, "grad_buffers", None) or ():
             if b.dp_size != dp_size:
                 other[b.dp_size] = other.get(b.dp_size, 0) + (b.numel if padded
                                                               else b.numel_unpadded)
+        for u in getattr(c, "units", None) or ():  # ZeRO-3
+            if u.dp_size != dp_size:
+                other[u.dp_size] = other.get(u.dp_size, 0) + (u.padded if padded else u.numel)
     parts = [theoretical_model_state_bytes(n, size, zero_stage, params_dtype) for size, n in
              [(dp_size, psi - sum(other.values()))] + sorted(other.items())]
     return {k: sum(p[k] for p in parts) for k in parts[0]}

@@ -250,7 +250,8 @@ def test_library_config_validates_like_the_cli():
     (["--moe-router-load-balancing-type", "global_aux_loss"], "global_aux_loss is not supported"),
     (["--moe-token-dispatcher-type", "allgather"], "allgather is not supported yet"),
     (["--torch-compile"], "--torch-compile with --num-experts"),
-    (["--expert-model-parallel-size", "2", "--zero-stage", "3"], "--zero-stage 3 with"),
+    (["--expert-model-parallel-size", "2", "--zero-stage", "1", "--save", "x"],
+     "--zero-stage 1 with --expert-model-parallel-size 2 and --save/--load"),
 ])
 def test_what_moe_does_not_do_yet_is_refused_in_one_line(extra, needle):
     from megalite.arguments import parse_args

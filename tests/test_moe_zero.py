@@ -1,6 +1,6 @@
-"""ZeRO 1 and 2 under expert parallelism (docs/moe.md): the expert weights' optimizer state (and,
-for stage 2, gradients) is sharded over the expert-data-parallel group, the dense weights' over
-DP x CP. pretrain.py's losses and grad norms at EP 2 on 4 ranks (expert-DP 2) equal one process's,
+"""ZeRO 1-3 under expert parallelism (docs/moe.md): the expert weights' optimizer state (and,
+for stage 2, gradients; for stage 3, the weights too) is sharded over the expert-data-parallel
+group, the dense weights' over DP x CP. pretrain.py's losses and grad norms at EP 2 on 4 ranks (expert-DP 2) equal one process's,
 6 steps in fp32, within 1e-5, in strict mode (docs/design.md, contract 1); and each rank's expert
 Adam state is its 1/EDP part of its EP rank's experts, as megalite/memory.py's formula says."""
 
@@ -13,11 +13,17 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", 
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--num-layers", "2",
        "--clip-grad", "0.5"]  # clipping acts: the norm is also what the step divides by
 EP2 = ["--expert-model-parallel-size", "2"]
-CASES = {  # name: layout flags on 4 ranks (EP 2 x EDP 2, DP 4)
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+          "--expert-tensor-parallel-size", "1"]
+CASES = {  # name: layout flags on 4 ranks (EP 2 x EDP 2)
     "ep2_edp2_zero1": EP2 + ["--zero-stage", "1"],
     "ep2_edp2_zero2": EP2 + ["--zero-stage", "2"],
     "ep2_edp2_zero2_overlap": EP2 + ["--zero-stage", "2", "--overlap-grad-reduce",
                                      "--overlap-param-gather", "--ddp-bucket-size", "400"],
+    "ep2_edp2_zero3": EP2 + ["--zero-stage", "3"],  # expert units over EDP, prefetched
+    # EP over the TP ranks (EDP 2 = DP): expert squares summed over EDP and EP, once per TP group
+    "ep2_tp2_sp_zero2": EP2 + TP2_SP + ["--zero-stage", "2"],
+    "ep2_tp2_sp_zero3": EP2 + TP2_SP + ["--zero-stage", "3"],
 }
 
 
@@ -29,8 +35,8 @@ def _argv(layout, metrics):
 
 
 def _shard_sizes(argv):
-    """(expert params here, their padded buffers, expert Adam numel, dense padded, dense Adam
-    numel, EDP, DP x CP, the state file's expert flags) of the optimizer pretrain would build."""
+    """(expert params here, their padded buffers or units, expert Adam numel, dense padded, dense
+    Adam numel, EDP, DP x CP, the state file's expert flags) of the optimizer pretrain builds."""
     from megalite import collectives as C
     from megalite.arguments import parse_args
     from megalite.data import build_tokenizer
@@ -46,17 +52,16 @@ def _shard_sizes(argv):
     chunks, _, _ = wrap_model_for_data_parallel(
         build_model_chunks(cfg.model, ps, seed=1, device=ps.device), cfg, ps)
     opt = build_optimizer(chunks, cfg.optimizer, ps)
-    bufs = [b for c in chunks for b in c.grad_buffers]
-    is_expert = [param_meta(next(iter(b.slots))).expert for b in bufs]
-    state = {e: sum(s.exp_avg.numel() + s.exp_avg_sq.numel()
-                    for s, se in zip(opt.shards, opt.shard_is_expert) if se == e)
-             for e in (True, False)}
+    # (padded, unpadded, expert) of each flat holder: DDP buffers (ZeRO 1-2) or units (ZeRO 3)
+    held = [(u.padded, u.numel, u.expert) for c in chunks for u in getattr(c, "units", ())] + [
+        (b.numel, b.numel_unpadded, param_meta(next(iter(b.slots))).expert)
+        for c in chunks for b in getattr(c, "grad_buffers", ())]
+    state = {e: sum(a.numel() + b.numel() for a, b, se in zip(
+        opt.exp_avg, opt.exp_avg_sq, opt.shard_is_expert) if se == e) for e in (True, False)}
     sd = opt.state_dict()
-    return (sum(b.numel_unpadded for b, e in zip(bufs, is_expert) if e),
-            sum(b.numel for b, e in zip(bufs, is_expert) if e), state[True],
-            sum(b.numel for b, e in zip(bufs, is_expert) if not e), state[False],
-            ps.edp_size, C.group_size(ps.dp_cp_group), sd["edp_size"],
-            [s["expert"] for s in sd["shards"]])
+    return (sum(n for _, n, e in held if e), sum(n for n, _, e in held if e), state[True],
+            sum(n for n, _, e in held if not e), state[False], ps.edp_size,
+            C.group_size(ps.dp_cp_group), sd["edp_size"], [s["expert"] for s in sd["shards"]])
 
 
 def _cases_worker(rank, world_size, runs):
@@ -70,7 +75,7 @@ def _cases_worker(rank, world_size, runs):
     for argv in runs:
         pretrain(parse_args(argv))
         C.barrier()
-    return _shard_sizes(runs[0])
+    return [_shard_sizes(runs[0]), _shard_sizes(runs[3])]  # ZeRO 1 and 3 at DP 4
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +112,7 @@ def test_moe_zero_matches_one_process(zero_runs, name):
 def test_expert_optimizer_state_is_sharded_over_expert_data_parallel(zero_runs):
     _, sizes = zero_runs
     for (expert, expert_padded, expert_state, dense_padded, dense_state, edp, dp, file_edp,
-         flags) in sizes:
+         flags) in (stage for rank in sizes for stage in rank):
         assert (edp, dp, file_edp) == (2, 4, 2)
         # this EP rank's 2 of the 4 experts, padded to the buffer alignment only
         assert 0 < expert <= expert_padded < expert + 2 * 128 * 4

@@ -39,6 +39,11 @@ without the forward ever holding them. Activation recomputation re-runs a unit's
 backward: the pre-hook is idempotent (gathered: nothing to do; in flight: wait), and during
 backward the forward hook does not free (the unit's backward follows immediately).
 
+Expert parallelism (EP > 1, docs/moe.md): a MoE layer's expert weights differ between EP ranks
+and are the same only over the expert-data-parallel group, so they are a unit of their own
+(``layers.<k>.experts``, used by the same layer's forward) gathered and reduce-scattered over that
+group; the rest of the layer shards over DP x CP as ever.
+
 Scope: any TP/SP layout, and pipelining with 1F1B or interleaved 1F1B: each pipeline chunk is a
 Zero3Model of its own, whose units are its layers plus the embedding / head where the chunk has
 them. A micro-batch's backward may come after later micro-batches' forwards: the forward's saved
@@ -103,14 +108,17 @@ class ShardedUnit:
     """One flat, padded, DP-sharded parameter buffer and its gradient and fp32 master shards."""
 
     def __init__(self, name: str, named_params: List[Tuple[str, nn.Parameter]], ps: ParallelState,
-                 compute_dtype: torch.dtype, device: torch.device):
+                 compute_dtype: torch.dtype, device: torch.device, expert: bool = False):
         self.name = name
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
-        self.dp_group = ps.dp_cp_group  # ZeRO shards over DP x CP (parallel_state.py)
+        # ZeRO shards over DP x CP (parallel_state.py); an expert unit over the ranks that hold
+        # the same experts, the expert-data-parallel group (the same group at EP 1)
+        self.expert = expert
+        self.dp_group = ps.edp_group if expert else ps.dp_cp_group
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
         # Padding to a multiple of N makes every shard the same size (all-gather/reduce-scatter
@@ -236,11 +244,14 @@ class ShardedUnit:
         self._free(self.full_grad)
 
 
-def unit_plan(model: nn.Module) -> List[Tuple[str, List[Tuple[nn.Module, nn.Module, list]]]]:
+def unit_plan(model: nn.Module, split_experts: bool = False
+              ) -> List[Tuple[str, List[Tuple[nn.Module, nn.Module, list]]]]:
     """The sharding units of a GPTModel chunk, in flat-buffer order (the rules of the module
     docstring): ``(unit name, uses)`` with one ``(first module, last module, [(param name,
     param)])`` per forward use. Zero3Model and the checkpoint converter (which runs it on a model
-    built on the meta device) both take the layout from here."""
+    built on the meta device) both take the layout from here. ``split_experts`` (EP > 1): a
+    layer's expert weights are a unit of their own, ``layers.<k>.experts``, used by the same
+    layer, since they shard over another group (ShardedUnit)."""
 
     def params_of(prefix: str, module: nn.Module):
         return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
@@ -265,8 +276,12 @@ def unit_plan(model: nn.Module) -> List[Tuple[str, List[Tuple[nn.Module, nn.Modu
             rest = [np_ for np_ in emb if not param_meta(np_[1]).tied_embedding]
             units += [(name, [(model.embedding, model.embedding, nps)]) for name, nps in
                       (("embedding.word_embeddings", own), ("embedding", rest)) if nps]
-    units += [(f"layers.{k}", [(layer, layer, params_of(f"layers.{k}", layer))])
-              for k, layer in model.layers.items()]
+    for k, layer in model.layers.items():
+        nps = params_of(f"layers.{k}", layer)
+        experts = [np_ for np_ in nps if split_experts and param_meta(np_[1]).expert]
+        units += [(name, [(layer, layer, part)]) for name, part in (
+            (f"layers.{k}", [np_ for np_ in nps if np_ not in experts]),
+            (f"layers.{k}.experts", experts)) if part]
     if post and not tied:
         norm, out = model.final_layernorm, model.output_layer
         norm_params, out_params = params_of("final_layernorm", norm), params_of("output_layer", out)
@@ -329,9 +344,11 @@ class Zero3Model(nn.Module):
     # ----------------------------------------------------------------------------- structure
     def _build_units(self, model: nn.Module, dtype: torch.dtype) -> None:
         device = next(model.parameters()).device
-        for name, uses in unit_plan(model):
-            unit = ShardedUnit(name, [np_ for _, _, nps in uses for np_ in nps], self.ps, dtype,
-                               device)
+        split = self.ps.ep_size > 1
+        for name, uses in unit_plan(model, split_experts=split):
+            nps = [np_ for _, _, nps in uses for np_ in nps]
+            unit = ShardedUnit(name, nps, self.ps, dtype, device,
+                               expert=split and param_meta(nps[0][1]).expert)
             k = 0
             for first, last, nps in uses:
                 unit.uses.append(Use(unit, -1, first, last, list(range(k, k + len(nps))),
@@ -649,11 +666,11 @@ class Zero3Model(nn.Module):
         factor (N−1)/N on padded sizes): each forward use gathers; each backward use that reads the
         parameters gathers, except the first one in backward when it is the last forward use
         (still full); one reduce-scatter per unit per micro-batch."""
-        n = self.units[0].dp_size if self.units else 1
-        if n == 1:
+        if all(u.dp_size == 1 for u in self.units):
             return {}
         fwd = bwd = rs = 0
-        for unit in self.units:
+        for unit in self.units:  # each over its own group (EP > 1: experts over EDP)
+            n = unit.dp_size
             b = unit.full_bytes() * (n - 1) // n
             last = len(self.uses) - 1
             fwd += len(unit.uses) * b

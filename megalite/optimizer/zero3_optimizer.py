@@ -27,6 +27,7 @@ from typing import List
 
 import torch
 
+from megalite import collectives as C
 from megalite.distributed.zero3 import Zero3Model
 from megalite.optimizer.clip_grads import counts_for_norm
 from megalite.optimizer.optimizer import ShardedAdamW
@@ -56,15 +57,20 @@ class Zero3Optimizer(ShardedAdamW):
         # counts on every TP rank, a replicated one on TP rank 0 only).
         self.runs = [[(s.start, s.end, DECAY if len(u.shapes[s.param_index]) > 1 else NO_DECAY)
                       for s in u.segments] for u in self.units]
-        self.norm_runs = [[(s.start, s.end) for s in u.segments
-                           if counts_for_norm(u.params[s.param_index], ps.tp_rank,
-                                              ps.is_pipeline_first_stage)] for u in self.units]
+        self.norm_runs = [[(s.start, s.end) for s in u.segments if not u.expert and
+                           counts_for_norm(u.params[s.param_index], ps.tp_rank,
+                                           ps.is_pipeline_first_stage)] for u in self.units]
+        # EP > 1: expert units shard over the expert-data-parallel group; their squares are
+        # summed over it, then over EP (clip_grads.grad_norm_squared)
+        self.shard_is_expert = [u.expert for u in self.units]
+        self.expert_norm_runs = [[(s.start, s.end) for s in u.segments] if u.expert else []
+                                 for u in self.units]
         self.segments = [[[u.names[s.param_index], s.start, s.end, s.param_start,
                            list(u.shapes[s.param_index])] for s in u.segments]
                          for u in self.units]
         self.zero_stage = 3
-        self.dp_size = self.units[0].dp_size if self.units else 1
-        self.dp_rank = self.units[0].dp_rank if self.units else 0
+        self.dp_size = C.group_size(ps.dp_cp_group)  # the file's rank (experts: per unit)
+        self.dp_rank = C.group_rank(ps.dp_cp_group)
 
     # ------------------------------------------------------------------------------ interface
     def zero_grad(self) -> None:
