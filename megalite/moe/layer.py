@@ -54,8 +54,11 @@ def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
         offs = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight, offs=offs)
     out, start = [], 0
+    # unbind once: indexing weight[e] per expert would give each expert a zero-filled gradient of
+    # the whole stack in backward (E full passes per projection); unbind's backward is one stack
+    per_expert = weight.unbind(0)
     for e, n in enumerate(counts.tolist()):  # the loop path reads the counts: a reference only
-        out.append(x[start:start + n] @ weight[e])
+        out.append(x[start:start + n] @ per_expert[e])
         start += n
     return torch.cat(out) if out else x.new_zeros(0, weight.shape[-1])
 
