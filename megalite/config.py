@@ -1128,6 +1128,8 @@ def model_shape_differences(saved: ModelConfig, current: ModelConfig,
     out = []
     for name in names:
         a, b = getattr(saved, name), getattr(current, name)
+        if name == "moe_layer_freq" and saved.moe_layer_pattern() == current.moe_layer_pattern():
+            continue  # two spellings of one layer pattern ("2" and "[1,0,1,0]") are one shape
         if a != b:
             out.append(f"{flag_of(name)}: checkpoint has {a}, this run has {b}")
     return out

@@ -260,3 +260,15 @@ def test_what_moe_does_not_do_yet_is_refused_in_one_line(extra, needle):
     with pytest.raises(ConfigError) as e:
         parse_args(["--num-experts", "4"] + extra)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_two_spellings_of_one_layer_pattern_are_one_shape():
+    from megalite.config import model_shape_differences
+
+    base = ["--num-experts", "4", "--num-layers", "4"]
+    a = parse_args(base + ["--moe-layer-freq", "2"]).model
+    b = parse_args(base + ["--moe-layer-freq", "[1,0,1,0]"]).model
+    c = parse_args(base + ["--moe-layer-freq", "[0,1,0,1]"]).model
+    assert model_shape_differences(a, b) == []
+    assert model_shape_differences(a, c) == [
+        "--moe-layer-freq: checkpoint has 2, this run has [0,1,0,1]"]
