@@ -27,14 +27,13 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE), "tests")]
 
-from single_device import make_step, profile_step  # noqa: E402
+from single_device import make_step, profile_step, timed_rounds  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 
@@ -130,13 +129,8 @@ def throughput(args) -> dict:
     if args.profile:
         for name, step in steps.items():
             profile_step(name, step)
-    times = {n: [] for n in steps}
+    times = timed_rounds(steps, args.rounds)
     order = list(steps)
-    for r in range(args.rounds):
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
     med = {n: statistics.median(t) for n, t in times.items()}
     hf_names = [n for n in order if n.startswith("HF")]
     fastest = min(hf_names, key=med.get) if hf_names else None

@@ -79,6 +79,21 @@ def build_models(args):
     return cfg, megalite_model.train(), hf_model.train()
 
 
+def timed_rounds(steps: dict, rounds: int) -> dict:
+    """name -> seconds of each of its steps: one step of every model per round, the order
+    rotated each round (AB BA AB ... for two), so adjacent steps see nearly the same machine load
+    and the per-round ratios are robust to load drift on a shared box."""
+    times = {name: [] for name in steps}
+    order = list(steps)
+    for r in range(rounds):
+        k = r % len(order)
+        for name in order[k:] + order[:k]:
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def make_step(name, model, tokens, labels):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
@@ -132,15 +147,8 @@ def main(argv=None):
         for name, step in steps.items():
             profile_step(name, step)
 
-    # One step of each model per round, in alternating order (AB BA AB ...): adjacent steps see
-    # nearly the same machine load, so the per-round ratio is robust to load drift on a shared box.
-    times = {name: [] for name in steps}
+    times = timed_rounds(steps, args.rounds)
     order = list(steps)
-    for r in range(args.rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
-            t0 = time.perf_counter()
-            steps[name]()
-            times[name].append(time.perf_counter() - t0)
 
     tokens_per_step = args.micro_batch_size * args.seq_length
     result = {"threads": args.threads, "torch": torch.__version__,
