@@ -33,7 +33,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE), "tests")]
 
-from single_device import make_step, profile_step, timed_rounds  # noqa: E402
+from single_device import make_step, timed_rounds  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 
@@ -123,13 +123,7 @@ def throughput(args) -> dict:
         steps[name] = make_step("hf", models[name], tokens, labels)
     params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
     first_loss = {n: s() for n, s in steps.items()}  # also the first warm-up step
-    for _ in range(args.warmup - 1):
-        for s in steps.values():
-            s()
-    if args.profile:
-        for name, step in steps.items():
-            profile_step(name, step)
-    times = timed_rounds(steps, args.rounds)
+    times = timed_rounds(steps, args.rounds, args.warmup - 1, args.profile)
     order = list(steps)
     med = {n: statistics.median(t) for n, t in times.items()}
     hf_names = [n for n in order if n.startswith("HF")]

@@ -79,10 +79,17 @@ def build_models(args):
     return cfg, megalite_model.train(), hf_model.train()
 
 
-def timed_rounds(steps: dict, rounds: int) -> dict:
+def timed_rounds(steps: dict, rounds: int, warmup: int = 0, profile: bool = False) -> dict:
     """name -> seconds of each of its steps: one step of every model per round, the order
     rotated each round (AB BA AB ... for two), so adjacent steps see nearly the same machine load
-    and the per-round ratios are robust to load drift on a shared box."""
+    and the per-round ratios are robust to load drift on a shared box. First ``warmup`` untimed
+    steps of each, and with ``profile`` one profiled step of each (profile_step)."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    if profile:
+        for name, step in steps.items():
+            profile_step(name, step)
     times = {name: [] for name in steps}
     order = list(steps)
     for r in range(rounds):
@@ -140,14 +147,7 @@ def main(argv=None):
         l_hf = hf(input_ids=tokens, labels=tokens).loss.item()
     steps = {"megalite": make_step("megalite", ml, tokens, labels),
              "hf": make_step("hf", hf, tokens, labels)}
-    for name, step in steps.items():
-        for _ in range(args.warmup):
-            step()
-    if args.profile:
-        for name, step in steps.items():
-            profile_step(name, step)
-
-    times = timed_rounds(steps, args.rounds)
+    times = timed_rounds(steps, args.rounds, args.warmup, args.profile)
     order = list(steps)
 
     tokens_per_step = args.micro_batch_size * args.seq_length
