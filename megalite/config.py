@@ -205,6 +205,56 @@ def layers_per_virtual_stage(num_layers: int, pp: int, v: Optional[int]) -> Opti
     return num_layers // (pp * v)
 
 
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_GROUP_SCORES = ("topk_sum", "top2_sum")  # Megatron's rule; HF DeepSeek-V3 / GLM-4-MoE's
+
+
+def check_routing(num_experts: int, topk: int, score_function: str = "softmax",
+                  pre_softmax: bool = False, num_groups: Optional[int] = None,
+                  group_topk: Optional[int] = None, group_score: str = "topk_sum",
+                  expert_bias: bool = False) -> None:
+    """The router's rules, one home: ModelConfig.validate runs them before any work, and
+    megalite/moe/router.route on the options it is given."""
+    e, k = num_experts, topk
+    if score_function not in MOE_SCORE_FUNCTIONS:
+        raise ConfigError(f"--moe-router-score-function must be one of "
+                          f"{', '.join(MOE_SCORE_FUNCTIONS)}, got {score_function!r}")
+    if not 1 <= k <= e:
+        raise ConfigError(f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e})")
+    softmax = score_function == "softmax"
+    if k == 1 and softmax and not pre_softmax:
+        # a softmax over one logit is constant 1: the router would get no gradient at all
+        raise ConfigError("--moe-router-topk 1 with softmax scores needs "
+                          "--moe-router-pre-softmax (or --moe-router-score-function sigmoid)")
+    if expert_bias and softmax:
+        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                          "sigmoid (as Megatron)")
+    g, gk = num_groups, group_topk
+    if (g is None) != (gk is None):
+        raise ConfigError(f"group-limited routing needs both --moe-router-num-groups and "
+                          f"--moe-router-group-topk, got {g} and {gk}")
+    if g is None:
+        return
+    if group_score not in MOE_GROUP_SCORES:
+        raise ConfigError(f"--moe-router-group-score must be one of "
+                          f"{', '.join(MOE_GROUP_SCORES)}, got {group_score!r}")
+    if g < 1 or e % g:
+        raise ConfigError(f"--moe-router-num-groups ({g}) must divide --num-experts ({e})")
+    if not 1 <= gk <= g:
+        raise ConfigError(f"--moe-router-group-topk ({gk}) must be between 1 and "
+                          f"--moe-router-num-groups ({g})")
+    if k > gk * (e // g):
+        raise ConfigError(f"--moe-router-topk ({k}) exceeds the {gk * (e // g)} experts "
+                          f"of the --moe-router-group-topk ({gk}) groups a token picks")
+    if group_score == "topk_sum" and k < gk:
+        raise ConfigError(f"--moe-router-topk ({k}) must be >= --moe-router-group-topk "
+                          f"({gk}) with topk_sum group scores (the top k/group_topk)")
+    if group_score == "top2_sum" and e // g < 2:
+        raise ConfigError(f"--moe-router-group-score top2_sum needs at least 2 experts "
+                          f"per group, --num-experts ({e}) / --moe-router-num-groups "
+                          f"({g}) gives {e // g}")
+
+
 class _Section:
     """Read-only once frozen (``MegaliteConfig.resolve`` freezes what it returns)."""
 
@@ -305,7 +355,7 @@ class ModelConfig(_Section):
         False, "all local experts in one grouped GEMM instead of a loop over them",
         group="mixture of experts", role=RUN)
     moe_router_score_function: str = setting(
-        "softmax", "how router logits become scores", choices=("softmax", "sigmoid"),
+        "softmax", "how router logits become scores", choices=MOE_SCORE_FUNCTIONS,
         group="mixture of experts", role=CHECKPOINT_ARG)
     moe_router_pre_softmax: bool = setting(
         False, "softmax over all experts before the top-k (Switch, Qwen2-MoE)",
@@ -322,7 +372,7 @@ class ModelConfig(_Section):
     moe_router_group_score: str = setting(
         "topk_sum", "how a group is scored: topk_sum (Megatron's rule) or top2_sum (HF "
         "DeepSeek-V3 / GLM-4-MoE); megalite's flag, not Megatron's",
-        choices=("topk_sum", "top2_sum"), group="mixture of experts", role=CHECKPOINT_ARG)
+        choices=MOE_GROUP_SCORES, group="mixture of experts", role=CHECKPOINT_ARG)
     moe_router_dtype: str = setting(
         "fp32", "dtype of the router logits; Megatron's default is no cast, megalite computes "
         "them in fp32 by default as Megatron's README recommends", choices=("fp32", "fp64"),
@@ -515,37 +565,13 @@ class ModelConfig(_Section):
             return
         if e < 1:
             raise ConfigError(f"--num-experts must be >= 1 (omit it for a dense model), got {e}")
-        if not 1 <= k <= e:
-            raise ConfigError(f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e})")
-        softmax = self.moe_router_score_function == "softmax"
-        if k == 1 and softmax and not self.moe_router_pre_softmax:
-            # a softmax over one logit is constant 1: the router would get no gradient at all
-            raise ConfigError("--moe-router-topk 1 with softmax scores needs "
-                              "--moe-router-pre-softmax (or --moe-router-score-function sigmoid)")
+        check_routing(e, k, self.moe_router_score_function, self.moe_router_pre_softmax,
+                      self.moe_router_num_groups, self.moe_router_group_topk,
+                      self.moe_router_group_score, self.moe_router_enable_expert_bias)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{_flag(name)} must be a positive integer, got "
                                   f"{getattr(self, name)}")
-        g, gk = self.moe_router_num_groups, self.moe_router_group_topk
-        if (g is None) != (gk is None):
-            raise ConfigError(f"group-limited routing needs both --moe-router-num-groups and "
-                              f"--moe-router-group-topk, got {g} and {gk}")
-        if g is not None:
-            if g < 1 or e % g:
-                raise ConfigError(f"--moe-router-num-groups ({g}) must divide --num-experts ({e})")
-            if not 1 <= gk <= g:
-                raise ConfigError(f"--moe-router-group-topk ({gk}) must be between 1 and "
-                                  f"--moe-router-num-groups ({g})")
-            if k > gk * (e // g):
-                raise ConfigError(f"--moe-router-topk ({k}) exceeds the {gk * (e // g)} experts "
-                                  f"of the --moe-router-group-topk ({gk}) groups a token picks")
-            if self.moe_router_group_score == "topk_sum" and k < gk:
-                raise ConfigError(f"--moe-router-topk ({k}) must be >= --moe-router-group-topk "
-                                  f"({gk}) with topk_sum group scores (the top k/group_topk)")
-            if self.moe_router_group_score == "top2_sum" and e // g < 2:
-                raise ConfigError(f"--moe-router-group-score top2_sum needs at least 2 experts "
-                                  f"per group, --num-experts ({e}) / --moe-router-num-groups "
-                                  f"({g}) gives {e // g}")
         cf = self.moe_expert_capacity_factor
         if cf is not None and not cf > 0:
             raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (omit it for dropless), "
@@ -553,9 +579,6 @@ class ModelConfig(_Section):
         if self.moe_pad_expert_input_to_capacity and cf is None:
             raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                               "--moe-expert-capacity-factor (the capacity it pads to)")
-        if self.moe_router_enable_expert_bias and softmax:
-            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
-                              "sigmoid (as Megatron)")
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise ConfigError("--moe-shared-expert-gate needs "
                               "--moe-shared-expert-intermediate-size (the shared expert it gates)")

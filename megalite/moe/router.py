@@ -5,7 +5,7 @@ bias update. No process groups here: a caller that spreads tokens over ranks sum
 
 Shapes: ``logits``, ``probs``, ``routing_map`` are [tokens, experts]; tokens are the flattened
 [s, b] activations (sequence first, as the transformer layers hold them). Flag names in messages
-are Megatron-LM's, the vocabulary the configuration will use.
+are Megatron-LM's, the flags of the configuration (megalite.config.check_routing).
 """
 
 from __future__ import annotations
@@ -14,43 +14,9 @@ import math
 
 import torch
 
-from megalite.config import ConfigError
+from megalite.config import ConfigError, check_routing
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-GROUP_SCORES = ("topk_sum", "top2_sum")
 DROP_POLICIES = ("probs", "position")
-
-
-def _check(num_experts, topk, score_function, pre_softmax, num_groups, group_topk, group_score,
-           expert_bias):
-    if score_function not in SCORE_FUNCTIONS:
-        raise ConfigError(f"--moe-router-score-function must be one of "
-                          f"{', '.join(SCORE_FUNCTIONS)}, got {score_function!r}")
-    if not 1 <= topk <= num_experts:
-        raise ConfigError(f"--moe-router-topk ({topk}) must be in [1, {num_experts}], "
-                          "the number of experts")
-    if topk == 1 and score_function == "softmax" and not pre_softmax:
-        # a softmax over one logit is constant 1: the router would get no gradient at all
-        raise ConfigError("--moe-router-topk 1 with softmax needs --moe-router-pre-softmax")
-    if expert_bias is not None and score_function != "sigmoid":
-        raise ConfigError("--moe-router-enable-expert-bias needs "
-                          "--moe-router-score-function sigmoid")
-    if group_topk:
-        if group_score not in GROUP_SCORES:
-            raise ConfigError(f"group_score must be one of {', '.join(GROUP_SCORES)}, "
-                              f"got {group_score!r}")
-        if not num_groups or num_experts % num_groups:
-            raise ConfigError(f"--moe-router-num-groups ({num_groups}) must divide the "
-                              f"{num_experts} experts")
-        per_group = num_experts // num_groups
-        if not group_topk <= num_groups or topk > group_topk * per_group:
-            raise ConfigError(f"--moe-router-group-topk ({group_topk}) must be <= "
-                              f"--moe-router-num-groups ({num_groups}) and hold the top {topk}")
-        if group_score == "topk_sum" and topk < group_topk:
-            raise ConfigError(f"--moe-router-topk ({topk}) must be >= --moe-router-group-topk "
-                              f"({group_topk}): a group is scored by its top topk/group_topk")
-        if group_score == "top2_sum" and per_group < 2:
-            raise ConfigError("top2_sum group scores need at least 2 experts per group")
 
 
 def _topk_indices(scores, topk, num_groups, group_topk, group_score):
@@ -84,8 +50,8 @@ def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
     ``scaling_factor`` multiplies the gates last.
     """
     logits = logits.float()  # routing decisions and gates in fp32 whatever the model's dtype
-    _check(logits.shape[-1], topk, score_function, pre_softmax, num_groups, group_topk,
-           group_score, expert_bias)
+    check_routing(logits.shape[-1], topk, score_function, pre_softmax, num_groups, group_topk,
+                  group_score, expert_bias is not None)
     if score_function == "softmax":
         scores = logits.softmax(-1) if pre_softmax else logits
     else:
