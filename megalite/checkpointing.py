@@ -52,6 +52,7 @@ from megalite.config import (
     config_to_json,
     model_shape_differences,
 )
+from megalite.moe.layer import MoELayer
 from megalite.param_meta import param_meta
 from megalite.tensor_parallel.random import get_all_rng_states
 
@@ -226,9 +227,9 @@ def _split_experts(model_chunks) -> list:
     for i, chunk in enumerate(model_chunks):
         module = getattr(chunk, "module", chunk)  # a DDP wrapper's state_dict is its module's
         for prefix, m in module.named_modules():
-            n, total = getattr(m, "num_local_experts", None), getattr(m, "num_experts", None)
-            if n is None or n == total:
+            if not isinstance(m, MoELayer) or m.num_local_experts == m.num_experts:
                 continue
+            total = m.num_experts
             for name, p in m.named_parameters(recurse=False):
                 if param_meta(p).expert:
                     out.append(_Expert(i, f"{prefix}.{name}" if prefix else name, p,
@@ -259,7 +260,7 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
     pipeline stage, whose ranks hold the same layers); a pre-check as ZeRO-3's, agreed by every
     rank of the world, makes a rank that could not allocate them stop every rank instead of
     leaving its EP peers in a gather."""
-    if getattr(ps, "ep_size", 1) == 1:  # (every rank of the world has the same EP size)
+    if ps.ep_size == 1:  # (every rank of the world has the same EP size)
         return {}
     experts = _split_experts(model_chunks)  # none on a stage of dense layers: it still agrees
     jobs = [(("model", e.chunk, e.key), e.param, e.group) for e in experts]

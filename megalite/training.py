@@ -43,7 +43,12 @@ from megalite.logging import (
     set_active_logger,
     training_log_line,
 )
-from megalite.moe.layer import moe_interval_metrics, set_aux_loss_scale, update_expert_biases
+from megalite.moe.layer import (
+    moe_interval_metrics,
+    moe_layers,
+    set_aux_loss_scale,
+    update_expert_biases,
+)
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
 from megalite.optimizer.grad_scaler import NonFiniteStep
 from megalite.parallel_state import (
@@ -202,6 +207,7 @@ class Trainer:
         self.chunks, self.no_sync_func, self.finalize_fn = wrap_model_for_data_parallel(
             chunks, cfg, ps)
         self.optimizer = build_optimizer(self.chunks, cfg.optimizer, ps)
+        self.moe_layers = moe_layers(self.chunks)  # found once, not walked every step
         self.scheduler = OptimizerParamScheduler.from_config(self.optimizer, cfg.optimizer,
                                                              tr.train_iters)
         self.forward_backward = get_forward_backward_func(
@@ -339,7 +345,7 @@ class Trainer:
         self.optimizer.zero_grad()
         # MoE balancing losses: averaged over the global batch's micro-batches, as the token loss
         # is (DP sums gradients), and scaled like it under fp16 (megalite/moe/layer.py)
-        set_aux_loss_scale(self.chunks, self.optimizer.get_loss_scale()
+        set_aux_loss_scale(self.moe_layers, self.optimizer.get_loss_scale()
                            / (len(batches) * self.ps.dp_size))
         start = time.perf_counter()
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
@@ -359,7 +365,7 @@ class Trainer:
             raise self._diverged(str(e)) from None
         if updated:
             self.scheduler.step()
-        update_expert_biases(self.chunks, self.ps.tp_group, self.ps.dp_cp_group, updated)
+        update_expert_biases(self.moe_layers, self.ps.tp_group, self.ps.dp_cp_group, updated)
         return loss, updated, grad_norm
 
     def _diverged(self, what: str) -> TrainingError:
@@ -432,7 +438,7 @@ class Trainer:
                "skipped_iterations": interval.skipped,
                "peak_memory_bytes": peak_memory_bytes(ps.device)}
         if cfg.model.num_experts is not None:
-            rec.update(moe_interval_metrics(self.chunks, cfg.model, interval.n * tr.global_batch_size
+            rec.update(moe_interval_metrics(self.moe_layers, cfg.model, interval.n * tr.global_batch_size
                                             // tr.micro_batch_size, ps))
         if cfg.logging.log_throughput:
             achieved = self.flops_per_iter / t_it / ps.world_size

@@ -119,6 +119,12 @@ class MoELayer(nn.Module):
                              persistent=False)
 
     # ------------------------------------------------------------------------------------------
+    def _capacity(self, num_tokens: int) -> Optional[int]:
+        """Tokens per expert with a capacity factor (this rank's tokens); None: dropless."""
+        cf = self.config.moe_expert_capacity_factor
+        return None if cf is None else R.expert_capacity(num_tokens, self.num_experts,
+                                                         self.topk, cf)
+
     def _route(self, tokens: torch.Tensor):
         c = self.config
         dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
@@ -129,9 +135,8 @@ class MoELayer(nn.Module):
             logits, self.topk, c.moe_router_score_function, c.moe_router_pre_softmax,
             c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
             self.expert_bias, c.moe_router_group_score)
-        if c.moe_expert_capacity_factor is not None:
-            cap = R.expert_capacity(tokens.shape[0], self.num_experts, self.topk,
-                                    c.moe_expert_capacity_factor)
+        cap = self._capacity(tokens.shape[0])
+        if cap is not None:
             probs, routing_map = R.drop_over_capacity(probs, routing_map, cap,
                                                       c.moe_token_drop_policy,
                                                       c.moe_pad_expert_input_to_capacity)
@@ -190,18 +195,17 @@ class MoELayer(nn.Module):
             self.local_tokens_per_expert += counts.detach()
         # rows to permute: known on the host when dropless (k per token) or padded to capacity
         # (C per expert), so the permutation needs no host read; capacity drops leave it unknown
-        c = self.config
-        rows = (tokens.shape[0] * self.topk if c.moe_expert_capacity_factor is None else
-                self.num_experts * R.expert_capacity(tokens.shape[0], self.num_experts,
-                                                     self.topk, c.moe_expert_capacity_factor)
-                if c.moe_pad_expert_input_to_capacity else None)
+        cap = self._capacity(tokens.shape[0])
+        rows = (tokens.shape[0] * self.topk if cap is None else
+                self.num_experts * cap if self.config.moe_pad_expert_input_to_capacity else None)
         permuted, sorted_indices, _ = permute(tokens, routing_map, rows)
         # over EP, each token block goes to the rank of its expert and its output comes back;
         # with EP 1 dispatch and combine move nothing
         received, per_source, handle = dispatch(permuted, counts, self.ep_group,
                                                 self.num_local_experts)
         out = combine(self._experts(received, per_source.sum(0)), handle)
-        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows).view(s, b, hidden)
+        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows)
+        y = y.view(s, b, hidden)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_gate is not None:
@@ -218,14 +222,14 @@ class MoELayer(nn.Module):
         return y
 
 
-
-def moe_interval_metrics(chunks, config: ModelConfig, micro_batches: int, ps) -> dict:
+def moe_interval_metrics(layers: List[MoELayer], config: ModelConfig, micro_batches: int,
+                         ps) -> dict:
     """Per MoE layer since the last log line: the balancing and z losses (per micro-batch) and
     the load imbalance (max / mean tokens per expert), plus their mean and worst over layers.
     Collective over the world at log steps (each layer lives on one pipeline stage), one host
     read; ``micro_batches``: the interval's micro-batches over every DP rank."""
     rows = torch.zeros(config.num_layers, 2 + config.num_experts, device=ps.device)
-    for m in moe_layers(chunks):
+    for m in layers:
         rows[m.layer_number] = m.interval_stats
         m.interval_stats.zero_()
     C.all_reduce(rows, group=C.world_group(), tag="moe_metrics")
@@ -250,18 +254,18 @@ def moe_layers(chunks) -> List[MoELayer]:
     return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
 
 
-def set_aux_loss_scale(chunks, scale: float) -> None:
+def set_aux_loss_scale(layers: List[MoELayer], scale: float) -> None:
     """Each step, before the forward-backward: the balancing losses' gradient multiplier."""
-    for m in moe_layers(chunks):
+    for m in layers:
         m.aux_loss_scale = scale
 
 
 @torch.no_grad()
-def update_expert_biases(chunks, tp_group, dp_cp_group, applied: bool) -> None:
+def update_expert_biases(layers: List[MoELayer], tp_group, dp_cp_group, applied: bool) -> None:
     """Loss-free balancing after a step (DeepSeek-V3): b += rate * sign(mean load - load), the
     loads summed over every rank that routed different tokens (TP under SP, DP x CP), all layers
     in one all-reduce. A skipped step (fp16 overflow) leaves the biases as they were."""
-    layers = [m for m in moe_layers(chunks) if m.expert_bias is not None]
+    layers = [m for m in layers if m.expert_bias is not None]
     if not layers:
         return
     counts = torch.stack([m.local_tokens_per_expert for m in layers])

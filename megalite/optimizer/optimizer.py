@@ -351,7 +351,7 @@ class ShardedAdamW(_LossScaling):
         its EP rank's experts (``shard_is_expert``), a dense one over DP x CP as ever: the file
         says which, with the expert grid position. EP 1 files are unchanged (EDP = DP x CP)."""
         ps = self.ps
-        if getattr(ps, "ep_size", 1) == 1:
+        if ps.ep_size == 1:
             return {}
         return {"ep_size": ps.ep_size, "ep_rank": ps.ep_rank, "edp_size": ps.edp_size,
                 "edp_rank": ps.edp_rank}
