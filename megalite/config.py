@@ -351,8 +351,9 @@ class ModelConfig(_Section):
         role=SHAPE)
     moe_layer_freq: str = setting("1", f"which layers are MoE: {_LAYER_FREQ_HELP}",
                                   group="mixture of experts", role=SHAPE)
-    moe_grouped_gemm: bool = setting(
-        False, "all local experts in one grouped GEMM instead of a loop over them",
+    moe_grouped_gemm: bool = setting(  # the loop needs each expert's row count on the host
+        True, "all local experts in one grouped GEMM; --no-moe-grouped-gemm: a loop over them, "
+        "which reads the row counts on the host every layer (Megatron's default is the loop)",
         group="mixture of experts", role=RUN)
     moe_router_score_function: str = setting(
         "softmax", "how router logits become scores", choices=MOE_SCORE_FUNCTIONS,

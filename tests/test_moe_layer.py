@@ -50,7 +50,7 @@ def test_matches_hf_mixtral_block():
 @pytest.mark.parametrize("kw", [dict(), dict(swiglu=False, activation="gelu",
                                              add_bias_linear=True)])
 def test_grouped_gemm_equals_the_expert_loop(kw):
-    cfg = _moe_config(**kw)
+    cfg = _moe_config(moe_grouped_gemm=False, **kw)
     loop, grouped = _layer(cfg), _layer(_moe_config(moe_grouped_gemm=True, **kw))
     grouped.load_state_dict(loop.state_dict())
     x = torch.randn(9, 2, 32, requires_grad=True)
