@@ -1046,15 +1046,13 @@ class MegaliteConfig(_Section):
         if t > 1 and not par.sequence_parallel:  # as Megatron: each TP rank routes its own tokens
             raise ConfigError(f"--num-experts with --tensor-model-parallel-size {t} needs "
                               f"--sequence-parallel (every TP rank must route different tokens)")
+        if etp > 1 and m.add_bias_linear:
+            # an expert's output bias would be added once per ETP slice (as Megatron's grouped
+            # experts, which take no bias)
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} with expert biases: pass "
+                              f"--disable-bias-linear, or --expert-tensor-parallel-size 1 (its "
+                              f"default is --tensor-model-parallel-size, {t})")
         # Not implemented yet, each refused rather than run wrongly (docs/moe.md, "Status"):
-        if etp > 1:
-            raise ConfigError(f"--expert-tensor-parallel-size {etp}: experts split by tensor "
-                              f"parallelism are not supported yet; pass "
-                              f"--expert-tensor-parallel-size 1 (its default is "
-                              f"--tensor-model-parallel-size, {t})")
-        if m.moe_token_dispatcher_type == "allgather":
-            raise ConfigError("--moe-token-dispatcher-type allgather is not supported yet; use "
-                              "alltoall (with --expert-model-parallel-size 1 it moves nothing)")
         if m.moe_router_load_balancing_type == "global_aux_loss":
             raise ConfigError("--moe-router-load-balancing-type global_aux_loss is not supported "
                               "yet; use aux_loss (per micro-batch), seq_aux_loss or none")
@@ -1063,6 +1061,11 @@ class MegaliteConfig(_Section):
                               "routing has data-dependent shapes and is not compiled yet; drop "
                               "--torch-compile")
         ck = self.checkpoint
+        if etp > 1 and (ck.save or ck.load):
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} with --save/--load: "
+                              f"checkpoints of experts split by tensor parallelism are not "
+                              f"supported yet; pass --expert-tensor-parallel-size 1 to save or "
+                              f"resume")
         if ep > 1 and self.optimizer.zero_stage >= 1 and (ck.save or ck.load):
             raise ConfigError(f"--zero-stage {self.optimizer.zero_stage} with "
                               f"--expert-model-parallel-size {ep} and --save/--load: checkpoints "

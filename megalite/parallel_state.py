@@ -119,6 +119,8 @@ class ParallelState:
     edp_rank: int = 0
     edp_group: Optional[dist.ProcessGroup] = None  # expert gradients are reduced over it
     edp_ranks: List[int] = field(default_factory=lambda: [0])
+    etp_ep_group: Optional[dist.ProcessGroup] = None  # ETP x EP: the allgather dispatcher's
+    etp_ep_ranks: List[int] = field(default_factory=lambda: [0])
     # Virtual pipeline (interleaved) bookkeeping, set by the pipeline code.
     vpp_size: Optional[int] = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -135,6 +137,13 @@ class ParallelState:
     @property
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
+
+    @property
+    def experts_apart(self) -> bool:
+        """Whether expert weights are laid out otherwise than dense ones (EP > 1, or ETP != TP):
+        then their gradients are reduced and ZeRO-sharded over the expert-data-parallel group
+        and their norm is summed over ETP x EP (clip_grads.py), not by the dense rules."""
+        return self.ep_size > 1 or self.etp_size != self.tp_size
 
     # Gradients and ZeRO shards: DP x CP, which is the DP group itself when CP is 1 (also in a
     # state built by hand with only a DP group).
@@ -209,6 +218,13 @@ def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
     return edp, groups("t"), groups("e"), groups("d"), groups("p")
 
 
+def expert_tp_ep_groups(world_size: int, etp: int, ep: int, pp: int) -> List[List[int]]:
+    """The ETP x EP groups of the expert grid (pure function): the ranks that hold all of a
+    layer's experts between them, over which the allgather dispatcher gathers tokens."""
+    edp = check_expert_grid_divisible(world_size, etp, ep, pp)
+    return grid_groups(torch.arange(world_size).view(pp, edp, ep, etp), "pdet", "et")
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -276,17 +292,17 @@ def initialize_model_parallel(
                           ep_size=ep, etp_size=etp, edp_size=edp)
 
     # Every rank must create every group, in the same order (a torch.distributed rule). An expert
-    # group with the ranks of a dense one (ETP = TP, and EDP = DP x CP by default) is that group,
-    # not a second communicator, so a dense run creates exactly the groups it did before MoE.
-    dense = {}
+    # group with the ranks of a group made before (ETP = TP, and EDP = DP x CP by default; ETP x
+    # EP = EP at ETP 1) is that group, not a second communicator, so a dense run creates exactly
+    # the groups it did before MoE.
+    made = {}
 
     def make(groups, attr_group, attr_ranks, expert=False):
         for ranks in groups:
-            group = dense.get(tuple(ranks)) if expert else None
+            group = made.get(tuple(ranks)) if expert else None
             if group is None and len(ranks) > 1:
                 group = dist.new_group(ranks, backend=backend, timeout=timeout)
-                if not expert:
-                    dense.setdefault(tuple(ranks), group)
+                made.setdefault(tuple(ranks), group)
             if rank in ranks:
                 setattr(state, attr_group, group)
                 setattr(state, attr_ranks, list(ranks))
@@ -304,6 +320,8 @@ def initialize_model_parallel(
     make(etp_groups, "etp_group", "etp_ranks", expert=True)
     make(ep_groups, "ep_group", "ep_ranks", expert=True)
     make(edp_groups, "edp_group", "edp_ranks", expert=True)
+    make(expert_tp_ep_groups(world_size, etp, ep, pp), "etp_ep_group", "etp_ep_ranks",
+         expert=True)
 
     state.tp_rank = state.tp_ranks.index(rank)
     state.dp_rank = state.dp_ranks.index(rank)

@@ -74,3 +74,11 @@ def test_moe_reads_only_the_dispatch_split_sizes():
                      train_iters=4)
         for got, where in run_distributed(_moe, 2, argv):
             assert got == [4 + layers * micro] * 2, where
+    # the allgather dispatcher at EP 1 (experts split over the TP pair) knows every block size:
+    # no read per layer or micro-batch, as on one process
+    allgather = ["--moe-token-dispatcher-type", "allgather", "--tensor-model-parallel-size", "2",
+                 "--sequence-parallel", "--disable-bias-linear"]
+    argv = flags("--num-layers", 4, "--global-batch-size", 4, "--micro-batch-size", 1, *MOE,
+                 *allgather, train_iters=4)
+    for got, where in run_distributed(_moe, 2, argv):
+        assert got == [4, 4], where

@@ -59,7 +59,7 @@ def _exchange(rank, world, ep, seed):
     # what this rank must receive: local expert by local expert, source ranks in order
     sent = [_tokens(s, counts_all[s]) for s in range(ep)]
     want = torch.cat([t[t[:, 1] == e] for e in range(mine.start, mine.stop) for t in sent])
-    assert torch.equal(counts.cpu(), counts_all[:, mine]), (counts, counts_all)
+    assert torch.equal(counts.cpu(), counts_all[:, mine].sum(0)), (counts, counts_all)
     assert torch.equal(grouped.detach().cpu(), want)
     assert torch.equal(out.detach().cpu(), x.detach().cpu())  # identity experts: the identity
 
@@ -79,7 +79,7 @@ def _exchange(rank, world, ep, seed):
     x.grad = None
     grouped, counts, handle = dispatch(x, tpe, group, E_LOCAL)
     scale = torch.arange(1.0, E_LOCAL + 1, device=dev) + mine.start
-    rows_scale = scale.repeat_interleave(counts.sum(0), output_size=grouped.shape[0])
+    rows_scale = scale.repeat_interleave(counts, output_size=grouped.shape[0])
     out = combine(grouped * rows_scale[:, None], handle)
     w = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + me)).to(dev)
     (out * w).sum().backward()
@@ -108,7 +108,7 @@ def test_ep1_is_a_no_op_without_traffic():
     x = _tokens(0, counts).requires_grad_()
     C.reset_bytes_sent()
     grouped, got, handle = dispatch(x, counts, None, 3)
-    assert grouped is x and torch.equal(got, counts.view(1, 3))
+    assert grouped is x and torch.equal(got, counts)
     assert combine(grouped, handle) is grouped
     out = torch.empty(5, H)
     C.all_to_all_single(out, x.detach(), [5], [5], None, "a2a")
@@ -118,3 +118,44 @@ def test_ep1_is_a_no_op_without_traffic():
 def test_expert_count_mismatch_is_one_line():
     with pytest.raises(ConfigError, match=r"^--num-experts: 4 experts cannot be 3 per rank"):
         dispatch(torch.zeros(0, H), torch.zeros(4, dtype=torch.long), None, 3)
+
+
+def _exchange_with_etp(rank, world, seed):
+    """EP 2 x ETP 2 on 4 ranks (ETP fastest): every rank of an ETP pair gets both ranks' rows for
+    its experts, in the same order; identity 'slices' come back summed, once per ETP rank."""
+    import strict_collectives as S
+    from host_reads import HostReads
+
+    S.enable()
+    dev = C.configure(torch.device("cpu"))
+    etp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    ep_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    etp_group, ep_group = etp_groups[rank // 2], ep_groups[rank % 2]
+    ep_rank, etp_rank = rank // 2, rank % 2
+    counts_all = _world_counts(world, 2 * E_LOCAL, seed)  # rank r's tokens per global expert
+    x = _tokens(rank, counts_all[rank]).to(dev).requires_grad_()
+    C.reset_bytes_sent()
+    with HostReads() as reads:
+        grouped, counts, handle = dispatch(x, counts_all[rank].to(dev), ep_group, E_LOCAL,
+                                           etp_group)
+        out = combine(grouped, handle)
+    mine = slice(ep_rank * E_LOCAL, (ep_rank + 1) * E_LOCAL)
+    # the ETP pair's rows for these experts: EP sources of ETP rank 0, then those of ETP rank 1
+    sources = [[0, 2], [1, 3]]
+    want = torch.cat([t[t[:, 1] == e] for e in range(mine.start, mine.stop)
+                      for s in sources for t in [_tokens(r, counts_all[r]) for r in s]])
+    assert torch.equal(grouped.detach().cpu(), want)
+    assert torch.equal(counts.cpu(), counts_all[:, mine].sum(0))
+    assert torch.equal(out.detach().cpu(), 2 * x.detach().cpu())  # both slices' identity
+    sent = C.bytes_sent()
+    out.sum().backward()
+    assert torch.equal(x.grad.cpu(), torch.full(x.shape, 2.0))
+    ep_rows = counts_all[[0, 2] if etp_rank == 0 else [1, 3]][:, mine].sum().item()
+    return sum(reads.per_iteration[-1].values()), sent["moe_etp_gather"], ep_rows * H * 4
+
+
+def test_dispatch_combine_over_ep_and_etp():
+    for host_reads, gathered, ep_rows_bytes in run_distributed(_exchange_with_etp, 4, 5,
+                                                               timeout=180):
+        assert host_reads == 1  # the EP and ETP split sizes in one read
+        assert gathered == ep_rows_bytes  # each rank sends what it received to its ETP peer

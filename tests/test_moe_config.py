@@ -245,10 +245,11 @@ def test_library_config_validates_like_the_cli():
 
 @pytest.mark.parametrize("extra,needle", [
     (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-     "pass --expert-tensor-parallel-size 1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # ETP = TP by default
+     "--expert-tensor-parallel-size 2 with expert biases: pass --disable-bias-linear"),
+    (["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--save", "x"],
+     "--expert-tensor-parallel-size 2 with --save/--load"),
     (["--moe-router-load-balancing-type", "global_aux_loss"], "global_aux_loss is not supported"),
-    (["--moe-token-dispatcher-type", "allgather"], "allgather is not supported yet"),
     (["--torch-compile"], "--torch-compile with --num-experts"),
     (["--expert-model-parallel-size", "2", "--zero-stage", "1", "--save", "x"],
      "--zero-stage 1 with --expert-model-parallel-size 2 and --save/--load"),

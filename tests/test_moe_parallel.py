@@ -1,6 +1,7 @@
 """Mixture of experts in parallel layouts equals one process (docs/moe.md): pretrain.py's losses
 and grad norms, 6 steps in fp32, within 1e-5, for expert parallelism folded over data, tensor
-(with SP), context and pipeline ranks, and for the router's variants (sigmoid scores with the
+(with SP), context and pipeline ranks (1F1B and a V schedule), experts split by tensor
+parallelism (ETP), both token dispatchers, and for the router's variants (sigmoid scores with the
 loss-free balancing bias, a gated shared expert, capacity drops, grouped GEMMs, recomputation).
 Every multi-rank run is in strict mode (it emulates a GPU: docs/design.md, contract 1)."""
 
@@ -16,6 +17,10 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
 EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
 SIGMOID = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
            "--moe-router-bias-update-rate", "0.01"]
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
+# (micro-batches of one: a V schedule at PP 2 needs 4 per DP rank)
+FOUR_LAYERS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--micro-batch-size", "1"]
 # name: (world size, model flags, layout flags); the model flags alone are the one-process run
 CASES = {
     "dp2": (2, [], []),  # experts replicated: their gradients over the expert-DP group = DP
@@ -33,10 +38,21 @@ CASES = {
     "ep2_edp2": (4, [], EP2),
     "ep2_tp2_sp": (4, [], EP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--expert-tensor-parallel-size", "1"]),
+    # ETP = TP (the default): each expert split over the TP pair, EDP 1
+    "ep2_tp2_sp_etp2": (4, LLAMA, EP2 + TP2_SP),
+    # ETP folded over data-parallel ranks (TP 1), ZeRO-2's expert shards over EDP 1
+    "etp2_over_dp_zero2": (2, LLAMA, ["--expert-tensor-parallel-size", "2", "--zero-stage", "2"]),
+    # the allgather dispatcher: at EP 1 (experts split over TP) it reads nothing per layer; at
+    # EP 2 (biases, GPT-2 shapes) each rank picks its experts' rows out of the gathered tokens
+    "allgather_tp2_sp": (2, LLAMA, ALLGATHER + TP2_SP),
+    "allgather_ep2": (2, [], ALLGATHER + EP2),
     "ep2_cp2": (4, [], EP2 + ["--context-parallel-size", "2"]),
     # the first stage is dense: its ranks hold no expert
     "ep2_pp2_dense_first": (4, ["--moe-layer-freq", "[0,1]"],
                             EP2 + ["--pipeline-model-parallel-size", "2"]),
+    # a V schedule: each rank holds the first chunk (a dense layer) and the last (experts)
+    "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + ["--pipeline-model-parallel-size", "2",
+                                                 "--pipeline-schedule", "dualpipev"]),
 }
 
 

@@ -344,7 +344,7 @@ class Zero3Model(nn.Module):
     # ----------------------------------------------------------------------------- structure
     def _build_units(self, model: nn.Module, dtype: torch.dtype) -> None:
         device = next(model.parameters()).device
-        split = self.ps.ep_size > 1
+        split = self.ps.experts_apart  # experts over another group than DP x CP
         for name, uses in unit_plan(model, split_experts=split):
             nps = [np_ for _, _, nps in uses for np_ in nps]
             unit = ShardedUnit(name, nps, self.ps, dtype, device,

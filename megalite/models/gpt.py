@@ -115,7 +115,8 @@ class GPTModel(nn.Module):
         start, end = self.layer_range
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel,
-                                      ps.cp_group, ps.cp_comm_type, ps.ep_group)
+                                      ps.cp_group, ps.cp_comm_type, ps.ep_group,
+                                      ps.etp_group, ps.etp_ep_group)
              for i in range(start, end)})
         if post_process:
             self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)
@@ -138,7 +139,8 @@ class GPTModel(nn.Module):
             set_param_meta(self.embedding.word_embeddings.weight, tied_embedding=ps.pp_size > 1)
         self._input_tensor: Optional[torch.Tensor] = None
         if seed is not None:
-            initialize_parameters(self, seed, ps.tp_rank, self.tp_size, config)
+            initialize_parameters(self, seed, ps.tp_rank, self.tp_size, config,
+                                  ps.etp_rank, ps.etp_size)
 
     # -------------------------------------------------------------------------------------------
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:

@@ -39,7 +39,10 @@ def full_shape(param: torch.Tensor, tp_size: int):
 
 
 @torch.no_grad()
-def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, config) -> None:
+def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: int, config,
+                          etp_rank: int = 0, etp_size: int = 1) -> None:
+    """Expert weights (``meta.expert``) split over the expert-tensor-parallel group (ETP rank and
+    size), every other split parameter over TP."""
     for name, param in model.named_parameters():
         meta = param_meta(param)
         method = meta.init_method
@@ -58,11 +61,15 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
             _name_seed(seed, meta.init_seed_name or name))
         std = method[1]
         if kind == "normal_experts":  # [E_local, ...]: each expert from its global index
+            one = full_shape(param, etp_size)[1:]  # one whole expert
             for i in range(param.shape[0]):
                 g = torch.Generator(device=dev).manual_seed(
                     _name_seed(seed, f"{meta.init_seed_name or name}[{method[2] + i}]"))
-                param[i].copy_(torch.empty(param.shape[1:], device=dev).normal_(0.0, std,
-                                                                                generator=g))
+                full = torch.empty(one, device=dev).normal_(0.0, std, generator=g)
+                if meta.tp_split:  # dim 0 of the stack is the expert: its slice is one lower
+                    full = shard_tensor(full, meta.partition_dim - 1, etp_rank, etp_size,
+                                        meta.partition_stride)
+                param[i].copy_(full)
             continue
         if kind == "normal_vocab":
             full = torch.zeros(shape, device=dev)

@@ -263,7 +263,8 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
                  sequence_parallel: bool = False,  # ParallelConfig's, passed by GPTModel
-                 cp_group=None, cp_comm_type: str = "p2p", ep_group=None):
+                 cp_group=None, cp_comm_type: str = "p2p", ep_group=None, etp_group=None,
+                 etp_ep_group=None):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
         sp = sequence_parallel and C.group_size(tp_group) > 1
@@ -278,7 +279,7 @@ class TransformerLayer(nn.Module):
             shared = (MLP(config, tp_group, device, sp, config.moe_shared_expert_intermediate_size)
                       if config.moe_shared_expert_intermediate_size else None)
             self.mlp = MoELayer(config, layer_number, mlp_activation(config), shared, tp_group,
-                                ep_group, sp, device, cp_group)
+                                ep_group, sp, device, cp_group, etp_group, etp_ep_group)
         else:
             self.mlp = MLP(config, tp_group, device, sp)
         # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,

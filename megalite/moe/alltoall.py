@@ -6,14 +6,21 @@ per destination rank. After the all-to-all a receiver holds, per source rank in 
 source's tokens for its local experts in local-expert order; ``dispatch`` regroups them by local
 expert (one block per expert for the expert matmuls) and ``combine`` undoes both steps.
 
-Dropless routing makes the block sizes data-dependent, and the collective needs them on the host:
-one read per MoE layer and micro-batch, of the counts ``exchange_counts`` brings in. Everything
-else stays on the tokens' device.
+Expert tensor parallelism (ETP > 1) adds a second exchange inside each ETP group, whose ranks hold
+the same experts, each a slice of every expert's weights, and different tokens: the rows each one
+received are all-gathered over the group (an all-to-all of ETP copies), so every slice sees every
+row, and the partial outputs are summed back onto the rank that brought the row (an all-to-all,
+then a sum over the ETP pieces: a reduce-scatter with uneven blocks). The same regrouping follows
+each exchange.
+
+Dropless routing makes the block sizes data-dependent, and the collectives need them on the host:
+one read per MoE layer and micro-batch, of the counts both exchanges need, brought in on the device
+first. Everything else stays on the tokens' device.
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -28,6 +35,14 @@ def exchange_counts(tokens_per_expert_local: torch.Tensor, ep_group) -> torch.Te
     counts = torch.empty_like(tokens_per_expert_local)
     C.all_to_all_single(counts, tokens_per_expert_local, None, None, ep_group, "moe_counts")
     return counts.view(ep, -1)
+
+
+def gather_counts(rows_per_local_expert: torch.Tensor, etp_group) -> torch.Tensor:
+    """Rows per local expert [E_local] on each ETP rank -> [ETP, E_local], ETP ranks in order."""
+    etp = C.group_size(etp_group)
+    out = rows_per_local_expert.new_empty(etp * rows_per_local_expert.numel())
+    C.all_gather_into_tensor(out, rows_per_local_expert, group=etp_group, tag="moe_counts")
+    return out.view(etp, -1)
 
 
 class AllToAll(torch.autograd.Function):
@@ -65,53 +80,90 @@ class _Reorder(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-class DispatchHandle(NamedTuple):
-    """What ``combine`` needs: the exchange's splits and the regrouping, both ways."""
+class Exchange(NamedTuple):
+    """One of dispatch's exchanges, as ``combine`` undoes it: the splits both ways and the
+    regrouping of the received rows by local expert. ``copies`` > 1: an all-gather (each rank
+    sent its rows to all ``copies`` ranks), undone by a sum of the returned copies."""
     group: object
     input_splits: List[int]
     output_splits: List[int]
-    order: Optional[torch.Tensor]  # received row -> expert-grouped row; None: nothing moved
-    inverse: Optional[torch.Tensor]
+    order: torch.Tensor  # received row -> expert-grouped row
+    inverse: torch.Tensor
+    copies: int
+
+
+class DispatchHandle(NamedTuple):
+    """What ``combine`` needs: the exchanges in the order dispatch made them (none: EP = ETP = 1,
+    nothing moved)."""
+    exchanges: Tuple[Exchange, ...]
+
+
+def _regroup_order(counts: torch.Tensor, total: int):
+    """Received rows run (source, local expert)-major, ``counts`` [sources, E_local] rows each; a
+    stable sort by local expert regroups them with source order kept -> (order, inverse), from
+    the counts on the device (the total is already known on the host)."""
+    sources, num_local = counts.shape
+    dev = counts.device
+    expert_of_row = torch.arange(num_local, device=dev).repeat(sources).repeat_interleave(
+        counts.reshape(-1), output_size=total)
+    order = torch.argsort(expert_of_row, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(total, device=dev))
+    return order, inverse
+
+
+def _exchange(rows: torch.Tensor, counts: torch.Tensor, input_splits: List[int],
+              output_splits: List[int], group, tag: str, copies: int):
+    out = AllToAll.apply(rows.repeat(copies, 1) if copies > 1 else rows, output_splits,
+                         input_splits, group, tag)
+    order, inverse = _regroup_order(counts, sum(output_splits))
+    return _Reorder.apply(out, order, inverse), Exchange(group, input_splits, output_splits,
+                                                         order, inverse, copies)
 
 
 def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: torch.Tensor,
-             ep_group, num_local_experts: int):
-    """Send each token to the EP rank of its expert -> (tokens grouped by local expert, expert 0
-    first and source-rank order inside each, counts [EP, E_local] per (source, local expert),
-    handle for ``combine``). ``tokens_per_expert_local`` [E] counts this rank's rows per global
-    expert (the block sizes of the sorted input)."""
-    ep = C.group_size(ep_group)
+             ep_group, num_local_experts: int, etp_group=None):
+    """Send each token to the EP rank of its expert, then (ETP > 1) share the rows over the ETP
+    group -> (rows grouped by local expert, expert 0 first, source ranks in order inside each;
+    rows per local expert [E_local]; handle for ``combine``). ``tokens_per_expert_local`` [E]
+    counts this rank's rows per global expert (the block sizes of the sorted input)."""
+    ep, etp = C.group_size(ep_group), C.group_size(etp_group)
     num_experts = tokens_per_expert_local.numel()
     if num_experts != ep * num_local_experts:
         raise ConfigError(f"--num-experts: {num_experts} experts cannot be {num_local_experts} "
                           f"per rank on --expert-model-parallel-size {ep}; need "
                           f"{ep * num_local_experts} (EP x experts per rank)")
-    if ep == 1:
-        n = tokens_sorted_by_expert.shape[0]
-        return tokens_sorted_by_expert, tokens_per_expert_local.view(1, -1), \
-            DispatchHandle(ep_group, [n], [n], None, None)
-    counts = exchange_counts(tokens_per_expert_local, ep_group)
-    # the one host read: rows to each destination and from each source, in one transfer
-    splits = torch.cat([tokens_per_expert_local.view(ep, -1).sum(1), counts.sum(1)]).tolist()
-    input_splits, output_splits = splits[:ep], splits[ep:]
-    received = AllToAll.apply(tokens_sorted_by_expert, output_splits, input_splits, ep_group,
-                              "moe_dispatch")
-    # received rows run (source, local expert)-major; a stable sort by local expert regroups
-    # them with source order kept, from the counts on the device (the total is already known)
-    dev, total = counts.device, sum(output_splits)
-    expert_of_row = torch.arange(num_local_experts, device=dev).repeat(ep).repeat_interleave(
-        counts.reshape(-1), output_size=total)
-    order = torch.argsort(expert_of_row, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(total, device=dev))
-    grouped = _Reorder.apply(received, order, inverse)
-    return grouped, counts, DispatchHandle(ep_group, input_splits, output_splits, order, inverse)
+    if ep == 1 and etp == 1:
+        return tokens_sorted_by_expert, tokens_per_expert_local, DispatchHandle(())
+    # counts [EP, E_local]: what each EP source sends here; at EP 1 this rank's own rows
+    counts = (exchange_counts(tokens_per_expert_local, ep_group) if ep > 1
+              else tokens_per_expert_local.view(1, -1))
+    etp_counts = gather_counts(counts.sum(0), etp_group) if etp > 1 else None
+    # the one host read: rows to each EP destination, from each EP source, from each ETP peer
+    sizes = [tokens_per_expert_local.view(ep, -1).sum(1), counts.sum(1)]
+    if etp_counts is not None:
+        sizes.append(etp_counts.sum(1))
+    splits = torch.cat(sizes).tolist()
+    rows, exchanges = tokens_sorted_by_expert, []
+    if ep > 1:
+        rows, ex = _exchange(rows, counts, splits[:ep], splits[ep:2 * ep], ep_group,
+                             "moe_dispatch", 1)
+        exchanges.append(ex)
+    if etp_counts is not None:
+        rows, ex = _exchange(rows, etp_counts, [rows.shape[0]] * etp, splits[2 * ep:],
+                             etp_group, "moe_etp_gather", etp)
+        exchanges.append(ex)
+        counts = etp_counts
+    return rows, counts.sum(0), DispatchHandle(tuple(exchanges))
 
 
 def combine(expert_outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
     """Expert outputs (rows as ``dispatch`` returned them) -> back on their source ranks, in the
-    order of the sorted tokens ``dispatch`` was given."""
-    if handle.order is None:
-        return expert_outputs
-    back = _Reorder.apply(expert_outputs, handle.inverse, handle.order)
-    return AllToAll.apply(back, handle.input_splits, handle.output_splits, handle.group,
-                          "moe_combine")
+    order of the sorted tokens ``dispatch`` was given; ETP's partial outputs summed."""
+    rows = expert_outputs
+    for ex in reversed(handle.exchanges):
+        back = _Reorder.apply(rows, ex.inverse, ex.order)
+        tag = "moe_combine" if ex.copies == 1 else "moe_etp_reduce"
+        rows = AllToAll.apply(back, ex.input_splits, ex.output_splits, ex.group, tag)
+        if ex.copies > 1:  # the copies each ETP peer computed with its weight slice
+            rows = rows.view(ex.copies, -1, *rows.shape[1:]).sum(0)
+    return rows

@@ -25,6 +25,11 @@ from megalite.moe import router as R
 from megalite.moe.alltoall import combine, dispatch
 from megalite.moe.dispatch import permute, unpermute
 from megalite.param_meta import set_param_meta
+from megalite.tensor_parallel.mappings import (
+    gather_first_dim,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -66,14 +71,16 @@ def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
 class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, activation: Callable,
                  shared_expert: Optional[nn.Module] = None, tp_group=None, ep_group=None,
-                 sequence_parallel: bool = False, device=None, cp_group=None):
+                 sequence_parallel: bool = False, device=None, cp_group=None, etp_group=None,
+                 etp_ep_group=None):
         super().__init__()
         c = config
         dtype = dtype_from_name(c.params_dtype)
         self.config, self.layer_number, self.act = c, layer_number, activation
         self.num_experts, self.topk = c.num_experts, c.moe_router_topk
         self.ep_group, self.tp_group, self.cp_group = ep_group, tp_group, cp_group
-        ep = C.group_size(ep_group)
+        self.etp_group, self.etp_ep_group = etp_group, etp_ep_group
+        ep, etp = C.group_size(ep_group), C.group_size(etp_group)
         self.num_local_experts = c.num_experts // ep
         self.local_expert_offset = C.group_rank(ep_group) * self.num_local_experts
         h, f = c.hidden_size, c.moe_ffn_hidden_size
@@ -89,18 +96,23 @@ class MoELayer(nn.Module):
                                  torch.zeros(c.num_experts, device=device), persistent=False)
         else:
             self.expert_bias = None
-        # this rank's experts, stacked: one [E_local, in, out] tensor per projection
-        e = self.num_local_experts
+        # this rank's experts, stacked: one [E_local, in, out] tensor per projection. Under ETP
+        # each holds a slice of every expert, as the dense MLP's TP ranks do: weight1's columns
+        # (SwiGLU's gate and up split separately, stride 2) and weight2's matching rows
+        e, stride = self.num_local_experts, 2 if c.swiglu else 1
         out_std = c.init_method_std / math.sqrt(2.0 * c.num_layers)
-        self.weight1 = nn.Parameter(torch.empty(e, h, fc1, dtype=dtype, device=device))
-        self.weight2 = nn.Parameter(torch.empty(e, f, h, dtype=dtype, device=device))
-        # drawn expert by expert from (seed, name, global expert index): any EP gives the same
-        first = self.local_expert_offset
-        set_param_meta(self.weight1, expert=True,
+        self.weight1 = nn.Parameter(torch.empty(e, h, fc1 // etp, dtype=dtype, device=device))
+        self.weight2 = nn.Parameter(torch.empty(e, f // etp, h, dtype=dtype, device=device))
+        # drawn expert by expert from (seed, name, global expert index), then sliced: any EP and
+        # ETP give the same experts
+        first, split = self.local_expert_offset, etp > 1
+        set_param_meta(self.weight1, expert=True, tp_split=split, partition_dim=2,
+                       partition_stride=stride,
                        init_method=("normal_experts", c.init_method_std, first))
-        set_param_meta(self.weight2, expert=True, init_method=("normal_experts", out_std, first))
+        set_param_meta(self.weight2, expert=True, tp_split=split, partition_dim=1,
+                       init_method=("normal_experts", out_std, first))
         self.bias1 = self.bias2 = None
-        if c.add_bias_linear:
+        if c.add_bias_linear:  # (refused with ETP > 1: config._check_experts)
             self.bias1 = nn.Parameter(torch.zeros(e, fc1, dtype=dtype, device=device))
             self.bias2 = nn.Parameter(torch.zeros(e, h, dtype=dtype, device=device))
             for b in (self.bias1, self.bias2):
@@ -184,6 +196,25 @@ class MoELayer(nn.Module):
             h = h + self.bias2.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return h
 
+    def _allgather_experts(self, tokens, probs, routing_map, rows):
+        """The allgather dispatcher: every rank of the ETP x EP group gathers the group's tokens
+        and their routing, runs its own experts (its slice of them) on the rows chosen for them,
+        and a reduce-scatter sums the experts' and slices' contributions back onto the tokens'
+        ranks. Equal blocks: at EP 1 every row is local and known in number, so no host read."""
+        group = self.etp_ep_group
+        n = C.group_size(group)
+        local = slice(self.local_expert_offset, self.local_expert_offset + self.num_local_experts)
+        tokens = gather_from_sequence_parallel_region(tokens, group)
+        probs = gather_from_sequence_parallel_region(probs, group)[:, local]
+        routing_map = gather_first_dim(routing_map.to(torch.uint8), group).bool()[:, local]
+        # each source's rows are all local at EP 1; with EP > 1 how many are is data-dependent
+        rows = rows * n if rows is not None and self.num_local_experts == self.num_experts \
+            else None
+        permuted, sorted_indices, rows_per_expert = permute(tokens, routing_map, rows)
+        out = self._experts(permuted, rows_per_expert)
+        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows)
+        return reduce_scatter_to_sequence_parallel_region(y, group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, hidden = x.shape
         tokens = x.reshape(-1, hidden)
@@ -198,13 +229,16 @@ class MoELayer(nn.Module):
         cap = self._capacity(tokens.shape[0])
         rows = (tokens.shape[0] * self.topk if cap is None else
                 self.num_experts * cap if self.config.moe_pad_expert_input_to_capacity else None)
-        permuted, sorted_indices, _ = permute(tokens, routing_map, rows)
-        # over EP, each token block goes to the rank of its expert and its output comes back;
-        # with EP 1 dispatch and combine move nothing
-        received, per_source, handle = dispatch(permuted, counts, self.ep_group,
-                                                self.num_local_experts)
-        out = combine(self._experts(received, per_source.sum(0)), handle)
-        y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows)
+        if self.config.moe_token_dispatcher_type == "allgather":
+            y = self._allgather_experts(tokens, probs, routing_map, rows)
+        else:
+            permuted, sorted_indices, _ = permute(tokens, routing_map, rows)
+            # over EP, each token block goes to the rank of its expert and its output comes
+            # back (and over ETP, to every slice of it); with EP = ETP = 1 nothing moves
+            received, rows_per_expert, handle = dispatch(permuted, counts, self.ep_group,
+                                                         self.num_local_experts, self.etp_group)
+            out = combine(self._experts(received, rows_per_expert), handle)
+            y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows)
         y = y.view(s, b, hidden)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

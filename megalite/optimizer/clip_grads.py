@@ -11,9 +11,10 @@ Each parameter's gradient must be counted exactly once over the model-parallel g
 The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
 hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
 rank computes the same norm; ZeRO's disjoint shards are summed over DP first. Under expert
-parallelism (EP > 1) each EP rank holds other experts: their squares are summed over the EP group
-instead (ZeRO's expert shards over the expert-data-parallel group first, which they are split
-over), and added once per TP group (on TP rank 0) before the model-parallel sum adds the
+parallelism (EP > 1, or an expert-tensor-parallel size other than TP's: ``ps.experts_apart``) each
+EP rank holds other experts and each ETP rank another slice of them: their squares are summed over
+ETP x EP instead (ZeRO's expert shards over the expert-data-parallel group first, which they are
+split over), and added once per TP group (on TP rank 0) before the model-parallel sum adds the
 pipeline stages (megalite/moe/layer.py). ``grad_norm_squared``
 is the one norm of every optimizer (plain, ZeRO 0-2, ZeRO-3). The result equals
 ``torch.nn.utils.clip_grad_norm_`` on the single-device model (tests/test_optimizer.py).
@@ -46,7 +47,7 @@ def split_counted(params: Sequence[torch.Tensor], grads: Sequence, ps):
     for p, g in zip(params, grads):
         if g is None:
             continue
-        if ps.ep_size > 1 and param_meta(p).expert:
+        if ps.experts_apart and param_meta(p).expert:
             expert.append(g)
         elif counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
             dense.append(g)
@@ -65,15 +66,17 @@ def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = Fa
     (read on the host with the step's other decisions, optimizer.py): the sum of squares of
     ``counted`` (this rank's gradients, or pieces of them, that ``counts_for_norm``), summed over
     DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel
-    group. ``expert``: EP > 1's expert gradients (``split_counted``), or with ``dp_sharded`` this
-    rank's shards of them over the expert-data-parallel group."""
+    group. ``expert``: the expert gradients when ``ps.experts_apart`` (``split_counted``), or
+    with ``dp_sharded`` this rank's shards of them over the expert-data-parallel group."""
     sq = _sum_of_squares(counted, ps.device)
     if dp_sharded:
         C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
-    if ps.ep_size > 1:
+    if ps.experts_apart:
         e = _sum_of_squares(expert, ps.device)
         if dp_sharded:
             C.all_reduce(e, group=ps.edp_group, tag="grad_norm_all_reduce")
+        # each ETP rank holds a slice of its EP rank's experts: the slices, then the EP ranks
+        C.all_reduce(e, group=ps.etp_group, tag="grad_norm_all_reduce")
         C.all_reduce(e, group=ps.ep_group, tag="grad_norm_all_reduce")
         if ps.tp_rank == 0:
             sq = sq + e

@@ -122,9 +122,10 @@ class DistributedOptimizer(ShardedAdamW):
                      for s in self.shards]
         self.segments = [[[g.name, g.lo, g.hi, g.plo, list(g.param.shape)] for g in s.segments]
                          for s in self.shards]
-        # Under EP > 1 the expert buffers shard over the expert-data-parallel group (ddp.py), and
-        # their squares are summed over it and the EP group (clip_grads.grad_norm_squared).
-        self.shard_is_expert = [ps.ep_size > 1 and param_meta(s.bucket.params[0]).expert
+        # The expert buffers shard over the expert-data-parallel group (ddp.py); when that is not
+        # DP x CP (EP > 1 or ETP != TP) their squares are summed over it and ETP x EP
+        # (clip_grads.grad_norm_squared).
+        self.shard_is_expert = [ps.experts_apart and param_meta(s.bucket.params[0]).expert
                                 for s in self.shards]
         self.norm_runs = [[(g.lo, g.hi) for g in s.segments if not e and
                            counts_for_norm(g.param, ps.tp_rank, ps.is_pipeline_first_stage)]
