@@ -43,15 +43,14 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
     formula for MHA + 4h GeLU MLP and is right for GQA (smaller K/V projections) and SwiGLU (three
     h x f matrices): per token per layer, forward = 2·(h·(q + 2·kv) + q·h + h·f·(2 if SwiGLU else
     1) + f·h) + 4·s·q (scores and values, full s as in the formula; :func:`attention_flops`);
+    multi-latent attention counts its own projections (``ModelConfig.attention_weights``) and
+    2·s·(q·k width + v width) in the core (docs/theory.md, "Multi-latent attention");
     backward = 2 x forward; plus the logits 6·h·V. The q/k norms of --qk-layernorm are O(s·q),
     not matmuls, and not counted. A mixture-of-experts layer counts its active FLOPs: the router
     2·h·E, the k routed experts and the shared expert (each an MLP of its own f), and the shared
     expert's gate 2·h (docs/theory.md, "Mixture of experts").
     """
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
-    d = cfg.kv_channels
-    q = cfg.num_attention_heads * d
-    kv = cfg.num_query_groups * d
     V = vocab_size if vocab_size is not None else cfg.vocab_size
 
     def mlp(f: int) -> int:  # forward FLOPs per token of an MLP of width f
@@ -63,18 +62,20 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
         shared = cfg.moe_shared_expert_intermediate_size
         moe = (2 * h * cfg.num_experts + cfg.moe_router_topk * mlp(cfg.moe_ffn_hidden_size)
                + (mlp(shared) + (2 * h if cfg.moe_shared_expert_gate else 0) if shared else 0))
-    fwd = L * 2 * (h * (q + 2 * kv) + q * h) + (L - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
+    fwd = L * 2 * cfg.attention_weights() + (L - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
     per_token = 3 * (fwd + 2 * h * V)
     return float(per_token * s) + attention_flops(cfg)
 
 
 def attention_flops(cfg: ModelConfig) -> float:
     """The attention core's FLOPs (q·k^T and scores·v, forward + backward) for one sequence:
-    3·4·s·q per token and layer, where a layer with a sliding window of W keys sees min(W, s)
-    keys per query instead of s (both counted without halving for causality)."""
-    s, q = cfg.seq_length, cfg.num_attention_heads * cfg.kv_channels
+    3·2·s·(q·k width + v width) per token and layer (3·4·s·q when q, k and v heads are d wide;
+    MLA's are not: ``ModelConfig.attention_widths``), where a layer with a sliding window of W
+    keys sees min(W, s) keys per query instead of s (both counted without halving for
+    causality)."""
+    s, (qk, v) = cfg.seq_length, cfg.attention_widths()
     keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers))
-    return float(3 * 4 * q * keys * s)
+    return float(3 * 2 * (qk + v) * keys * s)
 
 
 # Dense peak FLOP/s per device for 16-bit matmuls (vendor datasheets); fp32 training on these GPUs

@@ -103,3 +103,16 @@ def read_metrics(path: str, split: str = "train") -> List[dict]:
 
 def train_losses(path: str) -> Dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in read_metrics(path)}
+
+
+def assert_same_run(ref: List[dict], got: List[dict], iters: int, keys=("lm_loss", "grad_norm"),
+                    rel: float = 1e-5, name: str = "") -> None:
+    """A parallel run's training records equal one process's: every iteration 1..iters logged,
+    each of ``keys`` within ``rel`` (docs/design.md, contract 5)."""
+    assert [r["iteration"] for r in ref] == list(range(1, iters + 1))
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in ref]
+    for a, b in zip(ref, got):
+        for key in keys:
+            err = abs(b[key] - a[key]) / abs(a[key])
+            assert err <= rel, (f"{name} iteration {a['iteration']} {key}: {b[key]} vs one "
+                                f"process {a[key]} (rel {err:.2e})")

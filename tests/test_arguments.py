@@ -150,7 +150,8 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     """pretrain.py and tools/plan.py keep every flag, default, kind and --help group they had
     (tests/fixtures/cli/flags_before.json, dumped from the hand-written parser). The changes:
     --optimizer offers sgd, which the optimizer always implemented, and the flags added since
-    are exactly the declared MoE settings and the expert-parallel sizes."""
+    are exactly the declared MoE and multi-latent attention settings, YaRN's and the
+    expert-parallel sizes."""
     import json
     import os
     import sys
@@ -167,8 +168,13 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
         before = json.load(f)
     moe = {flag_name(f) for f in fields(ModelConfig)
            if f.metadata["group"] == "mixture of experts"}
-    added = moe | {flag_name(f) for f in fields(ParallelConfig) if f.name.startswith("expert_")}
-    assert "--num-experts" in moe and len(added) == len(moe) + 2
+    mla = {flag_name(f) for f in fields(ModelConfig)
+           if f.metadata["group"] == "multi-latent attention"}
+    yarn = {"--rope-type", "--rotary-scaling-factor", "--beta-fast", "--beta-slow", "--mscale",
+            "--mscale-all-dim"}
+    added = moe | mla | yarn | {flag_name(f) for f in fields(ParallelConfig)
+                                if f.name.startswith("expert_")}
+    assert "--num-experts" in moe and len(added) == len(moe) + len(mla) + len(yarn) + 2
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

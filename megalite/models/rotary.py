@@ -26,19 +26,63 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
     return torch.where(wavelen < original_max_positions / high_freq_factor, inv_freq, out)
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1·m·ln(s) + 1 for a context stretched s times (1 for s <= 1;
+    Peng et al., arXiv:2309.00071, eq. 22 with DeepSeek's m)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_inv_freq(head_dim: int, base: float, factor: float, original_max_positions: int,
+                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """YaRN's "NTK-by-parts" inverse frequencies: a dim pair that turns more than ``beta_fast``
+    times over the original context keeps its frequency, one that turns fewer than
+    ``beta_slow`` times is interpolated (f / s), a linear ramp between (docs/models.md)."""
+    def dim_turning(turns: float) -> float:  # the pair index 2i / 2 whose wavelength fits L/turns
+        return (head_dim * math.log(original_max_positions / (turns * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low = max(math.floor(dim_turning(beta_fast)), 0)
+    high = min(math.ceil(dim_turning(beta_slow)), head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low)
+            / ((high - low) or 0.001)).clamp(0, 1)  # 0: extrapolate (keep), 1: interpolate
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return 1.0 / (factor * pos_freqs) * ramp + 1.0 / pos_freqs * (1 - ramp)
+
+
+def rotary_embedding(config, head_dim: int) -> "RotaryEmbedding":
+    """The rotary embedding of ``config`` (a ModelConfig) for heads whose RoPE part is
+    ``head_dim`` wide: plain, llama3-scaled or YaRN (--rope-type yarn)."""
+    if config.rope_type == "yarn":
+        return RotaryEmbedding(head_dim, config.rotary_base, yarn=(
+            config.rotary_scaling_factor, config.rope_original_max_position_embeddings,
+            config.beta_fast, config.beta_slow, config.mscale, config.mscale_all_dim))
+    scaling = None if config.rope_scaling_factor is None else (
+        config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
+        config.rope_original_max_position_embeddings)
+    return RotaryEmbedding(head_dim, config.rotary_base, scaling)
+
+
 class RotaryEmbedding(torch.nn.Module):
     # (head_dim, base, scaling, device, dtype) -> (cos, sin_signed) for the longest length asked
     # so far, shared by every layer's instance: one copy per model, not one per layer (at 128k
     # tokens and d = 128 a bf16 pair is 64 MiB)
     _tables_cache: dict = {}
 
-    def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None):
-        super().__init__()  # llama3_scaling: None or llama3_scaled's arguments after inv_freq
+    def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None, yarn=None):
+        # llama3_scaling: None or llama3_scaled's arguments after inv_freq; yarn: None or
+        # (factor, original max positions, beta_fast, beta_slow, mscale, mscale_all_dim)
+        super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if llama3_scaling is not None:
             inv_freq = llama3_scaled(inv_freq, *llama3_scaling)
+        self.attention_factor = 1.0  # YaRN multiplies cos and sin by its temperature ratio
+        if yarn is not None:
+            factor, original, fast, slow, mscale, mscale_all_dim = yarn
+            inv_freq = yarn_inv_freq(head_dim, base, factor, original, fast, slow)
+            self.attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor,
+                                                                               mscale_all_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self._key = (head_dim, float(base), tuple(llama3_scaling or ()))
+        self._key = (head_dim, float(base), tuple(llama3_scaling or ()), tuple(yarn or ()))
 
     def forward(self, seq_len: int, device, dtype):
         """cos, sin_signed of shape [s, 1, 1, d] for positions 0..seq_len-1."""
@@ -62,7 +106,7 @@ class RotaryEmbedding(torch.nn.Module):
     def _tables(self, seq_len: int, device, dtype):
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, self.inv_freq.to(device))
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
         return (torch.cat([cos, cos], -1)[:, None, None, :].to(dtype),
                 torch.cat([-sin, sin], -1)[:, None, None, :].to(dtype))
 
