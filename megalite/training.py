@@ -44,9 +44,9 @@ from megalite.logging import (
     training_log_line,
 )
 from megalite.moe.layer import (
+    begin_step,
     moe_interval_metrics,
     moe_layers,
-    set_aux_loss_scale,
     update_expert_biases,
 )
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
@@ -345,8 +345,8 @@ class Trainer:
         self.optimizer.zero_grad()
         # MoE balancing losses: averaged over the global batch's micro-batches, as the token loss
         # is (DP sums gradients), and scaled like it under fp16 (megalite/moe/layer.py)
-        set_aux_loss_scale(self.moe_layers, self.optimizer.get_loss_scale()
-                           / (len(batches) * self.ps.dp_size))
+        begin_step(self.moe_layers, self.optimizer.get_loss_scale()
+                   / (len(batches) * self.ps.dp_size))
         start = time.perf_counter()
         stats = self._forward_backward(batches, num_global_tokens, forward_only=False)
         # no synchronize: on a GPU the host's time to queue the work, which must stay below the

@@ -9,7 +9,7 @@ import torch
 from megalite.models import GPTModel
 from megalite.models.transformer import TransformerLayer, mlp_activation
 from megalite.moe import router as R
-from megalite.moe.layer import MoELayer, moe_layers, set_aux_loss_scale
+from megalite.moe.layer import MoELayer, begin_step, moe_layers
 from megalite.parallel_state import ParallelState
 
 from model_utils import tiny_config
@@ -108,7 +108,7 @@ def test_aux_and_z_loss_gradients_reach_the_router_through_the_output():
     cfg = _moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-3)
     layer = _layer(cfg).train()
     x = torch.randn(6, 2, 32)
-    set_aux_loss_scale([layer], 0.5)
+    begin_step([layer], 0.5)
     layer(x).sum().backward()
     got = layer.router.grad.clone()
     # by hand: the output's own gradient plus 0.5 x d(aux + z)/d(router)
@@ -161,3 +161,32 @@ def test_model_flops_count_the_active_experts():
     active = 2 * h * E + k * mlp(fm) + mlp(fs) + 2 * h  # router, k experts, shared + its gate
     assert model_flops_per_sequence(moe) - model_flops_per_sequence(dense) == 3 * s * (
         active - mlp(f))
+
+
+def test_global_aux_loss_takes_the_running_mean_of_the_step_counts():
+    """global_aux_loss as Megatron's router computes it (whose buffers are created on CUDA, so
+    its function is the oracle here): micro-batch j's loss uses the mean tokens per expert of the
+    step's micro-batches 1..j; begin_step starts the counts again."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mu = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    coeff, k, E = 1e-2, 2, 4
+    cfg = _moe_config(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=coeff)
+    layer = _layer(cfg).train()
+    xs = [torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    counts, got, want = [], [], []
+    for step in range(2):
+        begin_step([layer], 1.0)
+        counts.clear()
+        for x in xs[step:]:
+            layer(x)
+            logits = torch.nn.functional.linear(x.reshape(-1, 32), layer.router.detach())
+            top, scores = mu.compute_routing_scores_for_aux_loss(logits, k, "softmax")
+            counts.append(top.sum(0).float())
+            want.append(mu.switch_load_balancing_loss_func(scores, sum(counts) / len(counts),
+                                                           12, k, E, coeff))
+            got.append(layer.metrics["load_balancing_loss"])
+    torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-6, atol=0)
+    assert layer.step_micro_batches == 2

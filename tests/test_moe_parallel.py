@@ -50,6 +50,11 @@ CASES = {
     # the first stage is dense: its ranks hold no expert
     "ep2_pp2_dense_first": (4, ["--moe-layer-freq", "[0,1]"],
                             EP2 + ["--pipeline-model-parallel-size", "2"]),
+    # global_aux_loss: the two DP ranks' micro-batches of 2 are one round of 4 tokens' worth
+    # of sequences, so the one-process run takes micro-batches of 4 (docs/moe.md)
+    "global_aux_dp2_ep2_tp2_sp": (4, LLAMA + ["--moe-router-load-balancing-type",
+                                              "global_aux_loss", "--micro-batch-size", "4"],
+                                  EP2 + TP2_SP + ["--micro-batch-size", "2"]),
     # a V schedule: each rank holds the first chunk (a dense layer) and the last (experts)
     "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + ["--pipeline-model-parallel-size", "2",
                                                  "--pipeline-schedule", "dualpipev"]),

@@ -28,6 +28,7 @@ from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.init import initialize_parameters
 from megalite.models.norms import build_norm
 from megalite.models.transformer import TransformerLayer
+from megalite.moe.layer import MoEGroups
 from megalite.param_meta import set_param_meta
 from megalite.parallel_state import ParallelState, get_parallel_state
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -115,8 +116,7 @@ class GPTModel(nn.Module):
         start, end = self.layer_range
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel,
-                                      ps.cp_group, ps.cp_comm_type, ps.ep_group,
-                                      ps.etp_group, ps.etp_ep_group)
+                                      ps.cp_group, ps.cp_comm_type, MoEGroups.of(ps))
              for i in range(start, end)})
         if post_process:
             self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)

@@ -13,7 +13,7 @@ crosses a pipeline boundary and no schedule changes.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -68,21 +68,36 @@ def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
     return torch.cat(out) if out else x.new_zeros(0, weight.shape[-1])
 
 
+class MoEGroups(NamedTuple):
+    """The process groups an MoE layer talks over (None: a group of one; parallel_state.py)."""
+    tp: object = None  # under SP, the ranks that hold the rest of each sequence
+    cp: object = None
+    dp_cp: object = None  # with TP and CP: every rank of the stage that routes other tokens
+    ep: object = None  # the ranks that share out the experts
+    etp: object = None  # the ranks that hold slices of the same experts
+    etp_ep: object = None  # the allgather dispatcher's
+
+    @classmethod
+    def of(cls, ps) -> "MoEGroups":
+        return cls(ps.tp_group, ps.cp_group, ps.dp_cp_group, ps.ep_group, ps.etp_group,
+                   ps.etp_ep_group)
+
+
 class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, activation: Callable,
-                 shared_expert: Optional[nn.Module] = None, tp_group=None, ep_group=None,
-                 sequence_parallel: bool = False, device=None, cp_group=None, etp_group=None,
-                 etp_ep_group=None):
+                 shared_expert: Optional[nn.Module] = None, groups: MoEGroups = MoEGroups(),
+                 sequence_parallel: bool = False, device=None):
         super().__init__()
         c = config
         dtype = dtype_from_name(c.params_dtype)
         self.config, self.layer_number, self.act = c, layer_number, activation
         self.num_experts, self.topk = c.num_experts, c.moe_router_topk
-        self.ep_group, self.tp_group, self.cp_group = ep_group, tp_group, cp_group
-        self.etp_group, self.etp_ep_group = etp_group, etp_ep_group
-        ep, etp = C.group_size(ep_group), C.group_size(etp_group)
+        self.groups = groups
+        self.ep_group, self.tp_group, self.cp_group = groups.ep, groups.tp, groups.cp
+        self.etp_group, self.etp_ep_group = groups.etp, groups.etp_ep
+        ep, etp = C.group_size(groups.ep), C.group_size(groups.etp)
         self.num_local_experts = c.num_experts // ep
-        self.local_expert_offset = C.group_rank(ep_group) * self.num_local_experts
+        self.local_expert_offset = C.group_rank(groups.ep) * self.num_local_experts
         h, f = c.hidden_size, c.moe_ffn_hidden_size
         fc1 = 2 * f if c.swiglu else f
         # the router: replicated; under SP each TP rank routes its own tokens, so its gradient
@@ -124,6 +139,11 @@ class MoELayer(nn.Module):
             set_param_meta(self.shared_gate, grad_partial_over_tp=sequence_parallel,
                            init_method=("normal", c.init_method_std))
         self.aux_loss_scale = 1.0  # set each step by the trainer (see AuxLossScaler)
+        # global_aux_loss: this step's tokens per expert summed over the stage's ranks, and the
+        # micro-batches they came from (begin_step starts both again)
+        self.register_buffer("step_tokens_per_expert", torch.zeros(c.num_experts, device=device),
+                             persistent=False)
+        self.step_micro_batches = 0
         self.metrics = {}  # the last micro-batch's detached values (tests, debugging)
         # since the last log line: [balancing loss, z loss, tokens per expert...], this rank's
         # shares; read by moe_interval_metrics at log steps only
@@ -174,6 +194,8 @@ class MoELayer(nn.Module):
                 counts = self._over_sequence(top.view(s, batch, -1).sum(0).float(), "moe_aux")
                 loss = R.seq_load_balancing_loss(scores.view(s, batch, -1), counts, s * split,
                                                  self.topk, c.moe_aux_loss_coeff)
+            elif kind == "global_aux_loss":
+                loss = self._global_aux_loss(scores, top, split)
             else:
                 counts = self._over_sequence(top.sum(0).float(), "moe_aux")
                 loss = R.switch_load_balancing_loss(scores, counts, logits.shape[0] * split,
@@ -185,6 +207,27 @@ class MoELayer(nn.Module):
             self.metrics["z_loss"] = z.detach()
             loss = loss + z
         return loss
+
+    def _global_aux_loss(self, scores: torch.Tensor, top: torch.Tensor, split: int):
+        """global_aux_loss (Megatron's): the token fractions of the micro-batches the step has
+        routed so far, all DP ranks' together, their running mean; this micro-batch's scores.
+        The DP ranks' micro-batches of one round form one batch of DP times the tokens, so each
+        rank's share is DP x its part of that batch's loss: the shares of a round sum to
+        DP x the round's loss, and the trainer's 1 / (m x DP) scale leaves the round's loss
+        averaged over the step. A layout with DP ranks therefore equals one process whose
+        micro-batches are DP times larger (where Megatron's gradient is 1/DP of that)."""
+        c, g = self.config, self.groups
+        counts = top.sum(0).float()
+        C.all_reduce(counts, group=g.tp, tag="moe_aux")  # TP x DP x CP: the whole round
+        C.all_reduce(counts, group=g.dp_cp, tag="moe_aux")
+        dp = C.group_size(g.dp_cp) // C.group_size(g.cp)
+        if self.training and torch.is_grad_enabled():  # (full recompute: the replay counts)
+            self.step_tokens_per_expert += counts
+            self.step_micro_batches += 1
+            counts = self.step_tokens_per_expert / self.step_micro_batches
+        return dp * R.switch_load_balancing_loss(scores, counts, scores.shape[0] * split * dp,
+                                                 self.topk, self.num_experts,
+                                                 c.moe_aux_loss_coeff)
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         grouped = self.config.moe_grouped_gemm
@@ -288,10 +331,13 @@ def moe_layers(chunks) -> List[MoELayer]:
     return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
 
 
-def set_aux_loss_scale(layers: List[MoELayer], scale: float) -> None:
-    """Each step, before the forward-backward: the balancing losses' gradient multiplier."""
+def begin_step(layers: List[MoELayer], aux_loss_scale: float) -> None:
+    """Each step, before the forward-backward: the balancing losses' gradient multiplier, and
+    global_aux_loss's token counts start again."""
     for m in layers:
-        m.aux_loss_scale = scale
+        m.aux_loss_scale = aux_loss_scale
+        m.step_tokens_per_expert.zero_()
+        m.step_micro_batches = 0
 
 
 @torch.no_grad()
