@@ -35,9 +35,10 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
 ZERO3_SCHEDULES = ("1f1b", "interleaved")
 
 # The --help groups, in the order pretrain.py prints them.
-GROUPS = ("model", "mixture of experts", "parallelism", "batch", "mixed precision",
-          "optimizer and learning rate", "data parallelism and ZeRO", "activation recomputation",
-          "speed (docs/performance.md)", "checkpoints", "data", "logging and evaluation", "misc")
+GROUPS = ("model", "multi-latent attention", "mixture of experts", "parallelism", "batch",
+          "mixed precision", "optimizer and learning rate", "data parallelism and ZeRO",
+          "activation recomputation", "speed (docs/performance.md)", "checkpoints", "data",
+          "logging and evaluation", "misc")
 # The balancing losses megalite implements (docs/moe.md); Megatron also has sinkhorn and lists of
 # types, which ModelConfig.validate refuses by name rather than with argparse's generic message.
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -255,6 +256,11 @@ def check_routing(num_experts: int, topk: int, score_function: str = "softmax",
                           f"({g}) gives {e // g}")
 
 
+# The settings that mean something only with --rope-type yarn / --multi-latent-attention.
+_YARN_FIELDS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
 class _Section:
     """Read-only once frozen (``MegaliteConfig.resolve`` freezes what it returns)."""
 
@@ -324,6 +330,36 @@ class ModelConfig(_Section):
         role=CHECKPOINT_ARG)
     max_window_layers: int = setting(
         0, "with --sliding-window: the first N layers keep full attention", role=CHECKPOINT_ARG)
+    # YaRN RoPE scaling (Peng et al., arXiv:2309.00071; DeepSeek-V3, Qwen3 long context) with
+    # Megatron's names; the original context is --rope-original-max-position-embeddings, the
+    # same fact llama3 scaling reads (docs/models.md, "Multi-latent attention").
+    rope_type: str = setting(
+        "rope", "rope, or yarn (Megatron's default for MLA; at --rotary-scaling-factor 1 the two "
+        "are the same)", choices=("rope", "yarn"), role=CHECKPOINT_ARG)
+    rotary_scaling_factor: float = setting(1.0, "yarn: context extension factor s",
+                                           role=CHECKPOINT_ARG)
+    beta_fast: float = setting(32.0, "yarn: dims turning more often than this over the original "
+                               "context keep their frequency", role=CHECKPOINT_ARG)
+    beta_slow: float = setting(1.0, "yarn: dims turning less often than this are interpolated",
+                               role=CHECKPOINT_ARG)
+    mscale: float = setting(1.0, "yarn: m of the cos/sin factor (0.1 m ln s + 1) / "
+                            "(0.1 m_all ln s + 1)", role=CHECKPOINT_ARG)
+    mscale_all_dim: float = setting(0.0, "yarn: m_all; MLA also scales its softmax by "
+                                    "(0.1 m_all ln s + 1)^2", role=CHECKPOINT_ARG)
+    # Multi-latent attention (DeepSeek-V2/V3; models/mla.py, docs/models.md).
+    multi_latent_attention: bool = setting(
+        False, "MLA: q and k/v from low-rank latents, one RoPE key shared by the heads",
+        group="multi-latent attention", role=SHAPE)
+    q_lora_rank: Optional[int] = setting(
+        None, "rank of the q latent (default none: a plain q projection)",
+        group="multi-latent attention", role=SHAPE)
+    kv_lora_rank: int = setting(32, "rank of the compressed k/v latent",
+                                group="multi-latent attention", role=SHAPE)
+    qk_head_dim: int = setting(128, "q/k head dim without RoPE", group="multi-latent attention",
+                               role=SHAPE)
+    qk_pos_emb_head_dim: int = setting(64, "the RoPE part of each q/k head (its k is shared)",
+                                       group="multi-latent attention", role=SHAPE)
+    v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
     norm_epsilon: float = setting(1e-5, role=CHECKPOINT_ARG)
     activation: str = setting("gelu", choices=("gelu", "gelu_tanh", "silu", "relu"),
@@ -524,7 +560,8 @@ class ModelConfig(_Section):
             if getattr(self, name) % t != 0:
                 raise ConfigError(f"{_flag(name)} ({getattr(self, name)}) must be divisible by "
                                   f"--tensor-model-parallel-size ({t})")
-        if self.position_embedding_type == "rope" and self.kv_channels % 2 != 0:
+        if (self.position_embedding_type == "rope" and self.kv_channels % 2 != 0
+                and not self.multi_latent_attention):  # MLA: its RoPE dims, _validate_mla
             raise ConfigError(f"rope needs an even head dim, got {self.kv_channels}")
         if self.rope_scaling_factor is not None and (
                 self.position_embedding_type != "rope" or self.rope_scaling_factor < 1.0
@@ -553,7 +590,59 @@ class ModelConfig(_Section):
             raise ConfigError(f"--recompute-num-layers ({k}) must be >= 1 and needs "
                               f"--recompute-granularity full")
         self._validate_moe()
+        self._validate_yarn()
+        self._validate_mla()
         return self
+
+    def _validate_yarn(self) -> None:
+        yarn = [f for f in fields(self) if f.name in _YARN_FIELDS and getattr(self, f.name)
+                != f.default]
+        if self.rope_type != "yarn":
+            if yarn:
+                raise ConfigError(f"{flag_name(yarn[0])} needs --rope-type yarn")
+            return
+        if self.position_embedding_type != "rope" or self.rope_scaling_factor is not None:
+            raise ConfigError("--rope-type yarn needs --position-embedding-type rope and no "
+                              "--rope-scaling-factor (llama3 scaling is the other rule)")
+        if not (self.rotary_scaling_factor >= 1 and 0 < self.beta_slow < self.beta_fast
+                and self.rope_original_max_position_embeddings > 0):
+            raise ConfigError(
+                f"--rope-type yarn needs --rotary-scaling-factor >= 1 (got "
+                f"{self.rotary_scaling_factor}), 0 < --beta-slow < --beta-fast (got "
+                f"{self.beta_slow}, {self.beta_fast}) and a positive "
+                f"--rope-original-max-position-embeddings")
+
+    def _validate_mla(self) -> None:
+        """Multi-latent attention's settings (models/mla.py); what it does not combine with is
+        refused by name, one line each."""
+        changed = [f for f in fields(self) if f.name in _MLA_FIELDS and getattr(self, f.name)
+                   != f.default]
+        if not self.multi_latent_attention:
+            if changed:
+                raise ConfigError(f"{flag_name(changed[0])} needs --multi-latent-attention")
+            return
+        mla = "--multi-latent-attention"
+        if self.position_embedding_type != "rope":
+            raise ConfigError(f"{mla} needs --position-embedding-type rope (its decoupled RoPE "
+                              f"key), got {self.position_embedding_type}")
+        if self.num_query_groups != self.num_attention_heads:
+            raise ConfigError(f"{mla} has no query groups (every head has its own k and v from "
+                              f"the latent): drop --group-query-attention / --num-query-groups")
+        for bad, what in ((self.qk_layernorm, "--qk-layernorm (MLA normalises its latents)"),
+                          (self.sliding_window is not None, "--sliding-window"),
+                          (self.add_bias_linear or self.add_qkv_bias,
+                           "linear biases: pass --disable-bias-linear")):
+            if bad:
+                raise ConfigError(f"{mla} does not support {what}")
+        dims = {"q_lora_rank": 1 if self.q_lora_rank is None else self.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank,
+                "qk_head_dim": self.qk_head_dim, "v_head_dim": self.v_head_dim}
+        for name, value in dims.items():
+            if value < 1:
+                raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
+        if self.qk_pos_emb_head_dim < 2 or self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(f"--qk-pos-emb-head-dim must be a positive even number (RoPE turns "
+                              f"pairs of dims), got {self.qk_pos_emb_head_dim}")
 
     def _validate_moe(self) -> None:
         """The MoE settings on their own (those that need the layout: MegaliteConfig.validate);
@@ -592,6 +681,27 @@ class ModelConfig(_Section):
                               f"and lists of types are not implemented)")
         self._moe_layer_freq()
 
+    def attention_weights(self) -> int:
+        """Matmul weights of one layer's attention, no biases or norms: h(q + 2kv) + qh, or
+        MLA's down and up projections (docs/models.md, "Multi-latent attention"). The parameter
+        count and the FLOP count (logging.py) both read it."""
+        h, n = self.hidden_size, self.num_attention_heads
+        if not self.multi_latent_attention:
+            q, kv = n * self.kv_channels, self.num_query_groups * self.kv_channels
+            return h * (q + 2 * kv) + q * h
+        qk, rq, rkv = self.attention_widths()[0], self.q_lora_rank, self.kv_lora_rank
+        q = h * qk if rq is None else h * rq + rq * qk
+        kv = h * (rkv + self.qk_pos_emb_head_dim) + rkv * n * (self.qk_head_dim + self.v_head_dim)
+        return q + kv + n * self.v_head_dim * h
+
+    def attention_widths(self) -> tuple:
+        """(q·k, v) widths of one token summed over the heads, which the attention core's
+        FLOPs scale with: n·d each, or MLA's n·(d_qk + d_rope) and n·d_v."""
+        n = self.num_attention_heads
+        if not self.multi_latent_attention:
+            return n * self.kv_channels, n * self.kv_channels
+        return n * (self.qk_head_dim + self.qk_pos_emb_head_dim), n * self.v_head_dim
+
     def num_parameters(self, include_embeddings: bool = True) -> int:
         """Parameter count Ψ of the full (unsharded, unpadded) model; an MoE layer counts its
         router, all E experts and the shared expert (the expert bias is a buffer, not counted)."""
@@ -615,7 +725,9 @@ class ModelConfig(_Section):
             fc1_out = 2 * width if self.swiglu else width
             return h * fc1_out + (fc1_out if bias else 0) + width * h + (h if bias else 0)
 
-        attn = h * (q + kv) + (q + kv if qkv_bias else 0) + q * h + (h if bias else 0)
+        attn = self.attention_weights() + (q + kv if qkv_bias else 0) + (h if bias else 0)
+        if self.multi_latent_attention:  # no biases (validate); the two latents' RMSNorms
+            attn += (self.q_lora_rank or 0) + self.kv_lora_rank
         per_layer = attn + 2 * norm + (2 * d if self.qk_layernorm else 0)
         moe_layers = sum(self.moe_layer_pattern())
         total = L * per_layer + (L - moe_layers) * mlp(f) + norm
@@ -729,6 +841,12 @@ class ParallelConfig(_Section):
                 f"--cp-comm-type a2a splits the heads over --context-parallel-size ({c}): the "
                 f"{heads} attention heads and {groups} query groups per TP rank must both be "
                 f"divisible by it; use p2p or allgather")
+        qk = model.qk_head_dim + model.qk_pos_emb_head_dim
+        if model.multi_latent_attention and kind != "a2a" and model.v_head_dim > qk:
+            # the ring and all-gather move K and V as one stacked tensor: V is padded to K's width
+            raise ConfigError(
+                f"--cp-comm-type {kind} with --multi-latent-attention needs --v-head-dim "
+                f"({model.v_head_dim}) <= --qk-head-dim + --qk-pos-emb-head-dim ({qk}); use a2a")
         if model.attention_dropout > 0:
             raise ConfigError(
                 f"--attention-dropout {model.attention_dropout} with --context-parallel-size {c}:"

@@ -25,7 +25,8 @@ from megalite.config import ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.norms import RMSNorm, build_norm
-from megalite.models.rotary import RotaryEmbedding, apply_rotary
+from megalite.models.mla import MultiLatentQKV, softmax_scale
+from megalite.models.rotary import apply_rotary, rotary_embedding
 from megalite.moe.layer import MoEGroups, MoELayer
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
@@ -117,18 +118,23 @@ class SelfAttention(nn.Module):
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
         sp = sequence_parallel
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        self.linear_qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_out, bias=config.add_qkv_bias, tp_group=tp_group,
-            sequence_parallel=sp, init_std=config.init_method_std, params_dtype=dtype, device=device)
+        self.mla = None
+        if config.multi_latent_attention:  # q, k, v from low-rank latents (models/mla.py)
+            self.mla = MultiLatentQKV(config, tp_group, device, sp)
+        else:
+            self.linear_qkv = ColumnParallelLinear(
+                config.hidden_size, qkv_out, bias=config.add_qkv_bias, tp_group=tp_group,
+                sequence_parallel=sp, init_std=config.init_method_std, params_dtype=dtype,
+                device=device)
+        v_dim = d if self.mla is None else config.v_head_dim
         self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * d, config.hidden_size, bias=config.add_bias_linear,
+            config.num_attention_heads * v_dim, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, tp_group=tp_group, sequence_parallel=sp, init_std=out_std,
             params_dtype=dtype, device=device)
-        scaling = None if config.rope_scaling_factor is None else (
-            config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
-            config.rope_original_max_position_embeddings)
-        self.rotary = (RotaryEmbedding(d, config.rotary_base, scaling)
+        rope_dim = d if self.mla is None else config.qk_pos_emb_head_dim
+        self.rotary = (rotary_embedding(config, rope_dim)
                        if config.position_embedding_type == "rope" else None)
+        self.softmax_scale = None if self.mla is None else softmax_scale(config)  # None: 1/sqrt(d)
         self.selective_recompute = config.recompute_granularity == "selective"
         self.window = config.attention_window(layer_number)
         self.q_layernorm = self.k_layernorm = None
@@ -141,18 +147,25 @@ class SelfAttention(nn.Module):
                         device=device, use_apex=config.use_apex) for _ in range(2))
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d]."""
+        """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d] (MLA: v's d
+        narrower, and its own softmax scale)."""
         if self.cp_size > 1:  # over the whole sequence; config.py refuses attention dropout here
             local = None  # a2a: this layer's window over the whole sequence (config.py: only a2a)
             if self.window is not None and self.window < q.shape[2] * self.cp_size:
                 local = partial(sliding_window_attention, window=self.window,
                                 enable_gqa=self.heads_per_group > 1)  # a2a keeps the ratio
-            return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, local_attention=local)
+            dv = v.shape[-1]
+            if self.cp_comm_type != "a2a" and dv < k.shape[-1]:
+                # the ring and all-gather move K and V as one stacked tensor (and the CPU flash
+                # kernel wants one width): V padded with zeros, its zero output columns dropped
+                v = F.pad(v, (0, k.shape[-1] - dv))
+            return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, self.softmax_scale,
+                                 local_attention=local)[..., :dv]
         gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
         if self.heads_per_group > 1 and not gqa:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
         p = self.config.attention_dropout if self.training else 0.0
-        kw = dict(dropout_p=p, **({"enable_gqa": True} if gqa else {}))
+        kw = dict(dropout_p=p, scale=self.softmax_scale, **({"enable_gqa": True} if gqa else {}))
         attend = partial(F.scaled_dot_product_attention, is_causal=True)
         if self.window is not None and self.window < q.shape[2]:  # else plain causal
             attend = partial(sliding_window_attention, window=self.window)
@@ -161,7 +174,8 @@ class SelfAttention(nn.Module):
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
         return _in_tracked_rng(attend, q, k, v, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor):
+        """q [s, b, n, d] and k, v [s, b, g, d] from the fused projection, normed and rotated."""
         qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         d, g, hpg = self.head_dim, self.num_groups_local, self.heads_per_group
@@ -171,15 +185,16 @@ class SelfAttention(nn.Module):
             q, k = qk.split([hpg, 1], dim=3)
             qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=3)
         if self.rotary is not None:  # q and k rotated together: one pass over both
-            if self.cp_size > 1:  # this rank's tokens sit at their global positions
-                cos, sin = self.rotary.at(self._global_positions(s, x.device), s * self.cp_size,
-                                          x.device, qkv.dtype)
-            else:
-                cos, sin = self.rotary(s, x.device, qkv.dtype)
+            cos, sin = self._rope(s, x.device, qkv.dtype)
             qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk.split([hpg, 1], dim=3)
         q = q.reshape(s, b, g * hpg, d)
-        k, v = k.squeeze(3), v.squeeze(3)
+        return q, k.squeeze(3), v.squeeze(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # [s, b, n, d] each (k, v: the query groups' heads; MLA: its own widths)
+        q, k, v = self._qkv(x) if self.mla is None else self.mla(x, self._rope)
+        s, b = q.shape[0], q.shape[1]
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if not (self.selective_recompute and self.training):
@@ -192,8 +207,15 @@ class SelfAttention(nn.Module):
                                                     use_reentrant=False)
         else:
             ctx = checkpoint(self.core_attention, x.device, q, k, v)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.num_heads_local * d)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(ctx)
+
+    def _rope(self, s: int, device, dtype):
+        """cos, sin_signed [s, 1, 1, d_rope] for this rank's s tokens."""
+        if self.cp_size > 1:  # this rank's tokens sit at their global positions
+            return self.rotary.at(self._global_positions(s, device), s * self.cp_size, device,
+                                  dtype)
+        return self.rotary(s, device, dtype)
 
     def _global_positions(self, s_local: int, device) -> torch.Tensor:
         key = (s_local, torch.device(device))
