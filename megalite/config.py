@@ -1173,10 +1173,6 @@ class MegaliteConfig(_Section):
                               f"--disable-bias-linear, or --expert-tensor-parallel-size 1 (its "
                               f"default is --tensor-model-parallel-size, {t})")
         # Not implemented yet, each refused rather than run wrongly (docs/moe.md, "Status"):
-        if m.torch_compile:
-            raise ConfigError("--torch-compile with --num-experts: the MoE layer's dropless "
-                              "routing has data-dependent shapes and is not compiled yet; drop "
-                              "--torch-compile")
         ck = self.checkpoint
         if etp > 1 and (ck.save or ck.load):
             raise ConfigError(f"--expert-tensor-parallel-size {etp} with --save/--load: "

@@ -178,3 +178,31 @@ def test_tp2_layer_compiles_to_one_graph_with_its_collectives():
     for out in run_distributed(_tp2_layer, 2, timeout=300):
         assert out["graphs sp=False"] == out["graphs sp=True"] == 1, out
         assert out["bytes None"] > 0 and out["bytes aot_eager"] == 0, out
+
+
+def test_moe_layer_compiles_up_to_its_experts():
+    """An MoE layer: attention and the norm before the MLP are one graph; the MoE MLP runs eager
+    between it and the residual (data-dependent block sizes). The compiled layer gives the eager
+    layer's values and gradients."""
+    moe = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=0.01)
+    layer = TransformerLayer(tiny_config("llama", **moe), 0).train()
+    x = torch.randn(16, 2, layer.input_layernorm.weight.numel(), requires_grad=True)
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(layer._before_mlp)(x)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1, ex.break_reasons
+    out = []
+    for backend in (None, "aot_eager"):
+        torch.manual_seed(0)
+        layer = TransformerLayer(tiny_config("llama", torch_compile=backend, **moe), 0).train()
+        for p in layer.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        assert (layer._forward == layer._layer_forward) and \
+            (backend is None) != hasattr(layer._before_mlp, "_torchdynamo_orig_callable")
+        for _ in range(2):  # the second call runs the cached graph
+            layer.zero_grad()
+            x.grad = None
+            y = layer(x)
+            y.square().sum().backward()
+        out.append([y.detach(), x.grad] + [p.grad for p in layer.parameters()])
+    for got, ref in zip(out[1], out[0]):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

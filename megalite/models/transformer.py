@@ -307,9 +307,15 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(config, tp_group, device, sp)
         # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,
         # recompute's checkpoint around the layer) stay eager around it. The layer is one graph,
-        # its TP collectives included; only a dropout drawn from the tracked RNG breaks it.
+        # its TP collectives included; only a dropout drawn from the tracked RNG breaks it. An
+        # MoE layer compiles up to its MLP (attention and the norm after it, one graph) and
+        # runs the MoE MLP eagerly: its block sizes are data-dependent (the all-to-all's splits
+        # are read on the host, capacity drops size a select), which would break or recompile
+        # the graph, and its expert GEMMs are grouped kernels already (docs/moe.md).
         self._forward = self._layer_forward
-        if config.torch_compile:
+        if config.torch_compile and isinstance(self.mlp, MoELayer):
+            self._before_mlp = torch.compile(self._before_mlp, backend=config.torch_compile)
+        elif config.torch_compile:
             self._forward = torch.compile(self._layer_forward, backend=config.torch_compile)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
@@ -322,7 +328,11 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
 
-    def _layer_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _before_mlp(self, x: torch.Tensor):
+        """The attention block's output and its normalisation for the MLP."""
         x = x + self._dropout(self.self_attention(self.input_layernorm(x)))
-        x = x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
-        return x
+        return x, self.pre_mlp_layernorm(x)
+
+    def _layer_forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, h = self._before_mlp(x)
+        return x + self._dropout(self.mlp(h))
