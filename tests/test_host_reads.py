@@ -82,3 +82,9 @@ def test_moe_reads_only_the_dispatch_split_sizes():
                  *allgather, train_iters=4)
     for got, where in run_distributed(_moe, 2, argv):
         assert got == [4, 4], where
+    # capacity padded at EP 2: every block is C rows, known on the host: no read per layer
+    padded = ["--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0",
+              "--moe-pad-expert-input-to-capacity"]
+    argv = flags("--num-layers", 4, "--global-batch-size", 8, *MOE, *padded, train_iters=4)
+    for got, where in run_distributed(_moe, 2, argv):
+        assert got == [4, 4], where

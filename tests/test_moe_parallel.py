@@ -34,6 +34,9 @@ CASES = {
         "--moe-router-load-balancing-type", "seq_aux_loss", "--no-moe-grouped-gemm",
         "--recompute-granularity", "full"], EP2),
     "ep2_capacity": (2, ["--moe-expert-capacity-factor", "1.0"], EP2),
+    # padded to capacity: fixed blocks, no count exchange
+    "ep2_capacity_padded": (2, ["--moe-expert-capacity-factor", "1.0",
+                                "--moe-pad-expert-input-to-capacity"], EP2),
     # compiled up to the experts (aot_eager: dynamo's capture, the ops run eagerly)
     "ep2_compiled": (2, [], EP2 + ["--torch-compile", "aot_eager"]),
     "ep4": (4, [], EP4),

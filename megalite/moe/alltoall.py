@@ -15,7 +15,8 @@ each exchange.
 
 Dropless routing makes the block sizes data-dependent, and the collectives need them on the host:
 one read per MoE layer and micro-batch, of the counts both exchanges need, brought in on the device
-first. Everything else stays on the tokens' device.
+first. Everything else stays on the tokens' device. Capacity padding fixes every block at C rows
+per expert: then nothing is exchanged or read.
 """
 
 from __future__ import annotations
@@ -121,11 +122,14 @@ def _exchange(rows: torch.Tensor, counts: torch.Tensor, input_splits: List[int],
 
 
 def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: torch.Tensor,
-             ep_group, num_local_experts: int, etp_group=None):
+             ep_group, num_local_experts: int, etp_group=None,
+             padded_to: Optional[int] = None):
     """Send each token to the EP rank of its expert, then (ETP > 1) share the rows over the ETP
     group -> (rows grouped by local expert, expert 0 first, source ranks in order inside each;
     rows per local expert [E_local]; handle for ``combine``). ``tokens_per_expert_local`` [E]
-    counts this rank's rows per global expert (the block sizes of the sorted input)."""
+    counts this rank's rows per global expert (the block sizes of the sorted input).
+    ``padded_to`` C: every rank sends exactly C rows to every expert (capacity padding), so
+    every size is known on the host: no count exchange and no host read."""
     ep, etp = C.group_size(ep_group), C.group_size(etp_group)
     num_experts = tokens_per_expert_local.numel()
     if num_experts != ep * num_local_experts:
@@ -134,15 +138,22 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
                           f"{ep * num_local_experts} (EP x experts per rank)")
     if ep == 1 and etp == 1:
         return tokens_sorted_by_expert, tokens_per_expert_local, DispatchHandle(())
-    # counts [EP, E_local]: what each EP source sends here; at EP 1 this rank's own rows
-    counts = (exchange_counts(tokens_per_expert_local, ep_group) if ep > 1
-              else tokens_per_expert_local.view(1, -1))
-    etp_counts = gather_counts(counts.sum(0), etp_group) if etp > 1 else None
-    # the one host read: rows to each EP destination, from each EP source, from each ETP peer
-    sizes = [tokens_per_expert_local.view(ep, -1).sum(1), counts.sum(1)]
-    if etp_counts is not None:
-        sizes.append(etp_counts.sum(1))
-    splits = torch.cat(sizes).tolist()
+    if padded_to is not None:
+        counts = tokens_per_expert_local.new_full((ep, num_local_experts), padded_to)
+        etp_counts = counts.sum(0).repeat(etp, 1) if etp > 1 else None
+        block = num_local_experts * padded_to  # rows to (and from) each EP rank
+        splits = [block] * 2 * ep + ([ep * block] * etp if etp > 1 else [])
+    else:
+        # counts [EP, E_local]: what each EP source sends here; at EP 1 this rank's own rows
+        counts = (exchange_counts(tokens_per_expert_local, ep_group) if ep > 1
+                  else tokens_per_expert_local.view(1, -1))
+        etp_counts = gather_counts(counts.sum(0), etp_group) if etp > 1 else None
+        # the one host read: rows to each EP destination, from each EP source, from each ETP
+        # peer
+        sizes = [tokens_per_expert_local.view(ep, -1).sum(1), counts.sum(1)]
+        if etp_counts is not None:
+            sizes.append(etp_counts.sum(1))
+        splits = torch.cat(sizes).tolist()
     rows, exchanges = tokens_sorted_by_expert, []
     if ep > 1:
         rows, ex = _exchange(rows, counts, splits[:ep], splits[ep:2 * ep], ep_group,

@@ -278,8 +278,10 @@ class MoELayer(nn.Module):
             permuted, sorted_indices, _ = permute(tokens, routing_map, rows)
             # over EP, each token block goes to the rank of its expert and its output comes
             # back (and over ETP, to every slice of it); with EP = ETP = 1 nothing moves
+            padded = cap if self.config.moe_pad_expert_input_to_capacity else None
             received, rows_per_expert, handle = dispatch(permuted, counts, self.ep_group,
-                                                         self.num_local_experts, self.etp_group)
+                                                         self.num_local_experts, self.etp_group,
+                                                         padded)
             out = combine(self._experts(received, rows_per_expert), handle)
             y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows)
         y = y.view(s, b, hidden)
