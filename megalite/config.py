@@ -213,7 +213,7 @@ MOE_GROUP_SCORES = ("topk_sum", "top2_sum")  # Megatron's rule; HF DeepSeek-V3 /
 def check_routing(num_experts: int, topk: int, score_function: str = "softmax",
                   pre_softmax: bool = False, num_groups: Optional[int] = None,
                   group_topk: Optional[int] = None, group_score: str = "topk_sum",
-                  expert_bias: bool = False) -> None:
+                  expert_bias: bool = False, normalize: bool = True) -> None:
     """The router's rules, one home: ModelConfig.validate runs them before any work, and
     megalite/moe/router.route on the options it is given."""
     e, k = num_experts, topk
@@ -230,6 +230,12 @@ def check_routing(num_experts: int, topk: int, score_function: str = "softmax",
     if expert_bias and softmax:
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
                           "sigmoid (as Megatron)")
+    if not normalize and softmax:
+        # softmax gates over the k are normalised by construction; unnormalised ones are the
+        # top-k of a softmax over all experts
+        raise ConfigError("--no-moe-router-norm-topk-prob needs --moe-router-score-function "
+                          "sigmoid; for softmax gates that are not renormalised use "
+                          "--moe-router-pre-softmax")
     g, gk = num_groups, group_topk
     if (g is None) != (gk is None):
         raise ConfigError(f"group-limited routing needs both --moe-router-num-groups and "
@@ -316,6 +322,11 @@ class ModelConfig(_Section):
     position_embedding_type: str = setting("learned_absolute", choices=("learned_absolute", "rope"),
                                            role=SHAPE)
     rotary_base: float = setting(10000.0, role=CHECKPOINT_ARG)
+    # Partial RoPE (GLM-4.5; Megatron's --rotary-percent): the first rotary_dim dims of each head
+    # are rotated, the rest pass through unchanged.
+    rotary_percent: float = setting(
+        1.0, "share of each q/k head that RoPE rotates (GLM-4.5: 0.5); the rest is not rotated",
+        role=CHECKPOINT_ARG)
     # Llama 3.1's "llama3" RoPE scaling (docs/models.md); None: unscaled rotary embedding.
     rope_scaling_factor: Optional[float] = setting(
         None, "llama3 RoPE scaling (Llama 3.1+); default none", role=CHECKPOINT_ARG)
@@ -323,6 +334,10 @@ class ModelConfig(_Section):
     rope_high_freq_factor: float = setting(4.0, role=CHECKPOINT_ARG)
     rope_original_max_position_embeddings: int = setting(8192, role=CHECKPOINT_ARG)
     qk_layernorm: bool = setting(False, "RMSNorm over each q and k head", role=SHAPE)
+    qk_layernorm_scope: str = setting(
+        "head", "with --qk-layernorm: head (one [d] weight shared by the heads: Qwen3, Megatron) "
+        "or projection (over each token's whole q and k projections: OLMoE)",
+        choices=("head", "projection"), role=SHAPE)
     # Sliding-window attention (HF's convention): query q sees keys q - W < k <= q in layers
     # numbered >= max_window_layers (0-based); the first max_window_layers keep full attention.
     sliding_window: Optional[int] = setting(
@@ -410,6 +425,10 @@ class ModelConfig(_Section):
         "topk_sum", "how a group is scored: topk_sum (Megatron's rule) or top2_sum (HF "
         "DeepSeek-V3 / GLM-4-MoE); megalite's flag, not Megatron's",
         choices=MOE_GROUP_SCORES, group="mixture of experts", role=CHECKPOINT_ARG)
+    moe_router_norm_topk_prob: bool = setting(
+        True, "sigmoid scores: renormalise the k gates to sum to 1 (Megatron always does); "
+        "--no-moe-router-norm-topk-prob keeps the raw sigmoid gates (HF's norm_topk_prob=False; "
+        "megalite's flag, not Megatron's)", group="mixture of experts", role=CHECKPOINT_ARG)
     moe_router_dtype: str = setting(
         "fp32", "dtype of the router logits; Megatron's default is no cast, megalite computes "
         "them in fp32 by default as Megatron's README recommends", choices=("fp32", "fp64"),
@@ -507,6 +526,11 @@ class ModelConfig(_Section):
         return self.sliding_window
 
     @property
+    def rotary_dim(self) -> int:
+        """The dims of each q/k head RoPE rotates (--rotary-percent, as Megatron rounds it)."""
+        return int(self.kv_channels * self.rotary_percent)
+
+    @property
     def tie_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
@@ -563,6 +587,15 @@ class ModelConfig(_Section):
         if (self.position_embedding_type == "rope" and self.kv_channels % 2 != 0
                 and not self.multi_latent_attention):  # MLA: its RoPE dims, _validate_mla
             raise ConfigError(f"rope needs an even head dim, got {self.kv_channels}")
+        if not 0.0 < self.rotary_percent <= 1.0 or (
+                self.position_embedding_type == "rope" and self.rotary_dim % 2 != 0) or (
+                self.rotary_percent < 1.0 and self.position_embedding_type != "rope"):
+            raise ConfigError(
+                f"--rotary-percent must be in (0, 1] with --position-embedding-type rope and "
+                f"rotate an even number of each head's {self.kv_channels} dims, got "
+                f"{self.rotary_percent}")
+        if self.qk_layernorm_scope != "head" and not self.qk_layernorm:
+            raise ConfigError("--qk-layernorm-scope projection needs --qk-layernorm")
         if self.rope_scaling_factor is not None and (
                 self.position_embedding_type != "rope" or self.rope_scaling_factor < 1.0
                 or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
@@ -659,7 +692,8 @@ class ModelConfig(_Section):
             raise ConfigError(f"--num-experts must be >= 1 (omit it for a dense model), got {e}")
         check_routing(e, k, self.moe_router_score_function, self.moe_router_pre_softmax,
                       self.moe_router_num_groups, self.moe_router_group_topk,
-                      self.moe_router_group_score, self.moe_router_enable_expert_bias)
+                      self.moe_router_group_score, self.moe_router_enable_expert_bias,
+                      self.moe_router_norm_topk_prob)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{_flag(name)} must be a positive integer, got "
@@ -728,7 +762,8 @@ class ModelConfig(_Section):
         attn = self.attention_weights() + (q + kv if qkv_bias else 0) + (h if bias else 0)
         if self.multi_latent_attention:  # no biases (validate); the two latents' RMSNorms
             attn += (self.q_lora_rank or 0) + self.kv_lora_rank
-        per_layer = attn + 2 * norm + (2 * d if self.qk_layernorm else 0)
+        qk_norm = (2 * d if self.qk_layernorm_scope == "head" else q + kv // 2)
+        per_layer = attn + 2 * norm + (qk_norm if self.qk_layernorm else 0)
         moe_layers = sum(self.moe_layer_pattern())
         total = L * per_layer + (L - moe_layers) * mlp(f) + norm
         if moe_layers:

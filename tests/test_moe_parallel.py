@@ -1,7 +1,7 @@
 """Mixture of experts in parallel layouts equals one process (docs/moe.md): pretrain.py's losses
-and grad norms, 6 steps in fp32, within 1e-5, for expert parallelism folded over data, tensor
-(with SP), context and pipeline ranks (1F1B and a V schedule), experts split by tensor
-parallelism (ETP), both token dispatchers, and for the router's variants (sigmoid scores with the
+and grad norms, 6 steps in fp32 within 1e-5 (bf16 and fp16 looser), for expert parallelism
+folded over data, tensor (with SP), context and pipeline ranks (1F1B and a V schedule), experts
+split by tensor parallelism (ETP), both token dispatchers, and for the router's variants (sigmoid scores with the
 loss-free balancing bias, a gated shared expert, capacity drops, grouped GEMMs, recomputation).
 Every multi-rank run is in strict mode (it emulates a GPU: docs/design.md, contract 1)."""
 
@@ -37,6 +37,10 @@ CASES = {
     # padded to capacity: fixed blocks, no count exchange
     "ep2_capacity_padded": (2, ["--moe-expert-capacity-factor", "1.0",
                                 "--moe-pad-expert-input-to-capacity"], EP2),
+    # low precision (bf16 weights with fp32 masters; fp16 with loss scaling, the expert
+    # gradients in its overflow check): equal one process in that precision, within TOLERANCE
+    "ep2_bf16": (2, ["--bf16"], EP2),
+    "ep2_fp16": (2, ["--fp16", "--initial-loss-scale", "1024"], EP2),
     # compiled up to the experts (aot_eager: dynamo's capture, the ops run eagerly)
     "ep2_compiled": (2, [], EP2 + ["--torch-compile", "aot_eager"]),
     "ep4": (4, [], EP4),
@@ -64,6 +68,14 @@ CASES = {
     "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + ["--pipeline-model-parallel-size", "2",
                                                  "--pipeline-schedule", "dualpipev"]),
 }
+
+
+# relative; 1e-5 (fp32) for the others. Low precision rounds differently where the layout
+# changes the order of a sum (the combine, the gradient reductions), and a near-tie can then
+# route a token elsewhere: the load imbalance (a max over experts) is not compared there.
+TOLERANCE = {"ep2_bf16": 2e-2, "ep2_fp16": 2e-3}
+KEYS = ("lm_loss", "grad_norm", "moe_load_balancing_loss", "moe_max_imbalance",
+        "moe/layer1/z_loss")
 
 
 def _argv(model, layout, metrics):
@@ -100,10 +112,9 @@ def test_moe_layout_matches_one_process(moe_runs, name):
     for a, b in zip(ref, got):
         # the MoE metrics too: per-micro-batch balancing loss and load imbalance over the whole
         # global batch, whatever splits the tokens
-        for key in ("lm_loss", "grad_norm", "moe_load_balancing_loss", "moe_max_imbalance",
-                    "moe/layer1/z_loss"):
+        for key in KEYS[:3] if name in TOLERANCE else KEYS:
             rel = abs(b[key] - a[key]) / abs(a[key])
-            assert rel <= 1e-5, f"{name} iteration {a['iteration']} {key}: {b[key]} vs one " \
+            assert rel <= TOLERANCE.get(name, 1e-5), f"{name} iteration {a['iteration']} {key}: {b[key]} vs one " \
                                 f"process {a[key]} (rel {rel:.2e})"
     assert len({round(r["lm_loss"], 4) for r in ref}) >= ITERS - 1  # the losses do move
 

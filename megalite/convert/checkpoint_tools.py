@@ -48,6 +48,7 @@ from megalite.convert.hf import (
     convert_layer_megalite_to_hf,
     convert_non_layer_hf_to_megalite,
     convert_non_layer_megalite_to_hf,
+    dropped_hf_keys,
     hf_config_to_model_config,
     hf_family,
     hf_layer_keys,
@@ -664,8 +665,13 @@ class HFSource:
     def unused(self) -> List[str]:
         m = self.model_cfg
         skip = {"lm_head.weight"} if m.tie_embeddings else set()
+        skip.update(self.dropped())
         return [k for k in self.key_file if k not in self.used and k not in skip
                 and not k.endswith(IGNORED_HF_SUFFIXES)]
+
+    def dropped(self) -> List[str]:
+        """Tensors the import leaves out on purpose (multi-token-prediction layers)."""
+        return dropped_hf_keys(self.key_file, self.model_cfg)
 
     def read_layer(self, i: int) -> Dict[str, torch.Tensor]:
         where = f"layer {i}"
@@ -692,9 +698,9 @@ class HFSource:
 
 
 def from_hf(hf_model_or_dir, **config_overrides):
-    """A single-process :class:`GPTModel` (eval mode) with the weights of an HF
-    ``GPT2LMHeadModel`` / ``LlamaForCausalLM`` (an instance, or a local directory holding
-    config.json and weights). ``config_overrides`` go to :func:`hf_config_to_model_config`."""
+    """A single-process :class:`GPTModel` (eval mode) with the weights of an HF model of one of
+    ``SUPPORTED_ARCHITECTURES`` (an instance, or a local directory holding config.json and
+    weights). ``config_overrides`` go to :func:`hf_config_to_model_config`."""
     from megalite.models import GPTModel
     from megalite.parallel_state import ParallelState
 
@@ -769,7 +775,10 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
     with atomic_output(save_dir) as tmp:
         _write_stages(tmp, cfg, layout, 0, read_group, optim="fresh", weight_dtype=dtype,
                       what=f"{src.what} (config.json and weights disagree)", log=log)
-        unused = src.unused()
+        unused, dropped = src.unused(), src.dropped()
+        if dropped:
+            log(f" note: {len(dropped)} tensor(s) of the multi-token-prediction layer(s) after "
+                f"layer {m.num_layers - 1} are not imported (HF drops them on load too)")
         if unused:
             raise ConversionError(f"{src.what}: {len(unused)} tensor(s) in the weights map to "
                                   f"nothing in a {m.num_layers}-layer model (config.json and "

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megalite conversion: GPT-2, Llama (3.1+), Qwen2, Qwen3 and Mistral.
+"""Hugging Face <-> megalite conversion: GPT-2, Llama (3.1+), Qwen2, Qwen3, Mistral and the
+mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5 (``glm4_moe``).
 
 Two layers of API:
 
@@ -11,6 +12,13 @@ Two layers of API:
   state dict.
 * Whole models (:func:`from_hf`, :func:`to_hf`) live with the reader of HF directories, in
   convert/checkpoint_tools.py, which imports this module (never the other way).
+
+The families are rows of one table, :data:`FAMILIES`: each names its HF class and the options
+that tell one Llama-layout family from another (which biases, which q/k norm, how windows, partial
+RoPE and the MoE block are spelled). Import reads an HF config through its row; export writes one
+through the row; and a family *holds* a megalite model exactly when its export reads back as the
+same model (:func:`hf_architecture`), so the two directions cannot disagree. A new family is one
+more row (DeepSeek-V3 would reuse GLM-4.5's MoE row, :data:`DEEPSEEK_MOE`).
 
 Key naming (docs/models.md has the full table). HF names are the ``state_dict`` names of
 ``GPT2LMHeadModel`` (``transformer.h.{i}.attn.c_attn.weight``, ...) and ``LlamaForCausalLM``
@@ -27,6 +35,15 @@ Layout facts the mapping encodes:
   megalite/models/rotary.py uses, so q/k rows need no permutation.
 * GPT-2's ``Conv1D`` stores weights as [in, out], the transpose of ``nn.Linear``.
 * SwiGLU's fc1 is [gate; up] stacked along dim 0; HF Llama has ``gate_proj`` and ``up_proj``.
+* Experts. Hub files hold one tensor per expert and projection
+  (``block_sparse_moe.experts.{e}.w1/w3/w2`` = gate/up/down for Mixtral,
+  ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` for the others); transformers >= 5 models hold
+  them stacked in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], ``mlp.experts.down_proj``
+  [E, h, f], Mixtral's router as ``mlp.gate``) and write the per-expert form on save. Both are
+  read (the stacked form is unstacked into the per-expert one, as views); the per-expert form is
+  written. megalite stacks the experts as ``mlp.weight1`` [E, h, 2f] (columns [gate, up]) and
+  ``mlp.weight2`` [E, f, h]: the transposes of HF's ``nn.Linear`` weights.
+* GLM-4.5's ``e_score_correction_bias`` (a buffer) is megalite's ``mlp.expert_bias`` (a buffer).
 * Vocab-sized tensors are padded with zero rows to ``cfg.padded_vocab_size(1)`` in a full megalite
   state dict and stripped back to ``cfg.vocab_size`` on export.
 * Tied embeddings: megalite has no ``output_layer.weight`` on a single stage; the HF export omits
@@ -36,24 +53,99 @@ Layout facts the mapping encodes:
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, Mapping
+import re
+import warnings
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from megalite.config import ConfigError, ModelConfig
+from megalite.config import CHECKPOINT_ARG, SHAPE, ConfigError, ModelConfig
 from megalite.convert.sharding import (
     EMBEDDING_WEIGHT_NAME,
     OUTPUT_WEIGHT_NAME,
     pad_vocab,
 )
 
-# Qwen2, Qwen3 and Mistral share Llama's tensor layout ("llama" below) with a few options:
-# q/k/v-only bias (Qwen2), per-head q/k RMSNorm (Qwen3), sliding-window attention (all three).
-_ARCHITECTURE_OF_FAMILY = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                           "mistral": "MistralForCausalLM"}
-SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_OF_FAMILY.values())
-FAMILY_OF_MODEL_TYPE = {k: k for k in _ARCHITECTURE_OF_FAMILY}  # HF model_type -> family
+
+# ======================================================================================= families
+@dataclass(frozen=True)
+class MoeSpec:
+    """How one HF family spells its mixture-of-experts block: config fields and tensor names."""
+
+    num_experts: str  # config field of E
+    expert_ffn: str  # config field of each expert's width
+    block: str = "mlp"  # the MoE block's module in hub files
+    expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    norm_topk_prob: Optional[str] = "norm_topk_prob"  # None: the k gates are always renormalised
+    # "softmax", or "deepseek": sigmoid scores, e_score_correction_bias for the choice, groups
+    # scored by their top-2 (n_group, topk_group), routed_scaling_factor
+    router: str = "softmax"
+    shared: Optional[str] = None  # module of the shared expert
+    shared_gate: Optional[str] = None  # module of its sigmoid gate (Qwen2-MoE)
+    shared_size: Optional[str] = None  # config field of its width, or
+    shared_count: Optional[str] = None  # of its width in expert widths (n_shared_experts)
+    # which layers are MoE: "all"; "sparse_step": layer i when (i + 1) % decoder_sparse_step == 0
+    # and i is not in mlp_only_layers; "first_k_dense": all but the first first_k_dense_replace
+    layers: str = "all"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One HF family: its class and how its config and tensors differ from Llama's."""
+
+    architecture: str
+    layout: str = "llama"  # "gpt2" or "llama": the attention and norm tensors' naming
+    qkv_bias: Union[bool, str] = False  # a q/k/v-only bias: always (True) or by this config field
+    linear_bias: bool = False  # Llama: attention_bias biases o_proj as well (with mlp_bias)
+    qk_norm: Optional[str] = None  # "head" or "projection" (ModelConfig.qk_layernorm_scope)
+    qk_norm_field: Optional[str] = None  # the config field that switches it (else always on)
+    window: Optional[str] = None  # how a sliding window is configured: "mistral" or "qwen"
+    partial_rotary: bool = False  # its attention honours partial_rotary_factor
+    # config field counting the multi-token-prediction layers hub files carry after the last
+    # layer: HF drops them on load, and so does megalite (one warning)
+    mtp_field: Optional[str] = None
+    refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
+    moe: Optional[MoeSpec] = None
+
+
+# Sigmoid routing with a correction bias and top-2 group scores, shared experts n_shared_experts
+# wide, and first_k_dense_replace dense layers of their own width: GLM-4.5's block, DeepSeek-V3's.
+DEEPSEEK_MOE = MoeSpec("n_routed_experts", "moe_intermediate_size", router="deepseek",
+                       shared="shared_experts", shared_count="n_shared_experts",
+                       layers="first_k_dense")
+_QWEN_MOE = dict(num_experts="num_experts", expert_ffn="moe_intermediate_size",
+                 layers="sparse_step")
+_NO_WINDOW = (("use_sliding_window", False),)
+
+# HF model_type -> its family. Qwen2, Qwen3, Mistral and the MoE families share Llama's layout.
+FAMILIES: Dict[str, Family] = {
+    "gpt2": Family("GPT2LMHeadModel", layout="gpt2"),
+    "llama": Family("LlamaForCausalLM", linear_bias=True),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, window="qwen"),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm="head", window="qwen"),
+    "mistral": Family("MistralForCausalLM", window="mistral"),
+    "mixtral": Family("MixtralForCausalLM", window="mistral",
+                      refused=(("router_jitter_noise", 0.0),),
+                      moe=MoeSpec("num_local_experts", "intermediate_size",
+                                  block="block_sparse_moe", expert_names=("w1", "w3", "w2"),
+                                  norm_topk_prob=None)),
+    "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias="qkv_bias", refused=_NO_WINDOW,
+                        moe=MoeSpec(**_QWEN_MOE, shared="shared_expert",
+                                    shared_gate="shared_expert_gate",
+                                    shared_size="shared_expert_intermediate_size")),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm="head", refused=_NO_WINDOW,
+                        moe=MoeSpec(**_QWEN_MOE)),
+    "olmoe": Family("OlmoeForCausalLM", qk_norm="projection", refused=(("clip_qkv", None),),
+                    moe=MoeSpec("num_experts", "intermediate_size")),
+    "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm="head",
+                       qk_norm_field="use_qk_norm", partial_rotary=True,
+                       mtp_field="num_nextn_predict_layers", moe=DEEPSEEK_MOE),
+}
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+FAMILY_OF_MODEL_TYPE = {k: k for k in FAMILIES}  # HF model_type -> family
+_FAMILY_OF_ARCHITECTURE = {f.architecture: k for k, f in FAMILIES.items()}
 
 # HF activation names -> megalite ModelConfig.activation (GPT-2's default "gelu_new" is the tanh
 # approximation 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), Hendrycks & Gimpel 2016).
@@ -80,8 +172,8 @@ def hf_family(hf_config) -> str:
 
 
 def model_family(cfg: ModelConfig) -> str:
-    """"gpt2" or "llama": which HF tensor layout holds this megalite configuration (Qwen2, Qwen3
-    and Mistral use Llama's; :func:`hf_architecture` picks the class)."""
+    """"gpt2" or "llama": which HF tensor layout holds this megalite configuration (every family
+    but GPT-2 uses Llama's; :func:`hf_architecture` picks the class)."""
     if (cfg.position_embedding_type == "learned_absolute" and cfg.normalization == "LayerNorm"
             and not cfg.swiglu):
         return "gpt2"
@@ -100,10 +192,11 @@ _LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_fr
                 "original_max_position_embeddings": "rope_original_max_position_embeddings"}
 
 
-def _rope(hf_config) -> dict:
-    """RoPE base and scaling as ModelConfig fields. transformers >= 5 keeps them in
-    ``rope_parameters``; older versions in ``rope_theta`` and ``rope_scaling``. megalite computes
-    the plain RoPE of Su et al. and Llama 3.1's "llama3" scaling (models/rotary.py)."""
+def _rope(hf_config, family: str) -> dict:
+    """RoPE base, scaling and partial rotation as ModelConfig fields. transformers >= 5 keeps them
+    in ``rope_parameters``; older versions in ``rope_theta``, ``rope_scaling`` and
+    ``partial_rotary_factor``. megalite computes the plain RoPE of Su et al. and Llama 3.1's
+    "llama3" scaling (models/rotary.py), over the first ``partial_rotary_factor`` of each head."""
     params = dict(getattr(hf_config, "rope_scaling", None) or {})
     params.update(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -114,36 +207,51 @@ def _rope(hf_config) -> dict:
     out = {"rotary_base": float(theta if theta is not None else 10000.0)}
     if rope_type == "llama3":
         out.update({ml: params[hf] for hf, ml in _LLAMA3_ROPE.items()})
+    partial = params.get("partial_rotary_factor",
+                         getattr(hf_config, "partial_rotary_factor", None))
+    partial = 1.0 if partial is None else float(partial)
+    if partial != 1.0 and not FAMILIES[family].partial_rotary:
+        raise ConfigError(f"{family} partial_rotary_factor={partial} is not supported: its HF "
+                          f"attention rotates whole heads (megalite's --rotary-percent)")
+    out["rotary_percent"] = partial
     return out
 
 
-def _hf_rope(cfg: ModelConfig, config_cls) -> dict:
+def _hf_rope(cfg: ModelConfig, config_cls, fam: Family) -> dict:
     """Inverse of :func:`_rope`: the HF config kwargs."""
     params = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling_factor is not None:
         params.update({"rope_type": "llama3"},
                       **{hf: getattr(cfg, ml) for hf, ml in _LLAMA3_ROPE.items()})
+    partial = {"partial_rotary_factor": cfg.rotary_percent} if fam.partial_rotary else {}
     # transformers >= 5 takes rope_parameters; older versions take rope_theta and rope_scaling.
-    if "rope_parameters" in inspect.signature(config_cls.__init__).parameters:
-        return {"rope_parameters": params}
+    if _accepts(config_cls, "rope_parameters"):
+        return {"rope_parameters": {**params, **partial}}
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     return {"rope_theta": cfg.rotary_base,
-            "rope_scaling": scaling if cfg.rope_scaling_factor is not None else None}
+            "rope_scaling": scaling if cfg.rope_scaling_factor is not None else None, **partial}
+
+
+def _accepts(config_cls, name: str) -> bool:
+    return name in inspect.signature(config_cls.__init__).parameters
 
 
 def _sliding_window(c, family: str) -> dict:
-    """Which layers HF gives a sliding window, as ModelConfig fields. Mistral windows every layer
-    when ``sliding_window`` is set; Qwen2/Qwen3 only the layers ``layer_types`` marks (derived by
-    HF from ``use_sliding_window`` and ``max_window_layers``): a ``sliding_window`` value alone,
-    as released Qwen2 configs carry with use_sliding_window false, windows nothing."""
+    """Which layers HF gives a sliding window, as ModelConfig fields. Mistral (and Mixtral)
+    window every layer when ``sliding_window`` is set; Qwen2/Qwen3 only the layers
+    ``layer_types`` marks (derived by HF from ``use_sliding_window`` and ``max_window_layers``): a
+    ``sliding_window`` value alone, as released Qwen2 configs carry with use_sliding_window false,
+    windows nothing. Families without a window rule have none (``Family.refused`` says so)."""
+    rule = FAMILIES[family].window
     window = getattr(c, "sliding_window", None)
-    if family == "mistral":
+    if rule == "mistral":
         types = getattr(c, "layer_types", None) or []
         if window is not None and any(t != "sliding_attention" for t in types):
-            raise ConfigError("Mistral layer_types with full-attention layers (alternating "
-                              "attention) are not supported: megalite windows every Mistral layer")
+            raise ConfigError(f"{family.capitalize()} layer_types with full-attention layers "
+                              f"(alternating attention) are not supported: megalite windows "
+                              f"every layer")
         return {"sliding_window": window, "max_window_layers": 0}
-    if family not in ("qwen2", "qwen3"):
+    if rule != "qwen":
         return {}
     types = getattr(c, "layer_types", None) or [  # older transformers: no layer_types
         "sliding_attention" if getattr(c, "use_sliding_window", False)
@@ -161,14 +269,144 @@ def _sliding_window(c, family: str) -> dict:
     return {"sliding_window": window, "max_window_layers": windowed[0]}
 
 
+def _hf_window(cfg: ModelConfig, fam: Family) -> dict:
+    """Inverse of :func:`_sliding_window`."""
+    if fam.window == "mistral":
+        return {"sliding_window": cfg.sliding_window}
+    if fam.window == "qwen":  # layers >= max_window_layers get the window when it is used
+        window = cfg.sliding_window is not None
+        return {"use_sliding_window": window, "sliding_window": cfg.sliding_window,
+                "max_window_layers": cfg.max_window_layers if window else cfg.num_layers}
+    return {}
+
+
+def layer_freq_text(pattern: List[bool]) -> str:
+    """A per-layer MoE pattern as --moe-layer-freq spells it: "1" when every layer is MoE, else
+    Megatron's 0/1 list."""
+    if all(pattern):
+        return "1"
+    return "[" + ",".join(str(int(x)) for x in pattern) + "]"
+
+
+def _hf_moe_pattern(c, m: MoeSpec) -> List[bool]:
+    """Which HF layers are MoE. HF's ``decoder_sparse_step`` N makes layer i sparse when
+    (i + 1) % N == 0, where Megatron's integer --moe-layer-freq N means i % N == 0: the pattern is
+    spelled as a list instead, which both read the same."""
+    n = c.num_hidden_layers
+    if m.layers == "sparse_step":
+        step, dense = c.decoder_sparse_step, set(getattr(c, "mlp_only_layers", None) or [])
+        return [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    if m.layers == "first_k_dense":
+        return [i >= c.first_k_dense_replace for i in range(n)]
+    return [True] * n
+
+
+def _hf_pattern_fields(pattern: List[bool], m: MoeSpec, arch: str, freq: str) -> dict:
+    """Inverse of :func:`_hf_moe_pattern`."""
+    n = len(pattern)
+    if m.layers == "all":
+        if not all(pattern):
+            raise ConfigError(f"{arch} makes every layer MoE; --moe-layer-freq {freq} has dense "
+                              f"layers")
+        return {}
+    if m.layers == "first_k_dense":
+        k = pattern.index(True) if any(pattern) else n
+        if pattern != [False] * k + [True] * (n - k):
+            raise ConfigError(f"{arch}'s dense layers are the first first_k_dense_replace; "
+                              f"--moe-layer-freq {freq} is not dense first, then MoE")
+        return {"first_k_dense_replace": k}
+    # the step that needs the fewest mlp_only_layers (the smallest such step on a tie)
+    best = None
+    for step in range(1, n + 2):
+        if all((i + 1) % step == 0 for i in range(n) if pattern[i]):
+            only = [i for i in range(n) if (i + 1) % step == 0 and not pattern[i]]
+            if best is None or len(only) < len(best[1]):
+                best = (step, only)
+    return {"decoder_sparse_step": best[0], "mlp_only_layers": best[1]}
+
+
+def _moe(c, family: str) -> dict:
+    """The MoE block of an HF config as ModelConfig fields (empty for a dense family)."""
+    m = FAMILIES[family].moe
+    if m is None:
+        return {}
+    experts, f = getattr(c, m.num_experts), getattr(c, m.expert_ffn)
+    if not experts:
+        raise ConfigError(f"{family} {m.num_experts}={experts}: megalite imports a model without "
+                          f"experts as its dense family")
+    k = c.num_experts_per_tok
+    norm = True if m.norm_topk_prob is None else bool(getattr(c, m.norm_topk_prob))
+    out = dict(num_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=f,
+               moe_layer_freq=layer_freq_text(_hf_moe_pattern(c, m)))
+    if m.router == "softmax":
+        # renormalised softmax top-k = a softmax over the k chosen logits (megalite's default);
+        # the plain top-k of a softmax over all experts is --moe-router-pre-softmax
+        out["moe_router_pre_softmax"] = not norm
+    else:
+        if norm and k == 1:  # HF divides the one gate by itself; Megatron keeps it raw at k = 1
+            raise ConfigError(f"{family} num_experts_per_tok=1 with norm_topk_prob=True (a gate "
+                              f"of 1 for every token) is not supported")
+        scale = float(c.routed_scaling_factor)
+        out.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_norm_topk_prob=norm,
+                   moe_router_topk_scaling_factor=None if scale == 1.0 else scale)
+        if c.n_group > 1:  # one group limits nothing
+            out.update(moe_router_num_groups=c.n_group, moe_router_group_topk=c.topk_group,
+                       moe_router_group_score="top2_sum")
+    if m.shared_size:
+        out["moe_shared_expert_intermediate_size"] = getattr(c, m.shared_size)
+    elif m.shared_count:
+        n = getattr(c, m.shared_count)
+        if not n:
+            raise ConfigError(f"{family} {m.shared_count}={n} is not supported (HF still builds "
+                              f"an empty shared expert)")
+        out["moe_shared_expert_intermediate_size"] = n * f
+    out["moe_shared_expert_gate"] = m.shared_gate is not None
+    return out
+
+
+def _hf_moe(cfg: ModelConfig, m: MoeSpec, arch: str) -> dict:
+    """Inverse of :func:`_moe`: the HF config kwargs of the MoE block."""
+    f = cfg.moe_ffn_hidden_size
+    out = {m.num_experts: cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+           m.expert_ffn: f}
+    out.update(_hf_pattern_fields(cfg.moe_layer_pattern(), m, arch, cfg.moe_layer_freq))
+    if m.router == "softmax":
+        norm = not cfg.moe_router_pre_softmax
+    else:
+        norm = cfg.moe_router_norm_topk_prob
+        out.update(n_group=cfg.moe_router_num_groups or 1,
+                   topk_group=cfg.moe_router_group_topk or 1,
+                   routed_scaling_factor=cfg.moe_router_topk_scaling_factor or 1.0)
+    if m.norm_topk_prob:
+        out[m.norm_topk_prob] = norm
+    shared = cfg.moe_shared_expert_intermediate_size
+    if m.shared and (not shared or (m.shared_gate is not None) != cfg.moe_shared_expert_gate):
+        raise ConfigError(f"{arch} always has a shared expert"
+                          f"{' with a sigmoid gate' if m.shared_gate else ' and no gate'}: "
+                          f"--moe-shared-expert-intermediate-size"
+                          f"{' and --moe-shared-expert-gate' if m.shared_gate else ''}")
+    if m.shared_size:
+        out[m.shared_size] = shared
+    elif m.shared_count:
+        if shared % f:
+            raise ConfigError(f"{arch}'s shared experts are a whole number of experts wide: "
+                              f"--moe-shared-expert-intermediate-size {shared} is not a multiple "
+                              f"of --moe-ffn-hidden-size {f}")
+        out[m.shared_count] = shared // f
+    return out
+
+
 def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
-    """A megalite :class:`ModelConfig` equivalent to a ``GPT2Config`` or ``LlamaConfig``.
+    """A megalite :class:`ModelConfig` equivalent to the HF config of a supported family.
 
     ``seq_length`` defaults to the HF ``max_position_embeddings``; ``overrides`` (any ModelConfig
     field, e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``params_dtype``) win.
     GPT-2's ``embd_pdrop`` is not separate in megalite: ``resid_pdrop`` becomes ``hidden_dropout``.
+    A config field megalite cannot hold is a ConfigError naming it.
     """
     family = hf_family(hf_config)
+    fam = FAMILIES[family]
     c = hf_config
     if family == "gpt2":
         act = _GPT2_ACTIVATIONS.get(c.activation_function)
@@ -195,135 +433,210 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
         if c.hidden_act != "silu":
             raise ConfigError(f"{family} hidden_act {c.hidden_act!r} is not supported; megalite's "
                               f"SwiGLU uses silu")
+        for name, only in fam.refused:
+            value = getattr(c, name, only)
+            if value != only:
+                raise ConfigError(f"{family} {name}={value!r} is not supported (megalite has no "
+                                  f"equivalent; {name}={only!r} is)")
         attention_bias = bool(getattr(c, "attention_bias", False))
-        mlp_bias = bool(getattr(c, "mlp_bias", False))
-        if family != "llama" and attention_bias:
-            # Qwen3's attention_bias also puts a bias on o_proj, which megalite ties to the MLP
-            # biases (add_bias_linear), which Qwen3 does not have.
-            raise ConfigError(f"{family} attention_bias=True (a bias on o_proj as well as q/k/v) "
-                              f"is not supported: megalite biases o_proj only with the MLP")
-        if attention_bias != mlp_bias:
-            # megalite has one switch for the output projection and both MLP linears
-            # (add_bias_linear), so HF's o_proj (attention_bias) and MLP (mlp_bias) must agree.
-            raise ConfigError(f"Llama attention_bias={attention_bias} with mlp_bias={mlp_bias} is "
-                              f"not supported: megalite needs both equal (add_bias_linear)")
+        if fam.linear_bias:
+            mlp_bias = bool(getattr(c, "mlp_bias", False))
+            if attention_bias != mlp_bias:
+                # megalite has one switch for the output projection and both MLP linears
+                # (add_bias_linear), so HF's o_proj (attention_bias) and MLP (mlp_bias) must agree.
+                raise ConfigError(f"Llama attention_bias={attention_bias} with mlp_bias="
+                                  f"{mlp_bias} is not supported: megalite needs both equal "
+                                  f"(add_bias_linear)")
+            qkv_bias = linear_bias = attention_bias
+        else:
+            if attention_bias and fam.qkv_bias != "attention_bias":
+                # Qwen3's (and OLMoE's) attention_bias also puts a bias on o_proj, which megalite
+                # ties to the MLP biases (add_bias_linear), which these families do not have.
+                raise ConfigError(f"{family} attention_bias=True (a bias on o_proj as well as "
+                                  f"q/k/v) is not supported: megalite biases o_proj only with "
+                                  f"the MLP")
+            qkv_bias = (bool(getattr(c, fam.qkv_bias, False)) if isinstance(fam.qkv_bias, str)
+                        else fam.qkv_bias)
+            linear_bias = False
         heads = c.num_attention_heads
+        kv_channels = getattr(c, "head_dim", None) or c.hidden_size // heads
+        qk_norm = fam.qk_norm is not None and (
+            fam.qk_norm_field is None or bool(getattr(c, fam.qk_norm_field)))
+        if fam.qk_norm == "projection" and kv_channels * heads != c.hidden_size:
+            # HF sizes OLMoE's q norm by hidden_size, its k norm by hidden_size / heads per head
+            raise ConfigError(f"{family} head_dim={kv_channels} must be hidden_size / "
+                              f"num_attention_heads ({c.hidden_size // heads}): its q/k norms "
+                              f"are sized by hidden_size")
         kwargs = dict(
             num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, num_attention_heads=heads,
             num_query_groups=getattr(c, "num_key_value_heads", None) or heads,
-            kv_channels=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            kv_channels=kv_channels,
             ffn_hidden_size=c.intermediate_size, seq_length=c.max_position_embeddings,
             max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
             position_embedding_type="rope", normalization="RMSNorm",
             norm_epsilon=c.rms_norm_eps, activation="silu", swiglu=True,
-            add_bias_linear=attention_bias, add_qkv_bias=attention_bias or family == "qwen2",
-            qk_layernorm=family == "qwen3",
+            add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
+            qk_layernorm_scope=fam.qk_norm if qk_norm else "head",
             untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
-            init_method_std=c.initializer_range, **_rope(c), **_sliding_window(c, family))
-    kwargs.update(hf_architecture=_ARCHITECTURE_OF_FAMILY[family], **overrides)
+            init_method_std=c.initializer_range, **_rope(c, family), **_sliding_window(c, family),
+            **_moe(c, family))
+    kwargs.update(hf_architecture=fam.architecture, **overrides)
     return ModelConfig(**kwargs).validate()
 
 
-def _cannot_hold(cfg: ModelConfig, family: str):
-    """Why HF ``family`` cannot hold this llama-layout model (None if it can)."""
-    window = cfg.sliding_window is not None
-    if family == "llama" and (cfg.qk_layernorm or window
-                              or cfg.add_qkv_bias != cfg.add_bias_linear):
-        return "it has no q/k norm, no sliding window and one bias flag for q/k/v and o_proj"
-    if family == "mistral" and (cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear
-                                or (window and cfg.max_window_layers)):
-        return "it has no bias, no q/k norm and windows every layer or none"
-    if family == "qwen2" and (cfg.qk_layernorm or not cfg.add_qkv_bias or cfg.add_bias_linear):
-        return "it has biases on q/k/v (--add-qkv-bias) only and no q/k norm"
-    if family == "qwen3" and (not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear):
-        return "it has q/k norms (--qk-layernorm) and no bias"
-    return None
+# The ModelConfig fields an HF config does not carry: they are the megalite run's own.
+_NOT_CARRIED = ("seq_length", "make_vocab_size_divisible_by", "hf_architecture")
+
+
+def _carried(cfg: ModelConfig) -> dict:
+    """The fields that define the model an HF config describes, each value in one spelling: two
+    configs describe the same model exactly when these are equal."""
+    out = {f.name: getattr(cfg, f.name) for f in fields(cfg)
+           if f.metadata["role"] in (SHAPE, CHECKPOINT_ARG) and f.name not in _NOT_CARRIED}
+    out["moe_layer_freq"] = cfg.moe_layer_pattern()  # "1" and "[1,1]" are one pattern
+    unused = []  # fields that change nothing in this model
+    if cfg.rope_scaling_factor is None:
+        unused += [v for v in _LLAMA3_ROPE.values() if v != "rope_scaling_factor"]
+    if cfg.sliding_window is None:
+        unused.append("max_window_layers")
+    if cfg.num_experts is None:
+        unused += [k for k in out if k.startswith("moe_")]
+    else:
+        if all(out["moe_layer_freq"]):
+            unused.append("ffn_hidden_size")  # no dense layer
+        if cfg.moe_router_num_groups is None:
+            unused.append("moe_router_group_score")
+        unused.append("moe_router_pre_softmax" if cfg.moe_router_score_function == "sigmoid"
+                      else "moe_router_norm_topk_prob")
+        if out["moe_router_topk_scaling_factor"] == 1.0:
+            out["moe_router_topk_scaling_factor"] = None  # a factor of 1 scales nothing
+    for k in unused:
+        out.pop(k, None)
+    return out
+
+
+def _cannot_hold(cfg: ModelConfig, family: str) -> Optional[str]:
+    """Why HF ``family`` cannot hold this llama-layout model (None if it can): its export, read
+    back, must be the same model."""
+    try:
+        back = hf_config_to_model_config(
+            _hf_config(cfg, family), seq_length=cfg.seq_length,
+            make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by)
+    except ConfigError as e:
+        return str(e)
+    want, got = _carried(cfg), _carried(back)
+    diff = [k for k in want if want[k] != got.get(k)]
+    if not diff:
+        return None
+    return "it would read back as " + ", ".join(f"{k}={got.get(k)!r} (not {want[k]!r})"
+                                               for k in diff[:3])
 
 
 def hf_architecture(cfg: ModelConfig) -> str:
     """The HF class a megalite model exports as: the one it was imported from
-    (``cfg.hf_architecture``), else the first of GPT-2 / Llama / Qwen2 / Qwen3 / Mistral that
-    holds it."""
+    (``cfg.hf_architecture``), else the first family of :data:`FAMILIES` that holds it."""
     if model_family(cfg) == "gpt2":
         if cfg.qk_layernorm or cfg.sliding_window is not None:
             raise ConfigError("GPT2LMHeadModel has no q/k norm and no sliding window: drop "
                               "--qk-layernorm / --sliding-window to export as GPT-2")
+        if cfg.num_experts is not None:
+            raise ConfigError("GPT2LMHeadModel has no experts: a mixture-of-experts model "
+                              "exports as a Llama-layout family (rope, RMSNorm, SwiGLU)")
         return "GPT2LMHeadModel"
-    families = [f for f in _ARCHITECTURE_OF_FAMILY if f != "gpt2"]
-    recorded = {a: f for f, a in _ARCHITECTURE_OF_FAMILY.items()}.get(cfg.hf_architecture)
+    families = [f for f, fam in FAMILIES.items() if fam.layout == "llama"]
+    recorded = _FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture)
     if recorded in families:
         why = _cannot_hold(cfg, recorded)
         if why is not None:
             raise ConfigError(f"this model cannot be exported as {cfg.hf_architecture}, which it "
                               f"was imported from: {why}")
         return cfg.hf_architecture
+    reasons = []
     for f in families:
-        if _cannot_hold(cfg, f) is None:
-            return _ARCHITECTURE_OF_FAMILY[f]
-    raise ConfigError("no Hugging Face architecture holds this model (q/k norms need no bias "
-                      "(Qwen3); a q/k/v-only bias needs no q/k norm (Qwen2); a window over "
-                      "only the last layers needs Qwen2 or Qwen3)")
+        why = _cannot_hold(cfg, f)
+        if why is None:
+            return FAMILIES[f].architecture
+        reasons.append(f"{FAMILIES[f].architecture}: {why}")
+    raise ConfigError("no Hugging Face architecture holds this model (" + "; ".join(reasons)
+                      + ")")
 
 
-def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
-    """The HF config (``GPT2Config``, ``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config`` or
-    ``MistralConfig``, by :func:`hf_architecture`) for a megalite model (``hf_overrides`` win),
-    with ``architectures`` set so ``AutoModelForCausalLM`` picks the LM-head class."""
+def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
+    """The HF config of llama-layout ``family`` for a megalite model (no check that it holds it:
+    :func:`hf_architecture` reads it back for that)."""
     import transformers
 
-    family = model_family(cfg)
-    arch = hf_architecture(cfg)
-    if family == "gpt2":
-        if cfg.num_query_groups != cfg.num_attention_heads:
-            raise ConfigError("GPT2LMHeadModel has no grouped-query attention: "
-                              "--num-query-groups must equal --num-attention-heads")
-        if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
-            raise ConfigError("GPT2LMHeadModel needs --kv-channels = hidden size / heads")
-        if not (cfg.add_bias_linear and cfg.add_qkv_bias):
-            raise ConfigError("GPT2LMHeadModel has biases on every linear layer: "
-                              "--disable-bias-linear / no QKV bias cannot be exported as GPT-2")
-        act = _GPT2_ACTIVATIONS_BACK.get(cfg.activation)
-        if act is None:
-            raise ConfigError(f"activation {cfg.activation!r} has no GPT-2 equivalent; use one of "
-                              f"{sorted(_GPT2_ACTIVATIONS_BACK)}")
-        kwargs = dict(
-            n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
-            n_inner=cfg.ffn_hidden_size, n_positions=cfg.max_position_embeddings,
-            vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.norm_epsilon,
-            activation_function=act, resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
-            attn_pdrop=cfg.attention_dropout, initializer_range=cfg.init_method_std,
-            tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None)
-        config_cls = transformers.GPT2Config
-    else:
-        if cfg.activation != "silu":
-            raise ConfigError(f"{arch}'s MLP is SwiGLU with silu, got {cfg.activation!r}")
-        config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-        kwargs = dict(
-            num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-            num_attention_heads=cfg.num_attention_heads,
-            num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
-            intermediate_size=cfg.ffn_hidden_size,
-            max_position_embeddings=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-            rms_norm_eps=cfg.norm_epsilon, hidden_act="silu",
-            attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
-            tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None,
-            **_hf_rope(cfg, config_cls))
-        if arch == "LlamaForCausalLM":
-            kwargs.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
-        elif arch == "MistralForCausalLM":
-            kwargs.update(sliding_window=cfg.sliding_window)
-        else:  # Qwen2, Qwen3: layers >= max_window_layers get the window when it is used
-            window = cfg.sliding_window is not None
-            kwargs.update(use_sliding_window=window, sliding_window=cfg.sliding_window,
-                          max_window_layers=cfg.max_window_layers if window else cfg.num_layers)
+    fam = FAMILIES[family]
+    arch = fam.architecture
+    if cfg.activation != "silu":
+        raise ConfigError(f"{arch}'s MLP is SwiGLU with silu, got {cfg.activation!r}")
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    kwargs = dict(
+        num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
+        intermediate_size=cfg.ffn_hidden_size,
+        max_position_embeddings=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+        rms_norm_eps=cfg.norm_epsilon, hidden_act="silu",
+        attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
+        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **_hf_rope(cfg, config_cls, fam))
+    if (_accepts(config_cls, "head_dim")
+            or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size):
+        kwargs["head_dim"] = cfg.kv_channels
+    if fam.linear_bias:
+        kwargs.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+    elif isinstance(fam.qkv_bias, str):
+        kwargs[fam.qkv_bias] = cfg.add_qkv_bias
+    if fam.qk_norm_field:
+        kwargs[fam.qk_norm_field] = cfg.qk_layernorm
+    kwargs.update(_hf_window(cfg, fam))
+    if fam.moe is not None and cfg.num_experts is not None:
+        kwargs.update(_hf_moe(cfg, fam.moe, arch))
+    if fam.mtp_field:
+        kwargs[fam.mtp_field] = 0  # none are exported
     kwargs.update(hf_overrides)
-    hf_config = config_cls(**kwargs)
+    return _finish(config_cls(**kwargs), arch, cfg)
+
+
+def _finish(hf_config, arch: str, cfg: ModelConfig):
     hf_config.architectures = [arch]
     # transformers 5 spells the weight dtype "dtype", older versions "torch_dtype".
     setattr(hf_config, "dtype" if "dtype" in hf_config.to_dict() else "torch_dtype",
             cfg.params_dtype)
     return hf_config
+
+
+def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
+    """The HF config (of the class :func:`hf_architecture` picks) for a megalite model
+    (``hf_overrides`` win), with ``architectures`` set so ``AutoModelForCausalLM`` picks the
+    LM-head class."""
+    import transformers
+
+    arch = hf_architecture(cfg)
+    if model_family(cfg) != "gpt2":
+        return _hf_config(cfg, _FAMILY_OF_ARCHITECTURE[arch], **hf_overrides)
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        raise ConfigError("GPT2LMHeadModel has no grouped-query attention: "
+                          "--num-query-groups must equal --num-attention-heads")
+    if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        raise ConfigError("GPT2LMHeadModel needs --kv-channels = hidden size / heads")
+    if not (cfg.add_bias_linear and cfg.add_qkv_bias):
+        raise ConfigError("GPT2LMHeadModel has biases on every linear layer: "
+                          "--disable-bias-linear / no QKV bias cannot be exported as GPT-2")
+    act = _GPT2_ACTIVATIONS_BACK.get(cfg.activation)
+    if act is None:
+        raise ConfigError(f"activation {cfg.activation!r} has no GPT-2 equivalent; use one of "
+                          f"{sorted(_GPT2_ACTIVATIONS_BACK)}")
+    kwargs = dict(
+        n_layer=cfg.num_layers, n_embd=cfg.hidden_size, n_head=cfg.num_attention_heads,
+        n_inner=cfg.ffn_hidden_size, n_positions=cfg.max_position_embeddings,
+        vocab_size=cfg.vocab_size, layer_norm_epsilon=cfg.norm_epsilon,
+        activation_function=act, resid_pdrop=cfg.hidden_dropout, embd_pdrop=cfg.hidden_dropout,
+        attn_pdrop=cfg.attention_dropout, initializer_range=cfg.init_method_std,
+        tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None)
+    kwargs.update(hf_overrides)
+    return _finish(transformers.GPT2Config(**kwargs), "GPT2LMHeadModel", cfg)
 
 
 # ============================================================================ key names per layer
@@ -339,16 +652,15 @@ _GPT2_LAYER = {  # megalite suffix -> (HF suffix, Conv1D i.e. stored transposed)
     "mlp.linear_fc2.weight": ("mlp.c_proj.weight", True),
     "mlp.linear_fc2.bias": ("mlp.c_proj.bias", False),
 }
-_LLAMA_LAYER = {  # one-to-one tensors; qkv and SwiGLU fc1 are fused below
+_LLAMA_LAYER = {  # one-to-one tensors; qkv and the MLPs are fused / stacked below
     "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3, OLMoE, GLM-4.5
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.linear_fc2.bias": "mlp.down_proj.bias",
 }
+_SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's dense and shared-expert MLP linears
 
 
 def _hf_layer_prefix(family: str, i: int) -> str:
@@ -368,16 +680,70 @@ def _has_bias(cfg: ModelConfig, megalite_suffix: str) -> bool:
     return bool(cfg.add_bias_linear)
 
 
+_ATTENTION_SUFFIXES = (
+    "input_layernorm.weight", "input_layernorm.bias",
+    "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+    "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
+    "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias")
+_MLP_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
+                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+
+
+def _moe_suffixes(cfg: ModelConfig) -> List[str]:
+    """megalite/moe/layer.py's tensors of an MoE layer (the expert bias is a buffer)."""
+    out = ["mlp.router"] + (["mlp.expert_bias"] if cfg.moe_router_enable_expert_bias else [])
+    out += ["mlp.weight1", "mlp.weight2"] + (["mlp.bias1", "mlp.bias2"] if cfg.add_bias_linear
+                                             else [])
+    if cfg.moe_shared_expert_intermediate_size:
+        out += [s.replace("mlp.", "mlp.shared_expert.") for s in _MLP_SUFFIXES
+                if _has_bias(cfg, s)]
+        if cfg.moe_shared_expert_gate:
+            out.append("mlp.shared_gate")
+    return out
+
+
 def megalite_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     """Full megalite names of layer ``layer_idx``'s tensors, in a fixed order."""
-    suffixes = ["input_layernorm.weight", "input_layernorm.bias",
-                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
-                "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
-                "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
-                "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-                "mlp.linear_fc2.weight", "mlp.linear_fc2.bias"]
-    return [f"layers.{layer_idx}.{s}" for s in suffixes if _has_bias(cfg, s)]
+    suffixes = [s for s in _ATTENTION_SUFFIXES if _has_bias(cfg, s)]
+    if cfg.is_moe_layer(layer_idx):
+        suffixes += _moe_suffixes(cfg)
+    else:
+        suffixes += [s for s in _MLP_SUFFIXES if _has_bias(cfg, s)]
+    return [f"layers.{layer_idx}.{s}" for s in suffixes]
+
+
+@lru_cache(maxsize=64)
+def _moe_spec_of(cfg_items: tuple) -> MoeSpec:
+    cfg = ModelConfig(**dict(cfg_items))
+    return FAMILIES[_FAMILY_OF_ARCHITECTURE[hf_architecture(cfg)]].moe
+
+
+def _moe_spec(cfg: ModelConfig) -> MoeSpec:
+    """How the family this MoE model converts as names its experts: the one it was imported
+    from, else the first that holds it (:func:`hf_architecture`, once per configuration)."""
+    recorded = _FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture)
+    if recorded is not None and FAMILIES[recorded].moe is not None:
+        return FAMILIES[recorded].moe
+    return _moe_spec_of(tuple(sorted(cfg.to_dict().items())))
+
+
+def _swiglu_keys(prefix: str, bias: bool) -> List[str]:
+    return [f"{prefix}{n}.{kind}" for n in _SWIGLU for kind in ("weight", "bias")[:1 + bias]]
+
+
+def _moe_hf_keys(p: str, cfg: ModelConfig) -> List[str]:
+    m = _moe_spec(cfg)
+    keys = [f"{p}{m.block}.gate.weight"]
+    if cfg.moe_router_enable_expert_bias:
+        keys.append(f"{p}{m.block}.gate.e_score_correction_bias")
+    keys += [f"{p}{m.block}.experts.{e}.{n}.weight" for e in range(cfg.num_experts)
+             for n in m.expert_names]
+    if cfg.moe_shared_expert_intermediate_size:
+        keys += _swiglu_keys(f"{p}{m.block}.{m.shared}.", cfg.add_bias_linear)
+        if cfg.moe_shared_expert_gate:
+            keys.append(f"{p}{m.block}.{m.shared_gate}.weight")
+    return keys
 
 
 def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
@@ -395,11 +761,10 @@ def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
         keys.append(f"self_attn.{proj}.weight")
         if cfg.add_qkv_bias if proj != "o_proj" else cfg.add_bias_linear:
             keys.append(f"self_attn.{proj}.bias")
-    for proj in ("gate_proj", "up_proj", "down_proj"):
-        keys.append(f"mlp.{proj}.weight")
-        if cfg.add_bias_linear:
-            keys.append(f"mlp.{proj}.bias")
-    return [p + k for k in keys]
+    keys = [p + k for k in keys]
+    if cfg.is_moe_layer(layer_idx):
+        return keys + _moe_hf_keys(p, cfg)
+    return keys + _swiglu_keys(p + "mlp.", cfg.add_bias_linear)
 
 
 def megalite_non_layer_keys(cfg: ModelConfig) -> List[str]:
@@ -431,6 +796,16 @@ def _non_layer_map(cfg: ModelConfig) -> Dict[str, str]:
 
 def hf_non_layer_keys(cfg: ModelConfig) -> List[str]:
     return list(_non_layer_map(cfg).values())
+
+
+def dropped_hf_keys(keys, cfg: ModelConfig) -> List[str]:
+    """The keys of a family's multi-token-prediction layers (``model.layers.{i}`` for i past the
+    last layer, GLM-4.5's ``num_nextn_predict_layers``): HF drops them on load, as megalite does."""
+    fam = FAMILIES.get(_FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture))
+    if fam is None or fam.mtp_field is None:
+        return []
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    return [k for k in keys if (m := layer.match(k)) and int(m.group(1)) >= cfg.num_layers]
 
 
 # ===================================================================== fused QKV: group layout
@@ -465,6 +840,71 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str, where: str) -> torch.Ten
 
 
 # ============================================================================ per-layer mappings
+def _swiglu_from_hf(t, hf_p: str, ml_p: str, bias: bool, where: str, names=_SWIGLU) -> dict:
+    """HF's gate/up/down linears under ``hf_p`` -> megalite's MLP under ``ml_p``, fc1 = [gate; up]
+    (the dense MLP and the shared expert)."""
+    out = {}
+    for kind in ["weight"] + (["bias"] if bias else []):
+        gate, up, down = (_get(t, f"{hf_p}{n}.{kind}", where) for n in names)
+        out[f"{ml_p}linear_fc1.{kind}"] = torch.cat([gate, up], dim=0)
+        out[f"{ml_p}linear_fc2.{kind}"] = down
+    return out
+
+
+def _swiglu_to_hf(t, ml_p: str, hf_p: str, bias: bool, where: str) -> dict:
+    """Inverse of :func:`_swiglu_from_hf`."""
+    out = {}
+    for kind in ["weight"] + (["bias"] if bias else []):
+        gate, up = _get(t, f"{ml_p}linear_fc1.{kind}", where).chunk(2, dim=0)
+        out[f"{hf_p}gate_proj.{kind}"] = gate.contiguous()
+        out[f"{hf_p}up_proj.{kind}"] = up.contiguous()
+        out[f"{hf_p}down_proj.{kind}"] = _get(t, f"{ml_p}linear_fc2.{kind}", where)
+    return out
+
+
+def _moe_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
+    """An HF MoE block (per-expert names) -> MoELayer's tensors: the router, the expert bias, the
+    stacked experts (weight1[e] = [gate; up]^T, weight2[e] = down^T), the shared expert and its
+    gate."""
+    m = _moe_spec(cfg)
+    b = f"{p}{m.block}."
+    out = {out_p + "mlp.router": _get(t, b + "gate.weight", where)}
+    if cfg.moe_router_enable_expert_bias:
+        out[out_p + "mlp.expert_bias"] = _get(t, b + "gate.e_score_correction_bias", where)
+    w1, w2 = [], []
+    for e in range(cfg.num_experts):
+        gate, up, down = (_get(t, f"{b}experts.{e}.{n}.weight", where) for n in m.expert_names)
+        w1.append(torch.cat([gate, up], dim=0).t())
+        w2.append(down.t())
+    out[out_p + "mlp.weight1"], out[out_p + "mlp.weight2"] = torch.stack(w1), torch.stack(w2)
+    if cfg.moe_shared_expert_intermediate_size:
+        out.update(_swiglu_from_hf(t, f"{b}{m.shared}.", out_p + "mlp.shared_expert.",
+                                   cfg.add_bias_linear, where))
+        if cfg.moe_shared_expert_gate:
+            out[out_p + "mlp.shared_gate"] = _get(t, f"{b}{m.shared_gate}.weight", where)
+    return out
+
+
+def _moe_to_hf(t, in_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
+    """Inverse of :func:`_moe_from_hf`."""
+    m = _moe_spec(cfg)
+    b = f"{p}{m.block}."
+    out = {b + "gate.weight": _get(t, in_p + "mlp.router", where)}
+    if cfg.moe_router_enable_expert_bias:
+        out[b + "gate.e_score_correction_bias"] = _get(t, in_p + "mlp.expert_bias", where)
+    w1, w2 = _get(t, in_p + "mlp.weight1", where), _get(t, in_p + "mlp.weight2", where)
+    for e in range(cfg.num_experts):
+        gate, up = w1[e].t().chunk(2, dim=0)
+        for n, x in zip(m.expert_names, (gate, up, w2[e].t())):
+            out[f"{b}experts.{e}.{n}.weight"] = x.contiguous()
+    if cfg.moe_shared_expert_intermediate_size:
+        out.update(_swiglu_to_hf(t, in_p + "mlp.shared_expert.", f"{b}{m.shared}.",
+                                 cfg.add_bias_linear, where))
+        if cfg.moe_shared_expert_gate:
+            out[f"{b}{m.shared_gate}.weight"] = _get(t, in_p + "mlp.shared_gate", where)
+    return out
+
+
 def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.Tensor],
                                  cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """HF tensors of layer ``layer_idx`` (full HF names, see :func:`hf_layer_keys`; other keys are
@@ -488,10 +928,11 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
     for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
         q, k, v = (_get(hf_tensors, f"{p}self_attn.{x}_proj.{kind}", where) for x in "qkv")
         out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg)
-    for kind in ["weight"] + (["bias"] if cfg.add_bias_linear else []):
-        gate = _get(hf_tensors, f"{p}mlp.gate_proj.{kind}", where)
-        up = _get(hf_tensors, f"{p}mlp.up_proj.{kind}", where)
-        out[out_p + f"mlp.linear_fc1.{kind}"] = torch.cat([gate, up], dim=0)  # [gate; up]
+    if cfg.is_moe_layer(layer_idx):
+        out.update(_moe_from_hf(hf_tensors, p, out_p, cfg, where))
+    else:
+        out.update(_swiglu_from_hf(hf_tensors, p + "mlp.", out_p + "mlp.", cfg.add_bias_linear,
+                                   where))
     for ml, hf in _LLAMA_LAYER.items():
         if _has_bias(cfg, ml):
             out[out_p + ml] = _get(hf_tensors, p + hf, where)
@@ -500,7 +941,8 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
 
 def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.Tensor],
                                  cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Inverse of :func:`convert_layer_hf_to_megalite` (full megalite names in, HF names out)."""
+    """Inverse of :func:`convert_layer_hf_to_megalite` (full megalite names in, HF names out; the
+    experts in the per-expert form of hub files)."""
     family = model_family(cfg)
     p = _hf_layer_prefix(family, layer_idx)
     in_p = f"layers.{layer_idx}."
@@ -519,10 +961,11 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
         qkv = _get(ml_tensors, in_p + f"self_attention.linear_qkv.{kind}", where)
         for name, t in zip("qkv", split_qkv(qkv, cfg)):
             out[f"{p}self_attn.{name}_proj.{kind}"] = t
-    for kind in ["weight"] + (["bias"] if cfg.add_bias_linear else []):
-        gate, up = _get(ml_tensors, in_p + f"mlp.linear_fc1.{kind}", where).chunk(2, dim=0)
-        out[f"{p}mlp.gate_proj.{kind}"] = gate.contiguous()
-        out[f"{p}mlp.up_proj.{kind}"] = up.contiguous()
+    if cfg.is_moe_layer(layer_idx):
+        out.update(_moe_to_hf(ml_tensors, in_p, p, cfg, where))
+    else:
+        out.update(_swiglu_to_hf(ml_tensors, in_p + "mlp.", p + "mlp.", cfg.add_bias_linear,
+                                 where))
     for ml, hf in _LLAMA_LAYER.items():
         if _has_bias(cfg, ml):
             out[p + hf] = _get(ml_tensors, in_p + ml, where)
@@ -557,22 +1000,64 @@ def convert_non_layer_megalite_to_hf(ml_tensors: Mapping[str, torch.Tensor],
 
 
 # ======================================================================= whole state dicts
-def _normalize_hf_keys(hf_state_dict: Mapping[str, torch.Tensor], family: str):
-    """GPT-2 checkpoints saved from ``GPT2Model`` (e.g. the original ``gpt2`` upload) have no
-    ``transformer.`` prefix; give them the LM-head model's names."""
-    if family != "gpt2" or any(k.startswith("transformer.") for k in hf_state_dict):
+_STACKED = re.compile(r"(model\.layers\.\d+\.)mlp\.(experts\.gate_up_proj|experts\.down_proj|"
+                      r"gate\.weight)$")
+
+
+def _normalize_hf_keys(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig):
+    """HF state dicts in the names hub files use. GPT-2 checkpoints saved from ``GPT2Model`` (e.g.
+    the original ``gpt2`` upload) have no ``transformer.`` prefix: they get the LM-head model's
+    names. The stacked experts of a transformers >= 5 model (``mlp.experts.gate_up_proj``
+    [E, 2f, h], ``mlp.experts.down_proj`` [E, h, f], and Mixtral's router as ``mlp.gate``) are
+    split into the per-expert tensors its ``save_pretrained`` writes (views, no copies)."""
+    family = model_family(cfg)
+    if family == "gpt2":
+        if any(k.startswith("transformer.") for k in hf_state_dict):
+            return dict(hf_state_dict)
+        return {(k if k.startswith("lm_head.") else "transformer." + k): v
+                for k, v in hf_state_dict.items()}
+    if cfg.num_experts is None:
         return dict(hf_state_dict)
-    return {(k if k.startswith("lm_head.") else "transformer." + k): v
-            for k, v in hf_state_dict.items()}
+    m, out = _moe_spec(cfg), {}
+    f, h = cfg.moe_ffn_hidden_size, cfg.hidden_size
+    for k, v in hf_state_dict.items():
+        match = _STACKED.match(k)
+        if match is None:
+            out[k] = v
+            continue
+        b, what = f"{match.group(1)}{m.block}.", match.group(2)
+        if what == "gate.weight":
+            out[b + "gate.weight"] = v
+            continue
+        want = (cfg.num_experts, 2 * f, h) if what.endswith("gate_up_proj") else (
+            cfg.num_experts, h, f)
+        if tuple(v.shape) != want:
+            raise ValueError(f"HF tensor {k} has shape {tuple(v.shape)}, the config implies "
+                             f"{want}")
+        gate, up, down = m.expert_names
+        for e in range(cfg.num_experts):
+            if what.endswith("gate_up_proj"):
+                out[f"{b}experts.{e}.{gate}.weight"] = v[e, :f]
+                out[f"{b}experts.{e}.{up}.weight"] = v[e, f:]
+            else:
+                out[f"{b}experts.{e}.{down}.weight"] = v[e]
+    return out
+
+
+def warn_dropped(keys: List[str], cfg: ModelConfig) -> None:
+    if keys:
+        warnings.warn(f"{cfg.hf_architecture}: {len(keys)} tensor(s) of the multi-token-"
+                      f"prediction layer(s) after layer {cfg.num_layers - 1} are not imported "
+                      f"(HF drops them on load too; megalite does not train MTP)", stacklevel=3)
 
 
 def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
                               model_config: ModelConfig) -> Dict[str, torch.Tensor]:
-    """A full (tp=1) megalite state dict from an HF state dict. Every HF tensor must be used
-    (apart from buffers such as causal masks, and a tied ``lm_head.weight``)."""
+    """A full (tp=1) megalite state dict from an HF state dict, hub-file or in-memory names. Every
+    HF tensor must be used (apart from buffers such as causal masks, a tied ``lm_head.weight``,
+    and multi-token-prediction layers, dropped with a warning)."""
     cfg = model_config
-    family = model_family(cfg)
-    sd = _normalize_hf_keys(hf_state_dict, family)
+    sd = _normalize_hf_keys(hf_state_dict, cfg)
     out = convert_non_layer_hf_to_megalite(sd, cfg)
     used = set(hf_non_layer_keys(cfg))
     for i in range(cfg.num_layers):
@@ -580,6 +1065,9 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
         used.update(hf_layer_keys(i, cfg))
     if cfg.tie_embeddings:
         used.add("lm_head.weight")
+    dropped = dropped_hf_keys(sd, cfg)
+    warn_dropped(dropped, cfg)
+    used.update(dropped)
     unused = [k for k in sd if k not in used and not k.endswith(IGNORED_HF_SUFFIXES)]
     if unused:
         raise ValueError(f"HF state dict has {len(unused)} tensor(s) megalite does not map "
@@ -589,7 +1077,8 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
 
 def megalite_to_hf_state_dict(full_state_dict: Mapping[str, torch.Tensor],
                               model_config: ModelConfig) -> Dict[str, torch.Tensor]:
-    """An HF state dict from a full (tp=1) megalite state dict (vocab padding stripped)."""
+    """An HF state dict (hub-file names) from a full (tp=1) megalite state dict (vocab padding
+    stripped)."""
     cfg = model_config
     out = convert_non_layer_megalite_to_hf(full_state_dict, cfg)
     for i in range(cfg.num_layers):

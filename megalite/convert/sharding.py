@@ -45,7 +45,8 @@ def pad_vocab(tensor: torch.Tensor, vocab_size: int, padded_rows: int) -> torch.
 @torch.no_grad()
 def load_full_state_dict_into(model: nn.Module, full_sd: Mapping[str, torch.Tensor],
                               tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
-    """Copy this rank's slice of every parameter ``model`` owns from a full state dict.
+    """Copy this rank's slice of every parameter ``model`` owns, and its persistent buffers, from a
+    full state dict.
 
     ``model`` is a :class:`megalite.models.GPTModel` (any TP size, any pipeline stage: keys for
     layers the stage does not own are ignored; a parameter the model owns but ``full_sd`` lacks is
@@ -73,6 +74,18 @@ def load_full_state_dict_into(model: nn.Module, full_sd: Mapping[str, torch.Tens
         if (m := param_meta(param)).tp_split:
             src = shard_tensor(src, m.partition_dim, tp_rank, tp_size, m.partition_stride)
         param.copy_(src.to(device=param.device, dtype=param.dtype))
+    # persistent buffers (the MoE expert bias): replicated, copied whole
+    params = dict(model.named_parameters())
+    for name, buf in model.state_dict(keep_vars=True).items():
+        if name in params:
+            continue
+        if name not in full_sd:
+            missing.append(name)
+            continue
+        if tuple(full_sd[name].shape) != tuple(buf.shape):
+            raise ValueError(f"full state dict tensor {name} has shape "
+                             f"{tuple(full_sd[name].shape)}, the model expects {tuple(buf.shape)}")
+        buf.copy_(full_sd[name].to(device=buf.device, dtype=buf.dtype))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         shown = ", ".join(missing[:5]) + more

@@ -17,8 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megalite import collectives as C
 from megalite.config import ConfigError
 from megalite.param_meta import set_param_meta
+from megalite.tensor_parallel.mappings import sum_over_tensor_model_parallel_region
 
 
 def _apex_norm_functions(device):
@@ -75,6 +77,33 @@ class RMSNorm(_Norm):
         if self.apex is not None:
             return self.apex[1](x, self.weight, self.shape, self.eps)
         return F.rms_norm(x, self.shape, self.weight, self.eps)
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over a token's whole q (or k) projection, every head at once (OLMoE's q/k norm;
+    Qwen3's is per head): y = w * x / sqrt(mean over all n*d values of x^2 + eps).
+
+    Under TP a rank holds the heads of its query groups, a contiguous slice of the projection, so
+    the weight is split with them (each rank owns its slice: nothing to sum after backward) and
+    the statistic is the sum of the ranks' partial sums of squares
+    (``sum_over_tensor_model_parallel_region``: all-reduced forward and backward). Input
+    [..., groups, heads, d] of this rank; statistics in fp32, as HF's OLMoE."""
+
+    def __init__(self, size: int, eps: float, tp_group=None, params_dtype=torch.float32,
+                 device=None):
+        super().__init__()
+        tp = C.group_size(tp_group)
+        self.size, self.eps, self.tp_group = size, eps, tp_group  # size: all ranks' values
+        self.weight = nn.Parameter(torch.empty(size // tp, dtype=params_dtype, device=device))
+        # split at any TP (as the linears): the converter reads the split off a tp=1 model
+        set_param_meta(self.weight, init_method=("ones",), tp_split=True, partition_dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.flatten(-3).float()
+        squares = sum_over_tensor_model_parallel_region(
+            flat.square().sum(-1, keepdim=True), self.tp_group)
+        y = flat * torch.rsqrt(squares / self.size + self.eps)
+        return (self.weight * y.to(x.dtype)).view_as(x)
 
 
 def build_norm(config, sequence_parallel: bool, params_dtype, device=None) -> nn.Module:

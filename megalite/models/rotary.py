@@ -112,6 +112,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [s, b, n, d] -> x * cos + rotate_half(x) * sin."""
+    """x: [s, b, n, d] -> x * cos + rotate_half(x) * sin. Tables narrower than d (partial RoPE,
+    --rotary-percent) rotate the first dims of each head; the rest pass through (as Megatron and
+    HF's GLM-4.5)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :r], cos, sin_signed), x[..., r:]], dim=-1)
     swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
     return torch.addcmul(x * cos, swapped, sin_signed)

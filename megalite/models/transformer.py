@@ -24,7 +24,7 @@ from megalite.compiled import compile_or_eager
 from megalite.config import ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
-from megalite.models.norms import RMSNorm, build_norm
+from megalite.models.norms import ProjectionRMSNorm, RMSNorm, build_norm
 from megalite.models.mla import MultiLatentQKV, softmax_scale
 from megalite.models.rotary import apply_rotary, rotary_embedding
 from megalite.moe.layer import MoEGroups, MoELayer
@@ -131,14 +131,18 @@ class SelfAttention(nn.Module):
             config.num_attention_heads * v_dim, config.hidden_size, bias=config.add_bias_linear,
             input_is_parallel=True, tp_group=tp_group, sequence_parallel=sp, init_std=out_std,
             params_dtype=dtype, device=device)
-        rope_dim = d if self.mla is None else config.qk_pos_emb_head_dim
+        rope_dim = config.rotary_dim if self.mla is None else config.qk_pos_emb_head_dim
         self.rotary = (rotary_embedding(config, rope_dim)
                        if config.position_embedding_type == "rope" else None)
         self.softmax_scale = None if self.mla is None else softmax_scale(config)  # None: 1/sqrt(d)
         self.selective_recompute = config.recompute_granularity == "selective"
         self.window = config.attention_window(layer_number)
         self.q_layernorm = self.k_layernorm = None
-        if config.qk_layernorm:
+        if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # OLMoE
+            self.q_layernorm, self.k_layernorm = (
+                ProjectionRMSNorm(n * d, config.norm_epsilon, tp_group, dtype, device)
+                for n in (config.num_attention_heads, config.num_query_groups))
+        elif config.qk_layernorm:
             # One [d] weight shared by all heads, so replicated over TP. Each TP rank applies it
             # to different heads, so its gradient is a partial sum: like SP's norms, it is summed
             # over TP after backward (finalize_model_grads), with or without SP.
@@ -181,7 +185,7 @@ class SelfAttention(nn.Module):
         d, g, hpg = self.head_dim, self.num_groups_local, self.heads_per_group
         qkv = qkv.view(s, b, g, hpg + 2, d)
         qk, v = qkv.split([hpg + 1, 1], dim=3)
-        if self.q_layernorm is not None:  # Qwen3: per-head RMSNorm of q and k, before RoPE
+        if self.q_layernorm is not None:  # Qwen3 per head, OLMoE per projection; before RoPE
             q, k = qk.split([hpg, 1], dim=3)
             qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=3)
         if self.rotary is not None:  # q and k rotated together: one pass over both

@@ -166,7 +166,7 @@ class MoELayer(nn.Module):
         probs, routing_map = R.route(
             logits, self.topk, c.moe_router_score_function, c.moe_router_pre_softmax,
             c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor,
-            self.expert_bias, c.moe_router_group_score)
+            self.expert_bias, c.moe_router_group_score, c.moe_router_norm_topk_prob)
         cap = self._capacity(tokens.shape[0])
         if cap is not None:
             probs, routing_map = R.drop_over_capacity(probs, routing_map, cap,

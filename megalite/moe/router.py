@@ -51,7 +51,7 @@ def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
     """
     logits = logits.float()  # routing decisions and gates in fp32 whatever the model's dtype
     check_routing(logits.shape[-1], topk, score_function, pre_softmax, num_groups, group_topk,
-                  group_score, expert_bias is not None)
+                  group_score, expert_bias is not None, normalize)
     if score_function == "softmax":
         scores = logits.softmax(-1) if pre_softmax else logits
     else:

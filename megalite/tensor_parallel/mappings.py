@@ -128,3 +128,8 @@ gather_from_sequence_parallel_region = _op(_pair(  # g (SP)
     "_GatherFromSequenceParallelRegion", gather_first_dim, reduce_scatter_first_dim))
 reduce_scatter_to_sequence_parallel_region = _op(_pair(  # ḡ (SP)
     "_ReduceScatterToSequenceParallelRegion", reduce_scatter_first_dim, gather_first_dim))
+# A sum of per-rank partials that every rank then uses (OLMoE's q/k norm statistic over heads
+# split by TP, models/norms.py): all-reduce forward; each rank's gradient is one term of the
+# sum's, so all-reduce backward too. The forward reduces a copy: its input stays as computed.
+sum_over_tensor_model_parallel_region = _op(_pair(
+    "_SumOverRegion", lambda x, group: _all_reduce(x.clone(), group), _all_reduce))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Convert checkpoints: Hugging Face <-> megalite, and reshard megalite to any TP/PP/DP layout.
 
-  hf-to-megalite   a local HF GPT-2 / Llama / Qwen2 / Qwen3 / Mistral directory -> megalite
-                   checkpoint (docs/models.md lists the families and what is refused)
+  hf-to-megalite   a local HF GPT-2 / Llama / Qwen2 / Qwen3 / Mistral / Mixtral / Qwen2-MoE /
+                   Qwen3-MoE / OLMoE / GLM-4.5 directory -> megalite checkpoint (docs/models.md
+                   lists the families and what is refused)
   megalite-to-hf   a megalite checkpoint (any layout) -> a directory AutoModelForCausalLM loads
   reshard          a megalite checkpoint -> the same training state for another layout
 
@@ -78,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog="example:\n  " + EXAMPLES[name],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    p = add("hf-to-megalite", "import a local Hugging Face GPT-2, Llama, Qwen2, Qwen3 or "
-                              "Mistral model (safetensors, "
+    p = add("hf-to-megalite", "import a local Hugging Face GPT-2, Llama, Qwen2, Qwen3, "
+                              "Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE or GLM-4.5 "
+                              "(glm4_moe) model (safetensors, "
                               "sharded or not, or pytorch_model.bin) as a megalite checkpoint at "
                               "iteration 0 (with its tokenizer in SAVE/tokenizer)")
     p.add_argument("--hf-dir", required=True, help="directory with config.json and weights")

@@ -1,0 +1,361 @@
+"""The mixture-of-experts families through Hugging Face conversion (megalite/convert/hf.py):
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5 (docs/models.md).
+
+Each family is a tiny random HF model built here (3 layers, 4-8 experts, hidden 32; nothing is
+downloaded), every parameter and the GLM correction bias re-drawn with a large std so that a
+misplaced, transposed or dropped tensor moves the logits far beyond the tolerance. Checked: logits
+and the loss's gradients against HF's, the round trip to HF's hub files bit for bit, the export
+loading as its own class with the same config, the layer-pattern mapping, every refusal, and one
+world of two processes where imported models train at EP2 and at TP2+SP x EP2 with one process's
+losses and grad norms.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.config import ConfigError, ModelConfig
+from megalite.convert import (
+    from_hf,
+    hf_config_to_model_config,
+    hf_to_megalite_state_dict,
+    megalite_to_hf_state_dict,
+    model_config_to_hf_config,
+    to_hf,
+)
+from megalite.convert.hf import _hf_moe_pattern, _hf_pattern_fields, hf_architecture
+from megalite.models import GPTModel
+from megalite.parallel_state import ParallelState
+
+VOCAB, SEQ, TOL = 100, 16, 1e-4
+BASE = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=SEQ, rms_norm_eps=1e-5, bos_token_id=None,
+            eos_token_id=None, pad_token_id=None, attn_implementation="sdpa",
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+GLM = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+           intermediate_size=48, num_nextn_predict_layers=0)
+# name -> (HF class prefix, config). Between them: every routing rule, each layer pattern, the
+# shared experts, both q/k norms, the biases, partial RoPE, tied and untied embeddings.
+CASES = {
+    # softmax top-2, renormalised (megalite: a softmax over the chosen logits); all layers MoE
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24,
+                                head_dim=8)),
+    # decoder_sparse_step 2: only layer 1 is MoE ((i + 1) % 2 == 0), layers 0 and 2 dense and
+    # wider; a sigmoid-gated shared expert; q/k/v bias; the plain top-k of the softmax
+    "qwen2_moe": ("Qwen2Moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                   shared_expert_intermediate_size=40, intermediate_size=48,
+                                   decoder_sparse_step=2)),
+    # mlp_only_layers [0]; per-head q/k norm; renormalised gates over 8 experts; tied
+    "qwen3_moe": ("Qwen3Moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                                   intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0],
+                                   tie_word_embeddings=True)),
+    # q/k norm over the whole projections
+    "olmoe": ("Olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=24)),
+    # one dense first layer of its own width; sigmoid scores, the correction bias, 4 groups scored
+    # by their top-2 of which 2 are kept, gates renormalised and scaled by 2.5; two shared experts;
+    # partial RoPE; q/k/v bias; per-head q/k norm
+    "glm4_moe": ("Glm4Moe", dict(GLM, n_group=4, topk_group=2, first_k_dense_replace=1,
+                                 attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.5,
+                                 n_shared_experts=2, rope_parameters=dict(
+                                     BASE["rope_parameters"], partial_rotary_factor=0.5))),
+    # sigmoid gates kept raw (norm_topk_prob false), no groups, two dense layers
+    "glm4_moe_raw_gates": ("Glm4Moe", dict(GLM, norm_topk_prob=False, first_k_dense_replace=2)),
+}
+
+
+def make_hf(case: str, seed: int = 0, vocab: int = VOCAB):
+    import transformers
+
+    prefix, extra = CASES[case]
+    torch.manual_seed(seed)
+    # a copy: HF's configs write their defaults into the rope_parameters dict they are given
+    config = getattr(transformers, prefix + "Config")(
+        **copy.deepcopy({**BASE, "vocab_size": vocab, **extra}))
+    model = getattr(transformers, prefix + "ForCausalLM")(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer, but it steers the choice
+                b.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def tokens(seed: int = 1, b: int = 2):
+    return torch.randint(0, VOCAB, (b, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def max_abs(a, b) -> float:
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    return (a - b).abs().max().item()
+
+
+# ------------------------------------------------------------------- logits and gradients vs HF
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_and_gradients_match_hf(case):
+    """Forward (eval) logits within 1e-4 of HF's, then the training loss and every gradient:
+    HF's gradients, named as its parameters, go through the same conversion as the weights."""
+    hf = make_hf(case)
+    ml = from_hf(hf, make_vocab_size_divisible_by=8)
+    ids = tokens()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ml(ids)
+    assert ref.abs().max().item() > 1.0  # the comparison is not between near-zero logits
+    assert max_abs(got, ref) <= TOL, case
+
+    ml.train()
+    labels = tokens(seed=2)
+    loss = ml(ids, labels).mean()
+    loss.backward()
+    hf_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten())
+    hf_loss.backward()
+    assert abs(loss.item() - hf_loss.item()) <= TOL
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers()
+                  if n.endswith("e_score_correction_bias")})  # not trained by gradient
+    want = hf_to_megalite_state_dict(grads, ml.config)
+    for name, p in ml.named_parameters():
+        scale = max(want[name].norm().item(), 1e-6)
+        assert p.grad is not None and max_abs(p.grad, want[name]) <= 1e-4 * scale, name
+    moe = [m for m in ml.modules() if type(m).__name__ == "MoELayer"]
+    assert moe and all(m.router.grad.abs().sum() > 0 for m in moe)  # the router learns
+
+
+def test_group_rule_and_raw_sigmoid_gates_change_the_logits():
+    """The parity above is not vacuous: Megatron's group score, or renormalised sigmoid gates,
+    give other logits than HF's GLM-4.5 rules."""
+    ids = tokens()
+    for case, field, other in [("glm4_moe", "moe_router_group_score", "topk_sum"),
+                               ("glm4_moe_raw_gates", "moe_router_norm_topk_prob", True)]:
+        hf = make_hf(case)
+        assert getattr(from_hf(hf).config, field) != other
+        with torch.no_grad():
+            assert max_abs(from_hf(hf, **{field: other})(ids), hf(ids).logits) > 1e-2, case
+
+
+# ------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("case", list(CASES))
+def test_round_trip_and_export_are_bit_identical(case, tmp_path):
+    """HF's hub files (per-expert tensors, as save_pretrained writes them) -> megalite -> HF: the
+    same tensors bit for bit; the in-memory stacked experts read the same. Then to_hf's directory
+    loads with AutoModelForCausalLM as its own class, with HF's config fields and state dict."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = make_hf(case)
+    hf.save_pretrained(tmp_path / "hf")
+    hub = load_file(tmp_path / "hf" / "model.safetensors")
+    cfg = hf_config_to_model_config(hf.config, make_vocab_size_divisible_by=8)
+    ml_sd = hf_to_megalite_state_dict(hub, cfg)
+    stacked = hf_to_megalite_state_dict(hf.state_dict(), cfg)
+    assert set(stacked) == set(ml_sd) and all(torch.equal(stacked[k], ml_sd[k]) for k in ml_sd)
+    back = megalite_to_hf_state_dict(ml_sd, cfg)
+    assert set(back) == set(hub) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    for k in back:
+        assert back[k].dtype == hub[k].dtype and torch.equal(back[k], hub[k]), k
+    GPTModel(cfg, ParallelState(), seed=None).load_state_dict(ml_sd, strict=True)
+
+    out = to_hf(from_hf(tmp_path / "hf"), tmp_path / "export")  # from the directory, this time
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert type(loaded) is type(hf)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref, got = hf.state_dict(), loaded.state_dict()
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    a, b = hf.config.to_dict(), loaded.config.to_dict()
+    differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    assert differ <= {"_name_or_path", "architectures", "dtype"}, {k: (a.get(k), b.get(k))
+                                                                   for k in differ}
+
+
+def test_mtp_layers_are_dropped_with_one_warning(tmp_path):
+    """GLM-4.5 hub files carry num_nextn_predict_layers multi-token-prediction layers after the
+    last one; HF drops them on load, and so does the import (a warning), from a state dict and
+    from a directory; none is exported."""
+    from safetensors.torch import load_file, save_file
+
+    from megalite.convert import checkpoint_tools as ct
+
+    hf = make_hf("glm4_moe")
+    hf.config.num_nextn_predict_layers = 1
+    hf.save_pretrained(tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    sd = load_file(weights)
+    sd["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # layer 3 of 3: the MTP layer
+    save_file(sd, weights, metadata={"format": "pt"})
+    cfg = hf_config_to_model_config(hf.config)
+    with pytest.warns(UserWarning, match="multi-token-prediction"):
+        hf_to_megalite_state_dict(sd, cfg)
+    with pytest.warns(UserWarning, match="multi-token-prediction"):
+        from_hf(tmp_path / "hf")
+    src = ct.HFSource(str(tmp_path / "hf"))  # the streaming reader: left out, not unused
+    assert src.dropped() == ["model.layers.3.eh_proj.weight"] and src.unused() != []
+    src.get([k for k in src.key_file if k not in src.dropped()], "all")
+    assert src.unused() == []
+    assert model_config_to_hf_config(cfg).num_nextn_predict_layers == 0
+
+
+# ------------------------------------------------------------------------- the layer pattern
+@pytest.mark.parametrize("hf_fields, freq", [
+    (dict(decoder_sparse_step=1, mlp_only_layers=[]), "1"),
+    (dict(decoder_sparse_step=2, mlp_only_layers=[]), "[0,1,0,1]"),  # Megatron's 2 is [1,0,1,0]
+    (dict(decoder_sparse_step=1, mlp_only_layers=[0, 3]), "[0,1,1,0]"),
+    (dict(decoder_sparse_step=2, mlp_only_layers=[1]), "[0,0,0,1]"),
+    (dict(first_k_dense_replace=1), "[0,1,1,1]"),
+])
+def test_hf_sparse_layers_map_through_the_list_pattern(hf_fields, freq):
+    from types import SimpleNamespace
+
+    from megalite.convert.hf import DEEPSEEK_MOE, FAMILIES, layer_freq_text
+
+    m = DEEPSEEK_MOE if "first_k_dense_replace" in hf_fields else FAMILIES["qwen3_moe"].moe
+    c = SimpleNamespace(num_hidden_layers=4, **hf_fields)
+    pattern = _hf_moe_pattern(c, m)
+    assert layer_freq_text(pattern) == freq
+    assert ModelConfig(num_layers=4, num_experts=4, moe_layer_freq=freq).moe_layer_pattern() \
+        == pattern
+    back = SimpleNamespace(num_hidden_layers=4, **_hf_pattern_fields(pattern, m, "X", freq))
+    assert _hf_moe_pattern(back, m) == pattern  # the export spells the same layers
+
+
+# ------------------------------------------------------------------------------- export choice
+def _llama_moe(**kw):
+    return ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_experts=4,
+                       moe_router_topk=2, position_embedding_type="rope", normalization="RMSNorm",
+                       swiglu=True, add_bias_linear=False, **kw)
+
+
+def test_a_model_trained_here_exports_as_the_first_family_that_holds_it():
+    assert hf_architecture(_llama_moe()) == "MixtralForCausalLM"
+    assert hf_architecture(_llama_moe(moe_shared_expert_intermediate_size=16,
+                                      moe_shared_expert_gate=True)) == "Qwen2MoeForCausalLM"
+    assert hf_architecture(_llama_moe(moe_layer_freq="[0,1]", qk_layernorm=True)) \
+        == "Qwen3MoeForCausalLM"
+    assert hf_architecture(_llama_moe(qk_layernorm=True, qk_layernorm_scope="projection")) \
+        == "OlmoeForCausalLM"
+    glm = _llama_moe(moe_layer_freq="[0,1]", moe_router_score_function="sigmoid",
+                     moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=48,
+                     moe_ffn_hidden_size=24, rotary_percent=0.5)
+    assert hf_architecture(glm) == "Glm4MoeForCausalLM"
+    assert model_config_to_hf_config(glm).n_shared_experts == 2
+
+
+@pytest.mark.parametrize("kw, match", [
+    # sigmoid routing without the correction bias: GLM-4.5 always has one
+    (dict(moe_router_score_function="sigmoid"), "no Hugging Face architecture holds"),
+    # a softmax router and a dense first layer, but no family has per-projection q/k norms there
+    (dict(moe_layer_freq="[0,1]", qk_layernorm=True, qk_layernorm_scope="projection"),
+     "OlmoeForCausalLM makes every layer MoE"),
+    (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+          moe_shared_expert_intermediate_size=20, moe_ffn_hidden_size=8),
+     "not a multiple of --moe-ffn-hidden-size 8"),
+])
+def test_export_refuses_models_no_moe_family_holds(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        hf_architecture(_llama_moe(**kw))
+
+
+def test_export_refuses_a_change_the_recorded_class_cannot_hold():
+    cfg = hf_config_to_model_config(make_hf("glm4_moe").config)
+    cfg.moe_layer_freq = "[1,0,1]"  # dense in the middle: not first_k_dense_replace
+    with pytest.raises(ConfigError, match="cannot be exported as Glm4MoeForCausalLM, which it was "
+                                          "imported from: .*first_k_dense_replace"):
+        hf_architecture(cfg)
+
+
+# -------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("case, change, match", [
+    ("mixtral", dict(router_jitter_noise=0.1), "mixtral router_jitter_noise=0.1 is not supp"),
+    ("olmoe", dict(clip_qkv=8.0), "olmoe clip_qkv=8.0 is not supported"),
+    ("qwen2_moe", dict(use_sliding_window=True), "qwen2_moe use_sliding_window=True"),
+    ("qwen3_moe", dict(attention_bias=True), r"qwen3_moe attention_bias=True .*o_proj"),
+    ("olmoe", dict(head_dim=4), "olmoe head_dim=4 must be hidden_size / num_attention_heads"),
+    ("qwen3_moe", dict(rope_parameters=dict(BASE["rope_parameters"], partial_rotary_factor=0.5)),
+     "qwen3_moe partial_rotary_factor=0.5 is not supported"),
+    ("glm4_moe", dict(n_shared_experts=0), "glm4_moe n_shared_experts=0 is not supported"),
+    ("glm4_moe", dict(num_experts_per_tok=1), "num_experts_per_tok=1 with norm_topk_prob"),
+    ("qwen3_moe", dict(num_experts=0), "qwen3_moe num_experts=0"),
+])
+def test_unsupported_hf_fields_are_one_line_errors(case, change, match):
+    import transformers
+
+    prefix, extra = CASES[case]
+    config = getattr(transformers, prefix + "Config")(
+        **copy.deepcopy({**BASE, "vocab_size": VOCAB, **extra}))
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(ConfigError, match=match) as e:
+        hf_config_to_model_config(config)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(moe_router_norm_topk_prob=False), "--no-moe-router-norm-topk-prob needs "
+                                            "--moe-router-score-function sigmoid"),
+    (dict(qk_layernorm_scope="projection"), "--qk-layernorm-scope projection needs "
+                                            "--qk-layernorm"),
+    (dict(rotary_percent=0.3), "--rotary-percent must be in"),  # 3 of 10 dims: not pairs
+    (dict(rotary_percent=1.5), "--rotary-percent must be in"),
+])
+def test_new_flags_are_checked(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        _llama_moe(kv_channels=10, **kw).validate()
+
+
+def test_new_flags_reach_the_model_config():
+    from megalite.arguments import parse_args
+
+    m = parse_args(["--rotary-percent", "0.5", "--qk-layernorm", "--qk-layernorm-scope",
+                    "projection", "--num-experts", "4", "--moe-router-score-function", "sigmoid",
+                    "--no-moe-router-norm-topk-prob", "--position-embedding-type", "rope"]).model
+    assert (m.rotary_percent, m.rotary_dim, m.qk_layernorm_scope) == (0.5, 32, "projection")
+    assert m.moe_router_norm_topk_prob is False
+
+
+# -------------------------------------------------------- training in parallel = one process
+def _checkpoint(case, tmp_path, tp: int):
+    from megalite.convert import checkpoint_tools as ct
+    from megalite.convert.layout import Layout
+
+    hf = make_hf(case, vocab=300)  # pretrain_utils.TINY's vocabulary: NullTokenizer's ids
+    hf.save_pretrained(tmp_path / f"{case}_hf")
+    out = tmp_path / f"{case}_tp{tp}"
+    ct.hf_to_megalite(str(tmp_path / f"{case}_hf"), str(out), Layout(tp, 1))
+    args = json.loads((out / "iter_0000000" / "args.json").read_text())
+    assert args["model"]["hf_architecture"] == type(hf).__name__
+    return out
+
+
+def test_imported_moe_models_train_in_parallel_as_on_one_process(tmp_path):
+    """Imported checkpoints trained by pretrain.py with --use-checkpoint-args, 3 steps: Qwen3-MoE
+    at EP2, and OLMoE (its q/k norm statistic summed over TP) at TP2 + SP x EP2, in one world of
+    two processes, give one process's losses and grad norms."""
+    from dist_utils import run_distributed
+    from pretrain_utils import flags, pretrain_cases, read_metrics, run_main
+
+    # --num-experts: the command line's own model must admit EP before args.json replaces it
+    def argv(ckpt, name, *layout):
+        return flags("--load", ckpt, "--use-checkpoint-args", "--tokenizer-type",
+                     "NullTokenizer", "--num-experts", "4", "--eval-iters", "0", *layout,
+                     train_iters=3, metrics_file=tmp_path / f"{name}.jsonl")
+
+    ep2 = ["--expert-model-parallel-size", "2"]
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "--expert-tensor-parallel-size", "1"]
+    qwen3, olmoe = _checkpoint("qwen3_moe", tmp_path, 1), _checkpoint("olmoe", tmp_path, 1)
+    runs = [argv(qwen3, "qwen3_ep2", *ep2),
+            argv(_checkpoint("olmoe", tmp_path, 2), "olmoe_tp2_sp_ep2", *ep2, *tp2)]
+    assert all(run_distributed(pretrain_cases, 2, runs, timeout=300))
+    for ckpt, name in ((qwen3, "qwen3"), (olmoe, "olmoe")):
+        assert run_main(argv(ckpt, name)) == 0
+    for one, many in (("qwen3", "qwen3_ep2"), ("olmoe", "olmoe_tp2_sp_ep2")):
+        ref, got = (read_metrics(tmp_path / f"{n}.jsonl") for n in (one, many))
+        assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == [1, 2, 3]
+        for a, b in zip(ref, got):
+            for key in ("lm_loss", "grad_norm"):
+                assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (many, a["iteration"], key,
+                                                                   b[key], a[key])
+        assert len({r["lm_loss"] for r in ref}) == 3  # the model trains
