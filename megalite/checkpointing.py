@@ -27,19 +27,24 @@ re-split); otherwise DP rank 0 saves it inside model_optim_rng.pt. ZeRO-3 model 
 of every stage has the same full per-(tp, pp) format (docs/zero3.md, "Checkpoints").
 
 Experts: a layer whose experts are split over EP ranks is saved by global expert index, its
-[E_local, ...] tensors (weights, optimizer moments, fp32 masters) all-gathered over the EP group
-into the [E, ...] tensors an EP-1 run saves, so the files do not depend on the EP size; a load
-keeps this rank's [offset, offset + E_local) of them (docs/checkpoints.md, "Experts").
+[E_local, ...] tensors (weights; with the plain optimizer its moments and fp32 masters)
+all-gathered over the EP group into the [E, ...] tensors an EP-1 run saves, so the model file does
+not depend on the EP size; a load keeps this rank's [offset, offset + E_local) of them. ZeRO 1-3
+files stay per DP rank, their expert shards marked with the rank's place in the expert grid; at
+another layout the stage's files are merged, experts by global index
+(``optimizer.merge_shard_state_dicts``), and the same slice is kept (docs/checkpoints.md,
+"Experts").
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import replace
 from itertools import chain
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,8 +58,10 @@ from megalite.config import (
     model_shape_differences,
 )
 from megalite.moe.layer import MoELayer
-from megalite.param_meta import param_meta
+from megalite.optimizer.optimizer import FULL_FORMAT, merge_shard_state_dicts
+from megalite.param_meta import ParamMeta, param_meta
 from megalite.tensor_parallel.random import get_all_rng_states
+from megalite.tensor_parallel.utils import shard_tensor
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -213,28 +220,37 @@ def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
 
 
 class _Expert(NamedTuple):
-    """One expert tensor of a layer that splits its experts over EP ranks."""
+    """One expert tensor of a MoE layer."""
     chunk: int
     key: str  # in the chunk's state_dict
     param: torch.nn.Parameter
+    shape: Tuple[int, ...]  # this rank's [E_local, ...] (a ZeRO-3 parameter's data is a stand-in)
     first: int  # global index of its first expert
     total: int  # E
     group: object  # the EP group that holds the other E - E_local
 
 
-def _split_experts(model_chunks) -> list:
+def _experts_of(model_chunks) -> list:
+    """Every expert tensor of every MoE layer on this rank."""
     out = []
     for i, chunk in enumerate(model_chunks):
-        module = getattr(chunk, "module", chunk)  # a DDP wrapper's state_dict is its module's
+        module = getattr(chunk, "module", chunk)  # a DDP / ZeRO-3 wrapper's keys are its module's
+        shapes = {n: tuple(s) for u in getattr(chunk, "units", ()) for n, s in zip(u.names,
+                                                                                  u.shapes)}
         for prefix, m in module.named_modules():
-            if not isinstance(m, MoELayer) or m.num_local_experts == m.num_experts:
+            if not isinstance(m, MoELayer):
                 continue
-            total = m.num_experts
             for name, p in m.named_parameters(recurse=False):
                 if param_meta(p).expert:
-                    out.append(_Expert(i, f"{prefix}.{name}" if prefix else name, p,
-                                       m.local_expert_offset, total, m.ep_group))
+                    key = f"{prefix}.{name}" if prefix else name
+                    out.append(_Expert(i, key, p, shapes.get(key, tuple(p.shape)),
+                                       m.local_expert_offset, m.num_experts, m.ep_group))
     return out
+
+
+def _split_experts(model_chunks) -> list:
+    """The expert tensors of layers that split their experts over EP ranks (E_local < E)."""
+    return [e for e in _experts_of(model_chunks) if e.shape[0] != e.total]
 
 
 def _optimizer_slots(optimizer, experts):
@@ -256,6 +272,10 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
     the optimizer's moments and fp32 masters), all-gathered over each layer's EP group one tensor
     at a time; the writers (DP x CP rank 0) keep them, the other ranks only take part.
 
+    A ZeRO-3 chunk holds 1/EDP of its expert weights: each rank first all-gathers its expert
+    units over EDP (its EP rank's [E_local, ...], kept until its own gathers are done: every rank
+    is some writer's EP peer), which its ZeRO-3 consolidation gathered only for DP rank 0.
+
     The ranks of an EP group run the same gathers in the same order (the group lies inside one
     pipeline stage, whose ranks hold the same layers); a pre-check as ZeRO-3's, agreed by every
     rank of the world, makes a rank that could not allocate them stop every rank instead of
@@ -263,33 +283,49 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
     if ps.ep_size == 1:  # (every rank of the world has the same EP size)
         return {}
     experts = _split_experts(model_chunks)  # none on a stage of dense layers: it still agrees
-    jobs = [(("model", e.chunk, e.key), e.param, e.group) for e in experts]
+    zero3 = {i for i, c in enumerate(model_chunks) if getattr(c, "zero_stage", 0) == 3}
+    units = [(i, model_chunks[i], u) for i in sorted(zero3) for u in model_chunks[i].units
+             if u.expert]
+    local = {}  # (chunk, key) -> a ZeRO-3 expert weight at [E_local, ...], filled below
+    # (where, this rank's tensor, its shape and dtype, group); tensors are fetched when gathered
+    jobs = [(("model", e.chunk, e.key),
+             (lambda e=e: local[(e.chunk, e.key)]) if e.chunk in zero3 else (lambda e=e: e.param),
+             e.shape, e.param.dtype, e.group) for e in experts]
     if with_optim:
         for e, i, j, m in _optimizer_slots(optimizer, experts):
             st = optimizer.inner.state.get(m, {})
-            jobs += [(("state", j, k), st[k], e.group) for k in sorted(st)
-                     if torch.is_tensor(st[k]) and st[k].shape == m.shape]
+            jobs += [(("state", j, k), lambda t=st[k]: t, st[k].shape, st[k].dtype, e.group)
+                     for k in sorted(st) if torch.is_tensor(st[k]) and st[k].shape == m.shape]
             if m is not e.param:  # a 16-bit model's fp32 master
-                jobs.append((("master", i), m, e.group))
+                jobs.append((("master", i), lambda m=m: m, m.shape, m.dtype, e.group))
     keep = ps.dp_cp_rank == 0
 
-    def full_like(t, group):
-        return t.new_empty((t.shape[0] * C.group_size(group),) + tuple(t.shape[1:]))
+    def full_of(shape, dtype, group):
+        return torch.empty((shape[0] * C.group_size(group),) + tuple(shape[1:]), dtype=dtype,
+                           device=ps.device)
 
     def precheck():
         if fault_hook is not None:
             fault_hook("before_expert_gather", tmp)
+        probe = [torch.empty(u.padded, dtype=u.main.dtype, device=u.device) for _, _, u in units]
         if jobs:
-            probe = [full_like(t, g) for _, t, g in jobs] if keep else \
-                [full_like(*max(((t, g) for _, t, g in jobs), key=lambda j: j[0].nbytes))]
-            del probe
+            fulls = [j[2:] for j in jobs]
+            probe += [full_of(*f) for f in fulls] if keep else [full_of(*max(
+                fulls, key=lambda f: math.prod(f[0]) * torch.empty((), dtype=f[1]).element_size()))]
+        del probe
 
     _agree_on_save(ps, _attempt(precheck), iteration, tmp)
     out = {}
     with torch.no_grad():
-        for where, t, group in jobs:
-            full = full_like(t, group)
-            C.all_gather_into_tensor(full, t.detach(), group=group, tag="checkpoint_experts")
+        for i, chunk, u in units:
+            flat = chunk.gather_flat(u, u.main)
+            local.update({(i, k): v.to(chunk.compute_dtype)
+                          for k, v in chunk.split_flat(u, flat).items()})
+            del flat
+        for where, tensor, shape, dtype, group in jobs:
+            full = full_of(shape, dtype, group)
+            C.all_gather_into_tensor(full, tensor().detach().contiguous(), group=group,
+                                     tag="checkpoint_experts")
             if keep:
                 out[where] = full
     return {"model": {w: t for w, t in out.items() if w[0] == "model"},
@@ -308,26 +344,44 @@ def _with_full_experts(sd: dict, experts: dict) -> dict:
     return sd
 
 
-def _keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optimizer) -> None:
-    """On load, in place: this rank's [first, first + E_local) of every saved [E, ...] tensor."""
-    experts = _split_experts(model_chunks)
+def _keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optimizer,
+                        ps) -> None:
+    """On load, in place: this rank's [first, first + E_local) of every saved [E, ...] tensor of
+    the model and the optimizer (the plain optimizer's state, or a ZeRO optimizer's merged
+    FULL_FORMAT one, whose experts are also whole over ETP: this rank's ETP slice is cut by the
+    parameter's own partition dim)."""
+    experts = _experts_of(model_chunks)
     if not experts:
         return
 
-    def local(t, e, what):
+    def local(t, e, what, etp: bool = False):
         if t.shape[0] != e.total:
             raise CheckpointError(f"{what} holds {t.shape[0]} experts along dim 0, this model "
                                   f"{e.total} (a checkpoint of this model stores all of them)")
-        return t.narrow(0, e.first, e.param.shape[0]).clone()
+        t = t.narrow(0, e.first, e.shape[0])
+        m = param_meta(e.param)
+        if etp and m.tp_split:
+            t = shard_tensor(t, m.partition_dim, ps.etp_rank, ps.etp_size, m.partition_stride)
+        return t.clone()
 
-    for e in experts:
+    split = [e for e in experts if e.shape[0] != e.total]
+    for e in split:
         sd = state.get(_chunk_key(e.chunk, len(model_chunks)), {})
         if e.key in sd:  # a missing key is reported by load_state_dict
             sd[e.key] = local(sd[e.key], e, e.key)
     if opt_sd is None:
         return
+    if opt_sd.get("format") == FULL_FORMAT:
+        names = {id(p): n for n, p in optimizer.param_names.items()}
+        params = opt_sd["params"]
+        for e in experts:
+            name = names.get(id(e.param))
+            if name in params and (e.shape[0] != e.total or param_meta(e.param).tp_split):
+                params[name] = {k: local(v, e, f"the optimizer's {k} of {name}", etp=True)
+                                for k, v in params[name].items()}
+        return
     packed, masters = opt_sd["optimizer"]["state"], opt_sd.get("fp32_master_params")
-    for e, i, j, m in _optimizer_slots(optimizer, experts):
+    for e, i, j, m in _optimizer_slots(optimizer, split):
         st = packed.get(j, {})
         for k, v in st.items():
             if torch.is_tensor(v) and v.dim() == m.dim():
@@ -510,22 +564,10 @@ def _agree_on_errors(ps, error: Optional[BaseException]) -> None:
         raise CheckpointError("loading the checkpoint failed on another rank (see its message)")
 
 
-def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> dict:
-    """This DP rank's ZeRO optimizer shard; if it was saved at another DP size (or bucket layout),
-    every DP rank's file merged into the unsharded state, which the optimizer's load_state_dict
-    re-splits for this layout (docs/data_parallel.md, "resharding")."""
-    own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
-    fits = getattr(optimizer, "shard_fits", None)
-    if os.path.exists(own):
-        sd = _load_file(own, what)
-        if fits is None or fits(sd):
-            return sd
-    elif fits is None:
-        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_cp_rank)} (saved with fewer "
-                              f"data-parallel ranks); resume with the same data-parallel size")
+def _load_dp_files(shard: str, what: str) -> List[dict]:
+    """Every DP rank's ZeRO optimizer file of one (TP, PP) directory, each once, or a one-line
+    error naming the file that is missing."""
     import glob
-
-    from megalite.optimizer.optimizer import merge_shard_state_dicts
 
     files = sorted(glob.glob(os.path.join(shard, "distrib_optim_dp*.pt")))
     if not files:
@@ -538,8 +580,35 @@ def _load_dp_sharded_optimizer_state(shard: str, optimizer, ps, what: str) -> di
     if gone:  # a file of the saving DP group is missing: name it, not the merge that fails
         raise CheckpointError(f"{what}: {os.path.join(shard, gone[0])} is missing (incomplete "
                               f"checkpoint)")
+    return sds
+
+
+def _load_dp_sharded_optimizer_state(it_dir: str, optimizer, ps, what: str) -> dict:
+    """This DP rank's ZeRO optimizer shard; if it was saved at another DP size (or bucket layout,
+    ZeRO stage, EP size), every DP rank's file merged into the unsharded state
+    (``optimizer.merge_shard_state_dicts``), which the optimizer's load_state_dict re-splits for
+    this layout (docs/data_parallel.md, "resharding"). Files that shard experts over an
+    expert-data-parallel group bring the stage's other TP ranks' files along: that group can
+    span them."""
+    shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
+    own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
+    fits = getattr(optimizer, "shard_fits", None)
+    if os.path.exists(own):
+        sd = _load_file(own, what)
+        if fits is None or fits(sd):
+            return sd
+    elif fits is None:
+        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_cp_rank)} (saved with fewer "
+                              f"data-parallel ranks); resume with the same data-parallel size")
+    sds = _load_dp_files(shard, what)
+    stage = []
+    if "edp_size" in sds[0] and ps.tp_size > 1:
+        for t in range(ps.tp_size):
+            other = os.path.join(it_dir, shard_dir_name(t, ps.pp_rank))
+            stage += sds if t == ps.tp_rank else _load_dp_files(other, what)
+    metas = {n: param_meta(p) for n, p in getattr(optimizer, "param_names", {}).items()}
     try:
-        return merge_shard_state_dicts(sds)
+        return merge_shard_state_dicts(sds, stage, lambda n: metas.get(n, ParamMeta()))
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{what}: the distrib_optim_dp*.pt files in {shard} do not fit this "
                               f"optimizer ({e}); resume with the --zero-stage that saved them, "
@@ -616,7 +685,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                                       f"--no-save-optim); pass --no-load-optim or --finetune")
             if per_dp:
                 file = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
-                opt_sd = _load_dp_sharded_optimizer_state(shard, optimizer, ps, what)
+                opt_sd = _load_dp_sharded_optimizer_state(it_dir, optimizer, ps, what)
             elif "optimizer" not in state:
                 raise CheckpointError(
                     f"{what}: the optimizer state was saved per data-parallel rank (ZeRO); "
@@ -624,7 +693,9 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
             else:
                 opt_sd = state["optimizer"]
         file = os.path.join(shard, MODEL_FILE)
-        _keep_local_experts(state, None if per_dp else opt_sd, model_chunks, optimizer)
+        # (a ZeRO shard that fits this rank is its own already; a merged one holds all experts)
+        whole = opt_sd is not None and (not per_dp or opt_sd.get("format") == FULL_FORMAT)
+        _keep_local_experts(state, opt_sd if whole else None, model_chunks, optimizer, ps)
         for i, chunk in enumerate(model_chunks):
             key = _chunk_key(i, len(model_chunks))
             missing, unexpected = chunk.load_state_dict(state[key], strict=False)

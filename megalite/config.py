@@ -1214,11 +1214,6 @@ class MegaliteConfig(_Section):
                               f"checkpoints of experts split by tensor parallelism are not "
                               f"supported yet; pass --expert-tensor-parallel-size 1 to save or "
                               f"resume")
-        if ep > 1 and self.optimizer.zero_stage >= 1 and (ck.save or ck.load):
-            raise ConfigError(f"--zero-stage {self.optimizer.zero_stage} with "
-                              f"--expert-model-parallel-size {ep} and --save/--load: checkpoints "
-                              f"of expert state sharded over the expert-data-parallel group are "
-                              f"not supported yet; use --zero-stage 0 to save or resume")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

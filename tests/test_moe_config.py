@@ -249,8 +249,6 @@ def test_library_config_validates_like_the_cli():
      "--expert-tensor-parallel-size 2 with expert biases: pass --disable-bias-linear"),
     (["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--save", "x"],
      "--expert-tensor-parallel-size 2 with --save/--load"),
-    (["--expert-model-parallel-size", "2", "--zero-stage", "1", "--save", "x"],
-     "--zero-stage 1 with --expert-model-parallel-size 2 and --save/--load"),
 ])
 def test_what_moe_does_not_do_yet_is_refused_in_one_line(extra, needle):
     from megalite.arguments import parse_args

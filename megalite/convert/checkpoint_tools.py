@@ -67,7 +67,7 @@ from megalite.convert.layout import (
     ParamSpec,
     canonical_name,
     chunk_key,
-    chunk_specs,
+    chunk_state_specs,
     chunks_of,
     layer_of,
     layout_of_config,
@@ -85,13 +85,7 @@ from megalite.convert.optimizer_state import (
     read_plain,
     zero_common,
 )
-from megalite.optimizer.optimizer import (
-    ADAM_KINDS,
-    check_shard_set,
-    merge_pieces,
-    shard_pieces,
-    upgrade_shard,
-)
+from megalite.optimizer.optimizer import ADAM_KINDS, merge_shard_state_dicts, upgrade_shard
 from megalite.convert.sharding import (
     EMBEDDING_WEIGHT_NAME, full_state_dict, load_full_state_dict_into)
 
@@ -316,7 +310,8 @@ class MegaliteSource:
             return {}
         r, c = self.location(names[0])
         assert all(self.location(n) == (r, c) for n in names), names
-        specs = {s.name: s for s in chunk_specs(self.model_cfg, self.chunks[r][c], self.layout.pp)}
+        specs = {s.name: s for s in chunk_state_specs(self.model_cfg, self.chunks[r][c],
+                                                       self.layout.pp)}
         key = chunk_key(c, self.num_chunks)
         per_t: Dict[str, Dict[str, List[torch.Tensor]]] = {n: {} for n in names}
         for t in range(self.layout.tp):
@@ -334,8 +329,9 @@ class MegaliteSource:
                     raise ConversionError(f"{where}: {n} has shape {tuple(w.shape)}, args.json "
                                           f"implies {expect}")
                 per_t[n].setdefault("weight", []).append(w)
-            if with_optim:
-                self._read_optim(sd, t, r, c, names, specs, per_t)
+            if with_optim:  # (buffers have no optimizer state)
+                self._read_optim(sd, t, r, c, [n for n in names if not specs[n].buffer], specs,
+                                 per_t)
             # the state dict goes out of scope with this iteration: its file is unmapped once
             # the tensors copied out below are the only survivors
             del sd, model_sd
@@ -350,6 +346,8 @@ class MegaliteSource:
 
     def _read_optim(self, sd, t, r, c, names, specs, per_t) -> None:
         where = f"{self.what}: tp rank {t}, pp rank {r}"
+        if not names:
+            return
         if self.optim_kind is None:
             raise ConversionError(f"{self.what}: the checkpoint has no optimizer state (saved "
                                   f"with --no-save-optim); pass --no-optim")
@@ -363,12 +361,21 @@ class MegaliteSource:
                     per_t[n].setdefault(k, []).append(v)
             return
         sds = [self._load(self._dp_path(t, r, d)) for d in range(self.dp_size)]
-        # The files name each piece: the optimizers' own merge reads them (no layout rebuilt).
+        # Files that shard experts over an expert-data-parallel group (EP > 1) hold only some
+        # EP ranks' experts; that group can span TP ranks, so the stage's every file comes along.
+        stage = []
+        if "edp_size" in sds[0] and self.layout.tp > 1:
+            stage = [x for u in range(self.layout.tp) for x in (
+                sds if u == t else [self._load(self._dp_path(u, r, d))
+                                    for d in range(self.dp_size)])]
+        # The files name each piece: the checkpoint loader's own merge reads them (no layout
+        # rebuilt), experts by global index.
         key = (lambda n: n) if self.optim_kind == "zero3" or self.num_chunks == 1 else (
             lambda n: f"chunk{c}.{n}")
+        metas = {key(n): specs[n].meta for n in names}
         try:
-            merged = merge_pieces(shard_pieces(check_shard_set(sds)),
-                                  names=[key(n) for n in names])
+            merged = merge_shard_state_dicts(sds, stage, metas.__getitem__,
+                                             names=[key(n) for n in names])["params"]
         except (KeyError, ValueError) as e:
             raise OptimizerStateError(f"{where}: the distrib_optim_dp*.pt files cannot be merged "
                                       f"({e}); pass --no-optim")
@@ -381,7 +388,7 @@ class MegaliteSource:
                                           f"{expect}")
             for k in ADAM_KINDS:
                 per_t[n].setdefault(k, []).append(entry[k])
-        del sds
+        del sds, stage
 
 
 # ======================================================================== target writing
@@ -426,7 +433,7 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
             key = chunk_key(c, v)
             for f in files:
                 f[key] = {}
-            specs = chunk_specs(m, ch, layout.pp)
+            specs = chunk_state_specs(m, ch, layout.pp)
             for group in _groups(specs, lambda n: layer_of(n) is None and n.split(".")[0]):
                 full = read_group(group, with_optim)
                 for s in group:
@@ -436,11 +443,11 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                         raise ConversionError(f"{what}: {s.name} has shape "
                                               f"{tuple(w.shape)}, the model needs "
                                               f"{s.full_shape(m)}")
-                    if weight_dtype is not None:
+                    if weight_dtype is not None and not s.buffer:  # (buffers keep theirs)
                         w = w.to(weight_dtype)
                     for t in range(layout.tp):
                         files[t][key][s.name] = _own_storage(s.shard(w, m, t, layout.tp))
-                        if with_optim:
+                        if with_optim and not s.buffer:
                             local[t][s.name] = {
                                 k: (_own_storage(s.shard(x, m, t, layout.tp)) if x is not None
                                     else None)

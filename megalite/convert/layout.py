@@ -11,6 +11,13 @@ and its dtype.
 All of that is read off a ``GPTModel`` built on the ``meta`` device at tp=1 (no memory, no process
 group): the stage cuts come from ``pipeline_parallel.partition.virtual_layer_ranges``, the same
 function training uses, so the converter and the trainer cannot disagree on which layer is where.
+
+Mixture-of-experts layers are built at EP 1, as their checkpoints store them at any EP: every
+expert by its global index, ``[E, ...]``. Their TP split, like every parameter's, is the one its
+record declares (``tp_split``, ``partition_dim``, ``partition_stride``), never a rule of the
+converter's own. The state dict also holds persistent buffers (the MoE expert bias, ``[E]``),
+which no optimizer steps: they are listed apart (``chunk_state_specs``) and copied as they are
+to every TP rank (``ParamSpec.buffer``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import torch
 
 from megalite.config import (
     V_SCHEDULES,
-    ConfigError,
     MegaliteConfig,
     ModelConfig,
     layers_per_virtual_stage,
@@ -104,6 +110,7 @@ class ParamSpec:
     dtype: torch.dtype
     meta: ParamMeta  # the record the trainer's parameter carries (TP split, tied embedding)
     is_vocab: bool
+    buffer: bool = False  # a persistent buffer: replicated over TP, no optimizer state
 
     @property
     def decay(self) -> bool:
@@ -153,9 +160,10 @@ class ParamSpec:
 
 @lru_cache(maxsize=256)
 def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, int],
-                shared: bool) -> Tuple[tuple, tuple]:
-    """A chunk's parameters and its ZeRO-3 units (name, parameter names), read off a GPTModel
-    built on the meta device; the units come from distributed/zero3.py's own ``unit_plan``."""
+                shared: bool) -> Tuple[tuple, tuple, tuple]:
+    """A chunk's parameters, its state dict entries (parameters and persistent buffers, in
+    state_dict order) and its ZeRO-3 units (name, parameter names), read off a GPTModel built on
+    the meta device; the units come from distributed/zero3.py's own ``unit_plan``."""
     from megalite.distributed.zero3 import unit_plan
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
@@ -163,21 +171,19 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
     cfg = ModelConfig(**dict(cfg_key))
     model = GPTModel(cfg, ParallelState(), pre_process=pre, post_process=post,
                      layer_range=layer_range, seed=None, device="meta")
-    names = [n for n, _ in model.named_parameters()]
-    if list(model.state_dict().keys()) != names:
-        # The converter copies parameters only; a buffer in the state dict would be lost.
-        raise ConfigError("GPTModel's state dict holds entries that are not parameters; "
-                          "the checkpoint converter does not know how to reshard them")
-    specs = []
+    specs = {}
     for name, p in model.named_parameters():
         # build_model_chunks flags both copies of a tied embedding when pp > 1
         vocab = name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
         set_param_meta(p, tied_embedding=shared and vocab)
-        specs.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=p.dtype,
-                               meta=param_meta(p), is_vocab=vocab))
+        specs[name] = ParamSpec(name=name, shape=tuple(p.shape), dtype=p.dtype,
+                                meta=param_meta(p), is_vocab=vocab)
+    state = tuple(specs.get(name) or ParamSpec(name=name, shape=tuple(t.shape), dtype=t.dtype,
+                                               meta=ParamMeta(), is_vocab=False, buffer=True)
+                  for name, t in model.state_dict().items())
     units = tuple((unit, tuple(n for _, _, nps in uses for n, _ in nps))
                   for unit, uses in unit_plan(model))
-    return tuple(specs), units
+    return tuple(specs.values()), state, units
 
 
 def _chunk_key(cfg: ModelConfig, chunk: Chunk, pp: int) -> tuple:
@@ -186,14 +192,20 @@ def _chunk_key(cfg: ModelConfig, chunk: Chunk, pp: int) -> tuple:
 
 
 def chunk_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
-    """The parameters of ``chunk`` in registration order (= state_dict order)."""
+    """The parameters of ``chunk`` in registration order (the optimizers' order)."""
     return _meta_chunk(*_chunk_key(cfg, chunk, pp))[0]
+
+
+def chunk_state_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
+    """Every entry of ``chunk``'s state dict, in its order: the parameters and the persistent
+    buffers (``buffer``), which a checkpoint's model file holds too."""
+    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[1]
 
 
 def chunk_zero3_units(cfg: ModelConfig, chunk: Chunk, pp: int
                       ) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
     """``chunk``'s ZeRO-3 sharding units: (unit name, its parameter names in flat order)."""
-    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[1]
+    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[2]
 
 
 def layer_of(name: str) -> Optional[int]:

@@ -25,8 +25,8 @@ the moments belongs to the same slice of the parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -37,6 +37,7 @@ from megalite.convert.layout import Chunk, ParamSpec, chunk_specs, chunk_zero3_u
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE, params_by_dtype
 from megalite.distributed.param_and_grad_buffer import bucket_layout, packed
 from megalite.optimizer.optimizer import ADAM_KINDS, SHARD_FORMAT
+from megalite.param_meta import set_param_meta
 
 Getter = Callable[[str, str], Optional[torch.Tensor]]
 
@@ -198,6 +199,14 @@ def _per_rank_files(groups, dp: int, stage: int, common: OptimCommon,
     return out
 
 
+def _stand_in(spec: ParamSpec) -> torch.Tensor:
+    """What ddp.params_by_dtype reads of a parameter, its dtype and its record (an expert weight
+    gets a buffer of its own), on a tensor of no memory."""
+    t = torch.empty(0, dtype=spec.dtype, device="meta")
+    set_param_meta(t, **dataclasses.asdict(spec.meta))
+    return t
+
+
 def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int, get: Getter,
                common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
     """One ``DistributedOptimizer.state_dict()`` per DP rank for one (tp, pp) rank: chunk by
@@ -207,8 +216,8 @@ def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
     for ci, ch in enumerate(chunks):
         specs = {s.name: s for s in chunk_specs(cfg, ch, pp)}
         key = (lambda n: n) if len(chunks) == 1 else (lambda n, ci=ci: f"chunk{ci}.{n}")
-        for named in params_by_dtype(list(specs.items())):
-            info = [(n, s.numel(cfg, tp), s.meta.tied_embedding) for n, s in named]
+        for named in params_by_dtype([(n, _stand_in(s)) for n, s in specs.items()]):
+            info = [(n, specs[n].numel(cfg, tp), specs[n].meta.tied_embedding) for n, _ in named]
             for placed, padded in bucket_layout(info, size, dp):
                 slots = [(n, a, specs[n].numel(cfg, tp), list(specs[n].local_shape(cfg, tp)))
                          for n, a in placed]

@@ -624,8 +624,17 @@ class Zero3Model(nn.Module):
                 out.update({k: v.to(self.compute_dtype)
                             for k, v in self.split_flat(unit, flat).items()})
             del flat
-        # registration order, as the plain model's state_dict (units group them differently)
-        return {n: out[n] for n, _ in self.module.named_parameters() if n in out}
+        # registration order, as the plain model's state_dict (units group them differently),
+        # then its persistent buffers (the MoE expert bias), which no unit holds
+        out = {n: out[n] for n, _ in self.module.named_parameters() if n in out}
+        if keep:
+            own = self.module.state_dict()
+            out.update({k: own[k].detach().clone() for k in self._buffer_names()})
+        return out
+
+    def _buffer_names(self) -> List[str]:
+        params = {n for n, _ in self.module.named_parameters()}
+        return [k for k in self.module.state_dict() if k not in params]
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
@@ -647,14 +656,16 @@ class Zero3Model(nn.Module):
         """Load a full model state dict (a stage-3 checkpoint's consolidated model, or any other
         stage's): each DP rank keeps its slice. A resumed run's optimizer state then overwrites
         the fp32 masters (exact for 16-bit params, whose model file is rounded)."""
+        buffers = set(self._buffer_names())
         names = {n for u in self.units for n in u.names}
-        missing = sorted(names - set(state_dict))
-        unexpected = sorted(set(state_dict) - names)
+        missing = sorted((names | buffers) - set(state_dict))
+        unexpected = sorted(set(state_dict) - names - buffers)
         if strict and (missing or unexpected):
             raise RuntimeError(f"ZeRO-3 load_state_dict: missing {missing[:3]}, unexpected "
                                f"{unexpected[:3]}")
         if not missing:
             self.load_full_state_dict(state_dict)
+            self.module.load_state_dict({k: state_dict[k] for k in buffers}, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     # ---------------------------------------------------------------------------- accounting

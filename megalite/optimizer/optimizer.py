@@ -29,13 +29,14 @@ norm weights (1-D parameters) are in a second group with weight decay 0, as in M
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from megalite.optimizer.clip_grads import clip_grads_by_norm, grad_norm_squared, split_counted
 from megalite.optimizer.grad_scaler import NonFiniteStep, build_grad_scaler, found_inf_flag
-from megalite.param_meta import grad_of
+from megalite.param_meta import ParamMeta, grad_of
+from megalite.tensor_parallel.utils import unshard_tensors
 
 # The per-parameter optimizer state every format can be merged into (by parameter name): the
 # fp32 master weights and Adam's two moments. One vocabulary for every file and every ZeRO stage.
@@ -347,14 +348,16 @@ class ShardedAdamW(_LossScaling):
         return sd
 
     def _expert_layout(self) -> dict:
-        """Under EP > 1 an expert shard is this rank's part over the expert-data-parallel group of
-        its EP rank's experts (``shard_is_expert``), a dense one over DP x CP as ever: the file
-        says which, with the expert grid position. EP 1 files are unchanged (EDP = DP x CP)."""
+        """Where expert shards lie apart from the dense ones (``shard_is_expert``, as
+        ParallelState.experts_apart decides: EP > 1 or ETP != TP), an expert shard is this rank's
+        part over the expert-data-parallel group of its (ETP, EP) rank's experts, a dense one
+        over DP x CP as ever: the file says which, with the expert grid position
+        (merge_shard_state_dicts). Other files are unchanged."""
         ps = self.ps
-        if ps.ep_size == 1:
+        if not any(self.shard_is_expert):
             return {}
-        return {"ep_size": ps.ep_size, "ep_rank": ps.ep_rank, "edp_size": ps.edp_size,
-                "edp_rank": ps.edp_rank}
+        return {"etp_size": ps.etp_size, "etp_rank": ps.etp_rank, "ep_size": ps.ep_size,
+                "ep_rank": ps.ep_rank, "edp_size": ps.edp_size, "edp_rank": ps.edp_rank}
 
     def shard_fits(self, sd: dict) -> bool:
         """Whether ``sd`` is this very rank's shard (format, DP size and rank, the same segments
@@ -520,11 +523,65 @@ def check_shard_set(sds: List[dict]) -> List[dict]:
     return sds
 
 
-def merge_shard_state_dicts(sds: List[dict]) -> dict:
-    """The unsharded state (FULL_FORMAT, as ``gather_full_state`` returns) from *all* DP ranks'
-    files of one (TP, PP) rank, any ZeRO stage and format version: how a checkpoint resumes at
-    another DP size (``load_full_state`` re-splits it). No communication."""
-    sds = check_shard_set(sds)
-    first = sds[0]
+def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
+                            meta_of: Callable[[str], ParamMeta] = lambda name: ParamMeta(),
+                            names: Optional[Sequence[str]] = None) -> dict:
+    """The unsharded state (FULL_FORMAT, as ``gather_full_state`` returns) of one (TP, PP) rank
+    from *all* its DP ranks' files ``own``, any ZeRO stage and format version, experts by global
+    index: how a checkpoint resumes at another DP size, ZeRO stage or EP size
+    (``load_full_state`` re-splits it) and how the converter reads the files. No communication.
+
+    Dense parameters merge by name from ``own``. A file that records an expert grid
+    (``_expert_layout``: its expert shards lie apart, EP > 1) holds in each ``expert`` shard its
+    part over EDP of one (ETP rank, EP rank)'s ``[E_local, ...]`` experts, and those groups can
+    span the stage's TP ranks: ``stage`` is then every file of the pipeline stage, all TP ranks'
+    directories. Per (ETP, EP) rank the EDP pieces merge; the EP ranks' are concatenated in
+    expert order into ``[E, ...]``; ETP slices are joined along the parameter's own partition dim
+    (``meta_of(name)``, its ParamMeta, as TP shards are). ``names`` restricts the merge to those
+    parameters (streaming). Raises ValueError for a missing or mixed-in file."""
+    own = check_shard_set(own)
+    first = own[0]
+
+    def pieces(sds, expert: bool):  # shard_pieces of the expert shards, or of the others
+        return shard_pieces([{**sd, "shards": [s for s in sd["shards"]
+                                               if bool(s.get("expert")) == expert]} for sd in sds])
+
+    apart = "edp_size" in first
+    stage = list(stage) or own
+    expert_names = {g[0] for sd in stage for s in sd["shards"] if s.get("expert")
+                    for g in s["segments"]} if apart else set()
+    wanted = None if names is None else [n for n in names if n not in expert_names]
+    params = merge_pieces(pieces(own, False), wanted)
+    if apart and (names is None or len(wanted) < len(names)):
+        grid = {}
+        for sd in stage:
+            if "edp_size" not in sd:
+                raise ValueError(f"optimizer shard of DP rank {sd.get('dp_rank')} records no "
+                                 f"expert grid, the others do (mixed files?)")
+            grid.setdefault((int(sd.get("etp_rank", 0)), int(sd["ep_rank"])), []).append(sd)
+        etp, ep, edp = (int(first.get("etp_size", 1)), int(first["ep_size"]),
+                        int(first["edp_size"]))
+        for (t, e), sds in sorted(grid.items()):
+            got = sorted(int(sd["edp_rank"]) for sd in sds)
+            if got != list(range(edp)):
+                raise ValueError(f"expert optimizer shards of ETP rank {t}, EP rank {e} come from "
+                                 f"expert-data-parallel ranks {got}, expected 0..{edp - 1} "
+                                 f"(missing or mixed files?)")
+        if sorted(grid) != [(t, e) for t in range(etp) for e in range(ep)]:
+            raise ValueError(f"expert optimizer shards cover (ETP, EP) ranks {sorted(grid)}, "
+                             f"expected {etp} x {ep} (missing files?)")
+        want = None if names is None else [n for n in names if n in expert_names]
+        parts = {te: merge_pieces(pieces(sds, True), want) for te, sds in grid.items()}
+        for name in parts[(0, 0)]:
+            m = meta_of(name)
+            if etp > 1 and not m.tp_split:
+                raise ValueError(f"the optimizer state of {name} is split over {etp} expert-"
+                                 f"tensor-parallel ranks, but the parameter declares no split")
+            params[name] = {}
+            for k in ADAM_KINDS:
+                slices = [torch.cat([parts[(t, e)][name][k] for e in range(ep)])
+                          for t in range(etp)]
+                params[name][k] = (unshard_tensors(slices, m.partition_dim, m.partition_stride)
+                                   if etp > 1 else slices[0])
     return {"format": FULL_FORMAT, "step": first["step"], "param_groups": first["param_groups"],
-            "grad_scaler": first.get("grad_scaler"), "params": merge_pieces(shard_pieces(sds))}
+            "grad_scaler": first.get("grad_scaler"), "params": params}

@@ -50,6 +50,8 @@ class Zero3Optimizer(ShardedAdamW):
         if len(set(names)) != len(names):
             raise ValueError(f"ZeRO-3 unit names repeat across model chunks: {names}")
         self.masters = [u.main for u in self.units]
+        # by the names the state files use (the model's, layers by their global number)
+        self.param_names = {n: p for u in self.units for n, p in zip(u.names, u.params)}
         self.exp_avg = [torch.zeros_like(u.main) for u in self.units]
         self.exp_avg_sq = [torch.zeros_like(u.main) for u in self.units]
         # Per-unit runs (start, end, group) and the runs that count in the gradient norm: each

@@ -5,7 +5,8 @@
                    Qwen3-MoE / OLMoE / GLM-4.5 directory -> megalite checkpoint (docs/models.md
                    lists the families and what is refused)
   megalite-to-hf   a megalite checkpoint (any layout) -> a directory AutoModelForCausalLM loads
-  reshard          a megalite checkpoint -> the same training state for another layout
+  reshard          a megalite checkpoint -> the same training state for another layout (dense
+                   or MoE; experts are stored by global index, so EP needs no resharding)
 
 Conversion streams one layer at a time; output appears at --save only when complete. Any error is
 one line on stderr and a non-zero exit (2: bad input, 1: failed). docs/checkpoints.md has details.
@@ -103,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("reshard", "rewrite a megalite checkpoint for another TP/PP/VPP/DP layout: weights, "
                        "optimizer state (Adam moments, fp32 masters, step, grad scaler), LR "
-                       "schedule position, RNG state, iteration and consumed samples")
+                       "schedule position, RNG state, iteration and consumed samples. MoE models "
+                       "too: their experts are stored by global index, so any "
+                       "--expert-model-parallel-size loads the result (no EP flag here)")
     p.add_argument("--load", required=True, help="megalite checkpoint directory")
     p.add_argument("--save", required=True, help="new checkpoint directory")
     p.add_argument("--iteration", type=int, default=None, help="default: the latest")
