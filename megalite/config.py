@@ -375,6 +375,10 @@ class ModelConfig(_Section):
     qk_pos_emb_head_dim: int = setting(64, "the RoPE part of each q/k head (its k is shared)",
                                        group="multi-latent attention", role=SHAPE)
     v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE)
+    # Megatron's multi-token prediction (DeepSeek-V3's extra next-next-token layers): refused by
+    # name; an HF import drops a checkpoint's MTP layers (convert/hf.py).
+    mtp_num_layers: Optional[int] = setting(
+        None, "multi-token prediction layers: not implemented (refused)", role=SHAPE)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
     norm_epsilon: float = setting(1e-5, role=CHECKPOINT_ARG)
     activation: str = setting("gelu", choices=("gelu", "gelu_tanh", "silu", "relu"),
@@ -648,6 +652,10 @@ class ModelConfig(_Section):
     def _validate_mla(self) -> None:
         """Multi-latent attention's settings (models/mla.py); what it does not combine with is
         refused by name, one line each."""
+        if self.mtp_num_layers is not None:
+            raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction is "
+                              f"not implemented; megalite trains the next-token loss only (an HF "
+                              f"import drops a checkpoint's MTP layers)")
         changed = [f for f in fields(self) if f.name in _MLA_FIELDS and getattr(self, f.name)
                    != f.default]
         if not self.multi_latent_attention:
@@ -663,6 +671,8 @@ class ModelConfig(_Section):
                               f"the latent): drop --group-query-attention / --num-query-groups")
         for bad, what in ((self.qk_layernorm, "--qk-layernorm (MLA normalises its latents)"),
                           (self.sliding_window is not None, "--sliding-window"),
+                          (self.rotary_percent != 1.0, "--rotary-percent below 1 (MLA rotates "
+                                                       "--qk-pos-emb-head-dim dims)"),
                           (self.add_bias_linear or self.add_qkv_bias,
                            "linear biases: pass --disable-bias-linear")):
             if bad:

@@ -150,8 +150,8 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     """pretrain.py and tools/plan.py keep every flag, default, kind and --help group they had
     (tests/fixtures/cli/flags_before.json, dumped from the hand-written parser). The changes:
     --optimizer offers sgd, which the optimizer always implemented, and the flags added since
-    are exactly the declared MoE and multi-latent attention settings, YaRN's and the
-    expert-parallel sizes."""
+    are exactly the declared MoE and multi-latent attention settings, YaRN's, the refused
+    --mtp-num-layers and the expert-parallel sizes."""
     import json
     import os
     import sys
@@ -170,16 +170,18 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
            if f.metadata["group"] == "mixture of experts"}
     mla = {flag_name(f) for f in fields(ModelConfig)
            if f.metadata["group"] == "multi-latent attention"}
-    yarn = {"--rope-type", "--rotary-scaling-factor", "--beta-fast", "--beta-slow", "--mscale",
-            "--mscale-all-dim"}
-    added = moe | mla | yarn | {flag_name(f) for f in fields(ParallelConfig)
-                                if f.name.startswith("expert_")}
-    assert "--num-experts" in moe and len(added) == len(moe) + len(mla) + len(yarn) + 2
+    yarn_mtp = {"--rope-type", "--rotary-scaling-factor", "--beta-fast", "--beta-slow",
+                "--mscale", "--mscale-all-dim", "--mtp-num-layers"}
+    added = moe | mla | yarn_mtp | {flag_name(f) for f in fields(ParallelConfig)
+                                    if f.name.startswith("expert_")}
+    assert "--num-experts" in moe and len(added) == len(moe) + len(mla) + len(yarn_mtp) + 2
     added |= {"--rotary-percent", "--qk-layernorm-scope"}  # the HF MoE families' (models.md)
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)
-        assert set(old) <= set(now) and {k.split()[0] for k in set(now) - set(old)} == added, tool
+        planner_only = {"--moe-imbalance-factor"} if tool == "plan.py" else set()  # (its own)
+        assert set(old) <= set(now) and {k.split()[0] for k in set(now) - set(old)} == added \
+            | planner_only, tool
         old["--optimizer"]["choices"].append("sgd")
         for flag, want in old.items():
             got = dict(now[flag])

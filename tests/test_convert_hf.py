@@ -267,8 +267,7 @@ def test_unsupported_llama_variants_are_config_errors():
 
     base = dict(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
                 vocab_size=VOCAB, bos_token_id=None, eos_token_id=None)
-    for rope_type, extra in [("yarn", {"factor": 4.0}), ("dynamic", {"factor": 2.0}),
-                             ("linear", {"factor": 2.0})]:
+    for rope_type, extra in [("dynamic", {"factor": 2.0}), ("linear", {"factor": 2.0})]:
         scaled = LlamaConfig(**base, rope_parameters={"rope_type": rope_type, "rope_theta": 5e5,
                                                       **extra})
         with pytest.raises(ConfigError, match=f"rope type '{rope_type}' is not supported"):

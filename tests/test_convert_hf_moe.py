@@ -37,6 +37,13 @@ BASE = dict(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_
             rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 GLM = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
            intermediate_size=48, num_nextn_predict_layers=0)
+DEEPSEEK = dict(GLM, num_key_value_heads=4, rms_norm_eps=1e-6, n_group=4, topk_group=2,
+                first_k_dense_replace=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=6, rope_parameters=dict(
+                    BASE["rope_parameters"], rope_type="yarn", factor=4.0,
+                    original_max_position_embeddings=4, beta_fast=8.0, beta_slow=0.5, mscale=0.8,
+                    mscale_all_dim=0.6))
 # name -> (HF class prefix, config). Between them: every routing rule, each layer pattern, the
 # shared experts, both q/k norms, the biases, partial RoPE, tied and untied embeddings.
 CASES = {
@@ -63,6 +70,9 @@ CASES = {
                                      BASE["rope_parameters"], partial_rotary_factor=0.5))),
     # sigmoid gates kept raw (norm_topk_prob false), no groups, two dense layers
     "glm4_moe_raw_gates": ("Glm4Moe", dict(GLM, norm_topk_prob=False, first_k_dense_replace=2)),
+    # multi-latent attention with a q latent and interleaved RoPE rows, YaRN (frequencies, cos/sin
+    # factor, DeepSeek's softmax factor); GLM-4.5's routing with one shared expert
+    "deepseek_v3": ("DeepseekV3", DEEPSEEK),
 }
 
 
@@ -171,15 +181,16 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
                                                                    for k in differ}
 
 
-def test_mtp_layers_are_dropped_with_one_warning(tmp_path):
-    """GLM-4.5 hub files carry num_nextn_predict_layers multi-token-prediction layers after the
-    last one; HF drops them on load, and so does the import (a warning), from a state dict and
-    from a directory; none is exported."""
+@pytest.mark.parametrize("case", ["glm4_moe", "deepseek_v3"])
+def test_mtp_layers_are_dropped_with_one_warning(tmp_path, case):
+    """GLM-4.5 and DeepSeek-V3 hub files carry num_nextn_predict_layers multi-token-prediction
+    layers after the last one; HF drops them on load, and so does the import (a warning), from a
+    state dict and from a directory; none is exported."""
     from safetensors.torch import load_file, save_file
 
     from megalite.convert import checkpoint_tools as ct
 
-    hf = make_hf("glm4_moe")
+    hf = make_hf(case)
     hf.config.num_nextn_predict_layers = 1
     hf.save_pretrained(tmp_path / "hf")
     weights = tmp_path / "hf" / "model.safetensors"
@@ -278,6 +289,16 @@ def test_export_refuses_a_change_the_recorded_class_cannot_hold():
     ("glm4_moe", dict(n_shared_experts=0), "glm4_moe n_shared_experts=0 is not supported"),
     ("glm4_moe", dict(num_experts_per_tok=1), "num_experts_per_tok=1 with norm_topk_prob"),
     ("qwen3_moe", dict(num_experts=0), "qwen3_moe num_experts=0"),
+    ("deepseek_v3", dict(rope_interleave=False), "deepseek_v3 rope_interleave=False is not "),
+    ("deepseek_v3", dict(attention_bias=True), "deepseek_v3 attention_bias=True is not supp"),
+    ("deepseek_v3", dict(num_key_value_heads=2), "must equal num_attention_heads"),
+    ("deepseek_v3", dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05 is not supported"),
+    ("deepseek_v3", dict(rope_parameters=dict(DEEPSEEK["rope_parameters"], attention_factor=1.5)),
+     "yarn rope_parameters attention_factor and truncate=False are not supported"),
+    ("deepseek_v3", dict(rope_parameters=dict(DEEPSEEK["rope_parameters"], mscale=None)),
+     "yarn mscale_all_dim=0.6 without mscale is not supported"),
+    ("deepseek_v3", dict(rope_parameters=dict(DEEPSEEK["rope_parameters"], rope_type="dynamic")),
+     "rope type 'dynamic' is not supported"),
 ])
 def test_unsupported_hf_fields_are_one_line_errors(case, change, match):
     import transformers

@@ -156,11 +156,11 @@ def test_unsupported_hf_option_is_refused_by_the_converter(tmp_path, capsys):
     LlamaForCausalLM(LlamaConfig(
         num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32,
         vocab_size=50, bos_token_id=None, eos_token_id=None,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0})
     ).save_pretrained(tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar
     assert convert_cli.main(["hf-to-megalite", "--hf-dir", str(tmp_path / "hf"),
                              "--save", str(tmp_path / "ml")]) == 2
     err = capsys.readouterr().err.strip()
-    assert "rope type 'yarn' is not supported" in err and len(err.splitlines()) == 1
+    assert "rope type 'dynamic' is not supported" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "ml").exists()

@@ -159,6 +159,7 @@ REFUSED = {  # flags -> a piece of the one-line message
     ("--mscale-all-dim", "1"): "--mscale-all-dim needs --rope-type yarn",
     ("--rope-type", "yarn"): "--rope-type yarn needs --position-embedding-type rope",
     ("--multi-latent-attention",): "needs --position-embedding-type rope",
+    ("--mtp-num-layers", "1"): "multi-token prediction is not implemented",
     ("--multi-latent-attention", "--position-embedding-type", "rope"): "--disable-bias-linear",
 }
 MLA_OK = ["--multi-latent-attention", "--position-embedding-type", "rope",
@@ -168,6 +169,7 @@ REFUSED.update({tuple(MLA_OK + list(extra)): msg for extra, msg in {
     ("--group-query-attention", "--num-query-groups", "2"): "has no query groups",
     ("--qk-layernorm",): "does not support --qk-layernorm",
     ("--sliding-window", "4"): "does not support --sliding-window",
+    ("--rotary-percent", "0.5"): "does not support --rotary-percent",
     ("--qk-pos-emb-head-dim", "3"): "--qk-pos-emb-head-dim must be a positive even number",
     ("--kv-lora-rank", "0"): "--kv-lora-rank must be a positive integer",
     ("--rope-type", "yarn", "--beta-slow", "40"): "0 < --beta-slow < --beta-fast",
@@ -183,3 +185,55 @@ def test_bad_combinations_are_refused_in_one_line(argv):
         parse_args(list(argv))
     assert REFUSED[argv] in str(e.value) and "\n" not in str(e.value)
     parse_args(MLA_OK + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"])  # valid
+
+
+def test_yarn_llama_imports_with_hf_logits():
+    """YaRN outside MLA (Qwen3 long context ships it): frequencies and the cos/sin factor, no
+    softmax factor, as HF's Llama computes them; logits within 1e-4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from megalite.convert import from_hf
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=2, hidden_size=H, num_attention_heads=HEADS, intermediate_size=48,
+        vocab_size=100, max_position_embeddings=16, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                         "original_max_position_embeddings": 4, "beta_fast": 8.0,
+                         "beta_slow": 0.5})).eval()
+    with torch.no_grad():  # large weights: a wrong factor moves the logits far past 1e-4
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    ml = from_hf(hf, make_vocab_size_divisible_by=4)
+    assert (ml.config.rope_type, ml.config.mscale, ml.config.mscale_all_dim) == ("yarn", 1, 0)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ml(ids), hf(ids).logits, rtol=0, atol=1e-4)
+
+
+DEEPSEEK_MOE = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=24,
+                    moe_layer_freq="[0,1]", moe_router_score_function="sigmoid",
+                    moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=24,
+                    moe_router_num_groups=4, moe_router_group_topk=2,
+                    moe_router_group_score="top2_sum", ffn_hidden_size=48,
+                    untie_embeddings_and_output_weights=True)
+
+
+def test_an_mla_model_trained_here_exports_as_deepseek_v3():
+    """The first (only) family that holds MLA; its YaRN settings must have an HF spelling.
+    (Import, logits, gradients and round trips: tests/test_convert_hf_moe.py's deepseek_v3.)"""
+    import dataclasses
+
+    from megalite.convert.hf import hf_architecture, model_config_to_hf_config
+
+    cfg = mla_config(12, **DEEPSEEK_MOE)
+    assert hf_architecture(cfg) == "DeepseekV3ForCausalLM"
+    hf = model_config_to_hf_config(cfg)
+    assert (hf.q_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim,
+            hf.rope_interleave, hf.n_group, hf.num_nextn_predict_layers) == (12, 8, 4, 6, True,
+                                                                             4, 0)
+    with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM: --mscale 0.8 with "
+                                          "--mscale-all-dim 0.0 has no HF yarn spelling"):
+        hf_architecture(dataclasses.replace(cfg, **{**YARN, "mscale_all_dim": 0.0}))
+    with pytest.raises(ConfigError, match="no Hugging Face architecture holds"):
+        hf_architecture(mla_config(12))  # dense: DeepSeek-V3 has experts

@@ -1,5 +1,6 @@
 """Hugging Face <-> megalite conversion: GPT-2, Llama (3.1+), Qwen2, Qwen3, Mistral and the
-mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and GLM-4.5 (``glm4_moe``).
+mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 (``glm4_moe``) and
+DeepSeek-V3 (``deepseek_v3``, multi-latent attention).
 
 Two layers of API:
 
@@ -18,7 +19,7 @@ that tell one Llama-layout family from another (which biases, which q/k norm, ho
 RoPE and the MoE block are spelled). Import reads an HF config through its row; export writes one
 through the row; and a family *holds* a megalite model exactly when its export reads back as the
 same model (:func:`hf_architecture`), so the two directions cannot disagree. A new family is one
-more row (DeepSeek-V3 would reuse GLM-4.5's MoE row, :data:`DEEPSEEK_MOE`).
+more row (DeepSeek-V3 reuses GLM-4.5's MoE row, :data:`DEEPSEEK_MOE`, with ``mla``).
 
 Key naming (docs/models.md has the full table). HF names are the ``state_dict`` names of
 ``GPT2LMHeadModel`` (``transformer.h.{i}.attn.c_attn.weight``, ...) and ``LlamaForCausalLM``
@@ -44,6 +45,12 @@ Layout facts the mapping encodes:
   written. megalite stacks the experts as ``mlp.weight1`` [E, h, 2f] (columns [gate, up]) and
   ``mlp.weight2`` [E, f, h]: the transposes of HF's ``nn.Linear`` weights.
 * GLM-4.5's ``e_score_correction_bias`` (a buffer) is megalite's ``mlp.expert_bias`` (a buffer).
+* DeepSeek-V3's attention tensors map one to one onto megalite/models/mla.py's (:data:`_MLA_LAYER`),
+  except that HF stores the RoPE rows of ``q_b_proj`` (or ``q_proj``) and ``kv_a_proj_with_mqa``
+  interleaved (``rope_interleave``: pairs (x0, x1), (x2, x3), ... each turned by one frequency):
+  the import permutes them to the rotate-half order [x0, x2, ... | x1, x3, ...], which gives
+  exactly HF's rotation with megalite's RoPE, and the export permutes them back
+  (:func:`_rope_pairs`).
 * Vocab-sized tensors are padded with zero rows to ``cfg.padded_vocab_size(1)`` in a full megalite
   state dict and stripped back to ``cfg.vocab_size`` on export.
 * Tied embeddings: megalite has no ``output_layer.weight`` on a single stage; the HF export omits
@@ -108,6 +115,9 @@ class Family:
     mtp_field: Optional[str] = None
     refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
     moe: Optional[MoeSpec] = None
+    # DeepSeek's multi-latent attention (models/mla.py) in place of q/k/v projections; its RoPE
+    # rows stored interleaved (rope_interleave), permuted to rotate-half on import (_rope_pairs)
+    mla: bool = False
 
 
 # Sigmoid routing with a correction bias and top-2 group scores, shared experts n_shared_experts
@@ -142,6 +152,10 @@ FAMILIES: Dict[str, Family] = {
     "glm4_moe": Family("Glm4MoeForCausalLM", qkv_bias="attention_bias", qk_norm="head",
                        qk_norm_field="use_qk_norm", partial_rotary=True,
                        mtp_field="num_nextn_predict_layers", moe=DEEPSEEK_MOE),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", mla=True, mtp_field="num_nextn_predict_layers",
+                          refused=(("attention_bias", False), ("pretraining_tp", 1),
+                                   ("rope_interleave", True)),
+                          moe=DEEPSEEK_MOE),
 }
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 FAMILY_OF_MODEL_TYPE = {k: k for k in FAMILIES}  # HF model_type -> family
@@ -195,18 +209,21 @@ _LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_fr
 def _rope(hf_config, family: str) -> dict:
     """RoPE base, scaling and partial rotation as ModelConfig fields. transformers >= 5 keeps them
     in ``rope_parameters``; older versions in ``rope_theta``, ``rope_scaling`` and
-    ``partial_rotary_factor``. megalite computes the plain RoPE of Su et al. and Llama 3.1's
-    "llama3" scaling (models/rotary.py), over the first ``partial_rotary_factor`` of each head."""
+    ``partial_rotary_factor``. megalite computes the plain RoPE of Su et al., Llama 3.1's
+    "llama3" scaling and YaRN (models/rotary.py), over the first ``partial_rotary_factor`` of
+    each head."""
     params = dict(getattr(hf_config, "rope_scaling", None) or {})
     params.update(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in ("default", "llama3"):
+    if rope_type not in ("default", "llama3", "yarn"):
         raise ConfigError(f"rope type {rope_type!r} is not supported: megalite implements the "
-                          f"default rotary embedding and 'llama3' scaling")
+                          f"default rotary embedding, 'llama3' and 'yarn' scaling")
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     out = {"rotary_base": float(theta if theta is not None else 10000.0)}
     if rope_type == "llama3":
         out.update({ml: params[hf] for hf, ml in _LLAMA3_ROPE.items()})
+    if rope_type == "yarn":
+        out.update(_yarn(params, hf_config))
     partial = params.get("partial_rotary_factor",
                          getattr(hf_config, "partial_rotary_factor", None))
     partial = 1.0 if partial is None else float(partial)
@@ -217,19 +234,56 @@ def _rope(hf_config, family: str) -> dict:
     return out
 
 
+def _yarn(params: dict, hf_config) -> dict:
+    """HF's yarn ``rope_parameters`` as ModelConfig fields. HF's cos/sin factor is
+    m(s, mscale) / m(s, mscale_all_dim) when both are set and m(s, 1) otherwise, where megalite's
+    (Megatron's) formula always takes the ratio: the second case is mscale 1, mscale_all_dim 0.
+    DeepSeek's softmax factor m(s, mscale_all_dim)^2 reads mscale_all_dim alone, so an
+    mscale_all_dim without mscale has no megalite spelling."""
+    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
+        raise ConfigError("yarn rope_parameters attention_factor and truncate=False are not "
+                          "supported: megalite derives the cos/sin factor from mscale and "
+                          "mscale_all_dim and rounds the ramp's ends (Megatron's YaRN)")
+    # as HF's config standardisation and _compute_yarn_parameters fill them in
+    original = params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
+    factor = params.get("factor") or hf_config.max_position_embeddings / original
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        if mscale_all_dim:
+            raise ConfigError(f"yarn mscale_all_dim={mscale_all_dim} without mscale is not "
+                              f"supported (HF's cos/sin factor then ignores it)")
+        mscale, mscale_all_dim = 1.0, 0.0
+    return dict(rope_type="yarn", rotary_scaling_factor=float(factor),
+                rope_original_max_position_embeddings=int(original),
+                beta_fast=float(params.get("beta_fast") or 32),
+                beta_slow=float(params.get("beta_slow") or 1), mscale=float(mscale),
+                mscale_all_dim=float(mscale_all_dim))
+
+
 def _hf_rope(cfg: ModelConfig, config_cls, fam: Family) -> dict:
     """Inverse of :func:`_rope`: the HF config kwargs."""
     params = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling_factor is not None:
         params.update({"rope_type": "llama3"},
                       **{hf: getattr(cfg, ml) for hf, ml in _LLAMA3_ROPE.items()})
+    if cfg.rope_type == "yarn":
+        m, m_all = cfg.mscale, cfg.mscale_all_dim
+        if not (m and m_all or m == 1.0 and not m_all):
+            raise ConfigError(f"--mscale {cfg.mscale} with --mscale-all-dim "
+                              f"{cfg.mscale_all_dim} has no HF yarn spelling: HF takes the "
+                              f"ratio only when both are non-zero, else mscale 1")
+        params.update(rope_type="yarn", factor=cfg.rotary_scaling_factor,
+                      original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+                      beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.mscale,
+                      mscale_all_dim=cfg.mscale_all_dim)
     partial = {"partial_rotary_factor": cfg.rotary_percent} if fam.partial_rotary else {}
     # transformers >= 5 takes rope_parameters; older versions take rope_theta and rope_scaling.
     if _accepts(config_cls, "rope_parameters"):
         return {"rope_parameters": {**params, **partial}}
     scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    return {"rope_theta": cfg.rotary_base,
-            "rope_scaling": scaling if cfg.rope_scaling_factor is not None else None, **partial}
+    scaled = cfg.rope_scaling_factor is not None or cfg.rope_type == "yarn"
+    return {"rope_theta": cfg.rotary_base, "rope_scaling": scaling if scaled else None,
+            **partial}
 
 
 def _accepts(config_cls, name: str) -> bool:
@@ -397,6 +451,33 @@ def _hf_moe(cfg: ModelConfig, m: MoeSpec, arch: str) -> dict:
     return out
 
 
+def _mla(c, family: str) -> dict:
+    """DeepSeek's multi-latent attention as ModelConfig fields (empty for other families)."""
+    if not FAMILIES[family].mla:
+        return {}
+    if c.num_key_value_heads != c.num_attention_heads:
+        raise ConfigError(f"{family} num_key_value_heads={c.num_key_value_heads} must equal "
+                          f"num_attention_heads ({c.num_attention_heads}): MLA has no query "
+                          f"groups")
+    if c.rms_norm_eps != 1e-6:
+        # HF builds the two latent norms with RMSNorm's default eps, megalite with norm_epsilon
+        raise ConfigError(f"{family} rms_norm_eps={c.rms_norm_eps} is not supported: HF's latent "
+                          f"norms use 1e-6 whatever it says, megalite one epsilon (1e-6 is)")
+    return dict(multi_latent_attention=True, q_lora_rank=c.q_lora_rank,
+                kv_lora_rank=c.kv_lora_rank, qk_head_dim=c.qk_nope_head_dim,
+                qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim)
+
+
+def _hf_mla(cfg: ModelConfig) -> dict:
+    """Inverse of :func:`_mla`: the HF config kwargs, RoPE rows interleaved (HF's default, which
+    DeepSeek's checkpoints use)."""
+    if not cfg.multi_latent_attention:
+        return {}
+    return dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                qk_nope_head_dim=cfg.qk_head_dim, qk_rope_head_dim=cfg.qk_pos_emb_head_dim,
+                v_head_dim=cfg.v_head_dim, rope_interleave=True)
+
+
 def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
     """A megalite :class:`ModelConfig` equivalent to the HF config of a supported family.
 
@@ -480,7 +561,7 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
             init_method_std=c.initializer_range, **_rope(c, family), **_sliding_window(c, family),
-            **_moe(c, family))
+            **_moe(c, family), **_mla(c, family))
     kwargs.update(hf_architecture=fam.architecture, **overrides)
     return ModelConfig(**kwargs).validate()
 
@@ -500,6 +581,8 @@ def _carried(cfg: ModelConfig) -> dict:
         unused += [v for v in _LLAMA3_ROPE.values() if v != "rope_scaling_factor"]
     if cfg.sliding_window is None:
         unused.append("max_window_layers")
+    if cfg.multi_latent_attention:
+        unused.append("kv_channels")  # MLA's heads have their own widths
     if cfg.num_experts is None:
         unused += [k for k in out if k.startswith("moe_")]
     else:
@@ -581,9 +664,11 @@ def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
         attention_dropout=cfg.attention_dropout, initializer_range=cfg.init_method_std,
         tie_word_embeddings=cfg.tie_embeddings, bos_token_id=None, eos_token_id=None,
         pad_token_id=None, **_hf_rope(cfg, config_cls, fam))
-    if (_accepts(config_cls, "head_dim")
-            or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size):
+    if not fam.mla and (_accepts(config_cls, "head_dim")
+                        or cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size):
         kwargs["head_dim"] = cfg.kv_channels
+    if fam.mla:
+        kwargs.update(_hf_mla(cfg))
     if fam.linear_bias:
         kwargs.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
     elif isinstance(fam.qkv_bias, str):
@@ -661,6 +746,15 @@ _LLAMA_LAYER = {  # one-to-one tensors; qkv and the MLPs are fused / stacked bel
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
 }
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's dense and shared-expert MLP linears
+_MLA_LAYER = {  # DeepSeek-V3's attention, one to one (RoPE rows permuted: _rope_pairs)
+    "self_attention.mla.linear_q_proj.weight": "self_attn.q_proj.weight",  # no q latent
+    "self_attention.mla.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.mla.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.mla.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.mla.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.mla.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.mla.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+}
 
 
 def _hf_layer_prefix(family: str, i: int) -> str:
@@ -703,9 +797,40 @@ def _moe_suffixes(cfg: ModelConfig) -> List[str]:
     return out
 
 
+def _mla_items(cfg: ModelConfig) -> List[Tuple[str, str]]:
+    """(megalite, HF) suffixes of an MLA layer's attention tensors in :data:`_MLA_LAYER`: the
+    plain q projection or the q latent's three."""
+    drop = (("linear_q_down_proj", "q_layernorm", "linear_q_up_proj") if cfg.q_lora_rank is None
+            else ("linear_q_proj",))
+    return [(ml, hf) for ml, hf in _MLA_LAYER.items() if ml.split(".")[2] not in drop]
+
+
+def _rope_pairs(t: torch.Tensor, cfg: ModelConfig, name: str, back: bool = False):
+    """HF's interleaved RoPE rows -> the rotate-half order, or ``back`` (module docstring): the
+    last d_r of every q head's d_n + d_r rows, and of kv_a's [kv latent | shared key]; other
+    tensors as they are. q·k is unchanged by one permutation of q's and k's RoPE dims."""
+    dn, dr, rkv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
+    if name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):
+        width = dn + dr
+    elif name.endswith("linear_kv_down_proj.weight"):
+        width = rkv + dr
+    else:
+        return t
+    order = torch.cat([torch.arange(0, dr, 2), torch.arange(1, dr, 2)])
+    if back:
+        order = torch.argsort(order)
+    blocks = t.reshape((-1, width) + tuple(t.shape[1:]))
+    out = blocks.clone()
+    out[:, width - dr:] = blocks[:, width - dr + order]
+    return out.reshape(t.shape)
+
+
 def megalite_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     """Full megalite names of layer ``layer_idx``'s tensors, in a fixed order."""
-    suffixes = [s for s in _ATTENTION_SUFFIXES if _has_bias(cfg, s)]
+    mla = cfg.multi_latent_attention
+    suffixes = [s for s in _ATTENTION_SUFFIXES if _has_bias(cfg, s)
+                and not (mla and "linear_qkv" in s)]
+    suffixes += [ml for ml, _ in _mla_items(cfg)] if mla else []
     if cfg.is_moe_layer(layer_idx):
         suffixes += _moe_suffixes(cfg)
     else:
@@ -757,7 +882,9 @@ def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
     if cfg.qk_layernorm:
         keys += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    mla = cfg.multi_latent_attention
+    keys += [hf for _, hf in _mla_items(cfg)] if mla else []
+    for proj in ("o_proj",) if mla else ("q_proj", "k_proj", "v_proj", "o_proj"):
         keys.append(f"self_attn.{proj}.weight")
         if cfg.add_qkv_bias if proj != "o_proj" else cfg.add_bias_linear:
             keys.append(f"self_attn.{proj}.bias")
@@ -925,9 +1052,13 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
             t = _get(hf_tensors, p + hf, where)
             out[out_p + ml] = t.t().contiguous() if conv1d else t
         return out
-    for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
-        q, k, v = (_get(hf_tensors, f"{p}self_attn.{x}_proj.{kind}", where) for x in "qkv")
-        out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg)
+    if cfg.multi_latent_attention:
+        for ml, hf in _mla_items(cfg):
+            out[out_p + ml] = _rope_pairs(_get(hf_tensors, p + hf, where), cfg, ml)
+    else:
+        for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
+            q, k, v = (_get(hf_tensors, f"{p}self_attn.{x}_proj.{kind}", where) for x in "qkv")
+            out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg)
     if cfg.is_moe_layer(layer_idx):
         out.update(_moe_from_hf(hf_tensors, p, out_p, cfg, where))
     else:
@@ -948,8 +1079,8 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
     in_p = f"layers.{layer_idx}."
     where = f"megalite layer {layer_idx}"
     out: Dict[str, torch.Tensor] = {}
-    qkv_w = _get(ml_tensors, in_p + "self_attention.linear_qkv.weight", where)
     if family == "gpt2":
+        qkv_w = _get(ml_tensors, in_p + "self_attention.linear_qkv.weight", where)
         qkv_b = _get(ml_tensors, in_p + "self_attention.linear_qkv.bias", where)
         out[p + "attn.c_attn.weight"] = torch.cat(split_qkv(qkv_w, cfg), 0).t().contiguous()
         out[p + "attn.c_attn.bias"] = torch.cat(split_qkv(qkv_b, cfg), 0)
@@ -957,10 +1088,14 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
             t = _get(ml_tensors, in_p + ml, where)
             out[p + hf] = t.t().contiguous() if conv1d else t
         return out
-    for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
-        qkv = _get(ml_tensors, in_p + f"self_attention.linear_qkv.{kind}", where)
-        for name, t in zip("qkv", split_qkv(qkv, cfg)):
-            out[f"{p}self_attn.{name}_proj.{kind}"] = t
+    if cfg.multi_latent_attention:
+        for ml, hf in _mla_items(cfg):
+            out[p + hf] = _rope_pairs(_get(ml_tensors, in_p + ml, where), cfg, ml, back=True)
+    else:
+        for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
+            qkv = _get(ml_tensors, in_p + f"self_attention.linear_qkv.{kind}", where)
+            for name, t in zip("qkv", split_qkv(qkv, cfg)):
+                out[f"{p}self_attn.{name}_proj.{kind}"] = t
     if cfg.is_moe_layer(layer_idx):
         out.update(_moe_to_hf(ml_tensors, in_p, p, cfg, where))
     else:
