@@ -13,6 +13,10 @@ stamp it; ``torch.cuda.max_memory_allocated`` on GPU). Prints a markdown table.
 pretrain.py logs rank 0 only, whose stage holds the loss head (output layer and cross entropy)
 only without pipeline parallelism; each pipeline case therefore runs a second time with the
 first rank of the last stage as the writer of metrics.jsonl (a row "... last stage").
+
+The mixture-of-experts cases (a second table, no pipeline parallelism) add the estimate with no
+dropless imbalance headroom (planner.MOE_IMBALANCE replaced by 1: every EP rank receives the
+mean) beside the planner's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ BASE = ["--mock-data", "--num-layers", "8", "--hidden-size", "512", "--num-atten
         "--seq-length", "256", "--vocab-size", "8192", "--micro-batch-size", "2",
         "--train-iters", "2", "--log-interval", "2", "--eval-iters", "0", "--lr", "1e-4"]
 PP = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512"]
 CASES = [  # name, processes, flags
     ("single", 1, ["--global-batch-size", "4"]),
     ("TP2", 2, ["--tensor-model-parallel-size", "2", "--global-batch-size", "4"]),
@@ -68,6 +73,29 @@ CASES = [  # name, processes, flags
     ("bf16 TP2 PP2 interleaved", 4, ["--bf16", "--tensor-model-parallel-size", "2",
                                      "--num-virtual-stages-per-pipeline-rank", "2"] + PP),
 ]
+MOE_CASES = [
+    # mixture of experts (8 experts of width 512, top-2, dropless unless noted): experts split
+    # over EP, the rest as DP; rank 0's receive buffer is the router's (the planner assumes the
+    # busiest rank's, MOE_IMBALANCE over the mean; "est. balanced" assumes none)
+    ("MoE EP1", 1, MOE + ["--global-batch-size", "4"]),
+    ("MoE EP2", 2, MOE + ["--expert-model-parallel-size", "2", "--global-batch-size", "8"]),
+    ("MoE EP4", 4, MOE + ["--expert-model-parallel-size", "4", "--global-batch-size", "16"]),
+    ("MoE EP2 DP4 ZeRO-1 (expert-DP 2)", 4, MOE + ["--expert-model-parallel-size", "2",
+                                                   "--zero-stage", "1",
+                                                   "--global-batch-size", "16"]),
+    ("MoE EP2 TP2+SP ETP1", 4, MOE + ["--expert-model-parallel-size", "2",
+                                      "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--expert-tensor-parallel-size", "1",
+                                      "--global-batch-size", "8"]),
+    ("MoE EP2 capacity 1.0 padded", 2, MOE + ["--expert-model-parallel-size", "2",
+                                              "--moe-expert-capacity-factor", "1.0",
+                                              "--moe-pad-expert-input-to-capacity",
+                                              "--global-batch-size", "8"]),
+    ("MoE EP2 bf16 SwiGLU, gated shared expert", 2,
+     MOE + ["--expert-model-parallel-size", "2", "--bf16", "--swiglu",
+            "--moe-shared-expert-intermediate-size", "512", "--moe-shared-expert-gate",
+            "--global-batch-size", "8"]),
+]
 
 
 # Runs pretrain.py with global rank WRITER_RANK, not 0, as the one process that logs.
@@ -94,27 +122,45 @@ def run(name, nproc, extra, out_dir, writer=0):
     return rec, time.time() - t0
 
 
+def balanced_estimate(nproc, extra) -> float:
+    """The planner's estimate for rank 0 with no dropless imbalance headroom (moe_imbalance 1)."""
+    from megalite.arguments import parse_args
+    from megalite.planner import estimate_for_run
+
+    return estimate_for_run(parse_args(BASE + extra), nproc, "cpu", 0, moe_imbalance=1.0)["total"]
+
+
+def row(label, nproc, rec, *extra) -> str:
+    """One markdown row: estimated (then ``extra`` columns), measured, their ratio, the parts."""
+    est, got = rec["estimated_memory_bytes"], rec["measured_memory_bytes"]
+    states = sum(rec[f"estimated_{k}_bytes"] for k in ("params", "grads", "optimizer"))
+    return (f"| {label} | {nproc} | {est / 2**20:.1f} | "
+            + "".join(f"{x / 2**20:.1f} | " for x in extra)
+            + f"{got / 2**20:.1f} | {got / est:.3f} | {states / 2**20:.1f} / "
+            f"{rec['estimated_activations_bytes'] / 2**20:.1f} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="*", default=None)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "planner_memory"))
     a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    print("| case | processes | estimated MiB | measured MiB | measured / estimated | "
-          "est. states / activations MiB |")
-    print("|---|---|---|---|---|---|")
-    for name, nproc, extra in CASES:
-        if a.only and name not in a.only:
-            continue
-        # global ranks are pipeline-stage-major: the last of 2 stages starts at nproc / 2
-        for writer in (0, nproc // 2) if "--pipeline-model-parallel-size" in extra else (0,):
-            label = name + " last stage" * (writer > 0)
-            rec, dt = run(label, nproc, extra, a.out, writer)
-            est, got = rec["estimated_memory_bytes"], rec["measured_memory_bytes"]
-            states = sum(rec[f"estimated_{k}_bytes"] for k in ("params", "grads", "optimizer"))
-            print(f"| {label} | {nproc} | {est / 2**20:.1f} | {got / 2**20:.1f} | "
-                  f"{got / est:.3f} | {states / 2**20:.1f} / "
-                  f"{rec['estimated_activations_bytes'] / 2**20:.1f} |", flush=True)
+    for moe, cases in ((False, CASES), (True, MOE_CASES)):
+        balanced = ["est. balanced MiB"] * moe
+        print(" | ".join(["\n| MoE case" if moe else "| case", "processes", "estimated MiB",
+                          *balanced, "measured MiB", "measured / estimated",
+                          "est. states / activations MiB |"]))
+        print("|---" * (6 + moe) + "|")
+        for name, nproc, extra in cases:
+            if a.only and name not in a.only:
+                continue
+            # global ranks are pipeline-stage-major: the last of 2 stages starts at nproc / 2
+            for writer in (0, nproc // 2) if "--pipeline-model-parallel-size" in extra else (0,):
+                label = name + " last stage" * (writer > 0)
+                rec = run(label, nproc, extra, a.out, writer)[0]
+                print(row(label, nproc, rec, *[balanced_estimate(nproc, extra)] * moe),
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ from typing import Dict, List, Optional
 from megalite.config import (
     CP_COMM_TYPES,
     ConfigError,
+    MegaliteConfig,
     ModelConfig,
     ParallelConfig,
+    check_expert_grid_divisible,
     check_zero3_schedule,
     default_schedule,
 )
@@ -48,6 +50,9 @@ HBM_EFFICIENCY = 0.90         # streaming kernels vs datasheet HBM bandwidth
 COLLECTIVE_EFFICIENCY = 0.80  # NCCL bus bandwidth vs link bandwidth, large messages
 COLLECTIVE_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
 USABLE_MEMORY_FRACTION = 0.92  # CUDA context, NCCL/cuBLAS workspaces, fragmentation
+# Dropless MoE at EP > 1: the receive buffer of the busiest EP rank over the mean (k rows per
+# token), the planner's headroom; GShard's usual capacity factor (docs/planner.md, "MoE")
+MOE_IMBALANCE = 1.25
 
 
 @dataclass
@@ -80,6 +85,9 @@ class Layout:
     recompute_num_layers: Optional[int] = None  # k (None: 1)
     decoder_first_pipeline_num_layers: Optional[int] = None  # uneven stages (None: L/p)
     decoder_last_pipeline_num_layers: Optional[int] = None
+    # the folded expert grid of an MoE model (docs/moe.md): EP x ETP of each stage's ranks
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
 
     def short(self) -> str:
         t, p, v = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
@@ -91,11 +99,13 @@ class Layout:
         partial = (f" {self.recompute_method or 'uniform'} {self.recompute_num_layers or 1}"
                    if self.recompute_method or self.recompute_num_layers else "")
         name = {"zb-h1": " ZB-H1", "zb-v": " ZB-V", "dualpipev": " DualPipeV"}
+        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
+        experts = f" EP{ep}{f' ETP{etp}' if etp > 1 else ''}" if ep > 1 or etp > 1 else ""
         return (f"TP{t}{'+SP' * self.sequence_parallel}"
                 f"{f' CP{c} {self.cp_comm_type}' if c > 1 else ''} PP{p}{uneven}"
                 f"{f'x{v}' if v > 1 and self.pipeline_schedule == 'interleaved' else ''}"
-                f"{name.get(self.pipeline_schedule, '')} DP"
-                f"{self.data_parallel_size} ZeRO{self.zero_stage} mb{self.micro_batch_size} "
+                f"{name.get(self.pipeline_schedule, '')} DP{self.data_parallel_size}{experts} "
+                f"ZeRO{self.zero_stage} mb{self.micro_batch_size} "
                 f"recompute {self.recompute_granularity}{partial}")
 
 
@@ -108,15 +118,19 @@ class Model:
     flash_attention: bool = True  # fused attention keeps no a*s^2 score matrix
     device: str = "cuda"
     cross_entropy: str = "megalite"  # or "megatron": Megatron-LM's unfused, fp32 softmax kept
+    # dropless MoE at EP > 1: rows the busiest EP rank receives over the mean (moe_rows)
+    moe_imbalance: float = MOE_IMBALANCE
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, device: str = "cuda", attention_backend: str = "flash",
-                    cross_entropy: str = "megalite") -> "Model":
+                    cross_entropy: str = "megalite",
+                    moe_imbalance: float = MOE_IMBALANCE) -> "Model":
         e = 4 if cfg.params_dtype == "float32" else 2
         # CPU SDPA takes its flash kernel only without attention dropout
         flash = attention_backend == "flash" and (device == "cuda" or cfg.attention_dropout == 0)
-        return cls(cfg, e, 1 if device == "cuda" else e, flash, device, cross_entropy)
+        return cls(cfg, e, 1 if device == "cuda" else e, flash, device, cross_entropy,
+                   moe_imbalance)
 
     def flops(self, t: int) -> Dict[str, float]:
         """model_flops_per_sequence split (without a second copy of the formula): logits = the
@@ -132,10 +146,33 @@ class Model:
         return self.memo[t]
 
     def layer_params(self) -> int:
+        """Parameters of one dense layer (attention, norms, MLP)."""
         if "layer" not in self.memo:
-            n = [dataclasses.replace(self.cfg, num_layers=k).num_parameters(False) for k in (0, 1)]
+            n = [dataclasses.replace(self.cfg, num_layers=k, num_experts=None).num_parameters(False)
+                 for k in (0, 1)]
             self.memo["layer"] = n[1] - n[0]
         return self.memo["layer"]
+
+    def moe_layer_params(self) -> Dict[str, float]:
+        """One MoE layer's parameters, as ModelConfig counts them, by how they are split:
+        ``common`` (attention, norms, shared expert and its gate: over TP, as a dense layer's),
+        ``router`` (E x h, replicated on every rank: MoELayer.router) and ``expert`` (one expert's
+        MLP: E_local of them per rank, each over ETP)."""
+        if "moe" not in self.memo:
+            one = dataclasses.replace(self.cfg, num_layers=1, moe_layer_freq="1")
+            empty = dataclasses.replace(one, num_layers=0).num_parameters(False)
+            every, none = one.num_parameters(False), \
+                dataclasses.replace(one, moe_router_topk=0).num_active_parameters(False)
+            router = self.cfg.num_experts * self.cfg.hidden_size
+            self.memo["moe"] = {"common": none - empty - router, "router": router,
+                                "expert": (every - none) / self.cfg.num_experts}
+        return self.memo["moe"]
+
+    def moe_before(self) -> List[int]:
+        """MoE layers before each layer number (0..L): ModelConfig.moe_layer_pattern summed."""
+        if "moe_before" not in self.memo:
+            self.memo["moe_before"] = [0, *itertools.accumulate(self.cfg.moe_layer_pattern())]
+        return self.memo["moe_before"]
 
 
 def head_rank(lay: Layout) -> int:
@@ -144,19 +181,32 @@ def head_rank(lay: Layout) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_layers(L: int, p: int, v: int, v_shape: bool, first, last) -> tuple:
-    return tuple(tuple(e - s for s, e in rank) for rank in virtual_layer_ranges(
+def _chunk_ranges(L: int, p: int, v: int, v_shape: bool, first, last) -> tuple:
+    return tuple(tuple(range(s, e) for s, e in rank) for rank in virtual_layer_ranges(
         L, p, L // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
 
 
-def stage_chunks(m: Model, lay: Layout) -> tuple:
-    """Layers of each model chunk on each pipeline rank, as pretrain.py places them
-    (partition.virtual_layer_ranges; its one-line ConfigError for an invalid uneven split)."""
-    return _chunk_layers(m.cfg.num_layers, lay.pipeline_model_parallel_size,
+def stage_ranges(m: Model, lay: Layout) -> tuple:
+    """The layers (global numbers, a range per model chunk) on each pipeline rank, as pretrain.py
+    places them (partition.virtual_layer_ranges; its one-line ConfigError for an invalid uneven
+    split)."""
+    return _chunk_ranges(m.cfg.num_layers, lay.pipeline_model_parallel_size,
                          lay.virtual_pipeline_model_parallel_size,
                          lay.pipeline_schedule in V_SCHEDULES,
                          lay.decoder_first_pipeline_num_layers,
                          lay.decoder_last_pipeline_num_layers)
+
+
+def stage_chunks(m: Model, lay: Layout) -> tuple:
+    """Layers of each model chunk on each pipeline rank (stage_ranges' lengths)."""
+    return tuple(tuple(len(c) for c in rank) for rank in stage_ranges(m, lay))
+
+
+def moe_layers(m: Model, layers: range) -> int:
+    """How many of ``layers`` (consecutive) are MoE layers."""
+    if m.cfg.num_experts is None or not layers:
+        return 0
+    return m.moe_before()[layers[-1] + 1] - m.moe_before()[layers[0]]
 
 
 def recomputed(lay: Layout, n: int) -> int:
@@ -167,24 +217,45 @@ def recomputed(lay: Layout, n: int) -> int:
     return min(lay.recompute_num_layers or 1, n) if lay.recompute_method == "block" else n
 
 
-def chunk_activation_bytes(m: Model, lay: Layout, n: int) -> float:
-    """Bytes a model chunk of n layers keeps per micro-batch: full recompute keeps the input of
+def chunk_activation_bytes(m: Model, lay: Layout, layers: range) -> float:
+    """Bytes a model chunk of ``layers`` keeps per micro-batch: full recompute keeps the input of
     each checkpoint (a group of k layers under uniform, one of the first k layers under block)
     and everything of the layers block does not recompute."""
     b, t, sp = lay.micro_batch_size, lay.tensor_model_parallel_size, lay.sequence_parallel
+    experts = (lay.expert_model_parallel_size, lay.expert_tensor_parallel_size)
+
+    def whole(layers: range, rc: str = "none") -> float:  # dense and MoE layers kept whole
+        k = moe_layers(m, layers)
+        return (len(layers) - k) * layer_activation_bytes(m, b, t, sp, rc) \
+            + (k and k * layer_activation_bytes(m, b, t, sp, rc, experts))
     if lay.recompute_granularity != "full":
-        return n * layer_activation_bytes(m, b, t, sp, lay.recompute_granularity)
-    k, inp = lay.recompute_num_layers or 1, layer_activation_bytes(m, b, t, sp, "full")
+        return whole(layers, lay.recompute_granularity)
+    n, k, inp = len(layers), lay.recompute_num_layers or 1, \
+        layer_activation_bytes(m, b, t, sp, "full")
     if lay.recompute_method == "block":
-        return min(k, n) * inp + (n - min(k, n)) * layer_activation_bytes(m, b, t, sp)
+        return min(k, n) * inp + whole(layers[min(k, n):])
     return -(-n // k) * inp
 
 
+def stage_expert_params(m: Model, lay: Layout, r: int) -> float:
+    """Expert parameters one GPU of pipeline stage r holds: E/EP experts of each of its MoE
+    layers, each split over ETP (reduced and ZeRO-sharded over the expert-data-parallel group)."""
+    n = sum(moe_layers(m, c) for c in stage_ranges(m, lay)[r])
+    return n and n * m.cfg.num_experts / lay.expert_model_parallel_size \
+        * m.moe_layer_params()["expert"] / lay.expert_tensor_parallel_size
+
+
 def stage_params(m: Model, lay: Layout, r: int) -> float:
-    """Parameters one GPU of pipeline stage r holds (its TP shard)."""
+    """Parameters one GPU of pipeline stage r holds (its TP shard; of an MoE layer, the router
+    whole and its E/EP experts over ETP)."""
     cfg, t, p = m.cfg, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
     vh = cfg.padded_vocab_size(t) * cfg.hidden_size / t
-    n = sum(stage_chunks(m, lay)[r]) * m.layer_params() / t
+    layers = sum(stage_chunks(m, lay)[r])
+    n = layers * m.layer_params() / t
+    if cfg.num_experts is not None:
+        k, moe = sum(moe_layers(m, c) for c in stage_ranges(m, lay)[r]), m.moe_layer_params()
+        n += k * ((moe["common"] - m.layer_params()) / t + moe["router"]) \
+            + stage_expert_params(m, lay, r)
     if r == 0:
         n += vh + (cfg.max_position_embeddings * cfg.hidden_size
                    if cfg.position_embedding_type == "learned_absolute" else 0)
@@ -193,9 +264,11 @@ def stage_params(m: Model, lay: Layout, r: int) -> float:
     return n
 
 
-def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = "none") -> float:
+def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = "none",
+                           moe: Optional[tuple] = None) -> float:
     """Bytes one transformer layer keeps for backward per micro-batch: Korthikanti et al.'s
-    Table 2 term by term as megalite saves them (docs/planner.md measures each)."""
+    Table 2 term by term as megalite saves them (docs/planner.md measures each). ``moe``: (EP,
+    ETP) of an MoE layer, whose MLP is moe_activation_bytes; None: a dense MLP."""
     cfg, E = m.cfg, m.bytes_per_value
     s, h, f, a = cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
     q, kv = a * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
@@ -213,6 +286,11 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
     attn = 4 * q if kv < q else 2 * q + 2 * kv + (q + kv) * rope
     attn += 2 * q * (not m.flash_attention and m.device == "cpu" and recompute != "selective")
     mlp = 4 * f if cfg.swiglu else 2 * f  # fc1 output and fc2 input (SwiGLU: both halves + silu)
+    if moe is not None:
+        mlp, tokens = 0, s * b / rep
+        outside += moe_activation_bytes(m, tokens, *moe)
+        if E != _router_bytes(cfg) and not cfg.moe_shared_expert_intermediate_size:
+            outside -= tokens * h * E  # the MLP norm's output: only its cast copy is kept
     if recompute == "selective":
         scores = 0.0
     elif m.flash_attention:
@@ -220,6 +298,68 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
     else:  # softmax output, dropout mask and output: Korthikanti's 5as/h at E = 2
         scores = a * s * s * b * (E + (m.mask_bytes + E) * (cfg.attention_dropout > 0))
     return outside + (s * b * (attn + mlp) * E + scores) / t
+
+
+def _router_bytes(cfg: ModelConfig) -> int:
+    return 8 if cfg.moe_router_dtype == "fp64" else 4
+
+
+def moe_rows(m: Model, tokens: float, ep: int) -> tuple:
+    """(rows this rank sends to the experts, rows its experts receive) per micro-batch of an MoE
+    layer routing ``tokens``. Dropless: k per token sent; at EP 1 they are the rows received,
+    exactly; at EP > 1 the busiest rank's receive is ``m.moe_imbalance`` over the mean kT (at
+    most what EP sources can send to E/EP experts, min(k, E/EP) rows a token). With a capacity
+    factor C = ceil(k T cf / E) rows per expert from each source (router.expert_capacity): E C
+    both ways when padded to it, exactly, at most that unpadded."""
+    cfg = m.cfg
+    k, n_exp, cf = cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor
+    most = ep * min(k, n_exp // ep) / k  # every token of every source on this rank's experts
+    sent = k * tokens
+    recv = sent * (min(m.moe_imbalance, most) if ep > 1 else 1)
+    if cf is None:
+        return sent, recv
+    cap = n_exp * math.ceil(tokens * k / n_exp * cf)
+    if cfg.moe_pad_expert_input_to_capacity:
+        return cap, cap
+    return min(sent, cap), min(recv, cap)
+
+
+def moe_activation_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
+    """Bytes an MoE MLP (megalite/moe/layer.py, grouped GEMMs) keeps for backward per
+    micro-batch beyond its input, what autograd saves (docs/planner.md, "MoE", measures it):
+    ``tokens`` routed on this rank (s b, /t under SP, /C under CP)."""
+    cfg, E, rb = m.cfg, m.bytes_per_value, _router_bytes(m.cfg)
+    h, k, n_exp, fs = (cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts,
+                       cfg.moe_shared_expert_intermediate_size)
+    sent, recv = moe_rows(m, tokens, ep)
+    recv *= etp  # each ETP slice computes the rows its ETP peers received too
+    # router: the logits (or scores) in its dtype, the top-k indices (int64) and gates (fp32),
+    # unpermute's gate order (a slice of an argsort over all T x E), the input and the weight
+    # cast to its dtype
+    router = tokens * (n_exp * rb + 12 * k + 8 * n_exp + h * rb * (E != rb)) \
+        + n_exp * h * rb * (E != rb)
+    if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
+        router += tokens * (4 * n_exp + 8 * k)  # the balancing loss's scores and top-k
+    router += 4 * tokens * bool(cfg.moe_z_loss_coeff)  # z-loss: the log-sum-exp
+    if cfg.moe_expert_capacity_factor is not None:
+        router += 9 * tokens * n_exp  # the drop's per-expert ranking (int64) and kept mask
+    # per received row: the expert input, fc1's output and the activation (SwiGLU: both halves,
+    # silu, product) of this ETP slice; an int64 per row for each grouped GEMM, and for the
+    # order and inverse of each exchange's regrouping (alltoall._Reorder); the GEMMs' offsets
+    f = cfg.moe_ffn_hidden_size / etp
+    experts = recv * ((h + (4 if cfg.swiglu else 2) * f) * E + 16 + 16 * (ep > 1)) \
+        + 16 * recv * (etp > 1) + 8 * n_exp // ep
+    # per sent row, back on this rank: the expert output and its gated copy (index_add_ keeps its
+    # source), the gate, and the permutation's index
+    back = sent * (2 * h * E + E + 8)
+    # the shared expert: a dense MLP over TP (its fc1 output and fc2 input); the gate keeps the
+    # shared output and its sigmoid
+    # (under TP the layer has SP: the shared fc1's s b rows x fs/t columns are ``tokens`` x fs)
+    shared = 0.0
+    if fs:
+        shared = tokens * ((4 if cfg.swiglu else 2) * fs * E
+                           + (h * E + E) * cfg.moe_shared_expert_gate)
+    return router + experts + back + shared
 
 
 def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
@@ -274,8 +414,10 @@ def cp_local(m: Model, c: int) -> Model:
     """The model as one CP rank sees its activations: s/C tokens of each sequence."""
     if c == 1:
         return m
-    return dataclasses.replace(m, cfg=dataclasses.replace(m.cfg, seq_length=m.cfg.seq_length // c),
-                               memo={})
+    if ("cp", c) not in m.memo:  # one per C, so its own memo lasts over the search
+        m.memo[("cp", c)] = dataclasses.replace(
+            m, cfg=dataclasses.replace(m.cfg, seq_length=m.cfg.seq_length // c), memo={})
+    return m.memo[("cp", c)]
 
 
 def cp_kv_bytes(m: Model, lay: Layout) -> float:
@@ -310,49 +452,75 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     cfg, E, t, p = m.cfg, m.bytes_per_value, lay.tensor_model_parallel_size, \
         lay.pipeline_model_parallel_size
     b, s, h, sp = lay.micro_batch_size, cfg.seq_length, cfg.hidden_size, lay.sequence_parallel
-    psi = stage_params(m, lay, r)
-    st = theoretical_model_state_bytes(psi, lay.data_parallel_size * lay.context_parallel_size,
-                                       lay.zero_stage, cfg.params_dtype)  # ZeRO over DP x CP
+    ep, etp, d = lay.expert_model_parallel_size, lay.expert_tensor_parallel_size, \
+        lay.data_parallel_size * lay.context_parallel_size
+    psi, psi_e = stage_params(m, lay, r), stage_expert_params(m, lay, r)
+    # ZeRO over DP x CP; the experts over the expert-data-parallel group, t d / (ETP x EP)
+    parts = [theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)
+             for n, size in ((psi - psi_e, d), (psi_e, t * d // (etp * ep))) if n]
+    st = {k: sum(x[k] for x in parts) for k in parts[0]}
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
-    live, chunks = in_flight(lay, num_micro, r), stage_chunks(m, lay)[r]
-    act = live * sum(chunk_activation_bytes(m, lay, n) for n in chunks)  # chunks of equal size
+    live, ranges = in_flight(lay, num_micro, r), stage_ranges(m, lay)[r]
+    chunks, moe = tuple(len(c) for c in ranges), [moe_layers(m, c) for c in ranges]
+    act = live * sum(chunk_activation_bytes(m, lay, c) for c in ranges)
     vt = cfg.padded_vocab_size(t) / t
     # what a deferred W pass keeps (tensor_parallel/layers.py): every linear's input and output
-    # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input
+    # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input; an
+    # MoE layer's grouped expert GEMMs are not deferred (its shared expert's linears are)
     q, kv, f = cfg.num_attention_heads * cfg.kv_channels, \
         cfg.num_query_groups * cfg.kv_channels, cfg.ffn_hidden_size
-    w_layer = s * b * E * ((2 * q + 2 * kv + (2 + cfg.swiglu) * f) / t + 4 * h)
+    fs = cfg.moe_shared_expert_intermediate_size or 0
+    w_layer, w_moe = (s * b * E * ((2 * q + 2 * kv + (2 + cfg.swiglu) * width) / t
+                                   + (2 + 2 * (width > 0)) * h) for width in (f, fs))
+    w_chunk = [(n - k) * w_layer + k * w_moe for n, k in zip(chunks, moe)]
     w_head = s * b * E * (vt + h)
     if lay.pipeline_schedule in V_SCHEDULES:  # 2 chunks of L/(2p) layers; chunk 1 of rank 0
-        n = chunks[0]                         # holds the head
-        act = max(fw * chunk_activation_bytes(m, lay, n) + (w0 + w1) * n * w_layer
-                  + w1 * w_head * (r == 0)
+        one = max(chunk_activation_bytes(m, lay, c) for c in ranges)  # holds the head
+        act = max(fw * one + (w0 + w1) * max(w_chunk) + w1 * w_head * (r == 0)
                   for fw, w0, w1 in v_live_states(lay.pipeline_schedule, p, r, num_micro))
     if r == 0:  # token ids (int64) and the embedding's dropout mask
         act += live * s * b * (8 + h * m.mask_bytes * (cfg.hidden_dropout > 0) / (t if sp else 1))
     # transient working set, the largest of: a layer's backward (gradients of the fc1 output and
-    # of two [s, b, h] tensors, a weight-gradient temporary), plus the recomputed checkpoint (k
-    # layers under uniform; under block none beyond the stored layers freed before it); ...
+    # of two [s, b, h] tensors, a weight-gradient temporary; an MoE layer's, moe_backward_bytes),
+    # plus the recomputed checkpoint (k layers under uniform; under block none beyond the stored
+    # layers freed before it); ...
     fl, n = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t, max(chunks)
     again = min(lay.recompute_num_layers or 1, n) if lay.recompute_method != "block" else 1
-    work = [s * b * (2 * fl + 2 * h) * E + fl * h * E + cp_kv_bytes(m, lay)
-            + max(0, again - n + recomputed(lay, n)) * layer_activation_bytes(m, b, t, sp)]
+    kinds = [None] * (sum(moe) < sum(chunks)) + [(ep, etp)] * (sum(moe) > 0)  # dense, MoE
+    biggest = max(layer_activation_bytes(m, b, t, sp, "none", k) for k in kinds)
+    layer_work = max(s * b * (2 * fl + 2 * h) * E + fl * h * E if k is None else
+                     moe_backward_bytes(m, s * b / (t if sp else 1), ep, etp) for k in kinds)
+    work = [layer_work + cp_kv_bytes(m, lay) + max(0, again - n + recomputed(lay, n)) * biggest]
     if r == head_rank(lay):  # ... or the loss head; the final norm's input and output are kept
         act += s * b * 2 * h * E / (t if sp else 1)
         work.append(loss_head_bytes(m, b, t, sp))
     if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1)
-        act += r * (sum(chunks) * w_layer + w_head * (r == p - 1))
+        act += r * (sum(w_chunk) + w_head * (r == p - 1))
     grads = st["grads_bytes"]
     if lay.zero_stage == 2:  # fp32 storage of the buckets being filled and reduced
         grads += 4 * min(2 * DEFAULT_BUCKET_SIZE, psi)
     if lay.zero_stage == 3:  # the gathered unit in use with its gradient, the next one prefetched
         unit = m.layer_params() / t
+        if sum(moe):  # an MoE layer's (its experts a unit of their own at EP > 1, zero3.py)
+            unit = max(unit, (m.moe_layer_params()["common"] / t + m.moe_layer_params()["router"]
+                              + psi_e / sum(moe)))
         act += max(unit, vt * h * (r in (0, p - 1))) * (E + 4) + unit * E
     out = {"params": st["params_bytes"], "grads": grads,
            "optimizer": st["master_params_bytes"] + st["optimizer_states_bytes"],
            "activations": act + max(work)}
     out["total"] = sum(out.values())
     return out
+
+
+def moe_backward_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
+    """The transient working set of an MoE MLP's backward: the gradients of the received rows,
+    of their fc1 output and of the sent rows, and the grouped GEMMs' weight gradient of this
+    rank's E/EP experts (one projection)."""
+    cfg, E = m.cfg, m.bytes_per_value
+    sent, recv = moe_rows(m, tokens, ep)
+    fc1, h = (2 if cfg.swiglu else 1) * cfg.moe_ffn_hidden_size / etp, cfg.hidden_size
+    return (etp * recv * (2 * fc1 + 2 * h) + sent * h
+            + cfg.num_experts // ep * fc1 * h) * E
 
 
 def _gemm_s(flops: float, dims, gpu: GPU) -> float:
@@ -491,6 +659,27 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
                      lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
                      lay.micro_batch_size)
     c = lay.context_parallel_size
+    # pretrain.py's config checks see neither DP nor the micro-batch: once per rest of the layout
+    key = ("checks", cl.num_gpus, *(getattr(lay, f.name) for f in dataclasses.fields(Layout)
+                                    if f.name not in ("data_parallel_size", "micro_batch_size")))
+    if key not in m.memo:
+        m.memo[key] = _config_checks(m, lay, cl.num_gpus)
+    if m.memo[key] is not None:
+        return m.memo[key]
+    sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
+    if (t * c * p * d != cl.num_gpus or (v > 1 and m.cfg.num_layers % (p * v)) or gbs % (d * b)
+            or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
+            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
+        return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
+                "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
+                "DP x CP > 1")
+    return None
+
+
+def _config_checks(m: Model, lay: Layout, world_size: int) -> Optional[str]:
+    t, p = lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
+    ep, etp = lay.expert_model_parallel_size, lay.expert_tensor_parallel_size
+    moe = m.cfg.num_experts is not None
     try:
         cfg = m.cfg if lay.recompute_method is None is lay.recompute_num_layers else \
             dataclasses.replace(m.cfg, recompute_method=lay.recompute_method,
@@ -499,20 +688,18 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
                                     lay.recompute_granularity, lay.recompute_granularity))
         cfg.validate(t)
         pc = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=lay.sequence_parallel,
-                            context_parallel_size=c, cp_comm_type=lay.cp_comm_type)
+                            context_parallel_size=lay.context_parallel_size,
+                            cp_comm_type=lay.cp_comm_type, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp if moe or etp != 1 else None)
         pc.validate(seq_length=m.cfg.seq_length)
         pc.check_context_parallel(m.cfg)
+        if moe or (ep, etp) != (1, 1):  # pretrain.py's checks of the expert layout and its grid
+            MegaliteConfig(model=cfg, parallel=pc)._check_experts()
+            check_expert_grid_divisible(world_size, etp, ep, p)
         check_zero3_schedule(lay.zero_stage, lay.pipeline_schedule)
         stage_chunks(m, lay)  # pretrain.py's checks of the (uneven) layer placement
     except ConfigError as e:
         return str(e)
-    sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
-    if (t * c * p * d != cl.num_gpus or (v > 1 and m.cfg.num_layers % (p * v)) or gbs % (d * b)
-            or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
-            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
-        return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
-                "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
-                "DP x CP > 1")
     return None
 
 
@@ -528,7 +715,8 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
     def only(field: str, values):  # a pinned field's one value, before the products (speed)
         return [x for x in values if field not in fixed or x == fixed[field]]
     # what the search does not vary: partial recompute and uneven stages, pinned or absent
-    extra = [fixed.get(f.name) for f in dataclasses.fields(Layout)[11:]]
+    extra = [fixed.get(f.name) for f in dataclasses.fields(Layout)[11:15]]
+    num_experts = m.cfg.num_experts
     for t, p, c in itertools.product(only("tensor_model_parallel_size", div),
                                      only("pipeline_model_parallel_size", div),
                                      only("context_parallel_size", div)):
@@ -536,15 +724,22 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                 or (m.cfg.num_layers % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
             continue
         d = cl.num_gpus // (t * p * c)
+        # the expert grid: EP dividing the experts, ETP unsplit or as TP; ETP x EP dividing the
+        # stage's t c d ranks (check_layout has pretrain.py's checks)
+        grid = [(1, 1)] if num_experts is None else [
+            (e, x) for x in ([fixed["expert_tensor_parallel_size"]]
+                             if "expert_tensor_parallel_size" in fixed else sorted({1, t}))
+            for e in only("expert_model_parallel_size", range(1, num_experts + 1))
+            if num_experts % e == 0 and (t * c * d) % (e * x) == 0]
         vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
                               + [(v, "interleaved") for v in range(2, 9)
                                  if (m.cfg.num_layers // p) % v == 0] if p > 1 else [])
-        for (v, sched), b, z, sp, rc, ct in itertools.product(
+        for (v, sched), b, z, sp, rc, ct, (ep, etp) in itertools.product(
                 vs, only("micro_batch_size", (1, 2, 4, 8, 16)), only("zero_stage", range(4)),
                 only("sequence_parallel", (False, True)),
                 only("recompute_granularity", ("none", "selective", "full")),
-                CP_COMM_TYPES if c > 1 else ("p2p",)):
-            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra)
+                CP_COMM_TYPES if c > 1 else ("p2p",), grid):
+            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp)
             if all(getattr(lay, k) == x for k, x in fixed.items()) \
                     and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
                 mem = memory(m, lay, gbs)
@@ -561,21 +756,21 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
 
 
 # ------------------------------------------------------------------------------- pretrain.py
-def estimate_for_run(cfg, world_size: int, device: str, stage: int) -> Optional[Dict]:
-    """The planner's memory for the layout pretrain.py runs, at pipeline stage ``stage``; None
-    for a mixture-of-experts model, which the planner does not model yet."""
-    if cfg.model.num_experts is not None:
-        return None
+def estimate_for_run(cfg, world_size: int, device: str, stage: int,
+                     moe_imbalance: float = MOE_IMBALANCE) -> Optional[Dict]:
+    """The planner's memory for the layout pretrain.py runs, at pipeline stage ``stage``."""
     par, tr, opt = cfg.parallel, cfg.training, cfg.optimizer
     t, p, v = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                2 if tr.pipeline_schedule in V_SCHEDULES
                else par.virtual_pipeline_model_parallel_size or 1)
-    c = par.context_parallel_size
+    c, moe = par.context_parallel_size, cfg.model.num_experts is not None
     lay = Layout(t, p, v, world_size // (t * p * c),
                  opt.zero_stage,
                  cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",
                  tr.micro_batch_size,
                  tr.pipeline_schedule or default_schedule(v), c, par.cp_comm_type,
                  cfg.model.recompute_method, cfg.model.recompute_num_layers,
-                 tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers)
-    return memory(Model.from_config(cfg.model, device), lay, tr.global_batch_size, stage)
+                 tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers,
+                 par.expert_model_parallel_size, par.expert_tp_size if moe else 1)
+    return memory(Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance), lay,
+                  tr.global_batch_size, stage)

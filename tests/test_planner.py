@@ -25,8 +25,10 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite.memory import PeakTensorMemory, theoretical_model_state_bytes
+from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.planner import (
     GPUS,
+    MOE_IMBALANCE,
     Cluster,
     GiB,
     Layout,
@@ -35,7 +37,9 @@ from megalite.planner import (
     layer_activation_bytes,
     loss_head_bytes,
     memory,
+    moe_rows,
     plan,
+    stage_expert_params,
     stage_params,
     step_time,
     v_bubble,
@@ -227,7 +231,8 @@ def test_json_schema_and_single_layout(capsys):
             "sequence_parallel", "recompute_granularity", "micro_batch_size",
             "pipeline_schedule", "context_parallel_size", "cp_comm_type", "recompute_method",
             "recompute_num_layers", "decoder_first_pipeline_num_layers",
-            "decoder_last_pipeline_num_layers", "fits",
+            "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
+            "expert_tensor_parallel_size", "fits",
             "memory_gib", "step_time_s", "tflops_per_gpu", "mfu"]
     times = []
     for lay in out["layouts"]:
@@ -255,13 +260,18 @@ def test_json_schema_and_single_layout(capsys):
     assert theirs["memory_gib"]["activations"] > ours["memory_gib"]["activations"]
 
 
-def _plan_tool():
+def _load(folder: str, file: str):
+    """A script of tools/ or benchmarks/ as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("plan", os.path.join(ROOT, "tools", "plan.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    spec = importlib.util.spec_from_file_location(file[:-3], os.path.join(ROOT, folder, file))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan_tool():
+    return _load("tools", "plan.py")
 
 
 @pytest.mark.parametrize("args,want", [
@@ -472,6 +482,130 @@ def test_uneven_stages_memory_and_pace():
         cl = Cluster(8, 8, GPUS[H100])
         t_even, t_uneven = (step_time(m, x, cl, 16)["step_time_s"] for x in (even, uneven))
         assert (t_uneven < t_even) == faster, (vocab, t_even, t_uneven)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mixture of experts (docs/planner.md, "Mixture of experts")
+# ------------------------------------------------------------------------------------------------
+SMALL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
+         "--seq-length", "1024", "--vocab-size", "32768", "--swiglu", "--disable-bias-linear",
+         "--bf16", "--global-batch-size", "32", "--num-gpus", "8", "--gpu", "H100-80GB"]
+MOE_MODEL = SMALL + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+                     "256"]
+
+
+def _moe_cfg(**kw):
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128,
+                vocab_size=1024, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_moe_model_states_by_expert_grid():
+    """Expert parameters divide by EP x ETP and their ZeRO shards by the expert-data-parallel
+    group; router (replicated) and attention as the dense part, over TP and DP x CP; summed over
+    the model at EP 1 they are ModelConfig's count."""
+    cfg = _moe_cfg(moe_layer_freq="2", moe_shared_expert_intermediate_size=128,
+                   moe_shared_expert_gate=True)
+    m, moe = Model.from_config(cfg, "cpu"), Model.from_config(cfg, "cpu").moe_layer_params()
+    assert moe["router"] == 8 * 256 and moe["expert"] == 2 * 256 * 128 + 128 + 256  # GELU
+    assert stage_params(m, Layout(), 0) == cfg.num_parameters()  # 2 MoE + 2 dense layers, tied
+    expert = 2 * 8 * moe["expert"]  # two MoE layers' experts
+    for ep, etp, d, z in ((2, 1, 4, 1), (4, 1, 4, 2), (2, 2, 2, 3)):
+        lay = Layout(2, 1, 1, d, z, True, expert_model_parallel_size=ep,
+                     expert_tensor_parallel_size=etp)
+        e = stage_expert_params(m, lay, 0)
+        assert e == expert / (ep * etp)
+        dense = stage_params(m, lay, 0) - e
+        edp = 2 * d // (ep * etp)
+        got = memory(m, lay, 8 * d)
+        assert got["optimizer"] == pytest.approx(8 * (dense / d + e / edp))  # fp32 Adam moments
+        grads = 4 * (dense / d + e / edp) if z >= 2 else 4 * (dense + e)
+        assert got["grads"] - grads == (4 * min(2 * DEFAULT_BUCKET_SIZE, dense + e)
+                                        if z == 2 else 0)
+
+
+@pytest.mark.parametrize("dtype,kw", [
+    ("float32", {}),
+    ("bfloat16", dict(swiglu=True, moe_shared_expert_intermediate_size=256,
+                      moe_shared_expert_gate=True, moe_aux_loss_coeff=0.01,
+                      moe_z_loss_coeff=0.001)),
+    ("float32", dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)),
+], ids=["fp32", "bf16-swiglu-shared-gate-losses", "capacity-padded"])
+def test_moe_layer_activations_measured(dtype, kw):
+    """What one MoE TransformerLayer's forward saves for backward (each storage once, parameters
+    excluded), measured, against layer_activation_bytes (EP 1: every routed row is received)."""
+    from megalite.models.transformer import TransformerLayer
+
+    saved_bytes = _load("benchmarks", "activation_memory.py").saved_bytes
+    cfg = _moe_cfg(params_dtype=dtype, **kw)
+    torch.manual_seed(0)
+    layer = TransformerLayer(cfg, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.02)
+    x = torch.randn(128, 2, 256, dtype=getattr(torch, dtype), requires_grad=True)
+    got = saved_bytes(layer.train(), x, False)
+    want = layer_activation_bytes(Model.from_config(cfg, "cpu"), 2, 1, False, "none", (1, 1))
+    assert abs(got / want - 1) < 0.002, (got, want)
+
+
+def test_moe_rows_dropless_headroom_and_capacity():
+    """Dropless: k rows a token sent; received as many at EP 1, the headroom over that at EP > 1
+    (bounded by every source's tokens on one rank); a padded capacity E x C both ways."""
+    m = Model.from_config(_moe_cfg(), "cpu")
+    assert moe_rows(m, 100, 1) == (200, 200)
+    assert moe_rows(m, 100, 2) == (200, 200 * MOE_IMBALANCE)
+    assert moe_rows(dataclasses.replace(m, moe_imbalance=9.0), 100, 8) == (200, 200 * 4)
+    pad = Model.from_config(_moe_cfg(moe_expert_capacity_factor=1.5,
+                                     moe_pad_expert_input_to_capacity=True), "cpu")
+    assert moe_rows(pad, 100, 4) == (8 * 38, 8 * 38)  # C = ceil(2 x 100 / 8 x 1.5)
+
+
+def test_plan_moe_runs_and_pins_the_expert_grid(capsys):
+    """plan.py takes the MoE flags: EP and ETP are searched (EP divides the experts and ETP x EP
+    the ranks of a stage), or pinned; expert state shrinks with EP."""
+    tool = _load("tools", "plan.py")
+    pin = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+           "--sequence-parallel", "--zero-stage", "1", "--micro-batch-size", "1",
+           "--recompute-granularity", "selective", "--json", "--top", "100"]
+    assert tool.main([*MOE_MODEL, *pin]) == 0
+    layouts = json.loads(capsys.readouterr().out)["layouts"]
+    grid = {(x["expert_model_parallel_size"], x["expert_tensor_parallel_size"]): x
+            for x in layouts}  # (ETP 2 where pretrain.py runs experts split over TP)
+    assert {ep for ep, etp in grid if etp == 1} == {1, 2, 4, 8}
+    assert all(etp in (1, 2) and 8 % (ep * etp) == 0 for ep, etp in grid)
+    states = [grid[ep, 1]["memory_gib"]["params"] for ep in (1, 2, 4, 8)]
+    assert states == sorted(states, reverse=True) and states[0] > states[-1]
+    assert tool.main([*MOE_MODEL, *pin, "--expert-model-parallel-size", "4"]) == 0
+    assert {x["expert_model_parallel_size"] for x in json.loads(
+        capsys.readouterr().out)["layouts"]} == {4}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--expert-model-parallel-size", "3"], "--num-experts (8) must be divisible by "
+                                            "--expert-model-parallel-size (3)"),
+    (["--expert-model-parallel-size", "8", "--num-gpus", "4"],
+     "world size (4) / --pipeline-model-parallel-size (1) must be divisible by "
+     "--expert-tensor-parallel-size (1) x --expert-model-parallel-size (8)"),
+    (["--expert-tensor-parallel-size", "3"], "--moe-ffn-hidden-size (256) must be divisible"),
+])
+def test_plan_moe_bad_expert_grid_one_line(args, needle, capsys):
+    assert _load("tools", "plan.py").main([*MOE_MODEL, *args]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and needle in out.err, out.err
+    assert _load("tools", "plan.py").main([*SMALL, "--expert-model-parallel-size", "2"]) == 2
+    assert "need --num-experts" in capsys.readouterr().err
+
+
+def test_pretrain_estimate_moe_ep2(tmp_path):
+    """An EP 2 run (2 processes, 4 experts of a 4-layer model): the logged estimate, with the
+    dropless headroom, is within 10% of the measured peak."""
+    est, got, _ = _pretrain_estimate(tmp_path, 2, "--micro-batch-size", "2", "--num-experts",
+                                     "4", "--moe-ffn-hidden-size", "256",
+                                     "--expert-model-parallel-size", "2",
+                                     "--global-batch-size", "8")
+    assert abs(got / est - 1) < 0.10, (est, got)
 
 
 if __name__ == "__main__":  # the leave-one-out table of docs/planner.md

@@ -11,6 +11,12 @@ or --use-distributed-optimizer, --sequence-parallel, --recompute-granularity,
 --micro-batch-size, --pipeline-schedule, including zb-v and dualpipev) to evaluate that layout;
 flags not given are searched. --recompute-method/--recompute-num-layers (partial full recompute)
 and --decoder-first/last-pipeline-num-layers (uneven stages) are evaluated where given.
+
+A mixture-of-experts model takes pretrain.py's MoE flags (--num-experts, --moe-router-topk,
+--moe-ffn-hidden-size, --moe-layer-freq, --moe-shared-expert-intermediate-size, capacity ...);
+--expert-model-parallel-size and --expert-tensor-parallel-size pin the expert grid (searched
+otherwise: EP dividing the experts, ETP 1 or TP) and --moe-imbalance-factor sets the dropless
+receive headroom the memory model assumes (docs/planner.md, "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -23,9 +29,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.arguments import build_parser, config_from_namespace, layout_flags  # noqa: E402
-from megalite.config import ConfigError, default_schedule  # noqa: E402
+from megalite.config import (  # noqa: E402
+    ConfigError,
+    check_expert_grid_divisible,
+    default_schedule,
+)
 from megalite.planner import (  # noqa: E402
     GPUS,
+    MOE_IMBALANCE,
     USABLE_MEMORY_FRACTION,
     Cluster,
     GiB,
@@ -82,6 +93,21 @@ def why_lost(pl: Plan, best: Plan, cl: Cluster) -> str:
             f"{why} (+{dt[k]:.3f} s)")
 
 
+def check_expert_flags(cfg, given, num_gpus: int) -> None:
+    """pretrain.py's one-line refusals of the expert layout that no searched layout can avoid:
+    its checks (config._check_experts) with what the search may still choose chosen to pass
+    (SP on where TP is searched, ETP 1 where it is), and the expert grid's divisibility at the
+    pinned PP (1 if searched, the most permissive)."""
+    par = cfg.parallel
+    etp = par.expert_tensor_parallel_size if "--expert-tensor-parallel-size" in given else (
+        1 if cfg.model.num_experts is not None else None)
+    par = dataclasses.replace(par, expert_tensor_parallel_size=etp, sequence_parallel=(
+        par.sequence_parallel or "--sequence-parallel" not in given))
+    dataclasses.replace(cfg, parallel=par)._check_experts()
+    check_expert_grid_divisible(num_gpus, par.expert_tp_size, par.expert_model_parallel_size,
+                                par.pipeline_model_parallel_size)
+
+
 def build_plan_parser():
     p = build_parser()
     p.prog = "plan.py"
@@ -103,6 +129,10 @@ def build_plan_parser():
     g.add_argument("--cross-entropy", choices=["megalite", "megatron"], default="megalite",
                    help="megatron: Megatron-LM's unfused vocab-parallel cross entropy (fp32 "
                         "softmax kept, ~52 bytes moved per logit), as the published rows ran")
+    g.add_argument("--moe-imbalance-factor", type=float, default=MOE_IMBALANCE,
+                   help="dropless MoE at EP > 1: rows the busiest EP rank receives over the mean "
+                        "(1: balanced, as --moe-router-force-load-balancing runs; a measured "
+                        "max/mean; default %(default)s); planner only, no pretrain.py flag")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--top", type=int, default=10, help="layouts to print")
     return p
@@ -122,9 +152,15 @@ def parse(argv):
         raise ConfigError("--global-batch-size N is required to plan (DP and PP consume it)")
     if ns.top < 1:
         raise ConfigError(f"--top must be >= 1, got {ns.top}")
+    if not ns.moe_imbalance_factor >= 1:
+        raise ConfigError(f"--moe-imbalance-factor must be >= 1 (the busiest rank over the mean), "
+                          f"got {ns.moe_imbalance_factor}")
     cfg = config_from_namespace(ns)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
     cfg.model.validate(1)
+    if cfg.model.num_experts is not None or given & {"--expert-model-parallel-size",
+                                                      "--expert-tensor-parallel-size"}:
+        check_expert_flags(cfg, given, ns.num_gpus)
     gpu = GPUS[ns.gpu]
     over = {"memory_gib": ns.gpu_memory_gib, "peak_tflops": ns.peak_tflops,
             "intra_node_bandwidth_gbps": ns.intra_node_bandwidth_gbps,
@@ -148,7 +184,8 @@ def parse(argv):
         fixed["pipeline_schedule"] = default_schedule(v)
     if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
         stage_chunks(Model(cfg.model), Layout(**fixed))
-    model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy)
+    model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy,
+                              ns.moe_imbalance_factor)
     return model, cluster, ns.global_batch_size, fixed, ns
 
 
@@ -170,7 +207,9 @@ def main(argv=None) -> int:
         print(json.dumps({"layouts": [as_json(pl) for pl in shown]}))
         return 0
     gpu = cluster.gpu
-    print(f"{model.cfg.num_parameters() / 1e9:.2f}B parameters on {cluster.num_gpus} x "
+    active = (f" ({model.cfg.num_active_parameters() / 1e9:.2f}B active)"
+              if model.cfg.num_experts is not None else "")
+    print(f"{model.cfg.num_parameters() / 1e9:.2f}B parameters{active} on {cluster.num_gpus} x "
           f"{gpu.name} ({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB), global batch "
           f"{gbs}; {len(plans)} layouts, {sum(pl.fits for pl in plans)} fit")
     print(f"{'#':>3} {'layout':<52} {'fits':<4} {'mem GiB (par/grad/opt/act)':<28} "
