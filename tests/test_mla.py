@@ -1,8 +1,10 @@
 """Multi-latent attention (megalite/models/mla.py, docs/models.md "Multi-latent attention"):
 the layer equals HF's DeepseekV3Attention on the same weights, forward and backward, with and
 without a q latent, with plain and YaRN RoPE (its frequencies, cos/sin factor and DeepSeek's
-softmax scale); TP2 + SP and CP2 (p2p, a2a) pretrain runs equal one process; the FLOP and
-parameter counts match the layer; bad flag combinations are refused in one line."""
+softmax scale); TP2 (+ SP), CP2 (p2p, allgather, a2a), PP2 and DP2 ZeRO-3 with full
+recomputation pretrain runs equal one process; the FLOP and parameter counts match the layer;
+bad flag combinations are refused in one line; YaRN imports for a Llama, and a model trained
+here exports as DeepSeek-V3 (its HF parity: tests/test_convert_hf_moe.py)."""
 
 import pytest
 import torch
@@ -96,7 +98,11 @@ CASES = {"tp2_sp": (Q_LORA, ["--tensor-model-parallel-size", "2", "--sequence-pa
          "tp2": ([], ["--tensor-model-parallel-size", "2"]),
          "cp2_p2p": (Q_LORA, CP2 + ["p2p"]),  # V padded to the q/k width for the ring
          "cp2_allgather": (Q_LORA, CP2 + ["allgather"]),
-         "cp2_a2a": (Q_LORA, CP2 + ["a2a"])}
+         "cp2_a2a": (Q_LORA, CP2 + ["a2a"]),
+         "pp2": (Q_LORA, ["--pipeline-model-parallel-size", "2"]),
+         # parameters sharded over DP (the replicated latents' weights too), layers recomputed
+         "dp2_zero3_recompute": (Q_LORA, ["--zero-stage", "3", "--recompute-granularity",
+                                          "full"])}
 
 
 def _argv(model, layout, metrics):
