@@ -61,7 +61,7 @@ from megalite.moe.layer import MoELayer
 from megalite.optimizer.optimizer import FULL_FORMAT, merge_shard_state_dicts
 from megalite.param_meta import ParamMeta, param_meta
 from megalite.tensor_parallel.random import get_all_rng_states
-from megalite.tensor_parallel.utils import shard_tensor
+from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -249,8 +249,34 @@ def _experts_of(model_chunks) -> list:
 
 
 def _split_experts(model_chunks) -> list:
-    """The expert tensors of layers that split their experts over EP ranks (E_local < E)."""
-    return [e for e in _experts_of(model_chunks) if e.shape[0] != e.total]
+    """The expert tensors this rank holds a part of: split over EP ranks (E_local < E) or, under
+    ETP > 1, sliced over the ETP group (their metadata's ``tp_split``)."""
+    return [e for e in _experts_of(model_chunks)
+            if e.shape[0] != e.total or param_meta(e.param).tp_split]
+
+
+def _whole_shape(e: "_Expert", ps) -> Tuple[int, ...]:
+    """[E, ...] of one whole expert tensor: E_local x EP experts, each with its ETP slices."""
+    shape, m = [e.total, *e.shape[1:]], param_meta(e.param)
+    if m.tp_split:
+        shape[m.partition_dim] *= ps.etp_size
+    return tuple(shape)
+
+
+def _gather_whole(t: torch.Tensor, e: "_Expert", ps) -> torch.Tensor:
+    """This rank's part of an expert tensor -> the whole [E, ...] one: the ETP slices joined
+    along the parameter's partition dim, then the EP ranks' experts along dim 0."""
+    m = param_meta(e.param)
+    if m.tp_split and ps.etp_size > 1:
+        parts = t.new_empty((ps.etp_size,) + tuple(t.shape))
+        C.all_gather_into_tensor(parts.view(-1, *t.shape[1:]), t, group=ps.etp_group,
+                                 tag="checkpoint_experts")
+        t = unshard_tensors(list(parts.unbind(0)), m.partition_dim, m.partition_stride)
+    if C.group_size(e.group) > 1:
+        full = t.new_empty((t.shape[0] * C.group_size(e.group),) + tuple(t.shape[1:]))
+        C.all_gather_into_tensor(full, t, group=e.group, tag="checkpoint_experts")
+        t = full
+    return t
 
 
 def _optimizer_slots(optimizer, experts):
@@ -268,9 +294,11 @@ def _optimizer_slots(optimizer, experts):
 
 def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: int,
                     tmp: str) -> dict:
-    """The full [E, ...] tensors of every EP-split expert tensor (model, and with ``with_optim``
-    the optimizer's moments and fp32 masters), all-gathered over each layer's EP group one tensor
-    at a time; the writers (DP x CP rank 0) keep them, the other ranks only take part.
+    """The whole [E, ...] tensors of every expert tensor split over EP or sliced over ETP (model,
+    and with ``with_optim`` the optimizer's moments and fp32 masters), all-gathered over each
+    layer's ETP and EP groups one tensor at a time (``_gather_whole``); the writers (DP x CP rank
+    0) keep them, the other ranks only take part. So the files hold whole experts whatever the
+    EP and ETP sizes.
 
     A ZeRO-3 chunk holds 1/EDP of its expert weights: each rank first all-gathers its expert
     units over EDP (its EP rank's [E_local, ...], kept until its own gathers are done: every rank
@@ -280,7 +308,7 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
     pipeline stage, whose ranks hold the same layers); a pre-check as ZeRO-3's, agreed by every
     rank of the world, makes a rank that could not allocate them stop every rank instead of
     leaving its EP peers in a gather."""
-    if ps.ep_size == 1:  # (every rank of the world has the same EP size)
+    if ps.ep_size == 1 and ps.etp_size == 1:  # (every rank of the world has the same sizes)
         return {}
     experts = _split_experts(model_chunks)  # none on a stage of dense layers: it still agrees
     zero3 = {i for i, c in enumerate(model_chunks) if getattr(c, "zero_stage", 0) == 3}
@@ -290,19 +318,18 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
     # (where, this rank's tensor, its shape and dtype, group); tensors are fetched when gathered
     jobs = [(("model", e.chunk, e.key),
              (lambda e=e: local[(e.chunk, e.key)]) if e.chunk in zero3 else (lambda e=e: e.param),
-             e.shape, e.param.dtype, e.group) for e in experts]
+             e.param.dtype, e) for e in experts]
     if with_optim:
         for e, i, j, m in _optimizer_slots(optimizer, experts):
             st = optimizer.inner.state.get(m, {})
-            jobs += [(("state", j, k), lambda t=st[k]: t, st[k].shape, st[k].dtype, e.group)
+            jobs += [(("state", j, k), lambda t=st[k]: t, st[k].dtype, e)
                      for k in sorted(st) if torch.is_tensor(st[k]) and st[k].shape == m.shape]
             if m is not e.param:  # a 16-bit model's fp32 master
-                jobs.append((("master", i), lambda m=m: m, m.shape, m.dtype, e.group))
+                jobs.append((("master", i), lambda m=m: m, m.dtype, e))
     keep = ps.dp_cp_rank == 0
 
-    def full_of(shape, dtype, group):
-        return torch.empty((shape[0] * C.group_size(group),) + tuple(shape[1:]), dtype=dtype,
-                           device=ps.device)
+    def full_of(dtype, e):
+        return torch.empty(_whole_shape(e, ps), dtype=dtype, device=ps.device)
 
     def precheck():
         if fault_hook is not None:
@@ -311,7 +338,8 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
         if jobs:
             fulls = [j[2:] for j in jobs]
             probe += [full_of(*f) for f in fulls] if keep else [full_of(*max(
-                fulls, key=lambda f: math.prod(f[0]) * torch.empty((), dtype=f[1]).element_size()))]
+                fulls, key=lambda f: math.prod(_whole_shape(f[1], ps))
+                * torch.empty((), dtype=f[0]).element_size()))]
         del probe
 
     _agree_on_save(ps, _attempt(precheck), iteration, tmp)
@@ -322,10 +350,8 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
             local.update({(i, k): v.to(chunk.compute_dtype)
                           for k, v in chunk.split_flat(u, flat).items()})
             del flat
-        for where, tensor, shape, dtype, group in jobs:
-            full = full_of(shape, dtype, group)
-            C.all_gather_into_tensor(full, tensor().detach().contiguous(), group=group,
-                                     tag="checkpoint_experts")
+        for where, tensor, _, e in jobs:
+            full = _gather_whole(tensor().detach().contiguous(), e, ps)
             if keep:
                 out[where] = full
     return {"model": {w: t for w, t in out.items() if w[0] == "model"},
@@ -364,11 +390,11 @@ def _keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optim
             t = shard_tensor(t, m.partition_dim, ps.etp_rank, ps.etp_size, m.partition_stride)
         return t.clone()
 
-    split = [e for e in experts if e.shape[0] != e.total]
+    split = _split_experts(model_chunks)
     for e in split:
         sd = state.get(_chunk_key(e.chunk, len(model_chunks)), {})
         if e.key in sd:  # a missing key is reported by load_state_dict
-            sd[e.key] = local(sd[e.key], e, e.key)
+            sd[e.key] = local(sd[e.key], e, e.key, etp=True)
     if opt_sd is None:
         return
     if opt_sd.get("format") == FULL_FORMAT:
@@ -385,9 +411,9 @@ def _keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optim
         st = packed.get(j, {})
         for k, v in st.items():
             if torch.is_tensor(v) and v.dim() == m.dim():
-                st[k] = local(v, e, f"the optimizer's {k} of {e.key}")
+                st[k] = local(v, e, f"the optimizer's {k} of {e.key}", etp=True)
         if masters is not None and i < len(masters):
-            masters[i] = local(masters[i], e, f"the fp32 master of {e.key}")
+            masters[i] = local(masters[i], e, f"the fp32 master of {e.key}", etp=True)
 
 
 def _attempt(fn) -> Optional[BaseException]:

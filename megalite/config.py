@@ -805,12 +805,13 @@ class ParallelConfig(_Section):
         "p2p", "context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses)",
         choices=CP_COMM_TYPES, layout=True)
     # The folded expert grid (docs/moe.md): each stage's TP x CP x DP ranks cut into ETP x EP x
-    # EDP (the planner's Layout has both fields)
+    # EDP. Not layout=True until the planner's Layout has these fields: tools/plan.py pins every
+    # layout flag given, and would fail on one its layouts lack.
     expert_model_parallel_size: int = setting(
-        1, "EP: the experts of a layer are split over this many ranks", layout=True)
+        1, "EP: the experts of a layer are split over this many ranks")
     expert_tensor_parallel_size: Optional[int] = setting(
         None, "ETP: each expert's weights split over this many ranks (default "
-        "--tensor-model-parallel-size, as Megatron)", layout=True)
+        "--tensor-model-parallel-size, as Megatron)")
     distributed_backend: Optional[str] = setting(None, "default nccl on CUDA, gloo on CPU",
                                                  choices=("gloo", "nccl"))
     device: Optional[str] = setting(None, "default cuda when available", choices=("cpu", "cuda"))
@@ -1216,13 +1217,6 @@ class MegaliteConfig(_Section):
             raise ConfigError(f"--expert-tensor-parallel-size {etp} with expert biases: pass "
                               f"--disable-bias-linear, or --expert-tensor-parallel-size 1 (its "
                               f"default is --tensor-model-parallel-size, {t})")
-        # Not implemented yet, each refused rather than run wrongly (docs/moe.md, "Status"):
-        ck = self.checkpoint
-        if etp > 1 and (ck.save or ck.load):
-            raise ConfigError(f"--expert-tensor-parallel-size {etp} with --save/--load: "
-                              f"checkpoints of experts split by tensor parallelism are not "
-                              f"supported yet; pass --expert-tensor-parallel-size 1 to save or "
-                              f"resume")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

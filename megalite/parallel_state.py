@@ -140,10 +140,11 @@ class ParallelState:
 
     @property
     def experts_apart(self) -> bool:
-        """Whether expert weights are laid out otherwise than dense ones (EP > 1, or ETP != TP):
-        then their gradients are reduced and ZeRO-sharded over the expert-data-parallel group
-        and their norm is summed over ETP x EP (clip_grads.py), not by the dense rules."""
-        return self.ep_size > 1 or self.etp_size != self.tp_size
+        """Whether expert weights take their own path (EP > 1, ETP > 1, or ETP != TP, i.e. any
+        of EP, ETP, TP above 1): their gradients are reduced and ZeRO-sharded over the
+        expert-data-parallel group, their norm is summed over ETP x EP (clip_grads.py), and ZeRO
+        files record the expert grid (their slices change with ETP even where ETP = TP)."""
+        return max(self.ep_size, self.etp_size, self.tp_size) > 1
 
     # Gradients and ZeRO shards: DP x CP, which is the DP group itself when CP is 1 (also in a
     # state built by hand with only a DP group).

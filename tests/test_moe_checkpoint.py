@@ -92,6 +92,9 @@ class _Reshard:
         ct.reshard(src, dst, Layout(tp, pp), iteration=it, **self.kw)
 
 
+NO_BIAS = ["--disable-bias-linear"]
+ETP2 = NO_BIAS + ["--tensor-model-parallel-size", 2, "--sequence-parallel"]  # ETP = TP
+ETP1 = ["--expert-tensor-parallel-size", 1]
 TP2_PP2 = ["--tensor-model-parallel-size", 2, "--sequence-parallel",
            "--expert-tensor-parallel-size", 1, "--pipeline-model-parallel-size", 2]
 ZERO_CASES = {  # name: (EP, flags) of runs that continue the EP 2 x EDP 2 ZeRO-1 run
@@ -115,9 +118,19 @@ def runs(tmp_path_factory):
         _argv(2, d / "save_ep2.jsonl", *save),
         _argv(2, d / "ep2_from_ep2.jsonl", "--load", ep2),
         _argv(2, d / "ep2_from_ep1.jsonl", "--load", ep1),  # ... resumed at EP 2
+        # experts sliced over ETP (= TP 2, the default; no linear biases) save whole experts:
+        # resumed at ETP 1 on the same TP, and split over EP 2 instead, ZeRO 0 and ZeRO 1
+        _argv(1, d / "save_etp2.jsonl", *ETP2, "--save", d / "ck_etp2", *save[2:]),
+        _argv(1, d / "etp1_from_etp2.jsonl", *ETP2, *ETP1, "--load", d / "ck_etp2"),
+        _argv(2, d / "ep2_from_etp2.jsonl", *ETP2, *ETP1, "--load", d / "ck_etp2"),
+        _argv(1, d / "save_etp2_zero1.jsonl", *ETP2, "--zero-stage", 1, "--save",
+              d / "ck_etp2_zero1", *save[2:]),
+        _argv(2, d / "ep2_zero1_from_etp2_zero1.jsonl", *ETP2, *ETP1, "--zero-stage", 1,
+              "--load", d / "ck_etp2_zero1"),
     ], _argv(2, d / "fail.jsonl", "--save", d / "ck_fail", "--exit-interval", 1), timeout=300)
     (d / "fails.json").write_text(json.dumps(fails))
     assert run_main(_argv(1, d / "ep1_from_ep2.jsonl", "--load", ep2)) == 0
+    assert run_main(_argv(1, d / "whole_no_bias.jsonl", *NO_BIAS)) == 0
     # PP 2 with a dense first stage: its ranks hold no expert, yet agree with those that gather
     pp = ["--pipeline-model-parallel-size", 2, "--moe-layer-freq", "[0,1]"]
     save[1] = d / "ck_pp2"
@@ -158,6 +171,20 @@ def test_resume_at_another_ep_continues_the_run(runs, name):
         v = saved[it] if it <= SAVED else got[it]
         rel = abs(v - whole[it]) / abs(whole[it])
         assert rel <= 1e-5, f"{name} iteration {it}: {v} vs uninterrupted {whole[it]} ({rel:.1e})"
+
+
+@pytest.mark.parametrize("saved,resumed", [("etp2", "etp1_from_etp2"),
+                                           ("etp2", "ep2_from_etp2"),
+                                           ("etp2_zero1", "ep2_zero1_from_etp2_zero1")])
+def test_etp_checkpoint_resumes_at_another_expert_grid(runs, saved, resumed):
+    """Experts sliced over ETP 2 (TP 2) are saved whole (ZeRO 0: gathered into the model and
+    optimizer files; ZeRO 1: the per-rank shards merged by the slices' partition dims): they
+    resume at ETP 1, replicated or split over EP 2, with the uninterrupted run's losses."""
+    whole = _losses(runs / "whole_no_bias.jsonl")
+    got = {**_losses(runs / f"save_{saved}.jsonl"), **_losses(runs / f"{resumed}.jsonl")}
+    assert sorted(got) == list(range(1, ITERS + 1))
+    for it, v in got.items():
+        assert abs(v - whole[it]) <= 1e-5 * abs(whole[it]), (resumed, it, v, whole[it])
 
 
 def test_ep2_checkpoint_stores_every_expert_by_global_index(runs):

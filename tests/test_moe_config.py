@@ -247,8 +247,6 @@ def test_library_config_validates_like_the_cli():
     (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # ETP = TP by default
      "--expert-tensor-parallel-size 2 with expert biases: pass --disable-bias-linear"),
-    (["--expert-tensor-parallel-size", "2", "--disable-bias-linear", "--save", "x"],
-     "--expert-tensor-parallel-size 2 with --save/--load"),
 ])
 def test_what_moe_does_not_do_yet_is_refused_in_one_line(extra, needle):
     from megalite.arguments import parse_args

@@ -574,9 +574,11 @@ def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
         parts = {te: merge_pieces(pieces(sds, True), want) for te, sds in grid.items()}
         for name in parts[(0, 0)]:
             m = meta_of(name)
-            if etp > 1 and not m.tp_split:
+            # (the partition dim, not tp_split: this run may hold the expert whole, ETP 1)
+            if etp > 1 and m.partition_dim == 0:
                 raise ValueError(f"the optimizer state of {name} is split over {etp} expert-"
-                                 f"tensor-parallel ranks, but the parameter declares no split")
+                                 f"tensor-parallel ranks, but the parameter declares no "
+                                 f"partition dim for its slices")
             params[name] = {}
             for k in ADAM_KINDS:
                 slices = [torch.cat([parts[(t, e)][name][k] for e in range(ep)])
