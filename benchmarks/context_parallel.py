@@ -106,21 +106,22 @@ def _torch_cp_step(args, seq, size):
 def _contiguous_step(q, k, v, rank, size):
     """The contiguous split's attention work of rank ``rank`` (queries = the rank's s/C tokens,
     keys = everything up to them), forward and backward, computed locally."""
-    from megalite.context_parallel import attention as A
+    from megalite.context_parallel import attention as A, blocks
 
     scale, sl = q.shape[-1] ** -0.5, q.shape[2]
     mine = slice(rank * sl, (rank + 1) * sl)
     kd, vd, kp, vp = k[:, :, mine], v[:, :, mine], k[:, :, :rank * sl], v[:, :, :rank * sl]
+    kernel = blocks.select(q, k)  # the one CP's own blocks run here
 
     def step():
-        o, lse = A._block_fwd(q, kd, vd, True, scale)
+        o, lse = kernel.fwd(q, kd, vd, True, scale)
         out, lse = o.float(), lse.clone()
         if rank:
-            A._merge(out, lse, *A._block_fwd(q, kp, vp, False, scale))
+            A._merge(out, lse, *kernel.fwd(q, kp, vp, False, scale))
         out = out.to(q.dtype)
-        A._block_bwd(out, q, kd, vd, out, lse, True, scale)
+        kernel.bwd(out, q, kd, vd, out, lse, True, scale)
         if rank:
-            A._block_bwd(out, q, kp, vp, out, lse, False, scale)
+            kernel.bwd(out, q, kp, vp, out, lse, False, scale)
     return step
 
 

@@ -1,8 +1,10 @@
 """Context-parallel attention equals one process's causal attention on the whole sequence.
 
 Every comm type (p2p ring, allgather, a2a), forward and backward (grads of q, k, v), with and
-without GQA, at C = 2 and 4: each rank computes the reference on the whole sequence itself and
-compares its load-balanced shard (``sharding.shard``) of the output and of the gradients.
+without GQA, at C = 2 and 4, on the fused CPU blocks and on the math ones
+(``--cp-attention-kernel math``): each rank computes the reference on the whole sequence itself
+and compares its load-balanced shard (``sharding.shard``) of the output and of the gradients.
+The block kernels themselves: test_context_parallel_blocks.py.
 """
 
 import pytest
@@ -18,7 +20,7 @@ from tests.dist_utils import run_distributed
 B, N, S, D = 2, 8, 32, 8  # 2C chunks of S: 4 tokens at C = 4; K/V groups N or C (GQA)
 
 
-def _case(group, rank, size, comm, groups, dtype, seed):
+def _case(group, rank, size, comm, groups, dtype, seed, kernel="auto"):
     """Max abs error of (out, dq, dk, dv) of CP attention against the whole-sequence reference,
     relative to the reference's largest magnitude."""
     gen = torch.Generator().manual_seed(seed)
@@ -30,7 +32,7 @@ def _case(group, rank, size, comm, groups, dtype, seed):
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
     local = [shard(t.detach(), rank, size, 2).requires_grad_() for t in (q, k, v)]
     C.reset_bytes_sent()
-    out = A.context_parallel_attention(*local, group, comm)
+    out = A.context_parallel_attention(*local, group, comm, kernel=kernel)
     assert out.dtype == dtype and out.shape == local[0].shape
     grads = torch.autograd.grad(out, local, shard(dout, rank, size, 2).to(dtype))
     return [float((a.detach().float() - shard(b.detach(), rank, size, 2)).abs().max()
@@ -51,6 +53,7 @@ def _all_cases(rank, size):
                 "a2a": {"cp_a2a": 2 * (size - 1) * B * (S // size) * D * (2 * N + 2 * g) * 4
                         // size}}[comm]
         assert C.bytes_sent() == want, (comm, C.bytes_sent(), want)
+        errs[comm, "math"] = _case(group, rank, size, comm, size, torch.float32, 5, "math")
     bf16 = {comm: _case(group, rank, size, comm, size, torch.bfloat16, 3)
             for comm in ("p2p", "allgather", "a2a")}
     return errs, bf16
@@ -86,20 +89,6 @@ def test_what_the_attention_needs_is_refused_by_the_config(size):
         with pytest.raises(ConfigError, match=match):
             ParallelConfig(context_parallel_size=size, cp_comm_type=comm).check_context_parallel(
                 ModelConfig(**{**model, **extra}))
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_math_block_matches_the_fused_kernel(causal):
-    """The plain fallback (devices without a fused (out, lse) kernel) against the CPU kernel."""
-    gen = torch.Generator().manual_seed(0)
-    q, dout = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(2, 4, 6, 8, generator=gen)
-    k, v = torch.randn(2, 2, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)
-    out, lse = A._block_fwd(q, k, v, causal, 0.3)
-    m_out, m_lse = A._math_fwd(q, k, v, causal, 0.3)
-    assert torch.allclose(out, m_out, atol=1e-5) and torch.allclose(lse, m_lse, atol=1e-5)
-    for a, b in zip(A._block_bwd(dout, q, k, v, out, lse, causal, 0.3),
-                    A._math_bwd(dout, q, k, v, out, lse, causal, 0.3)):
-        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5)
 
 
 def test_chunk_owner_inverts_chunk_ids():

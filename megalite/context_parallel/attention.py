@@ -16,70 +16,27 @@ causal structure of a block is known from the ranks alone: against its own K/V a
 causal (its two chunks are in increasing order); against an earlier rank j < r all local queries
 see only j's first chunk; against a later rank only the local second chunk sees anything, and it
 sees all of j's K/V. No step computes a fully masked block, and no block needs a mask other than
-a square causal one.
+a square causal one. Each block runs one kernel of ``blocks.py`` (an exact math path, the fused
+CPU kernel, the CUDA SDPA kernels), all with the same (out, lse) forward and backward.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megalite import collectives as C
+from megalite.context_parallel import blocks
 from megalite.context_parallel.sharding import chunk_ids, chunk_owner, shard
 
 
-# ---- one block of attention: (out, lse) forward and its backward given the merged out/lse ----
-
-def _block_fwd(q, k, v, causal: bool, scale: float):
-    """One block: (out [b, n, sq, d] in q's dtype, lse [b, n, sq] fp32); k, v may have fewer
-    heads (GQA). ``causal`` only for square blocks (the kernels align the mask top-left)."""
-    if q.device.type == "cpu":  # the fused CPU kernel returns the fp32 lse, also for bf16
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-    return _math_fwd(q, k, v, causal, scale)
-
-
-def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) of one block, given the *merged* out and lse of the rows: P = exp(S - lse)
-    is then this block's share of the full softmax, so block gradients sum to the full ones."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    return _math_bwd(dout, q, k, v, out, lse, causal, scale)
-
-
-def _scores(q, k, causal, scale):
-    s = q.float() @ k.float().repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)
-    s = s * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
-    return s
-
-
-def _math_fwd(q, k, v, causal, scale):
-    """Plain q@k^T attention with an fp32 softmax, for devices without a fused (out, lse) path."""
-    s = _scores(q, k, causal, scale)
-    lse = s.logsumexp(-1)
-    p = (s - lse.unsqueeze(-1)).exp()
-    return (p @ v.float().repeat_interleave(q.shape[1] // v.shape[1], 1)).to(q.dtype), lse
-
-
-def _math_bwd(dout, q, k, v, out, lse, causal, scale):
-    rep = q.shape[1] // k.shape[1]
-    p = (_scores(q, k, causal, scale) - lse.unsqueeze(-1)).exp()
-    do = dout.float()
-    dp = do @ v.float().repeat_interleave(rep, 1).transpose(-1, -2)
-    ds = p * (dp - (do * out.float()).sum(-1, keepdim=True)) * scale
-    dq = ds @ k.float().repeat_interleave(rep, 1)
-    fold = lambda t: t.unflatten(1, (-1, rep)).sum(2)  # noqa: E731  the GQA heads' K/V share
-    return (dq.to(q.dtype), fold(ds.transpose(-1, -2) @ q.float()).to(k.dtype),
-            fold(p.transpose(-1, -2) @ do).to(v.dtype))
-
+# ---- merging blocks (each block's kernel: blocks.py) ----
 
 def _merge(out, lse, blk_out, blk_lse):
     """Fold a block's (out, lse) into the fp32 running (out, lse), in place (views allowed)."""
@@ -139,13 +96,13 @@ def _ring_block(rank, src, half):
             slice(None, half) if src < rank else slice(None))
 
 
-def _ring_fwd(q, k, v, group, scale):
+def _ring_fwd(q, k, v, group, scale, kernel):
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, out, lse = torch.stack([k, v]), None, None
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
         rows, keys = _ring_block(rank, (rank - step) % size, half)
-        o, l = _block_fwd(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0, scale)
+        o, l = kernel.fwd(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0, scale)
         if step == 0:  # own K/V: the causal diagonal
             out, lse = o.float(), l.clone()
         else:
@@ -155,7 +112,7 @@ def _ring_fwd(q, k, v, group, scale):
     return out.to(q.dtype), lse
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group, scale):
+def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel):
     """K/V go round again; each rank adds its share to the travelling fp32 dK/dV, which after C
     steps arrives back at its owner (the last hop runs from rank r-1 to r)."""
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
@@ -164,7 +121,7 @@ def _ring_bwd(dout, q, k, v, out, lse, group, scale):
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
         rows, keys = _ring_block(rank, (rank - step) % size, half)
-        g = _block_bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+        g = kernel.bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                        out[:, :, rows], lse[:, :, rows], step == 0, scale)
         dq[:, :, rows] += g[0]
         _wait(dreqs)  # these K/V's dK/dV so far, from the ranks that held them before
@@ -196,21 +153,21 @@ def _prefix_blocks(rank, size, chunk):
                                                                                (c + 1) * chunk)
 
 
-def _allgather_fwd(q, k, v, group, scale):
+def _allgather_fwd(q, k, v, group, scale, kernel):
     kv = _gather_kv(k, v, group)
     out = torch.empty_like(q, dtype=torch.float32)
     lse = out.new_empty(q.shape[:3])
     for rows, pre, diag in _prefix_blocks(C.group_rank(group), C.group_size(group),
                                           q.shape[2] // 2):
-        o, l = _block_fwd(q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True, scale)
+        o, l = kernel.fwd(q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True, scale)
         out[:, :, rows], lse[:, :, rows] = o.float(), l
         if pre.stop > 0:
             _merge(out[:, :, rows], lse[:, :, rows],
-                   *_block_fwd(q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False, scale))
+                   *kernel.fwd(q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False, scale))
     return out.to(q.dtype), lse
 
 
-def _allgather_bwd(dout, q, k, v, out, lse, group, scale):
+def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel):
     """K/V are gathered again rather than kept (the memory CP saves); dK/dV of the whole sequence
     are reduce-scattered back to the ranks that own them."""
     size = C.group_size(group)
@@ -220,7 +177,7 @@ def _allgather_bwd(dout, q, k, v, out, lse, group, scale):
     dkv = kv.new_zeros((size, 2) + tuple(k.shape), dtype=torch.float32)  # [owner rank, k|v, ...]
     for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk):
         for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > 0 else []):
-            g = _block_bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+            g = kernel.bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
                            out[:, :, rows], lse[:, :, rows], causal, scale)
             dq[:, :, rows] += g[0]
             for i, part in enumerate(torch.stack(g[1:]).split(chunk, dim=3)):
@@ -290,21 +247,22 @@ class _HeadsToSeq(torch.autograd.Function):
 class _Attention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, comm_type, scale):
-        ctx.group, ctx.comm_type, ctx.scale = group, comm_type, scale
-        out, lse = (_ring_fwd if comm_type == "p2p" else _allgather_fwd)(q, k, v, group, scale)
+    def forward(ctx, q, k, v, group, comm_type, scale, kernel):
+        ctx.group, ctx.comm_type, ctx.scale, ctx.kernel = group, comm_type, scale, kernel
+        fwd = _ring_fwd if comm_type == "p2p" else _allgather_fwd
+        out, lse = fwd(q, k, v, group, scale, kernel)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        group, scale, saved = ctx.group, ctx.scale, ctx.saved_tensors
         bwd = _ring_bwd if ctx.comm_type == "p2p" else _allgather_bwd
-        return (*bwd(dout.contiguous(), *saved, group, scale), None, None, None)
+        grads = bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale, ctx.kernel)
+        return (*grads, None, None, None, None)
 
 
 def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None,
-                               local_attention=None):
+                               local_attention=None, kernel: str = "auto"):
     """Causal attention of this rank's queries against the whole sequence.
     q: [b, n, s_local, d]; k, v: [b, g, s_local, d] (SDPA layout, g divides n: GQA);
     s_local = s / C, the two chunks sharding.chunk_ids(cp_rank, C) in local order.
@@ -312,6 +270,8 @@ def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=
     cp_group None or of size 1: plain causal SDPA. comm_type: "p2p" | "allgather" | "a2a".
     ``local_attention(q, k, v)``: a2a only, the attention of one head shard over the whole
     sequence in natural order (default: causal SDPA; a layer with a sliding window passes its own).
+    ``kernel`` (--cp-attention-kernel): "auto" (the fused kernels, ``blocks.select``) or "math"
+    (the exact fp32 blocks under p2p and allgather, SDPA's math backend under a2a).
     What this needs is checked once, where the caller's configuration is validated
     (``ParallelConfig.check_context_parallel``; ``validate`` for the comm type name), not again
     here: an even s_local, n and g divisible by C under a2a, no attention dropout."""
@@ -322,8 +282,10 @@ def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if comm_type == "a2a":
         qh, kh, vh = _SeqToHeads.apply(cp_group, q.contiguous(), k.contiguous(), v.contiguous())
-        oh = (local_attention or partial(F.scaled_dot_product_attention, is_causal=True,
-                                         scale=scale, enable_gqa=gqa))(qh, kh, vh)
+        attend = local_attention or partial(F.scaled_dot_product_attention, is_causal=True,
+                                            scale=scale, enable_gqa=gqa)
+        with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else nullcontext():
+            oh = attend(qh, kh, vh)
         return _HeadsToSeq.apply(cp_group, oh.contiguous())
     return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
-                            scale)
+                            scale, blocks.select(q, k, kernel))
