@@ -1,8 +1,10 @@
 """Helpers for benchmarks/gpu_check.sh (run that, not this): env report, CUDA-vs-CPU correctness,
-and the summary. Each subcommand writes one JSON result to --result; exit code 0 = pass.
+the context-parallel block kernels, and the summary. Each subcommand writes one JSON result to
+--result; exit code 0 = pass, NOT_RUN (77) = the check did not run (no CUDA device).
 
     python benchmarks/gpu_check.py env --result env.json
     python benchmarks/gpu_check.py correctness --device cuda --result corr.json
+    python benchmarks/gpu_check.py cp_blocks --device cuda --result cp_blocks.json
     python benchmarks/gpu_check.py syncs --device cuda --result syncs.json
     python benchmarks/gpu_check.py summarize --work DIR --out DIR
 """
@@ -21,6 +23,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NOT_RUN = 77  # the exit status of a check that could not run here; gpu_check.sh reports "skip"
 
 
 def _write(path, obj):
@@ -165,6 +169,96 @@ def cmd_correctness(args):
     return 0 if ok else 1
 
 
+# ------------------------------------------------------------------------------------- cp_blocks
+# Max |error| over max |reference| against the math path on the same inputs. fp32: the fused
+# kernels accumulate in fp32 (TF32 off); bf16: both round out and grads to bf16, the kernels also
+# P before P·V.
+CP_BLOCK_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def cp_block_cases(kernels, device, dtypes=("bfloat16", "float32"), head_dims=(64, 128),
+                   seq=512, heads=8):
+    """Each kernel of megalite/context_parallel/blocks.py against its MATH block, forward and
+    backward, per dtype, head dim and GQA ratio (heads/K-V groups 1 and 4), on the three block
+    shapes the ring and all-gather run (square causal; fewer and more queries than keys, unmasked),
+    each a strided view of larger tensors as the ring passes it. One dict per case; a kernel
+    that does not fit a dtype/head dim is listed as "n/a"."""
+    from megalite.context_parallel import blocks
+
+    cases, gen = [], torch.Generator(device=device).manual_seed(0)
+    for kernel in kernels:
+        for dtype in dtypes:
+            for d in head_dims:
+                for rep in (1, 4):
+                    def rand(h, s):
+                        return torch.randn(2, h, 2 * s, d, device=device, generator=gen).to(
+                            getattr(torch, dtype))[:, :, s // 2:s // 2 + s]
+                    q, do = rand(heads, seq), rand(heads, seq)
+                    k, v = rand(heads // rep, seq), rand(heads // rep, seq)
+                    case = {"kernel": kernel.name, "dtype": dtype, "head_dim": d, "rep": rep}
+                    if hasattr(kernel, "fits") and not kernel.fits(q, k):
+                        cases.append({**case, "status": "n/a"})
+                        continue
+                    errs = {}
+                    try:
+                        for shape, rows, keys, causal in (
+                                ("square causal", slice(None), slice(None), True),
+                                ("fewer queries", slice(seq // 2, None), slice(None), False),
+                                ("more queries", slice(None), slice(0, seq // 2), False)):
+                            e = blocks.block_errors(kernel, q[:, :, rows], k[:, :, keys],
+                                                    v[:, :, keys], do[:, :, rows], causal,
+                                                    d ** -0.5)
+                            for name, x in zip(("out", "lse", "dq", "dk", "dv"), e):
+                                errs[f"{shape} {name}"] = float(x)
+                    except Exception as ex:  # noqa: BLE001 - a kernel that fails is a failure
+                        cases.append({**case, "status": "fail",
+                                      "error": f"{type(ex).__name__}: {ex}"[:300]})
+                        continue
+                    worst = max(errs.values())
+                    ok = worst <= CP_BLOCK_TOLERANCE.get(dtype, 1e-4)  # NaN fails too
+                    cases.append({**case, "status": "pass" if ok else "fail", "max_error": worst,
+                                  "errors": errs})
+    return cases
+
+
+def cmd_cp_blocks(args):
+    """The CUDA kernels of context-parallel attention's p2p/allgather blocks (flash, cuDNN,
+    memory-efficient SDPA) against the math path, forward and backward, bf16 and fp32, and which
+    kernel --cp-attention-kernel auto picks for each (with any self-check warning). Without
+    CUDA nothing here can run: the result says so and the exit status is NOT_RUN."""
+    import warnings
+
+    if torch.device(args.device).type != "cuda" or not torch.cuda.is_available():
+        _write(args.result, {"ran": False, "pass": False, "device": args.device,
+                             "reason": "no CUDA device: the CUDA block kernels were not checked "
+                                       "(the CPU kernel is tested by the test suite)"})
+        return NOT_RUN
+    from megalite.context_parallel import blocks
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # the math reference in fp32 means fp32
+    cases = cp_block_cases(blocks.CUDA_KERNELS, args.device, seq=args.seq)
+    chosen = {}
+    for dtype in ("bfloat16", "float32"):
+        for d in (64, 128):
+            for rep in (1, 4):
+                q = torch.empty(1, 8, 64, d, device=args.device, dtype=getattr(torch, dtype))
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    name = blocks.select(q, q[:, :8 // rep]).name
+                chosen[f"{dtype} d{d} rep{rep}"] = {
+                    "kernel": name, "warnings": [str(w.message) for w in caught]}
+    ran = [c for c in cases if c["status"] != "n/a"]
+    res = {"ran": True, "device": torch.cuda.get_device_name(0), "seq": args.seq,
+           "tolerance": CP_BLOCK_TOLERANCE, "cases": cases, "auto": chosen,
+           "passed": sum(c["status"] == "pass" for c in ran), "checked": len(ran),
+           # every dtype has a kernel that ran, and auto never fell back to the math path
+           "pass": (all(c["status"] == "pass" for c in ran)
+                    and {c["dtype"] for c in ran} == {"bfloat16", "float32"}
+                    and all(v["kernel"] != "math" for v in chosen.values()))}
+    _write(args.result, res)
+    return 0 if res["pass"] else 1
+
+
 # ----------------------------------------------------------------------------------------- syncs
 def cmd_syncs(args):
     """Host synchronisations per iteration of pretrain.py (bf16, --log-interval 1): megalite's
@@ -227,7 +321,10 @@ def cmd_summarize(args):
         steps.append(step)
     env = next((s.get("result", {}) for s in steps if s["step"] == "env"), {})
     summary = {"mode": args.mode, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "env": env,
-               "steps": steps, "all_pass": all(s["status"] in ("pass", "skip") for s in steps)}
+               # every step that ran passed, and one did: a check of nothing is no pass
+               "steps": steps, "all_pass": (all(s["status"] in ("pass", "skip") for s in steps)
+                                            and any(s["status"] == "pass" for s in steps)),
+               "not_run": [s["step"] for s in steps if s["status"] == "skip"]}
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
 
@@ -254,6 +351,17 @@ def cmd_summarize(args):
                 f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
                 f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
                 for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
+        elif s["step"] == "cp_blocks" and r.get("ran") is False:
+            detail = f"NOT RUN: {r['reason']}"
+        elif s["step"] == "cp_blocks" and "cases" in r:
+            worst = {dt: max((c.get("max_error", float("inf")) for c in r["cases"]
+                              if c["dtype"] == dt and c["status"] != "n/a"), default=None)
+                     for dt in ("bfloat16", "float32")}
+            detail = (f"{r['passed']}/{r['checked']} kernel cases pass; worst error "
+                      + ", ".join(f"{dt} {'-' if e is None else f'{e:.1e}'}"
+                                  for dt, e in worst.items())
+                      + "; auto: " + ", ".join(sorted({v["kernel"] for v in r["auto"].values()}))
+                      + f"  {detail}")
         elif s["step"] == "host_syncs" and "small" in r:
             detail = "; ".join(f"{k}: {r[k]['megalite_reads']} megalite reads, {r[k]['cuda_syncs']} "
                                f"CUDA syncs" for k in ("small", "large")) + f"  {detail}"
@@ -262,7 +370,10 @@ def cmd_summarize(args):
                       f" tok/s, per-round ratio {r['paired_ratio_median']:.2f}x, {r['threads']} threads"
                       f"  {detail}")
         lines.append(f"{s['step']:<22} {s['status']:<8} {s['seconds']:>6.1f}  {detail}")
-    lines.append(f"\nALL PASS: {summary['all_pass']}")
+    not_run = f" (not run: {', '.join(summary['not_run'])})" if summary["not_run"] else ""
+    if not any(s["status"] == "pass" for s in steps):
+        not_run = " (no step ran and passed" + (f"; {not_run[2:]}" if not_run else ")")
+    lines.append(f"\nALL PASS: {summary['all_pass']}{not_run}")
     text = "\n".join(lines)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(text + "\n")
@@ -278,6 +389,10 @@ def main(argv=None):
     c = sub.add_parser("correctness")
     c.add_argument("--device", default="cuda")
     c.add_argument("--result", required=True)
+    b = sub.add_parser("cp_blocks")
+    b.add_argument("--device", default="cuda")
+    b.add_argument("--seq", type=int, default=512, help="keys of a square block")
+    b.add_argument("--result", required=True)
     y = sub.add_parser("syncs")
     y.add_argument("--device", default="cuda")
     y.add_argument("--result", required=True)
@@ -286,8 +401,8 @@ def main(argv=None):
     s.add_argument("--out", required=True)
     s.add_argument("--mode", default="gpu")
     args = p.parse_args(argv)
-    return {"env": cmd_env, "correctness": cmd_correctness, "syncs": cmd_syncs,
-            "summarize": cmd_summarize}[args.cmd](args)
+    return {"env": cmd_env, "correctness": cmd_correctness, "cp_blocks": cmd_cp_blocks,
+            "syncs": cmd_syncs, "summarize": cmd_summarize}[args.cmd](args)
 
 
 if __name__ == "__main__":

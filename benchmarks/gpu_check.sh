@@ -3,22 +3,31 @@
 #   bash benchmarks/gpu_check.sh                    # CUDA if present, else the --dry-run below
 #   bash benchmarks/gpu_check.sh --dry-run          # no GPU needed: tiny CPU stand-ins for the CUDA steps
 #   bash benchmarks/gpu_check.sh --out DIR          # where the results go (default ./gpu_check_out)
-# Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | host syncs per iteration | train x3 (pretrain.py bf16,
+#   bash benchmarks/gpu_check.sh --only cp_blocks   # only the named steps (comma-separated), e.g. a rerun
+# Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | cp_blocks (context-parallel block kernels vs
+# the math path; not run without CUDA) | host syncs per iteration | train x3 (pretrain.py bf16,
 # no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU: it has no device flag).
 # Each step has its own timeout, all capped by a total time limit (GC_TIME_LIMIT seconds, default
 # 420), so one hang does not lose the rest. Writes summary.txt (also printed), summary.json and
-# gpu_check.log to the output folder. Exit status 1 if a step failed or timed out.
+# gpu_check.log to the output folder. Exit status 1 if a step failed or timed out; a step that
+# could not run here (exit status 77) is "skip" and listed as not run.
 set -u
 cd "$(dirname "$0")/.."
-OUT=./gpu_check_out DRY=0
+OUT=./gpu_check_out DRY=0 ONLY=""
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY=1; shift;;
     --out) [ $# -ge 2 ] || { echo "gpu_check.sh: --out needs a folder, e.g. --out ./gpu_check_out" >&2; exit 2; }
            OUT=$2; shift 2;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0;;
-    *) echo "gpu_check.sh: unknown argument '$1'; valid: --dry-run, --out DIR, --help" >&2; exit 2;;
+    --only) [ $# -ge 2 ] || { echo "gpu_check.sh: --only needs step names, e.g. --only cp_blocks,train_none" >&2; exit 2; }
+            ONLY=",$2,"; shift 2;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0;;
+    *) echo "gpu_check.sh: unknown argument '$1'; valid: --dry-run, --out DIR, --only STEPS, --help" >&2; exit 2;;
   esac
+done
+STEPS="env correctness cp_blocks host_syncs train_none train_selective train_full gloo_tp_parity single_device_vs_hf nccl_multi_rank"
+for n in $(echo "${ONLY//,/ }"); do
+  case " $STEPS " in *" $n "*) ;; *) echo "gpu_check.sh: --only: unknown step '$n'; valid: ${STEPS// /, }" >&2; exit 2;; esac
 done
 # The interpreter: $PYTHON, else the first of python / python3 that imports torch (a machine's
 # python3 can be the system one while `python` is the environment's).
@@ -52,10 +61,14 @@ else
 fi
 echo "gpu_check: mode=$MODE device=$DEV out=$OUT time limit=${LIMIT}s" | tee -a "$LOG"
 
+# wanted NAME: whether --only (if given) names the step
+wanted() { [ -z "$ONLY" ] || case $ONLY in *",$1,"*) true;; *) false;; esac; }
+
 # step NAME TIMEOUT NOTE CMD... : run CMD under timeout (capped by what is left of the time limit),
 # log its output, append "name status rc seconds note" to $WORK/steps.tsv.
 step() {
   local name=$1 limit=$2 note=$3; shift 3
+  wanted "$name" || return 0
   local left=$((LIMIT - (SECONDS - START) - 15))
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -lt 10 ]; then
@@ -64,7 +77,7 @@ step() {
   echo "=== $name (timeout ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS rc status
   timeout -k 10 "$limit" "$@" >>"$LOG" 2>&1; rc=$?
-  case $rc in 0) status=pass;; 124|137) status=timeout;; *) status=fail;; esac
+  case $rc in 0) status=pass;; 77) status=skip;; 124|137) status=timeout;; *) status=fail;; esac
   echo "=== $name: $status (rc $rc, $((SECONDS - t0)) s)" | tee -a "$LOG"
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$((SECONDS - t0))" "$note" >>"$WORK/steps.tsv"
 }
@@ -72,6 +85,9 @@ step() {
 step env 90 "" $PY benchmarks/gpu_check.py env --result "$WORK/env.json"
 step correctness 150 "GPTModel $DEV vs cpu: fp32 close, bf16 sane" \
   $PY benchmarks/gpu_check.py correctness --device $DEV --result "$WORK/correctness.json"
+# the CUDA kernels themselves, so --device cuda even in a dry run (where it reports not run)
+step cp_blocks 90 "CP block kernels (flash/cudnn/efficient) vs math, fwd+bwd, bf16+fp32" \
+  $PY benchmarks/gpu_check.py cp_blocks --device cuda --result "$WORK/cp_blocks.json"
 step host_syncs 150 "per iteration, 2 vs 8 layers and micro-batches" \
   $PY benchmarks/gpu_check.py syncs --device $DEV --result "$WORK/host_syncs.json"
 for g in none selective full; do
@@ -80,7 +96,8 @@ for g in none selective full; do
     $PY pretrain.py --device $DEV --mock-data $MODEL $ITERS $extra --lr-warmup-iters 5 \
       --eval-interval 100000 --eval-iters 0 --metrics-file "$WORK/train_$g.jsonl"
 done
-if $PY -c "import pytest" >/dev/null 2>&1; then
+if ! wanted gloo_tp_parity; then :
+elif $PY -c "import pytest" >/dev/null 2>&1; then
   step gloo_tp_parity 150 "CPU gloo, 4 procs; NCCL needs 2+ GPUs (skipped)" \
     env CUDA_VISIBLE_DEVICES= $PY -m pytest -q -p no:cacheprovider tests/test_tensor_parallel.py -k match_single_device
 else
@@ -89,7 +106,7 @@ fi
 step single_device_vs_hf 150 "CPU only: script has no --device flag" \
   bash -o pipefail -c "$PY benchmarks/single_device.py --json $SD | tee /dev/stderr | tail -1 > '$WORK/single_device_vs_hf.json'"
 
-printf 'nccl_multi_rank\tskip\t0\t0\t%s\n' "not run: NCCL across ranks needs 2+ GPUs (env shows a 1-rank NCCL all-reduce)" >>"$WORK/steps.tsv"
+wanted nccl_multi_rank && printf 'nccl_multi_rank\tskip\t0\t0\t%s\n' "not run: NCCL across ranks needs 2+ GPUs (env shows a 1-rank NCCL all-reduce)" >>"$WORK/steps.tsv"
 $PY benchmarks/gpu_check.py summarize --work "$WORK" --out "$OUT" --mode "$MODE" | tee -a "$LOG"
 rm -rf "$WORK"
 grep -q '"all_pass": true' "$OUT/summary.json"
