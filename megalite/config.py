@@ -26,6 +26,8 @@ from typing import List, Optional, Sequence, Union
 
 # Context-parallel attention implementations (--cp-comm-type; docs/context_parallel.md).
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+# The kernel of its attention blocks (--cp-attention-kernel; context_parallel/blocks.py).
+CP_ATTENTION_KERNELS = ("auto", "math")
 # The pipeline schedules (docs/pipeline_parallel.md); the V ones place two chunks per rank in a V
 # (chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r), so rank 0 holds embedding and loss.
 V_SCHEDULES = ("zb-v", "dualpipev")
@@ -493,6 +495,11 @@ class ModelConfig(_Section):
     use_apex: bool = setting(
         False, "NVIDIA apex's fused LayerNorm/RMSNorm (needs apex built with its CUDA extensions "
         "and a CUDA device)", group="speed (docs/performance.md)", role=RUN)
+    # A model field so that each attention layer reads it from its config
+    cp_attention_kernel: str = setting(
+        "auto", "context-parallel attention blocks: auto (fused: the CPU flash kernel; on CUDA "
+        "flash, cuDNN or memory-efficient SDPA, self-checked) or math (exact fp32)",
+        choices=CP_ATTENTION_KERNELS, group="parallelism", role=RUN)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:

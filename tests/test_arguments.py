@@ -176,6 +176,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
                                     if f.name.startswith("expert_")}
     assert "--num-experts" in moe and len(added) == len(moe) + len(mla) + len(yarn_mtp) + 2
     added |= {"--rotary-percent", "--qk-layernorm-scope"}  # the HF MoE families' (models.md)
+    added |= {"--cp-attention-kernel"}  # docs/context_parallel.md, "Kernels"
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

@@ -1,6 +1,6 @@
 """Context parallelism in the training stack (docs/context_parallel.md, "Using it"): bad layouts
 fail in one line, the rank grid is tp -> cp -> dp -> pp, pretrain.py at CP 2/4 (alone and with
-TP+SP, PP, DP with ZeRO 1 and 3, recompute, Llama GQA, a sliding window under a2a) gives the losses, gradient norms and
+TP+SP, PP, DP with ZeRO 1 and 3, recompute, Llama GQA, the math blocks, a sliding window under a2a) gives the losses, gradient norms and
 validation losses of one process, a CP2 checkpoint resumes at CP1 and CP4, and the planner
 divides activations by C. The attention itself is tested in test_context_parallel_attention.py."""
 
@@ -97,6 +97,9 @@ CASES = {
     "cp2_selective_recompute": (2, [], CP2 + ["--recompute-granularity", "selective"]),
     "llama_gqa_cp2_p2p": (2, LLAMA, CP2),
     "llama_gqa_cp2_a2a": (2, LLAMA, CP2 + ["--cp-comm-type", "a2a"]),
+    # the exact math blocks instead of the fused kernel (docs/context_parallel.md, "Kernels")
+    "llama_gqa_cp2_allgather_math": (2, LLAMA, CP2 + ["--cp-comm-type", "allgather",
+                                                      "--cp-attention-kernel", "math"]),
     # a window of 8 of 64 tokens on every layer (the blocked kernel, W < s/2)
     "llama_window_cp2_a2a": (2, LLAMA + ["--sliding-window", "8"], CP2 + ["--cp-comm-type", "a2a"]),
     "cp4_p2p": (4, [], ["--context-parallel-size", "4"]),

@@ -164,7 +164,8 @@ class SelfAttention(nn.Module):
                 # kernel wants one width): V padded with zeros, its zero output columns dropped
                 v = F.pad(v, (0, k.shape[-1] - dv))
             return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, self.softmax_scale,
-                                 local_attention=local)[..., :dv]
+                                 local_attention=local,
+                                 kernel=self.config.cp_attention_kernel)[..., :dv]
         gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
         if self.heads_per_group > 1 and not gqa:
             k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
