@@ -2,7 +2,9 @@
 
 Memory = model states (megalite.memory's ZeRO accounting) + activations in flight (Korthikanti
 et al. 2022, Table 2, as megalite's layers save them) + the transient working set at the peak.
-Step time = compute + exposed TP collectives + pipeline bubble + exposed DP/ZeRO collectives.
+Step time = compute + exposed TP (CP, EP) collectives + pipeline bubble + exposed DP/ZeRO
+collectives. A mixture-of-experts layer's MLP: the expert grid's memory (stage_expert_params,
+moe_activation_bytes) and time (_moe_layer_s).
 FLOPs are megalite.logging's. docs/planner.md: derivations, constants, validation.
 """
 
@@ -565,9 +567,48 @@ def _cp_layer_s(m: Model, lay: Layout, cl: Cluster, attn: float) -> float:
     return (4 * COLLECTIVE_LATENCY_S[lat] + (c - 1) / c * (2 * q + kv) / bw)
 
 
+def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, float]:
+    """One MoE MLP, one micro-batch, forward, on one GPU (``M`` tokens of the sequence, s b / C):
+    ``compute`` — the router, the grouped expert GEMMs over the rows the busiest EP rank receives
+    (moe_rows: k per token, times the imbalance at EP > 1; each expert's rows set its GEMM's
+    tile efficiency), the shared expert over TP, the element-wise work (permutation, regrouping,
+    activation); ``w`` — its weight GEMMs a zero-bubble schedule defers (the shared expert's;
+    the grouped GEMMs are not split); ``a2a`` — the dispatch and combine exchanges (and ETP's
+    all-gather and reduce-scatter of the rows), exposed: megalite does not overlap them;
+    ``tp`` — TP collective pairs of the layer's MLP part (the shared expert's, under SP)."""
+    cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
+    t, ep, etp = (lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
+                  lay.expert_tensor_parallel_size)
+    h, f, fs = cfg.hidden_size, cfg.moe_ffn_hidden_size, cfg.moe_shared_expert_intermediate_size
+    tokens = M / t  # MoE with TP has SP: each TP rank routes its own tokens
+    sent, recv = moe_rows(m, tokens, ep)
+    rows, fc1 = etp * recv, f * (1 + cfg.swiglu)  # this ETP slice's rows: its peers' too
+    per_expert = rows / (cfg.num_experts // ep)
+    experts = sum(_gemm_s(2 * rows * k * n, (per_expert, k, n), gpu)
+                  for k, n in ((h, fc1 / etp), (f / etp, h)))
+    router = _gemm_s(2 * tokens * h * cfg.num_experts, (tokens, h, cfg.num_experts), gpu)
+    shared = sum(_gemm_s(2 * M * k * n, (M, k, n), gpu) for k, n in
+                 ((h, fs * (1 + cfg.swiglu) / t), (fs / t, h))) if fs else 0.0
+    hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    # permute (read + write), unpermute (gate multiply, add back), each exchange's regrouping,
+    # bias + activation of the expert rows and of the shared expert
+    moved = (5 * sent + 4 * recv * (ep > 1) + 4 * rows * (etp > 1)) * h + tokens * h \
+        + 3 * rows * fc1 / etp + (3 * M * fs * (1 + cfg.swiglu) / t if fs else 0)
+    a2a = 0.0
+    if ep > 1:  # the busiest rank moves its larger side, (EP - 1)/EP of its rows leave the rank
+        lat, bw = cl.link(etp * ep)
+        a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + max(sent, recv) * h * E * (ep - 1) / ep
+                   / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
+    if etp > 1:
+        a2a += 2 * _coll_s(False, rows * h * E, etp, cl.link(etp))
+    return {"compute": router + experts + shared + moved * E / hbm, "w": shared, "a2a": a2a,
+            "tp": 1 if fs else 0}
+
+
 def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
-    """Seconds per step: compute, exposed TP and CP comm, bubble (with p2p), exposed DP/ZeRO
-    comm. Under CP a GPU computes s/C tokens and 1/C of the causal attention."""
+    """Seconds per step: compute, exposed TP, CP and EP comm, bubble (with p2p), exposed DP/ZeRO
+    comm. Under CP a GPU computes s/C tokens and 1/C of the causal attention; an MoE layer's MLP
+    is _moe_layer_s."""
     cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
     t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
                      lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
@@ -589,8 +630,15 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     else:  # two batched GEMMs (inner dimension d or s) and a memory-bound softmax
         attn = _gemm_s(attn_flops, (cfg.kv_channels, s), gpu) \
             + cfg.num_attention_heads / t * s * M * UNFUSED_SOFTMAX_BYTES / hbm
+    norms = M * 12 * h / (t if lay.sequence_parallel else 1) * E / hbm
     fwd = gemm + attn + M * (12 * h / (t if lay.sequence_parallel else 1) + 3 * fc1 / t) * E / hbm
     sel = attn if rc == "selective" else 0.0  # the attention core again, every layer
+    # an MoE layer: attention as a dense layer's, its MLP _moe_layer_s
+    moe = _moe_layer_s(m, lay, cl, M) if cfg.num_experts is not None else None
+    if moe is not None:
+        gemm_attn = sum(_gemm_s(2 * M * k * n, (M, k, n), gpu)
+                        for k, n in ((h, (q + 2 * kv) / t), (q / t, h)))
+        fwd_moe, w_moe = gemm_attn + attn + norms + moe["compute"], gemm_attn + moe["w"]
     # logits (last stage): the GEMM and the cross entropy's bytes per logit: megalite's reads
     # them once forward, reads them and writes their gradient backward (cross_entropy.py);
     # Megatron's casts to fp32 and back and makes ~10 fp32 passes (docs/planner.md)
@@ -600,25 +648,37 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     # TP: 2 all-reduces per layer and pass (SP: all-gather + reduce-scatter, the same bytes)
     ar, cp_pass, chunks = _coll_s(True, M * h * E, t, cl.link(t)), _cp_layer_s(m, lay, cl, attn), \
         stage_chunks(m, lay)
+    ranges = stage_ranges(m, lay)
 
-    def stage(r):  # a micro-batch's F + B (backward = 2 x forward) + recompute, TP, CP; layers
+    def stage(r):  # a micro-batch's F + B (backward = 2 x forward) + recompute, TP, CP, EP;
+        # then the forward and the deferrable weight GEMMs of its layers
         n, k = sum(chunks[r]), sum(recomputed(lay, x) for x in chunks[r])  # k: full recompute
-        return (n * (3 * fwd + sel) + k * fwd + logits * (r == head_rank(lay)),
-                (4 * n + 2 * k) * ar, (3 * n + k + n * (sel > 0)) * cp_pass, n)
+        out = [n * (3 * fwd + sel) + k * fwd + logits * (r == head_rank(lay)),
+               (4 * n + 2 * k) * ar, (3 * n + k + n * (sel > 0)) * cp_pass, 0.0, n * fwd,
+               n * gemm]
+        n_moe = sum(moe_layers(m, x) for x in ranges[r])
+        if n_moe:  # MoE layers in place of dense ones (recomputed in proportion)
+            k_moe = k * n_moe / n
+            out[0] += n_moe * 3 * (fwd_moe - fwd) + k_moe * (fwd_moe - fwd)
+            out[1] += (n_moe * 2 + k_moe) * (moe["tp"] - 1) * ar
+            out[3] = (2 * n_moe + k_moe) * moe["a2a"]
+            out[4] += n_moe * (fwd_moe - fwd)
+            out[5] += n_moe * (w_moe - gemm)
+        return out
 
     # the slowest stage sets the pipeline's pace: the head's, or the one with the most layers
-    pace = max(range(p), key=lambda r: sum(stage(r)[:3]))
-    per_micro, tp_micro, cp_micro, layers = stage(pace)
+    pace = max(range(p), key=lambda r: sum(stage(r)[:4]))
+    per_micro, tp_micro, cp_micro, ep_micro, f_stage, w_stage = stage(pace)
     logits *= pace == head_rank(lay)
     num_micro = gbs // (d * b)
-    compute, tp, cp = num_micro * per_micro, num_micro * tp_micro, num_micro * cp_micro
+    compute, tp, cp, ep = (num_micro * x for x in (per_micro, tp_micro, cp_micro, ep_micro))
     # bubble: (p - 1)/v idle slots of a micro-batch's F + B; ZB-H1 fills them with W (the
     # weight-gradient GEMMs, one forward's worth); p2p of activations and their gradients
-    slot = per_micro + tp_micro + cp_micro
-    bubble = (p - 1) * (slot - layers * gemm) if lay.pipeline_schedule == "zb-h1" \
+    slot = per_micro + tp_micro + cp_micro + ep_micro
+    bubble = (p - 1) * (slot - w_stage) if lay.pipeline_schedule == "zb-h1" \
         else (p - 1) / v * slot
     if lay.pipeline_schedule in V_SCHEDULES:  # in chunk times (half a stage's): F, B, W
-        f_c, w_c = (layers * fwd + tp_micro / 2 + logits / 3) / 2, layers * gemm / 2
+        f_c, w_c = (f_stage + tp_micro / 2 + ep_micro / 2 + logits / 3) / 2, w_stage / 2
         bubble = v_bubble(lay.pipeline_schedule, p, f_c, slot / 2 - f_c - w_c, w_c)
     if p > 1:
         link = cl.link(t * c * d * p)
@@ -627,27 +687,34 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
                                                    / (link[1] * 1e9 * COLLECTIVE_EFFICIENCY))
     # DP/ZeRO over the largest stage's parameters (gradients reduced in fp32), overlapped with
     # the last backward (+ the first forward for the parameter gather); ZeRO-3 gathers twice and
-    # reduce-scatters every micro-batch, hidden by prefetch but for each pass's first unit
+    # reduce-scatters every micro-batch, hidden by prefetch but for each pass's first unit.
+    # Expert parameters go over the expert-data-parallel group instead.
     d *= c  # gradients are reduced, and ZeRO shards, over DP x CP
-    psi, link = max(stage_params(m, lay, r) for r in range(p)), cl.link(t * d)
+    big = max(range(p), key=lambda r: stage_params(m, lay, r))
+    psi, psi_e, link = stage_params(m, lay, big), stage_expert_params(m, lay, big), cl.link(t * d)
+    groups = [(n, size) for n, size in ((psi - psi_e, d), (psi_e, t * d // (
+        lay.expert_tensor_parallel_size * lay.expert_model_parallel_size))) if n]
+
+    def over_groups(all_reduce: bool, per_param: int) -> float:
+        return sum(_coll_s(all_reduce, per_param * n, size, link) for n, size in groups)
     if lay.zero_stage == 0:
-        dp, overlap = _coll_s(True, 4 * psi, d, link), per_micro - logits - layers * fwd
+        dp, overlap = over_groups(True, 4), per_micro - logits - f_stage
     elif lay.zero_stage <= 2:
-        dp = _coll_s(False, 4 * psi, d, link) + _coll_s(False, E * psi, d, link)
+        dp = over_groups(False, 4) + over_groups(False, E)
         overlap = per_micro - logits
     else:
-        one = 2 * _coll_s(False, E * psi, d, link) + _coll_s(False, 4 * psi, d, link)
+        one = 2 * over_groups(False, E) + over_groups(False, 4)
         first = 2 * _coll_s(False, E * m.layer_params() / t, d, link)
         dp, overlap = num_micro * (max(one, 0.9 * per_micro) + first), compute
     dp = max(0.0, dp - 0.9 * overlap)
     # optimizer step: one read and one write of this GPU's model states
-    compute += 2 * theoretical_model_state_bytes(psi, d, lay.zero_stage, cfg.params_dtype)[
-        "total_bytes"] / hbm
-    total = compute + tp + bubble + dp + cp
+    compute += 2 * sum(theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)[
+        "total_bytes"] for n, size in groups) / hbm
+    total = compute + tp + bubble + dp + cp + ep
     extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / L * sum(
         recomputed(lay, x) for rank in chunks for x in rank)
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
-            "cp_comm_s": cp, "step_time_s": total, "num_micro": num_micro,
+            "cp_comm_s": cp, "ep_comm_s": ep, "step_time_s": total, "num_micro": num_micro,
             "tflops_per_gpu": (fl["total"] + extra) * gbs / cl.num_gpus / total / 1e12,
             "mfu": fl["total"] * gbs / cl.num_gpus / total / (gpu.peak_tflops * 1e12)}
 

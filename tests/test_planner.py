@@ -580,6 +580,10 @@ def test_plan_moe_runs_and_pins_the_expert_grid(capsys):
     assert tool.main([*MOE_MODEL, *pin, "--expert-model-parallel-size", "4"]) == 0
     assert {x["expert_model_parallel_size"] for x in json.loads(
         capsys.readouterr().out)["layouts"]} == {4}
+    assert tool.main([*MOE_MODEL, *pin[:-3], "--top", "2"]) == 0  # the table: EP time too
+    out = capsys.readouterr().out
+    assert "(0.02B active)" in out and "(comp/tp/bubble/dp/ep)" in out, out
+    assert "why not first: " in out and "slower: EP 2 all-to-alls" in out, out
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -596,6 +600,37 @@ def test_plan_moe_bad_expert_grid_one_line(args, needle, capsys):
     assert out.out == "" and len(out.err.strip().splitlines()) == 1 and needle in out.err, out.err
     assert _load("tools", "plan.py").main([*SMALL, "--expert-model-parallel-size", "2"]) == 2
     assert "need --num-experts" in capsys.readouterr().err
+
+
+def test_moe_step_time_prices_active_experts_and_all_to_alls():
+    """An MoE layer computes its active experts: two experts of width f per token cost about
+    what one dense MLP of width 2f does (plus the router and the permutation, under 10%). Its
+    exposed EP time is docs/moe.md's traffic: per layer and micro-batch 4 exchanges (dispatch
+    and combine, forward and backward) of k T h b (EP - 1)/EP, over NVLink while EP fits in a
+    node and over the network beyond; the imbalance headroom scales the busiest rank's share at
+    EP > 1 and changes nothing at EP 1."""
+    from megalite.planner import COLLECTIVE_EFFICIENCY, COLLECTIVE_LATENCY_S
+
+    base = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=2048,
+                vocab_size=32768, params_dtype="bfloat16", swiglu=True, add_bias_linear=False,
+                ffn_hidden_size=4096, hidden_dropout=0.0, attention_dropout=0.0)
+    cl, lay = Cluster(32, 8, GPUS[H100]), Layout(1, 1, 1, 32, 1, False, "none", 1, "1f1b")
+
+    def moe(experts, width, imbalance=1.0):
+        return Model.from_config(ModelConfig(num_experts=experts, moe_router_topk=2,
+                                             moe_ffn_hidden_size=width, **base),
+                                 moe_imbalance=imbalance)
+    dense, two = (step_time(x, lay, cl, 32)["compute_s"]
+                  for x in (Model.from_config(ModelConfig(**base)), moe(2, 2048)))
+    assert 1.0 < two / dense < 1.1, (dense, two)
+    for ep, link, gbps in ((8, "intra", 450e9), (32, "inter", 400e9 / 8)):
+        for imbalance in (1.0, 1.25):
+            got = step_time(moe(32, 1024, imbalance), dataclasses.replace(
+                lay, expert_model_parallel_size=ep), cl, 32)["ep_comm_s"]
+            one = COLLECTIVE_LATENCY_S[link] + imbalance * 2 * 2048 * 1024 * 2 * (ep - 1) / ep \
+                / (gbps * COLLECTIVE_EFFICIENCY)
+            assert got == pytest.approx(4 * 4 * one), (ep, imbalance)  # 4 layers, 1 micro-batch
+    assert step_time(moe(32, 1024, 1.25), lay, cl, 32) == step_time(moe(32, 1024), lay, cl, 32)
 
 
 def test_pretrain_estimate_moe_ep2(tmp_path):

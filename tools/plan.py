@@ -73,9 +73,9 @@ def why_lost(pl: Plan, best: Plan, cl: Cluster) -> str:
                 f"{cl.gpu.memory_gib * USABLE_MEMORY_FRACTION:.1f} GiB usable (largest: {part} "
                 f"{mem[part] / GiB:.1f} GiB)")
     dt = {k: pl.time[k] - best.time[k] for k in ("compute_s", "tp_comm_s", "bubble_s",
-                                                  "dp_comm_s")}
+                                                  "dp_comm_s", "ep_comm_s")}
     k = max(dt, key=dt.get)
-    t = lay.tensor_model_parallel_size
+    t, ep = lay.tensor_model_parallel_size, lay.expert_model_parallel_size
     b = best.layout
     compute = (f"recompute '{lay.recompute_granularity}'"
                if lay.recompute_granularity != b.recompute_granularity else
@@ -88,7 +88,10 @@ def why_lost(pl: Plan, best: Plan, cl: Cluster) -> str:
                                                   else ""),
            "bubble_s": f"batch budget: PP {lay.pipeline_model_parallel_size} with "
                        f"{pl.time['num_micro']} micro-batches idles in the bubble",
-           "dp_comm_s": f"DP {lay.data_parallel_size} / ZeRO {lay.zero_stage} traffic"}[k]
+           "dp_comm_s": f"DP {lay.data_parallel_size} / ZeRO {lay.zero_stage} traffic",
+           "ep_comm_s": f"EP {ep} all-to-alls" + (
+               " cross the node" if ep * lay.expert_tensor_parallel_size > cl.gpus_per_node
+               else "")}[k]
     return (f"{100 * (pl.time['step_time_s'] / best.time['step_time_s'] - 1):.1f}% slower: "
             f"{why} (+{dt[k]:.3f} s)")
 
@@ -212,14 +215,16 @@ def main(argv=None) -> int:
     print(f"{model.cfg.num_parameters() / 1e9:.2f}B parameters{active} on {cluster.num_gpus} x "
           f"{gpu.name} ({gpu.peak_tflops:.0f} TFLOP/s, {gpu.memory_gib:.0f} GiB), global batch "
           f"{gbs}; {len(plans)} layouts, {sum(pl.fits for pl in plans)} fit")
+    parts = "comp/tp/bubble/dp" + "/ep" * (model.cfg.num_experts is not None)
     print(f"{'#':>3} {'layout':<52} {'fits':<4} {'mem GiB (par/grad/opt/act)':<28} "
-          f"{'step s (comp/tp/bubble/dp)':<30} {'TFLOP/s':>7} {'MFU':>5}")
+          f"{'step s (' + parts + ')':<30} {'TFLOP/s':>7} {'MFU':>5}")
     for i, pl in enumerate(shown):
         m, t = pl.memory, pl.time
         mem = (f"{m['total'] / GiB:5.1f} ({m['params'] / GiB:.1f}/{m['grads'] / GiB:.1f}/"
                f"{m['optimizer'] / GiB:.1f}/{m['activations'] / GiB:.1f})")
         tm = (f"{t['step_time_s']:6.3f} ({t['compute_s']:.2f}/{t['tp_comm_s']:.2f}/"
-              f"{t['bubble_s']:.2f}/{t['dp_comm_s']:.2f})")
+              f"{t['bubble_s']:.2f}/{t['dp_comm_s']:.2f}"
+              f"{'/%.2f' % t['ep_comm_s'] if model.cfg.num_experts is not None else ''})")
         print(f"{i + 1:>3} {pl.layout.short():<52} {'yes' if pl.fits else 'no':<4} {mem:<28} "
               f"{tm:<30} {t['tflops_per_gpu']:7.1f} {100 * t['mfu']:4.1f}%")
         if i:
