@@ -812,13 +812,12 @@ class ParallelConfig(_Section):
         "p2p", "context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses)",
         choices=CP_COMM_TYPES, layout=True)
     # The folded expert grid (docs/moe.md): each stage's TP x CP x DP ranks cut into ETP x EP x
-    # EDP. Not layout=True until the planner's Layout has these fields: tools/plan.py pins every
-    # layout flag given, and would fail on one its layouts lack.
+    # EDP (the planner's Layout has both fields)
     expert_model_parallel_size: int = setting(
-        1, "EP: the experts of a layer are split over this many ranks")
+        1, "EP: the experts of a layer are split over this many ranks", layout=True)
     expert_tensor_parallel_size: Optional[int] = setting(
         None, "ETP: each expert's weights split over this many ranks (default "
-        "--tensor-model-parallel-size, as Megatron)")
+        "--tensor-model-parallel-size, as Megatron)", layout=True)
     distributed_backend: Optional[str] = setting(None, "default nccl on CUDA, gloo on CPU",
                                                  choices=("gloo", "nccl"))
     device: Optional[str] = setting(None, "default cuda when available", choices=("cpu", "cuda"))
