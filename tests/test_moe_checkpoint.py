@@ -204,6 +204,11 @@ def test_ep2_checkpoint_stores_every_expert_by_global_index(runs):
     assert moments == [s["exp_avg"].shape
                        for s in ep1["optimizer"]["optimizer"]["state"].values()]
     assert sum(m[0] == 4 and len(m) == 3 for m in moments) >= 4  # weight1/2 of both layers
+    # the loss-free balancing bias after 3 steps at EP 2 is one process's (counts summed over
+    # the ranks that routed other tokens, updated after each applied step)
+    for layer in (0, 1):
+        key = f"layers.{layer}.mlp.expert_bias"
+        torch.testing.assert_close(model[key], ep1["model"][key], rtol=0, atol=1e-7)
 
 
 def test_a_rank_that_cannot_gather_its_experts_stops_every_rank(runs):
