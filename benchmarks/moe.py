@@ -8,8 +8,9 @@ memory per rank under expert parallelism.
    benchmarks/single_device.py's (forward, loss, backward, torch.optim.AdamW), fp32, dropout 0,
    attention through SDPA on both sides; the router's balancing loss is off on both (megalite's
    ``moe_aux_loss_coeff`` 0, HF's ``output_router_logits`` False) and HF's router jitter is 0.
-   Weights are drawn independently (same shape and init scale; HF cannot load megalite's MoE
-   weights yet). Each round runs one step of every configuration, the order rotated each round
+   HF's model holds megalite's weights (exported by megalite/convert/hf.py, read by
+   ``from_pretrained``), so both route alike and start from the same loss (checked). Each round
+   runs one step of every configuration, the order rotated each round
    so machine load hits all alike; figures are medians.
 2. Expert memory per rank, EP 1, 2, 4: EP gloo processes (DP = EP, so EDP = 1), the same model
    through megalite's DDP and ``build_optimizer`` at ZeRO 0, one step, then rank 0's bytes of
@@ -25,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 
 import torch
 
@@ -85,22 +88,31 @@ def model_config(args, grouped: bool = True) -> ModelConfig:
         moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=grouped)
 
 
-def hf_model(args, cfg: ModelConfig, experts: str):
-    from transformers import MixtralConfig, MixtralForCausalLM
+def hf_model(args, cfg: ModelConfig, experts: str, weights_dir: str):
+    """HF's MixtralForCausalLM with megalite's weights, as a user gets it: megalite's model
+    exported (megalite/convert/hf.py) to ``weights_dir`` and read by ``from_pretrained`` with
+    the ``experts_implementation`` to time."""
+    from transformers import MixtralForCausalLM
 
-    hf_cfg = MixtralConfig(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.moe_ffn_hidden_size, num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
-        max_position_embeddings=args.seq_length, rms_norm_eps=cfg.norm_epsilon,
-        rope_theta=cfg.rotary_base, initializer_range=cfg.init_method_std,
-        tie_word_embeddings=False, attention_dropout=0.0, num_local_experts=args.num_experts,
-        num_experts_per_tok=args.moe_router_topk, output_router_logits=False,
-        router_jitter_noise=0.0, attn_implementation="sdpa", experts_implementation=experts)
-    model = MixtralForCausalLM(hf_cfg)
+    model = MixtralForCausalLM.from_pretrained(
+        weights_dir, experts_implementation=experts, attn_implementation="sdpa",
+        output_router_logits=False, router_jitter_noise=0.0, attention_dropout=0.0)
     assert model.config._experts_implementation == experts, model.config._experts_implementation
     assert model.config._attn_implementation == "sdpa"
     return model.train()
+
+
+def export_to_hf(model, cfg: ModelConfig, out_dir: str) -> None:
+    """megalite's weights as a Hugging Face Mixtral directory (config + safetensors)."""
+    from safetensors.torch import save_file
+
+    from megalite.convert.hf import megalite_to_hf_state_dict, model_config_to_hf_config
+
+    model_config_to_hf_config(cfg, max_position_embeddings=cfg.seq_length).save_pretrained(out_dir)
+    sd = megalite_to_hf_state_dict({k: v.detach() for k, v in model.state_dict().items()}, cfg)
+    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(out_dir,
+                                                                       "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 def throughput(args) -> dict:
@@ -117,12 +129,18 @@ def throughput(args) -> dict:
         name = f"megalite {'grouped' if grouped else 'loop'}"
         models[name] = GPTModel(cfg, ParallelState(), seed=args.seed).train()
         steps[name] = make_step("megalite", models[name], tokens, labels)
+    weights = tempfile.mkdtemp(prefix="moe_hf_")
+    export_to_hf(models["megalite grouped"], cfg, weights)
     for experts in args.hf_experts:
         name = f"HF {experts}"
-        models[name] = hf_model(args, cfg, experts)
+        models[name] = hf_model(args, cfg, experts, weights)
         steps[name] = make_step("hf", models[name], tokens, labels)
+    shutil.rmtree(weights)
     params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
     first_loss = {n: s() for n, s in steps.items()}  # also the first warm-up step
+    # the same weights on both sides: the same routing, hence the same first loss
+    spread = max(first_loss.values()) - min(first_loss.values())
+    assert spread < 1e-4 * abs(first_loss["megalite grouped"]), first_loss
     times = timed_rounds(steps, args.rounds, args.warmup - 1, args.profile)
     order = list(steps)
     med = {n: statistics.median(t) for n, t in times.items()}
