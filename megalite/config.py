@@ -1051,7 +1051,8 @@ class TrainingConfig(_Section):
     exit_signal_handler: bool = setting(
         False, "on SIGTERM/SIGINT finish the iteration, save a checkpoint, exit 0")
     check_for_nan_in_loss_and_grad: bool = setting(
-        True, "bf16/fp32: a NaN/Inf loss or grad norm stops the run before the optimizer step")
+        True, "bf16/fp32: a step with a NaN/Inf loss or grad norm is skipped, and the run stops "
+        "at the next log line or save, naming it")
 
     def validate(self, data_parallel_size: Optional[int] = None) -> "TrainingConfig":
         """``data_parallel_size`` None: the checks that do not depend on it."""

@@ -26,7 +26,7 @@ import math
 import os
 import time
 from functools import partial
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -50,7 +50,6 @@ from megalite.moe.layer import (
     update_expert_biases,
 )
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
-from megalite.optimizer.grad_scaler import NonFiniteStep
 from megalite.parallel_state import (
     ParallelState,
     initialize_model_parallel,
@@ -113,18 +112,51 @@ def unigram_entropy(dataset, max_samples: int = 2000) -> Tuple[float, int]:
 # ------------------------------------------------------------------------------------------------
 # One step
 # ------------------------------------------------------------------------------------------------
-def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output: torch.Tensor):
+class _CarryNonFinite(torch.autograd.Function):
+    """Identity on the loss; its backward adds ``loss - loss`` to the incoming gradient: exactly
+    0 for a finite loss (the gradient is unchanged, bit for bit), NaN for a NaN/Inf one. So a
+    non-finite loss on any rank makes every gradient it reaches NaN; the data-parallel reductions
+    and the pipeline's backward hand those to every rank, and the global gradient norm, already
+    agreed by all, reports it: every rank skips the step alike, and no collective is added for
+    the loss (it is reduced only at log lines). --check-for-nan-in-loss-and-grad only."""
+
+    @staticmethod
+    def forward(ctx, loss):
+        ctx.poison = (loss - loss).detach()
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + ctx.poison
+
+
+def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output: torch.Tensor,
+               carry: bool = False):
     """Contract loss: this micro-batch's summed token loss over the GLOBAL batch's token count."""
     mask = loss_mask.to(output.dtype if output.is_floating_point() else torch.float32)
     loss_sum = (output.float() * mask.float()).sum()
     loss = loss_sum / num_global_tokens
+    if carry:
+        loss = _CarryNonFinite.apply(loss)
     return loss, {"lm_loss_sum": loss_sum.detach(), "num_tokens": mask.sum().detach()}
 
 
-def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model):
+def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: bool = False):
     tokens, labels, loss_mask, position_ids = next(data_iterator)
     output = model(tokens, labels=labels, position_ids=position_ids)
-    return output, partial(_loss_func, loss_mask, num_global_tokens)
+    return output, partial(_loss_func, loss_mask, num_global_tokens, carry=carry)
+
+
+class StepRecord(NamedTuple):
+    """What one training step leaves on the device for the host to read at the next log line
+    or save (Trainer._drain): this rank's [sum of token losses, token count] (float64; reduced
+    over the world only then), the global gradient norm, whether the step was applied (0-dim
+    bool) and the lr it used."""
+
+    sums: torch.Tensor
+    grad_norm: torch.Tensor
+    applied: torch.Tensor
+    lr: torch.Tensor
 
 
 class _Interval:
@@ -133,16 +165,17 @@ class _Interval:
     last, with one synchronize at the log line (between log lines the host queues work ahead of
     the device), paused by a synchronize around an evaluation or a save between log lines (not
     training time, as in Megatron-LM). The device is idle when a step starts after a pause or a
-    log line."""
+    log line. Its losses, norms and skips are read from the device at the log line
+    (Trainer._drain)."""
 
     def __init__(self):
-        self.n, self.start, self.time, self.grad_norm, self.skipped = 0, None, 0.0, None, 0
+        self.n, self.start, self.time = 0, None, 0.0
         self.host_queue = 0.0  # seconds the host took to queue the steps' forward-backward
 
-    def add(self, start: float, updated: bool, grad_norm, host_queue: float) -> None:
+    def add(self, start: float, host_queue: float) -> None:
         self.start = start if self.start is None else self.start
         self.host_queue += host_queue
-        self.n, self.grad_norm, self.skipped = self.n + 1, grad_norm, self.skipped + (not updated)
+        self.n += 1
 
     def pause(self, device) -> None:
         if self.start is not None:
@@ -156,10 +189,12 @@ class Trainer:
     """One pretraining run. Construction is the set-up; :meth:`train` is the loop.
 
     The loop (:meth:`train`) reads as its steps: one :meth:`train_step` (timed per log interval),
-    then :meth:`_record` (summary; NaN checks are in :meth:`train_step`), :meth:`_log` every
-    ``--log-interval``, :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every
-    ``--save-interval``, and :meth:`_stop_reason`, the one per-iteration "stop now?" check;
-    :meth:`_finish` evaluates and saves the final state.
+    then :meth:`_record` (keeps the step's device record), :meth:`_log` every ``--log-interval``,
+    :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every ``--save-interval``,
+    and :meth:`_stop_reason`, the one per-iteration "stop now?" check; :meth:`_finish` evaluates
+    and saves the final state. A step reads nothing on the host: :meth:`_drain` reads the
+    records of the steps since the last read, at a log line or before a save, and stops the run
+    there if a step was not finite (docs/performance.md, "A step with no host read").
     """
 
     def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger, tokenizer,
@@ -168,8 +203,11 @@ class Trainer:
         # (cfg, world size, device type, pipeline stage) -> {"total", "params", ...} bytes, or None
         self.memory_estimate = memory_estimate
         self.tokenizer, self.eod = tokenizer, tokenizer.eod
-        self.summary = {"train_losses": {}, "valid": {}}
+        self.summary = {"train_losses": {}, "grad_norms": {}, "valid": {}}
         self.skipped = 0
+        self.pending: List[Tuple[int, StepRecord]] = []  # on the device, until _drain
+        self.history: Dict[int, Tuple[float, float, bool, float]] = {}  # (loss, norm, applied, lr)
+        self.loss_scale = 1.0  # as of the last _drain
         self.saved_at = None
         self.times: List[float] = []
         self.host_queue_s = 0.0  # the last step's (train_step)
@@ -209,7 +247,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.chunks, cfg.optimizer, ps)
         self.moe_layers = moe_layers(self.chunks)  # found once, not walked every step
         self.scheduler = OptimizerParamScheduler.from_config(self.optimizer, cfg.optimizer,
-                                                             tr.train_iters)
+                                                             tr.train_iters, device=ps.device)
         self.forward_backward = get_forward_backward_func(
             ps.pp_size, cfg.parallel.virtual_pipeline_model_parallel_size, tr.pipeline_schedule)
 
@@ -271,16 +309,13 @@ class Trainer:
         # --exit-signal-handler / --exit-duration-in-mins, held until the final save is done
         with ExitConditions(tr, self.ps, self.t_start) as self.exits:
             while self.iteration < tr.train_iters:
-                lr = self.scheduler.current_lr
                 start = time.perf_counter()
                 m = tr.num_micro_batches(self.ps.dp_size)
-                loss, updated, grad_norm = self._measured_train_step(
-                    self._micro_batches(data_it, m))
-                self._record(loss, updated, grad_norm)
-                interval.add(start, updated, grad_norm, self.host_queue_s)
+                self._record(self._measured_train_step(self._micro_batches(data_it, m)))
+                interval.add(start, self.host_queue_s)
                 if self._logs_at(self.iteration):
                     interval.close(self.ps.device)
-                    self._log(interval, lr)
+                    self._log(interval)
                     interval = _Interval()
                 if self.iteration % tr.eval_interval == 0:
                     interval.pause(self.ps.device)
@@ -292,7 +327,7 @@ class Trainer:
                 if reason:
                     self.logger.print(f" exiting at iteration {self.iteration} ({reason})")
                     break
-            self._read_losses()
+            self._drain()
             return self._finish()
 
     def _logs_at(self, iteration: int) -> bool:
@@ -335,12 +370,9 @@ class Trainer:
         self.logger.log(rec, it, split="memory")
         return out
 
-    def train_step(self, batches) -> Tuple[torch.Tensor, bool, Optional[float]]:
-        """Forward-backward over the global batch, then the optimizer step.
-
-        Returns (global-batch loss as a device scalar, read only at log lines; whether the
-        weights were updated; grad norm).
-        """
+    def train_step(self, batches) -> StepRecord:
+        """Forward-backward over the global batch, then the optimizer step, with no host read:
+        the step's record stays on the device (read by :meth:`_drain`)."""
         num_global_tokens = self._global_token_count(batches)
         self.optimizer.zero_grad()
         # MoE balancing losses: averaged over the global batch's micro-batches, as the token loss
@@ -352,33 +384,34 @@ class Trainer:
         # no synchronize: on a GPU the host's time to queue the work, which must stay below the
         # device's time to run it (logged as host_queue_ms_per_iteration)
         self.host_queue_s = time.perf_counter() - start
-        loss = self._reduce_loss(stats)
-        # Here the loss (on every rank) and the reduced gradients exist but have not touched the
-        # weights: a NaN/Inf loss or grad norm stops every rank before the step and before any
-        # save; the optimizer reads both with its other decisions, one host read per step.
-        # fp16 skips overflowing steps instead.
-        check = (self.cfg.training.check_for_nan_in_loss_and_grad
-                 and self.cfg.model.params_dtype != "float16")
-        try:
-            updated, grad_norm, _num_zeros = self.optimizer.step(loss if check else None)
-        except NonFiniteStep as e:
-            raise self._diverged(str(e)) from None
-        if updated:
-            self.scheduler.step()
-        update_expert_biases(self.moe_layers, self.ps.tp_group, self.ps.dp_cp_group, updated)
-        return loss, updated, grad_norm
+        sums = self._local_loss_sums(stats)
+        # The loss and the reduced gradients exist but have not touched the weights. Under
+        # --check-for-nan-in-loss-and-grad (bf16/fp32) a NaN/Inf loss or grad norm makes the
+        # optimizer skip the step on the device, the same on every rank (the loss reaches the
+        # norm through the gradients, _CarryNonFinite); the host stops the run when it reads the
+        # record (_drain), before any save. fp16 skips overflowing steps and goes on.
+        lr = self.scheduler.lr  # this step's (the scheduler hands out a new tensor per step)
+        loss = sums[0] / sums[1].clamp_min(1.0) if self._check_finite else None
+        applied, grad_norm, _ = self.optimizer.step(loss)
+        self.scheduler.step(applied)
+        update_expert_biases(self.moe_layers, self.ps.tp_group, self.ps.dp_cp_group, applied)
+        return StepRecord(sums, grad_norm, applied, lr)
 
-    def _diverged(self, what: str) -> TrainingError:
+    @property
+    def _check_finite(self) -> bool:
+        return (self.cfg.training.check_for_nan_in_loss_and_grad
+                and self.cfg.model.params_dtype != "float16")
+
+    def _diverged(self, what: str, iteration: int) -> TrainingError:
         return TrainingError(
-            f"{what} at iteration {self.iteration + 1} in {self.cfg.model.params_dtype}, "
-            f"stopped before the optimizer step (--check-for-nan-in-loss-and-grad): training "
+            f"{what} at iteration {iteration} in {self.cfg.model.params_dtype}, its optimizer "
+            f"step skipped and the run stopped (--check-for-nan-in-loss-and-grad): training "
             f"diverged; lower --lr, raise --lr-warmup-iters or set --clip-grad")
 
-    def _record(self, loss: torch.Tensor, updated: bool, grad_norm) -> None:
+    def _record(self, record: StepRecord) -> None:
         self.iteration += 1
         self.consumed += self.cfg.training.global_batch_size
-        self.summary["train_losses"][self.iteration] = loss  # a device scalar until _read_losses
-        self.skipped += not updated
+        self.pending.append((self.iteration, record))
         if self.iteration == 1:  # model-state bytes vs docs/theory.md's ZeRO formula (memory.py)
             from megalite.memory import memory_report
 
@@ -417,25 +450,59 @@ class Trainer:
     # --------------------------------------------------------------------------------------------
     # Logging, evaluation, saving
     # --------------------------------------------------------------------------------------------
-    def _read_losses(self) -> List[float]:
-        """The losses of the iterations since the last call, as floats: one host read of them all
-        (reading each step would stall the host behind the device every iteration)."""
-        losses = self.summary["train_losses"]
-        pending = [i for i, v in losses.items() if isinstance(v, torch.Tensor)]
-        if pending:
-            losses.update(zip(pending, torch.stack([losses[i] for i in pending]).tolist()))
-        return [losses[i] for i in pending]
+    def _drain(self) -> None:
+        """Read the records of the steps since the last read: their loss sums all-reduced over
+        the world in one collective, then everything (losses, norms, applied flags, lrs, the
+        loss scale) in one host read. Called at every log line, before every save and at the
+        end, on every rank alike (the reduction is a collective). Raises TrainingError naming
+        the first step that was not finite (--check-for-nan-in-loss-and-grad): the host learns
+        of it here, at the next log line or before the next save, so no checkpoint is ever
+        written from such a state; --log-interval 1 stops right after the step."""
+        if not self.pending:
+            return
+        its = [it for it, _ in self.pending]
+        recs = [r for _, r in self.pending]
+        self.pending = []
+        n = len(recs)
+        sums = torch.stack([r.sums for r in recs])  # [n, 2]
+        C.all_reduce(sums, group=C.world_group(), tag="loss_report")
+        scale = self.optimizer.get_loss_scale()
+        parts = [sums.flatten()] + [torch.stack([getattr(r, k) for r in recs]).double()
+                                    for k in ("grad_norm", "applied", "lr")]
+        if torch.is_tensor(scale):
+            parts.append(scale.double().reshape(1))
+        values = torch.cat(parts).tolist()  # the one host read
+        if torch.is_tensor(scale):
+            self.loss_scale = values.pop()
+        norms, applied, lrs = (values[2 * n + k * n:2 * n + (k + 1) * n] for k in range(3))
+        for i, it in enumerate(its):
+            loss = values[2 * i] / max(values[2 * i + 1], 1.0)
+            self.history[it] = (loss, norms[i], bool(applied[i]), lrs[i])
+            self.summary["train_losses"][it] = loss
+            self.summary["grad_norms"][it] = norms[i]
+            self.skipped += not applied[i]
+        if self._check_finite:
+            for it in its:
+                loss, norm, _, _ = self.history[it]
+                if not math.isfinite(loss):
+                    raise self._diverged(f"loss {loss}", it)
+                if not math.isfinite(norm):
+                    raise self._diverged(f"grad norm {norm}", it)
 
-    def _log(self, interval: _Interval, lr: float) -> None:
+    def _log(self, interval: _Interval) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
+        self._drain()
         gbs, t_it = tr.global_batch_size, interval.time / interval.n
         self.times += [t_it] * interval.n
+        steps = [self.history[it] for it in range(self.iteration - interval.n + 1,
+                                                   self.iteration + 1)]
+        _, norm, applied, lr = steps[-1]
         rec = {"iteration": self.iteration, "consumed_samples": self.consumed,
-               "lm_loss": sum(self._read_losses()) / interval.n, "lr": lr,
-               "grad_norm": interval.grad_norm, "loss_scale": self.optimizer.get_loss_scale(),
+               "lm_loss": sum(s[0] for s in steps) / interval.n, "lr": lr,
+               "grad_norm": norm if applied else None, "loss_scale": self.loss_scale,
                "global_batch_size": gbs, "iteration_time_ms": 1000 * t_it,
                "host_queue_ms_per_iteration": 1000 * interval.host_queue / interval.n,
-               "skipped_iterations": interval.skipped,
+               "skipped_iterations": sum(not s[2] for s in steps),
                "peak_memory_bytes": peak_memory_bytes(ps.device)}
         if cfg.model.num_experts is not None:
             rec.update(moe_interval_metrics(self.moe_layers, cfg.model, interval.n * tr.global_batch_size
@@ -472,6 +539,7 @@ class Trainer:
         self.logger.log({"lm_loss": loss, "ppl": ppl}, self.iteration, split="valid")
 
     def _save(self) -> None:
+        self._drain()  # before anything is written: raises if a step since then was not finite
         path = checkpointing.save_checkpoint(
             self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
             self.scheduler, self.consumed, self.cfg, self.ps, self.run_id)
@@ -543,33 +611,34 @@ class Trainer:
             # the timeline synchronises around every op: only on the steps whose bubble is logged
             timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)
         return self.forward_backward(
-            forward_step_func=partial(_forward_step, num_global_tokens),
+            forward_step_func=partial(_forward_step, num_global_tokens,
+                                      carry=self._check_finite and not forward_only),
             data_iterator=iter(batches), model=self.chunks, num_microbatches=len(batches),
             seq_length=self.cfg.model.seq_length // self.ps.cp_size,  # CP: this rank's tokens
             micro_batch_size=tr.micro_batch_size,
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
-    def _sum_loss(self, stats_list) -> torch.Tensor:
-        """[sum of token losses, token count] over the whole global batch, on every rank, on the
-        device (float64): read by the caller once, never per micro-batch.
+    def _local_loss_sums(self, stats_list) -> torch.Tensor:
+        """This rank's [sum of token losses, token count] of the global batch, on the device
+        (float64), never read per micro-batch.
 
         Only the stage that computes the loss has stats (the last, or rank 0 under the V of
         zb-v / dualpipev), and its TP ranks hold identical copies: TP rank 0 of it contributes,
-        then a world all-reduce hands the result to every rank (rank 0 logs; every rank sees a
-        NaN and stops together).
+        so a SUM over the world (:meth:`_sum_loss`; in training once per log line, over every
+        step since the last: :meth:`_drain`) gives the global batch's sums on every rank.
         """
         t = torch.zeros(2, dtype=torch.float64, device=self.ps.device)
         if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage
             for s in stats_list:
                 t[0] += s["lm_loss_sum"].double()
                 t[1] += s["num_tokens"].double()
-        C.all_reduce(t, group=C.world_group(), tag="loss_report")
         return t
 
-    def _reduce_loss(self, stats_list) -> torch.Tensor:
-        """The global batch's mean token loss, a device scalar."""
-        t = self._sum_loss(stats_list)
-        return t[0] / t[1].clamp_min(1.0)
+    def _sum_loss(self, stats_list) -> torch.Tensor:
+        """The global batch's [sum of token losses, token count] on every rank (evaluation)."""
+        t = self._local_loss_sums(stats_list)
+        C.all_reduce(t, group=C.world_group(), tag="loss_report")
+        return t
 
 
 # ------------------------------------------------------------------------------------------------

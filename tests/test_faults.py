@@ -210,10 +210,12 @@ def test_exit_duration_saves_and_exits_zero(tmp_path):
     assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "1"
 
 
-def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path):
-    """fp32 diverging (lr 1e30) on 2 ranks: every rank names the iteration and exits non-zero
-    before the step, so the last checkpoint (saved every iteration) is the one before; fp16
-    instead keeps skipping steps and lowering the loss scale."""
+def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
+    """fp32 diverging (lr 1e30) on 2 ranks, saving every iteration: every rank names the
+    iteration and exits non-zero before its save, so the last checkpoint is the one before. bf16,
+    logging every 3rd iteration and saving every 4th: the step that went NaN is skipped on the
+    device and the host learns of it at the next log line, which names it and stops the run
+    there, before any save. fp16 instead keeps skipping steps and lowering the loss scale."""
     ck = tmp_path / "ck"
     boom = ("--lr", "1e30", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
             "--train-iters", "6")
@@ -222,9 +224,20 @@ def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path):
     errs = [_lines(e) for e in job.err]
     assert all(rc == 1 for rc in rcs) and all(len(e) == 1 for e in errs), errs
     bad = int(errs[0][0].split("at iteration ")[1].split()[0])
-    assert "before the optimizer step" in errs[0][0] and errs[0] == errs[1]
+    assert "optimizer step skipped" in errs[0][0] and errs[0] == errs[1]
     assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == str(bad - 1)
     assert not [n for n in os.listdir(ck) if n.startswith(f"iter_{bad:07d}")]
+    # bf16, one process: iteration 2 is the first NaN; 3 still runs (its memory line, printed
+    # during the step), its log line reads the records and stops; the save at 4 never comes
+    ck16 = tmp_path / "ck_bf16"
+    capsys.readouterr()
+    assert run_main(flags(*boom, "--bf16", log_interval=3, save=ck16, save_interval=4,
+                          metrics_file=tmp_path / "bf16.jsonl")) == 1
+    out, err = capsys.readouterr()
+    assert "loss nan at iteration 2 in bfloat16, its optimizer step skipped" in err, err
+    assert "memory at iteration 3" in out and "iteration        3/" not in out, out
+    assert not [n for n in os.listdir(ck16) if n.startswith("iter_")]
+    assert not (ck16 / checkpointing.TRACKER_FILE).exists()
     # fp16 (one process: the overflow flag's agreement over ranks is the fp32 path's reduction)
     assert run_main(flags(*boom, "--fp16", metrics_file=tmp_path / "fp16.jsonl")) == 0
     recs = read_metrics(tmp_path / "fp16.jsonl")

@@ -273,7 +273,10 @@ def test_zero_resume_restores_experts_moments_and_bias(runs, ck):
         torch.testing.assert_close(model[k], ref_model[k], rtol=1e-5, atol=1e-7, msg=k)
     for name in (n for n in ref_optim if ".mlp." in n):
         for kind, v in optim[name].items():
-            torch.testing.assert_close(v, ref_optim[name][kind], rtol=1e-4, atol=1e-9,
+            # a master is a weight: the weights' own atol (a float32 weight near 0.02 has a
+            # last bit of ~2e-9, so a master that crossed near 0 can differ by a few of them)
+            torch.testing.assert_close(v, ref_optim[name][kind], rtol=1e-4,
+                                       atol=1e-7 if kind == "master" else 1e-9,
                                        msg=f"{name} {kind}")
 
 

@@ -525,7 +525,11 @@ def _pp_dp2_worker(rank, world_size, runs, layers, m):
             assert rel_close(emb, ref_params["embedding.word_embeddings.weight"]) <= 1e-5, where
             if "embedding.word_embeddings.weight" in got:  # both copies on rank 0 (the V)
                 assert torch.equal(emb, got["embedding.word_embeddings.weight"]), where
-        assert_params_close(got, {k: ref_params[k] for k in got}, 1e-5, where)
+        # 5e-5, not the DP-only tests' 1e-5: the reference takes one batch of 2m where the
+        # pipeline accumulates m micro-batches, a different summation order whose last-bit
+        # differences Adam's normalisation scales up where a gradient is near zero: the largest
+        # element's error over the tensor's norm is 1.0-2.7e-5 on some CPUs (pp 4, 8 layers)
+        assert_params_close(got, {k: ref_params[k] for k in got}, 5e-5, where)
     return True
 
 

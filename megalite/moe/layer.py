@@ -13,7 +13,7 @@ crosses a pipeline boundary and no schedule changes.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -36,10 +36,11 @@ class AuxLossScaler(torch.autograd.Function):
     """Identity on ``output``; in backward, ``aux_loss`` gets the gradient ``scale``. The loss
     that trains the model is then main + scale x aux without aux ever being added to it (so the
     pipeline carries nothing new): ``scale`` is the main loss's own multiplier for one
-    micro-batch (1 / the micro-batches of the global batch, times the fp16 loss scale)."""
+    micro-batch (1 / the micro-batches of the global batch, times the fp16 loss scale: then a
+    0-dim device tensor, which the host never reads)."""
 
     @staticmethod
-    def forward(ctx, output, aux_loss, scale: float):
+    def forward(ctx, output, aux_loss, scale):
         ctx.save_for_backward(aux_loss)
         ctx.scale = scale
         return output
@@ -47,7 +48,7 @@ class AuxLossScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (aux_loss,) = ctx.saved_tensors
-        return grad_output, torch.full_like(aux_loss, ctx.scale), None
+        return grad_output, torch.zeros_like(aux_loss).add_(ctx.scale), None
 
 
 def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
@@ -333,7 +334,7 @@ def moe_layers(chunks) -> List[MoELayer]:
     return [m for c in chunks for m in c.modules() if isinstance(m, MoELayer)]
 
 
-def begin_step(layers: List[MoELayer], aux_loss_scale: float) -> None:
+def begin_step(layers: List[MoELayer], aux_loss_scale) -> None:
     """Each step, before the forward-backward: the balancing losses' gradient multiplier, and
     global_aux_loss's token counts start again."""
     for m in layers:
@@ -343,10 +344,13 @@ def begin_step(layers: List[MoELayer], aux_loss_scale: float) -> None:
 
 
 @torch.no_grad()
-def update_expert_biases(layers: List[MoELayer], tp_group, dp_cp_group, applied: bool) -> None:
+def update_expert_biases(layers: List[MoELayer], tp_group, dp_cp_group,
+                         applied: Union[bool, torch.Tensor]) -> None:
     """Loss-free balancing after a step (DeepSeek-V3): b += rate * sign(mean load - load), the
     loads summed over every rank that routed different tokens (TP under SP, DP x CP), all layers
-    in one all-reduce. A skipped step (fp16 overflow) leaves the biases as they were."""
+    in one all-reduce. A skipped step (fp16 overflow, a non-finite one) leaves the biases as they
+    were: ``applied`` is the optimizer's 0-dim device flag, used in a ``torch.where`` (or a host
+    bool), so the host reads nothing to decide."""
     layers = [m for m in layers if m.expert_bias is not None]
     if not layers:
         return
@@ -354,7 +358,7 @@ def update_expert_biases(layers: List[MoELayer], tp_group, dp_cp_group, applied:
     C.all_reduce(counts, group=tp_group, tag="moe_expert_bias")
     C.all_reduce(counts, group=dp_cp_group, tag="moe_expert_bias")
     for m, n in zip(layers, counts):
-        if applied:
-            m.expert_bias.copy_(R.expert_bias_update(m.expert_bias, n,
-                                                     m.config.moe_router_bias_update_rate))
+        new = R.expert_bias_update(m.expert_bias, n, m.config.moe_router_bias_update_rate)
+        m.expert_bias.copy_(torch.where(torch.as_tensor(applied, device=new.device), new,
+                                        m.expert_bias))
         m.local_tokens_per_expert.zero_()

@@ -63,7 +63,8 @@ def _sum_of_squares(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
 def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False,
                       expert: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """The one gradient norm of every optimizer, squared, as a float32 device tensor of shape [1]
-    (read on the host with the step's other decisions, optimizer.py): the sum of squares of
+    (never read by the step: its skip mask and clipping use it on the device, optimizer.py):
+    the sum of squares of
     ``counted`` (this rank's gradients, or pieces of them, that ``counts_for_norm``), summed over
     DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel
     group. ``expert``: the expert gradients when ``ps.experts_apart`` (``split_counted``), or
@@ -85,12 +86,17 @@ def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = Fa
 
 
 @torch.no_grad()
-def clip_grads_by_norm(grads: Iterable[torch.Tensor], total_norm: float, max_norm: float) -> None:
-    """Scale grads by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does."""
+def clip_grads_by_norm(grads: Iterable[torch.Tensor], total_norm: torch.Tensor,
+                       max_norm: float) -> None:
+    """Scale grads by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does
+    (the same float32 arithmetic, so a run matches torch's), with ``total_norm`` a device
+    scalar: the coefficient is computed on the device and always applied. A coefficient of 1
+    leaves every gradient exactly as it was, and choosing on the host whether to clip would read
+    the norm."""
     if max_norm <= 0:
         return
-    coef = max_norm / (total_norm + 1e-6)
-    if coef < 1.0:
-        grads: List[torch.Tensor] = [g for g in grads if g is not None]
-        if grads:
-            torch._foreach_mul_(grads, coef)
+    grads: List[torch.Tensor] = [g for g in grads if g is not None]
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total_norm.detach().float().reshape(()) + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef)

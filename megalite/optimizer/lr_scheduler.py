@@ -12,18 +12,30 @@ only needs the step count. Iteration k (0-based) trains with ``get_lr(k)``:
                             (linear, cosine, exponential or 1 - sqrt; Hu et al. 2024, MiniCPM)
       inverse-square-root   max_lr * sqrt(W) / sqrt(max(k, W)), floored at min_lr
   after   (k >= D):         min_lr (constant stays at max_lr)
+
+The position k is the number of *applied* steps (a skipped fp16 overflow does not advance the
+schedule), which only the device knows: the decision to skip is made there (optimizer.py,
+``decide_step``). So the count is a device tensor, advanced by the step's device flag, and the
+device picks its lr by index from ``table`` = [get_lr(0), get_lr(1), ...], evaluated once on the
+host at start-up by the one formula above: the lr the optimizer uses is exactly get_lr(k), and the
+host reads nothing to learn k (docs/design.md, contract 11). Past the table's end every style is
+constant (min_lr, or max_lr for constant); inverse-square-root keeps decaying, so the table runs
+to ``max_steps`` (the run's --train-iters: no run applies more steps than it has iterations).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
+
+import torch
 
 
 class OptimizerParamScheduler:
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int,
                  decay_steps: int, decay_style: str = "cosine",
-                 wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "linear"):
+                 wsd_decay_steps: Optional[int] = None, wsd_decay_style: str = "linear",
+                 max_steps: int = 0, device: Optional[torch.device] = None):
         if decay_style not in ("constant", "linear", "cosine", "WSD", "inverse-square-root"):
             raise ValueError(f"unknown lr decay style {decay_style!r}")
         self.optimizer = optimizer
@@ -34,17 +46,26 @@ class OptimizerParamScheduler:
         self.decay_style = decay_style
         self.wsd_decay_steps = wsd_decay_steps
         self.wsd_decay_style = wsd_decay_style
-        self.num_steps = 0
-        self._apply(self.get_lr(0))
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        # the dtype the optimizer takes its lr in (a fused kernel's contract; else float64, the
+        # host float's precision)
+        self.lr_dtype = getattr(optimizer, "lr_dtype", torch.float64)
+        n = max(self.warmup_steps, self.decay_steps, int(max_steps)) + 1
+        self.table = torch.tensor([self.get_lr(k) for k in range(n)], dtype=torch.float64,
+                                  device=self.device)
+        self._count = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._apply()
 
     @classmethod
-    def from_config(cls, optimizer, opt_cfg, train_iters: int) -> "OptimizerParamScheduler":
+    def from_config(cls, optimizer, opt_cfg, train_iters: int,
+                    device: Optional[torch.device] = None) -> "OptimizerParamScheduler":
         decay = opt_cfg.lr_decay_iters or train_iters
         warmup = opt_cfg.lr_warmup_iters or 0
         if opt_cfg.lr_warmup_fraction is not None:
             warmup = int(opt_cfg.lr_warmup_fraction * decay)
         return cls(optimizer, opt_cfg.lr, opt_cfg.min_lr, warmup, decay, opt_cfg.lr_decay_style,
-                   opt_cfg.lr_wsd_decay_iters, opt_cfg.lr_wsd_decay_style)
+                   opt_cfg.lr_wsd_decay_iters, opt_cfg.lr_wsd_decay_style,
+                   max_steps=train_iters, device=device)
 
     def get_lr(self, step: int) -> float:
         W, D = self.warmup_steps, self.decay_steps
@@ -80,20 +101,30 @@ class OptimizerParamScheduler:
             coeff = 0.5 * (math.cos(math.pi * r) + 1.0)
         return self.min_lr + coeff * delta
 
-    def _apply(self, lr: float) -> None:
+    def _apply(self) -> None:
+        """The lr of the current count, a new 0-dim device tensor, into every param group: new
+        each step, so the one a queued step or a record holds keeps its value."""
+        at = self._count.clamp(max=self.table.numel() - 1).reshape(1)
+        # (index_select: indexing by a 0-dim tensor would read it as a Python int)
+        self.lr = self.table.index_select(0, at).reshape(()).to(self.lr_dtype)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = self.lr
+
+    @property
+    def num_steps(self) -> int:
+        """Applied steps so far (a host read: for saves and tests, not the loop)."""
+        return int(self._count)
 
     @property
     def current_lr(self) -> float:
-        return self.get_lr(self.num_steps)
+        return float(self.lr)  # a host read, as num_steps
 
-    def step(self, increment: int = 1) -> float:
-        """Advance to the next iteration and set its learning rate on the optimizer."""
-        self.num_steps += increment
-        lr = self.get_lr(self.num_steps)
-        self._apply(lr)
-        return lr
+    def step(self, applied: Union[bool, torch.Tensor] = True) -> torch.Tensor:
+        """After a step: advance by one if it was ``applied`` (the optimizer's device flag, or a
+        host bool) and set the next step's lr on the optimizer; returns it (device)."""
+        self._count = self._count + applied
+        self._apply()
+        return self.lr
 
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "max_lr": self.max_lr, "min_lr": self.min_lr,
@@ -104,5 +135,5 @@ class OptimizerParamScheduler:
     def load_state_dict(self, sd: dict) -> None:
         # The schedule's shape comes from this run's flags (so a resumed run may change it, as in
         # Megatron with --override-opt-param-scheduler); only the position is restored.
-        self.num_steps = int(sd["num_steps"])
-        self._apply(self.get_lr(self.num_steps))
+        self._count = torch.full((), int(sd["num_steps"]), dtype=torch.int64, device=self.device)
+        self._apply()

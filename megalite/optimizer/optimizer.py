@@ -6,8 +6,9 @@ The interface every megalite optimizer keeps (the ZeRO ``DistributedOptimizer`` 
     opt = build_optimizer(model_chunks, opt_cfg, ps)
     opt.zero_grad()
     loss = opt.scale_loss(loss)                         # x loss scale (fp16), else identity
-    updated, grad_norm, num_zeros_or_None = opt.step(loss)  # unscale, overflow and NaN checks
-                                                        # (one host read), clip, step
+    applied, grad_norm, _ = opt.step(loss)              # unscale, overflow and NaN checks, clip,
+                                                        # step: all on the device, no host read;
+                                                        # applied: 0-dim bool, grad_norm: 0-dim
     opt.get_loss_scale(); opt.param_groups              # the LR scheduler writes group["lr"]
     opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only; the load
                                                         # is local (ZeRO-1/2 then: opt.
@@ -24,6 +25,13 @@ In fp32 the masters *are* the model parameters.
 
 Weight decay is decoupled (AdamW, Loshchilov & Hutter) and applied only to matrices: biases and
 norm weights (1-D parameters) are in a second group with weight decay 0, as in Megatron and GPT-2.
+
+A step that must not be applied (an fp16 overflow; a NaN/Inf loss or gradient norm under
+--check-for-nan-in-loss-and-grad) is skipped on the device (``decide_step``): the plain
+optimizer's fused kernels take the flag as their ``found_inf`` argument, the ZeRO step writes its
+new values through ``torch.where``. Either way the masters, the model and the Adam moments stay
+bit for bit what they were, the step count does not advance, and the host learns of the skip
+only when the training loop reads its records (docs/performance.md, "A step with no host read").
 """
 
 from __future__ import annotations
@@ -34,9 +42,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from megalite.optimizer.clip_grads import clip_grads_by_norm, grad_norm_squared, split_counted
-from megalite.optimizer.grad_scaler import NonFiniteStep, build_grad_scaler, found_inf_flag
+from megalite.optimizer.grad_scaler import build_grad_scaler, found_inf_flag
 from megalite.param_meta import ParamMeta, grad_of
 from megalite.tensor_parallel.utils import unshard_tensors
+
+# The ZeRO step's piece size (elements): what it holds aside to mask an update is five pieces
+# (ShardedAdamW._adamw), 160 MiB in fp32, however large a shard is.
+_CHUNK = 1 << 23
 
 # The per-parameter optimizer state every format can be merged into (by parameter name): the
 # fp32 master weights and Adam's two moments. One vocabulary for every file and every ZeRO stage.
@@ -59,46 +71,42 @@ def model_parameters(model_chunks) -> List[torch.nn.Parameter]:
 
 
 def decide_step(grad_scaler, grads: List[torch.Tensor], counted: List[torch.Tensor], ps,
-                dp_sharded: bool, loss: Optional[torch.Tensor], expert=()) -> Optional[float]:
-    """Everything the step decides on the host, from one host read: the global gradient norm, or
-    None when an fp16 gradient overflowed on some rank (the scaler records it; every rank skips).
+                dp_sharded: bool, loss: Optional[torch.Tensor], expert=()
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The step's decisions, on the device: ``(found_inf, grad_norm)``, 0-dim float32 tensors;
+    ``found_inf`` is 1.0 where the step must not be applied, else 0.0 (the convention of torch's
+    fused optimizers, which take it as it is). Nothing here reads a value on the host.
 
     With a scaler the gradients are first divided by the loss scale and checked for inf/NaN
-    (``found_inf_flag``); then the norm of ``counted`` (``grad_norm_squared``). Given the step's
-    ``loss`` (a device scalar: --check-for-nan-in-loss-and-grad, bf16/fp32), a NaN/Inf loss or norm
-    raises NonFiniteStep before any weight changes. The flag, the norm and the loss are already
-    global (all-reduced), so every rank reads the same values and decides alike; reading them
-    together stalls the host behind the device once per step instead of once per decision.
+    (``found_inf_flag``), and the scaler updates from that flag; then the norm of ``counted``
+    (``grad_norm_squared``). Given the step's ``loss`` (a device scalar: --check-for-nan-in-loss-
+    and-grad), a NaN/Inf loss or norm also sets the flag. The flag and the norm are global (all-
+    reduced), so every rank decides alike; the loss is this rank's, which is enough because the
+    training loop carries a non-finite loss into the gradients (training.py, ``_CarryNonFinite``),
+    where the global norm sees it on every rank.
     """
-    parts = []
+    found_inf = torch.zeros((), dtype=torch.float32, device=ps.device)
     if grad_scaler is not None:
-        parts.append(found_inf_flag(grads, ps.device, inv_scale=1.0 / grad_scaler.scale))
-    parts.append(grad_norm_squared(counted, ps, dp_sharded, expert).sqrt())
-    if loss is not None:
-        parts.append(loss.detach().reshape(1))
-    values = torch.cat([t.double() for t in parts]).tolist()  # the step's one host read
-    if grad_scaler is not None:
-        found_inf = values.pop(0) > 0
+        found_inf = found_inf_flag(grads, ps.device, inv_scale=grad_scaler.inv_scale).reshape(())
         grad_scaler.update(found_inf)
-        if found_inf:
-            return None
-    grad_norm = values[0]
+    grad_norm = grad_norm_squared(counted, ps, dp_sharded, expert).sqrt().reshape(())
     if loss is not None:
-        if not math.isfinite(values[1]):
-            raise NonFiniteStep(f"loss {values[1]}")
-        if not math.isfinite(grad_norm):
-            raise NonFiniteStep(f"grad norm {grad_norm}")
-    return grad_norm
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss.detach().reshape(()))
+        found_inf = torch.where(finite, found_inf, 1.0)
+    return found_inf, grad_norm
 
 
 class _LossScaling:
     grad_scaler = None
 
-    def get_loss_scale(self) -> float:
+    def get_loss_scale(self):
+        """The fp16 loss scale as a 0-dim device tensor (read on the host only at log lines and
+        saves), else 1.0."""
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
+        return loss * self.grad_scaler.scale.to(loss.dtype) if self.grad_scaler is not None \
+            else loss
 
 
 class MixedPrecisionOptimizer(_LossScaling):
@@ -140,16 +148,24 @@ class MixedPrecisionOptimizer(_LossScaling):
                   {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
         device = self.masters[0].device if self.masters else torch.device("cpu")
+        # torch's fused kernels, on every device: they take the skip flag (``found_inf``) and
+        # the lr as device tensors, so a skipped step is skipped inside the kernel (torch takes
+        # the step count back) and the host decides nothing (module docstring).
         if opt_cfg.optimizer == "sgd":
-            self.inner = torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.adam_beta1)
+            self.inner = torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.adam_beta1,
+                                         fused=True)
+            if opt_cfg.adam_beta1 != 0:  # torch leaves the buffers of a skipped first step
+                for m in self.masters:   # unwritten: start them at 0, what they mean
+                    self.inner.state[m]["momentum_buffer"] = torch.zeros_like(m)
         else:
-            # fused kernels on GPU; on CPU the default (per-tensor) path, which is deterministic.
-            kwargs = {"fused": True} if device.type == "cuda" else {}
             self.inner = torch.optim.AdamW(groups, lr=opt_cfg.lr,
                                            betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
                                            eps=opt_cfg.adam_eps,
-                                           weight_decay=opt_cfg.weight_decay, **kwargs)
-        self.grad_scaler = build_grad_scaler(opt_cfg, self.model_params[0].dtype)
+                                           weight_decay=opt_cfg.weight_decay, fused=True)
+        # the lr tensor the scheduler hands over: the CUDA fused kernels read a float32 one, the
+        # CPU kernels a double (the host float's value, exactly)
+        self.lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
+        self.grad_scaler = build_grad_scaler(opt_cfg, self.model_params[0].dtype, ps.device)
 
     # --------------------------------------------------------------------------------- interface
     @property
@@ -180,23 +196,23 @@ class MixedPrecisionOptimizer(_LossScaling):
 
     @torch.no_grad()
     def step(self, loss: Optional[torch.Tensor] = None
-             ) -> Tuple[bool, Optional[float], Optional[int]]:
+             ) -> Tuple[torch.Tensor, torch.Tensor, None]:
         grads = self._master_grads()
         present = [g for g in grads if g is not None]
         ps = self.ps
         counted, expert = split_counted(self.model_params, grads, ps)
-        grad_norm = decide_step(self.grad_scaler, present, counted, ps, False, loss, expert)
-        if grad_norm is None:
-            self.zero_grad()
-            return False, None, None
+        found_inf, grad_norm = decide_step(self.grad_scaler, present, counted, ps, False, loss,
+                                           expert)
         if self.cfg.clip_grad > 0:
             clip_grads_by_norm(present, grad_norm, self.cfg.clip_grad)
+        self.inner.found_inf = found_inf  # read by torch's fused step, as GradScaler sets it
         self.inner.step()
+        # (after a skipped step this copies back the values the model already holds)
         for model_flat, master_flat in self.flat_masters:
             model_flat.copy_(master_flat)  # rounds the fp32 masters into the 16-bit model
         for p, m in self.loose:
             p.data.copy_(m.data)
-        return True, grad_norm, None
+        return found_inf == 0, grad_norm, None
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -208,7 +224,10 @@ class MixedPrecisionOptimizer(_LossScaling):
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        sd = {"optimizer": self.inner.state_dict(),
+        inner = self.inner.state_dict()
+        for g in inner["param_groups"]:  # the files keep the lr a number (read at a save)
+            g["lr"] = float(g["lr"])
+        sd = {"optimizer": inner,
               "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
         if self.mixed:
             sd["fp32_master_params"] = [m.detach().clone() for m in self.masters]
@@ -258,8 +277,10 @@ class ShardedAdamW(_LossScaling):
 
     def _init_shared(self, cfg, ps, params_dtype: torch.dtype) -> None:
         self.cfg, self.ps = cfg, ps
-        self.step_count = 0
-        self.grad_scaler = build_grad_scaler(cfg, params_dtype)
+        # applied steps (Adam's t, for the bias corrections): a device count, advanced by the
+        # step's own device flag, so a skipped step leaves it as it was without a host read
+        self.step_count = torch.zeros((), dtype=torch.float64, device=ps.device)
+        self.grad_scaler = build_grad_scaler(cfg, params_dtype, ps.device)
         # Matrices decay, biases and norm weights do not (as the plain optimizer); the LR
         # scheduler writes group["lr"].
         self.param_groups = [{"name": "decay", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
@@ -267,20 +288,19 @@ class ShardedAdamW(_LossScaling):
 
     @torch.no_grad()
     def step(self, loss: Optional[torch.Tensor] = None
-             ) -> Tuple[bool, Optional[float], Optional[int]]:
+             ) -> Tuple[torch.Tensor, torch.Tensor, None]:
         self._finish_grads()
         grads = self._grads()
         counted, expert = ([g[a:b] for g, runs in zip(grads, norm_runs) for a, b in runs]
                            for norm_runs in (self.norm_runs, self.expert_norm_runs))
-        grad_norm = decide_step(self.grad_scaler, grads, counted, self.ps, True, loss, expert)
-        if grad_norm is None:
-            self.zero_grad()
-            return False, None, None
+        found_inf, grad_norm = decide_step(self.grad_scaler, grads, counted, self.ps, True, loss,
+                                           expert)
+        applied = found_inf == 0
         clip_grads_by_norm(grads, grad_norm, self.cfg.clip_grad)
-        self.step_count += 1
-        self._adamw(grads)
-        self._publish()
-        return True, grad_norm, None
+        self.step_count = self.step_count + applied
+        self._adamw(grads, applied)
+        self._publish()  # (after a skipped step: the values the model already holds)
+        return applied, grad_norm, None
 
     def _publish(self) -> None:
         self._copy_masters_to_model()
@@ -288,42 +308,75 @@ class ShardedAdamW(_LossScaling):
     def _wait_param_sync(self) -> None:
         """Never read or write the params while a gather of them is in flight (ZeRO-1/2)."""
 
-    def _adamw(self, grads: List[torch.Tensor]) -> None:
-        """torch.optim.AdamW's update (decoupled decay first; the order of its foreach path, so a
-        ZeRO run matches a single-process torch run), with decay and lr per run."""
+    def _scalar(self, x) -> torch.Tensor:
+        """A 0-dim float64 device tensor: an lr the scheduler wrote already is one; a host float
+        set by hand becomes one by a fill, not a copy from the host."""
+        if torch.is_tensor(x):
+            return x.double()
+        return torch.full((), x, dtype=torch.float64, device=self.ps.device)
+
+    def _adamw(self, grads: List[torch.Tensor], applied: torch.Tensor) -> None:
+        """torch.optim.AdamW's update (decoupled decay first; the order and the roundings of its
+        foreach path, so a ZeRO run matches a single-process torch run), with decay and lr per
+        run, written only where ``applied`` (a 0-dim device bool).
+
+        Each new master and moment is computed aside and chosen with ``torch.where``, so a
+        skipped step leaves them bit for bit as they were, NaN gradients or not (a mask that
+        multiplies would not: 0 x NaN is NaN). The scalars (lr, the bias corrections of the
+        device step count) are 0-dim float64 device tensors: the double arithmetic of the host
+        floats they replace, and each op takes them as it took those floats (cast to float32).
+        torch.sqrt of a double may differ from math.sqrt in the last bit; cast to float32, as the
+        division takes it, it agrees for every step count up to 10^6 and beta2 in {0.9, 0.95,
+        0.98, 0.99, 0.999} (checked). The work goes in pieces of at most _CHUNK elements, which
+        bounds the values held aside to five such pieces."""
         cfg, groups, t = self.cfg, self.param_groups, self.step_count
         beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
-        for gi, group in enumerate(groups):
-            lr, wd = group["lr"], group["weight_decay"]
-            views = [p[a:b] for p, runs in zip(self.masters, self.runs) for a, b, g in runs
-                     if g == gi]
-            if wd != 0 and views:
-                torch._foreach_mul_(views, 1 - lr * wd)
-        torch._foreach_lerp_(self.exp_avg, grads, 1 - beta1)
-        torch._foreach_mul_(self.exp_avg_sq, beta2)
-        torch._foreach_addcmul_(self.exp_avg_sq, grads, grads, 1 - beta2)
-        bias_correction1 = 1 - beta1 ** t
-        denom = torch._foreach_sqrt(self.exp_avg_sq)
-        torch._foreach_div_(denom, math.sqrt(1 - beta2 ** t))
-        torch._foreach_add_(denom, cfg.adam_eps)
-        lrs = {g["lr"] for g in groups}
-        if len(lrs) == 1:
-            torch._foreach_addcdiv_(self.masters, self.exp_avg, denom,
-                                    -lrs.pop() / bias_correction1)
-            return
-        for p, m, d, runs in zip(self.masters, self.exp_avg, denom, self.runs):
-            for a, b, gi in runs:  # padding outside the runs stays 0
-                p[a:b].addcdiv_(m[a:b], d[a:b], value=-groups[gi]["lr"] / bias_correction1)
+        lrs = [self._scalar(g["lr"]) for g in groups]
+        decay = [1 - lr * g["weight_decay"] if g["weight_decay"] != 0 else None
+                 for lr, g in zip(lrs, groups)]
+        bias_correction1 = 1 - torch.pow(beta1, t)
+        bias_correction2_sqrt = torch.sqrt(1 - torch.pow(beta2, t))
+        step_size = [-lr / bias_correction1 for lr in lrs]
+        # one lr for the whole shard (the scheduler writes the same tensor into every group)
+        same = len({id(g["lr"]) if torch.is_tensor(g["lr"]) else g["lr"] for g in groups}) == 1
+        for p, m, v, g, runs in zip(self.masters, self.exp_avg, self.exp_avg_sq, grads,
+                                    self.runs):
+            for lo in range(0, p.numel(), _CHUNK):
+                hi = min(lo + _CHUNK, p.numel())
+                piece = [(max(a, lo) - lo, min(b, hi) - lo, gi) for a, b, gi in runs
+                         if a < hi and b > lo]
+                m1 = torch.lerp(m[lo:hi], g[lo:hi], 1 - beta1)
+                v1 = v[lo:hi] * beta2
+                v1.addcmul_(g[lo:hi], g[lo:hi], value=1 - beta2)
+                denom = torch.sqrt(v1)
+                denom.div_(bias_correction2_sqrt)
+                denom.add_(cfg.adam_eps)
+                p1 = p[lo:hi].clone()
+                for gi, c in enumerate(decay):
+                    views = [p1[a:b] for a, b, k in piece if k == gi]
+                    if c is not None and views:
+                        torch._foreach_mul_(views, c)
+                # p + (value * m) / denom: addcdiv's own order of operations
+                if same:
+                    u = m1 * step_size[0]
+                    p1.add_(u.div_(denom))
+                else:
+                    for a, b, gi in piece:  # padding outside the runs stays 0
+                        p1[a:b].add_((m1[a:b] * step_size[gi]).div_(denom[a:b]))
+                del denom
+                for old, new in ((p, p1), (m, m1), (v, v1)):
+                    torch.where(applied, new, old[lo:hi], out=old[lo:hi])
 
     # ------------------------------------------------------------------------------ checkpoints
-    def _common_state(self) -> dict:
-        return {"step": self.step_count,
-                "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.param_groups],
+    def _common_state(self) -> dict:  # (read at a save: the files hold numbers)
+        return {"step": int(self.step_count),
+                "param_groups": [{k: (float(v) if k == "lr" else v) for k, v in g.items()
+                                  if k != "params"} for g in self.param_groups],
                 "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
 
     def _load_common(self, sd: dict) -> None:
-        self.step_count = int(sd["step"])
+        self.step_count = torch.full((), float(int(sd["step"])), dtype=torch.float64,
+                                     device=self.ps.device)
         for g, saved in zip(self.param_groups, sd["param_groups"]):
             g["lr"] = saved["lr"]  # weight decay stays this run's flag
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
