@@ -261,10 +261,12 @@ def cmd_cp_blocks(args):
 
 # ----------------------------------------------------------------------------------------- syncs
 def cmd_syncs(args):
-    """Host synchronisations per iteration of pretrain.py (bf16, --log-interval 1): megalite's
+    """Host synchronisations of pretrain.py (bf16, 5 iterations, --log-interval 4): megalite's
     own reads counted at dispatch (tests/host_reads.py) and, on CUDA, every synchronizing call
-    torch.cuda.set_sync_debug_mode reports, torch's included. Pass: both counts are the same at
-    2 layers x 1 micro-batch and 8 layers x 8 micro-batches (docs/logging.md, "Host reads")."""
+    torch.cuda.set_sync_debug_mode reports, torch's included. Pass: the steps between log lines
+    (2, 3 and 4) make no read and no CUDA sync, and the log line's counts are the same at
+    2 layers x 1 micro-batch and 8 layers x 8 micro-batches (docs/performance.md, "A step with
+    no host read")."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                     "tests"))
     from host_reads import count_pretrain
@@ -272,18 +274,26 @@ def cmd_syncs(args):
     cuda = torch.device(args.device).type == "cuda"
     base = ["--device", args.device, "--mock-data", "--hidden-size", "256",
             "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "2",
-            "--vocab-size", "1000", "--bf16", "--train-iters", "4", "--log-interval", "1",
+            "--vocab-size", "1000", "--bf16", "--train-iters", "5", "--log-interval", "4",
             "--lr-warmup-iters", "1", "--eval-interval", "100000", "--eval-iters", "0"]
     res = {"device": args.device}
+
+    def split(c):
+        return (sum(n for k, n in c.items() if not k.startswith("cuda sync")),
+                sum(n for k, n in c.items() if k.startswith("cuda sync")))
+
     for name, layers, gbs in (("small", 2, 2), ("large", 8, 16)):
         counts = count_pretrain(base + ["--num-layers", str(layers), "--global-batch-size",
                                         str(gbs)], cuda_syncs=cuda)
-        steady = counts[3]  # iteration 4 with iteration 3's log line (1: warm-up, 2: memory)
-        res[name] = {"megalite_reads": sum(n for k, n in steady.items()
-                                           if not k.startswith("cuda sync")),
-                     "cuda_syncs": sum(n for k, n in steady.items() if k.startswith("cuda sync")),
-                     "where": dict(steady)}
-    res["pass"] = all(res["small"][k] == res["large"][k] for k in ("megalite_reads", "cuda_syncs"))
+        # steps 2-4 (1 builds the optimizer state), then the log line at 4 with step 5
+        steps, log = [split(c) for c in counts[1:4]], counts[4]
+        res[name] = {"step_reads_and_syncs": steps, "megalite_reads": split(log)[0],
+                     "cuda_syncs": split(log)[1], "where": {"steps": [dict(c) for c in
+                                                                       counts[1:4]],
+                                                             "log_line": dict(log)}}
+    res["pass"] = (all(res[n]["step_reads_and_syncs"] == [(0, 0)] * 3 for n in ("small", "large"))
+                   and all(res["small"][k] == res["large"][k]
+                           for k in ("megalite_reads", "cuda_syncs")))
     _write(args.result, res)
     return 0 if res["pass"] else 1
 
@@ -363,8 +373,10 @@ def cmd_summarize(args):
                       + "; auto: " + ", ".join(sorted({v["kernel"] for v in r["auto"].values()}))
                       + f"  {detail}")
         elif s["step"] == "host_syncs" and "small" in r:
-            detail = "; ".join(f"{k}: {r[k]['megalite_reads']} megalite reads, {r[k]['cuda_syncs']} "
-                               f"CUDA syncs" for k in ("small", "large")) + f"  {detail}"
+            detail = "; ".join(
+                f"{k}: steps {sum(a + b for a, b in r[k]['step_reads_and_syncs'])} reads+syncs, "
+                f"log line {r[k]['megalite_reads']} megalite reads, {r[k]['cuda_syncs']} CUDA syncs"
+                for k in ("small", "large")) + f"  {detail}"
         elif "megalite" in r and "hf" in r:
             detail = (f"megalite {r['megalite']['tokens_per_s']:,.0f} tok/s, HF {r['hf']['tokens_per_s']:,.0f}"
                       f" tok/s, per-round ratio {r['paired_ratio_median']:.2f}x, {r['threads']} threads"
