@@ -60,7 +60,12 @@ from megalite.config import (
 from megalite.moe.layer import MoELayer
 from megalite.optimizer.optimizer import FULL_FORMAT, merge_shard_state_dicts
 from megalite.param_meta import ParamMeta, param_meta
-from megalite.tensor_parallel.random import get_all_rng_states
+from megalite.config import V_SCHEDULES
+from megalite.tensor_parallel.random import (
+    get_all_rng_states,
+    model_parallel_seed,
+    set_all_rng_states,
+)
 from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -68,6 +73,10 @@ MODEL_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 1
 RESHARD_HINT = ("reshard it to this layout first with "
                 "`python tools/checkpoint/convert.py reshard` (docs/checkpoints.md)")
+# A loader of this rank's files at another layout, chosen by the caller (training.py passes
+# convert.checkpoint_tools.load_resharded, which lives above this module):
+# (load_dir, iteration, cfg, ps, with_optim) -> (model file dict, optimizer state or None).
+Resharder = Callable[[str, int, MegaliteConfig, object, bool], Tuple[dict, Optional[dict]]]
 
 # Test seam: called as hook(stage, path) at points of a save ("shard_written", "before_rename");
 # a fault-injection test sets it to raise or os._exit() to prove saves are atomic.
@@ -569,11 +578,11 @@ def with_checkpoint_args(cfg: MegaliteConfig) -> MegaliteConfig:
     return replace(cfg, model=model, data=data)
 
 
-def _load_file(path: str, what: str):
+def _load_file(path: str, what: str, mmap: bool = False):
     if not os.path.isfile(path):
         raise CheckpointError(f"{what}: {path} is missing (incomplete checkpoint)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # truncated zip, bad pickle, disallowed global, ...
         raise CheckpointError(f"{what}: {path} is corrupt or truncated ({C.one_line(e, 200)})")
 
@@ -641,13 +650,57 @@ def _load_dp_sharded_optimizer_state(it_dir: str, optimizer, ps, what: str) -> d
                               f"or pass --no-load-optim")
 
 
-def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
+def _layout_of(cfg: MegaliteConfig, num_chunks: int) -> tuple:
+    """What decides which rank's files hold which tensors: TP, PP, the virtual stages and the
+    stage cuts (DP, CP and EP do not: their ranks' model files are identical or whole)."""
+    p, t = cfg.parallel, cfg.training
+    return (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, num_chunks,
+            t.decoder_first_pipeline_num_layers, t.decoder_last_pipeline_num_layers,
+            t.pipeline_schedule in V_SCHEDULES)
+
+
+def _describe_layout(cfg: MegaliteConfig, num_chunks: int, per_dp: bool) -> str:
+    p = cfg.parallel
+    v = f" x {num_chunks} virtual stages" if num_chunks > 1 else ""
+    return (f"TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size}{v}, "
+            f"{'ZeRO' if per_dp else 'plain (ZeRO 0)'} optimizer")
+
+
+def _reseeded_rng(seed: int, iteration: int, ps) -> dict:
+    """The RNG states of a rank resuming at another layout: its saved generators belong to
+    another rank grid, so every generator is seeded as a run with ``--seed seed + iteration``
+    seeds this rank (torch's default and TP streams, ``model_parallel_seed``; Python's random
+    and NumPy from the same per-rank number). Returned, not set: the caller sets it right before
+    the first step, as it sets a loaded state."""
+    import random
+
+    import numpy as np
+
+    before = get_all_rng_states(ps.device)
+    base = seed + iteration
+    model_parallel_seed(base, ps.tp_rank, ps.pp_rank, ps.device)
+    rank_seed = base + 100 * ps.pp_rank + ps.tp_rank
+    random.seed(rank_seed)
+    np.random.seed(rank_seed % 2**32)
+    out = get_all_rng_states(ps.device)
+    set_all_rng_states(before, ps.device)
+    return out
+
+
+def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps,
+                    reshard: Optional[Resharder] = None,
+                    log: Optional[Callable[[str], None]] = None
                     ) -> Tuple[int, int, Optional[dict]]:
     """Restore from ``cfg.checkpoint.load``. Collective.
 
     Returns (iteration, consumed_samples, rng_state or None). The RNG state is returned, not set,
     so the caller can restore it right before the first training step, after everything that
     might draw random numbers during start-up (DESIGN: bit-exact resume).
+
+    A checkpoint of another TP / PP / virtual-stage layout, or of the other optimizer kind
+    (ZeRO 0 <-> ZeRO >= 1), is read through ``reshard`` (each rank assembles its own files from
+    the saved ones; docs/checkpoints.md, "Resharding on load"); without one it is refused with
+    the converter's hint. Its RNG is then re-seeded (``_reseeded_rng``), said once on ``log``.
     """
     ck = cfg.checkpoint
     load_dir = ck.load
@@ -675,7 +728,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
     # collectives (ZeRO-1/2's parameter all-gather). A rank that failed can then never leave its
     # peers waiting in a collective it does not join.
     it_dir = _loadable_iteration_dir(load_dir, iteration)
-    state, file = None, None
+    state, file, resharded = None, None, None
     load_optim = not (ck.finetune or ck.no_load_optim)
     per_dp = bool(getattr(optimizer, "sharded_state_dict_per_dp_rank", False))
     try:
@@ -683,29 +736,50 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
             raise CheckpointError(f"{what}: {TRACKER_FILE} names iteration {iteration} but "
                                   f"{it_dir} does not exist")
         saved_cfg = read_checkpoint_config(load_dir, iteration)
-        sp = saved_cfg.parallel
-        if (sp.tensor_model_parallel_size != ps.tp_size
-                or sp.pipeline_model_parallel_size != ps.pp_size):
-            raise CheckpointError(
-                f"{what}: saved with tensor-model-parallel-size {sp.tensor_model_parallel_size} "
-                f"and pipeline-model-parallel-size {sp.pipeline_model_parallel_size}, this run "
-                f"uses {ps.tp_size} and {ps.pp_size}; {RESHARD_HINT}")
         diffs = model_shape_differences(saved_cfg.model, cfg.model)
         if diffs:
             raise CheckpointError(
                 f"{what}: the checkpoint has a different model shape: {'; '.join(diffs)} "
                 f"(pass the checkpoint's values or --use-checkpoint-args)")
+        # The first stage's file says how many chunks a rank held and where the optimizer
+        # state is (memory-mapped: only its small entries are read)
+        file = os.path.join(it_dir, shard_dir_name(0, 0), MODEL_FILE)
+        head = _load_file(file, what, mmap=True)
+        saved = (_layout_of(saved_cfg, head.get("num_model_chunks", 1)),
+                 "opt_param_scheduler" in head and "optimizer" not in head)
+        del head
+        mine = (_layout_of(cfg, len(model_chunks)), per_dp)
+        if saved[0] != mine[0] or (load_optim and saved[1] != mine[1]):
+            layouts = (f"saved with {_describe_layout(saved_cfg, saved[0][2], saved[1])}, "
+                       f"this run uses {_describe_layout(cfg, mine[0][2], per_dp)}")
+            if reshard is None:
+                raise CheckpointError(f"{what}: {layouts}; {RESHARD_HINT}")
+            if per_dp and load_optim and any(getattr(optimizer, "shard_is_expert", ())):
+                raise CheckpointError(
+                    f"{what}: {layouts}: a ZeRO optimizer with experts sharded apart (EP > 1 or "
+                    f"ETP != TP) cannot reshard on load; load at EP 1 and ETP = TP first, or "
+                    f"{RESHARD_HINT}")
+            resharded = layouts
+    except Exception as e:  # any failure, not only ours: a peer must not wait for this rank
+        error = e if isinstance(e, CheckpointError) else CheckpointError(
+            f"{what}: loading {file or it_dir} failed: {C.one_line(e)}")
+    _agree_on_errors(ps, error)
+    try:
         shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
         file = os.path.join(shard, MODEL_FILE)
-        state = _load_file(file, what)
-        saved_chunks = state.get("num_model_chunks", 1)
-        if saved_chunks != len(model_chunks):
-            raise CheckpointError(
-                f"{what}: saved with {saved_chunks} virtual pipeline stage(s) per rank, this run "
-                f"has {len(model_chunks)}; match --num-layers-per-virtual-pipeline-stage or "
-                f"{RESHARD_HINT}")
-        opt_sd = None
-        if load_optim:
+        if resharded:
+            file = it_dir
+            state, opt_sd = reshard(load_dir, iteration, cfg, ps, load_optim)
+        else:
+            state = _load_file(file, what)
+            opt_sd = None
+        if resharded:
+            fits = getattr(optimizer, "shard_fits", None)
+            if load_optim and per_dp and fits is not None and not fits(opt_sd):
+                raise CheckpointError(
+                    f"{what}: {resharded}: the optimizer shard assembled for this rank does not "
+                    f"fit its optimizer (another bucket or unit layout); {RESHARD_HINT}")
+        elif load_optim:
             if "opt_param_scheduler" not in state:
                 raise CheckpointError(f"{what}: the checkpoint has no optimizer state (saved with "
                                       f"--no-save-optim); pass --no-load-optim or --finetune")
@@ -718,7 +792,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
                     f"load with the same --zero-stage / --use-distributed-optimizer")
             else:
                 opt_sd = state["optimizer"]
-        file = os.path.join(shard, MODEL_FILE)
+        file = os.path.join(shard, MODEL_FILE) if not resharded else it_dir
         # (a ZeRO shard that fits this rank is its own already; a merged one holds all experts)
         whole = opt_sd is not None and (not per_dp or opt_sd.get("format") == FULL_FORMAT)
         _keep_local_experts(state, opt_sd if whole else None, model_chunks, optimizer, ps)
@@ -747,4 +821,10 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps
     if ck.finetune:
         return 0, 0, None
     rng = None if ck.no_load_rng else state.get("rng_state")
+    if resharded and not ck.no_load_rng:
+        rng = _reseeded_rng(saved_cfg.training.seed, iteration, ps)
+        if log is not None:
+            log(f" resharded on load ({resharded}): RNG re-seeded from seed "
+                f"{saved_cfg.training.seed} and iteration {iteration}, so data and weights "
+                f"resume exactly but dropout masks differ from an uninterrupted run's")
     return int(state["iteration"]), int(state["consumed_samples"]), rng

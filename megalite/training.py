@@ -255,8 +255,12 @@ class Trainer:
         cfg, ps, ck = self.cfg, self.ps, self.cfg.checkpoint
         self.iteration, self.consumed, self.rng_state = 0, 0, None
         if ck.load:
+            # another layout is assembled by the converter's code, a layer above checkpointing
+            from megalite.convert.checkpoint_tools import load_resharded
+
             self.iteration, self.consumed, self.rng_state = checkpointing.load_checkpoint(
-                cfg, self.chunks, self.optimizer, self.scheduler, ps)
+                cfg, self.chunks, self.optimizer, self.scheduler, ps, reshard=load_resharded,
+                log=self.logger.print)
             if self.iteration or ck.finetune:
                 what = ("weights only" if ck.finetune else
                         "weights, data position" + ("" if ck.no_load_optim else ", optimizer")

@@ -64,13 +64,13 @@ def test_zero3_pp2_dp2_matches_single_device(tmp_path, layers, extra):
     # The offline converter rebuilds each stage's unit layout (shared-embedding units included):
     # its files list the same segments (parameter, position, shape) as the saving run's.
     from megalite.convert.layout import chunks_of, layout_of_config
-    from megalite.convert.optimizer_state import OptimCommon, build_zero3, zero3_units
+    from megalite.convert.optimizer_state import OptimCommon, zero3_units, zero_target
 
     cfg = ckpt.read_checkpoint_config(str(ck))
     layout = layout_of_config(cfg)
     for r, chunks in enumerate(chunks_of(layout, cfg.model.num_layers)):
-        rebuilt = build_zero3(cfg.model, chunks, layout.pp, layout.tp, 2, lambda n, k: None,
-                              OptimCommon(), cfg.optimizer)
+        rebuilt = zero_target("zero3", cfg.model, chunks, layout.pp, layout.tp, 2,
+                              cfg.optimizer).files(OptimCommon(), cfg.optimizer)
         for d in range(2):
             sd = torch.load(ck / "iter_0000003" / ckpt.shard_dir_name(0, r)
                             / ckpt.distrib_optim_name(d), weights_only=True)

@@ -28,7 +28,7 @@ import shutil
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -78,12 +78,11 @@ from megalite.convert.optimizer_state import (
     OptimizerStateError,
     PlainIndex,
     build_plain,
-    build_zero,
-    build_zero3,
     check_plain,
     plain_common,
     read_plain,
     zero_common,
+    zero_target,
 )
 from megalite.optimizer.optimizer import ADAM_KINDS, merge_shard_state_dicts, upgrade_shard
 from megalite.convert.sharding import (
@@ -406,88 +405,116 @@ def _fresh_scheduler_state(cfg: MegaliteConfig) -> dict:
                                                cfg.training.train_iters).state_dict()
 
 
-def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
-                  read_group: Callable[[List[ParamSpec], bool], Dict[str, Dict[str, torch.Tensor]]],
-                  *, consumed: int = 0, optim: Optional[str] = None,
-                  common: Optional[OptimCommon] = None, scheduler: Optional[dict] = None,
-                  dp: int = 1, rng: Optional[Callable[[int, int], object]] = None,
-                  weight_dtype: Optional[torch.dtype] = None, what: str = "source",
-                  log: Log = _quiet) -> None:
-    """Write iteration ``iteration`` of ``layout`` into ``tmp``, one pipeline stage at a time.
+class StageFiles(NamedTuple):
+    """What one (tp, pp) rank of a layout holds: its model file (``model_optim_rng.pt``'s
+    dict) and, for a ZeRO optimizer, its DP ranks' ``distrib_optim_dp{d}.pt`` dicts by d."""
+    tp_rank: int
+    model_file: dict
+    zero_files: Optional[Dict[int, dict]]
+
+
+def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
+                   read_group: Callable[[List[ParamSpec], bool],
+                                        Dict[str, Dict[str, torch.Tensor]]],
+                   *, tp_ranks: Optional[Sequence[int]] = None,
+                   dp_ranks: Optional[Sequence[int]] = None, consumed: int = 0,
+                   optim: Optional[str] = None, common: Optional[OptimCommon] = None,
+                   scheduler: Optional[dict] = None, dp: int = 1,
+                   rng: Optional[Callable[[int, int], object]] = None,
+                   weight_dtype: Optional[torch.dtype] = None,
+                   what: str = "source") -> List[StageFiles]:
+    """The files of pipeline stage ``r`` of ``layout`` for TP ranks ``tp_ranks`` (default all)
+    and, with a ZeRO ``optim``, DP ranks ``dp_ranks`` of ``dp`` (default all): the one assembly
+    of a target layout, which the converter writes (:func:`_write_stages`) and a load at another
+    layout keeps in memory (:func:`load_resharded`).
 
     ``read_group(specs, with_optim)`` returns canonical tensors for a group of parameters (one
-    layer, or the non-layer tensors); ``optim`` is None (no optimizer state), "plain", "zero"
-    (ZeRO-1/2 files), "zero3" (ZeRO-3 files) or "fresh" (an empty plain state, so a plain --load
-    of an imported model works).
+    layer, or the non-layer tensors), read one group at a time; ``optim`` is None (no optimizer
+    state), "plain", "zero" (ZeRO-1/2 files), "zero3" (ZeRO-3 files) or "fresh" (an empty plain
+    state, so a plain --load of an imported model works). Memory: the TP ranks' model shards of
+    the stage, their optimizer state (for ZeRO only the asked DP ranks' shards, filled as each
+    group is read) and one group's canonical tensors.
     """
     m = cfg.model
     chunks = chunks_of(layout, m.num_layers)
     v = len(chunks[0])
-    it_dir = ckpt.iteration_dir(tmp, iteration)
+    tps = list(range(layout.tp)) if tp_ranks is None else list(tp_ranks)
     with_optim = optim in ("plain", "zero", "zero3")
     mixed = m.params_dtype != "float32"
-    for r in range(layout.pp):
-        files = [_stage_header(iteration, consumed, layout, v) for _ in range(layout.tp)]
-        local: List[Dict[str, Dict[str, torch.Tensor]]] = [{} for _ in range(layout.tp)]
-        for c, ch in enumerate(chunks[r]):
-            key = chunk_key(c, v)
-            for f in files:
-                f[key] = {}
-            specs = chunk_state_specs(m, ch, layout.pp)
-            for group in _groups(specs, lambda n: layer_of(n) is None and n.split(".")[0]):
-                full = read_group(group, with_optim)
-                for s in group:
-                    src = full[canonical_name(s.name, m)]
-                    w = src["weight"]
-                    if tuple(w.shape) != s.full_shape(m):
-                        raise ConversionError(f"{what}: {s.name} has shape "
-                                              f"{tuple(w.shape)}, the model needs "
-                                              f"{s.full_shape(m)}")
-                    if weight_dtype is not None and not s.buffer:  # (buffers keep theirs)
-                        w = w.to(weight_dtype)
-                    for t in range(layout.tp):
-                        files[t][key][s.name] = _own_storage(s.shard(w, m, t, layout.tp))
-                        if with_optim and not s.buffer:
-                            local[t][s.name] = {
-                                k: (_own_storage(s.shard(x, m, t, layout.tp)) if x is not None
-                                    else None)
-                                for k, x in src.items() if k != "weight"}
-                            if local[t][s.name].get("master") is None:
-                                # fp32 models have no separate master: the weight is the master
-                                local[t][s.name]["master"] = files[t][key][s.name].float()
-                del full
-        zero_files = None
+    files = {t: _stage_header(iteration, consumed, layout, v) for t in tps}
+    zero = None
+    if optim in ("zero", "zero3"):
+        zero = {t: zero_target(optim, m, chunks[r], layout.pp, layout.tp, dp, cfg.optimizer,
+                               dp_ranks) for t in tps}
+    # plain optimizer state, per TP rank (ZeRO state goes straight into its shards instead)
+    local: Dict[int, Dict[str, Dict[str, torch.Tensor]]] = {t: {} for t in tps}
+    for c, ch in enumerate(chunks[r]):
+        key = chunk_key(c, v)
+        for f in files.values():
+            f[key] = {}
+        specs = chunk_state_specs(m, ch, layout.pp)
+        for group in _groups(specs, lambda n: layer_of(n) is None and n.split(".")[0]):
+            full = read_group(group, with_optim)
+            for s in group:
+                src = full[canonical_name(s.name, m)]
+                w = src["weight"]
+                if tuple(w.shape) != s.full_shape(m):
+                    raise ConversionError(f"{what}: {s.name} has shape {tuple(w.shape)}, the "
+                                          f"model needs {s.full_shape(m)}")
+                if weight_dtype is not None and not s.buffer:  # (buffers keep theirs)
+                    w = w.to(weight_dtype)
+                for t in tps:
+                    files[t][key][s.name] = _own_storage(s.shard(w, m, t, layout.tp))
+                    if not with_optim or s.buffer:
+                        continue
+                    state = {k: (s.shard(x, m, t, layout.tp) if x is not None else None)
+                             for k, x in src.items() if k != "weight"}
+                    if state.get("master") is None:
+                        # fp32 models have no separate master: the weight is the master
+                        state["master"] = files[t][key][s.name].float()
+                    if zero is not None:
+                        for k in ADAM_KINDS:
+                            zero[t].fill(s.name, k, state.get(k))
+                    else:
+                        local[t][s.name] = {k: (_own_storage(x) if x is not None else None)
+                                            for k, x in state.items()}
+            del full
+    out = []
+    order = rank_param_order(m, chunks[r], layout.pp) if optim is not None else None
+    for t in tps:
+        f = files[t]
+        if optim in ("plain", "fresh"):
+            f["optimizer"] = build_plain(
+                PlainIndex.build(order), lambda n, k, t=t: local[t].get(n, {}).get(k),
+                common or OptimCommon(), cfg.optimizer, mixed=mixed and optim == "plain")
         if optim is not None:
-            order = rank_param_order(m, chunks[r], layout.pp)
-            for t in range(layout.tp):
-                def get(name, kind, t=t):
-                    return local[t].get(name, {}).get(kind)
+            f["opt_param_scheduler"] = (scheduler if scheduler is not None
+                                        else _fresh_scheduler_state(cfg))
+        if rng is not None:
+            state = rng(t, r)
+            if state is not None:
+                f["rng_state"] = state
+        out.append(StageFiles(t, f, None if zero is None else
+                              zero[t].files(common or OptimCommon(), cfg.optimizer)))
+        local[t] = {}
+    return out
 
-                if optim in ("plain", "fresh"):
-                    files[t]["optimizer"] = build_plain(
-                        PlainIndex.build(order), get, common or OptimCommon(), cfg.optimizer,
-                        mixed=mixed and optim == "plain")
-                files[t]["opt_param_scheduler"] = (scheduler if scheduler is not None
-                                                   else _fresh_scheduler_state(cfg))
-            if optim in ("zero", "zero3"):
-                build = build_zero3 if optim == "zero3" else build_zero
-                zero_files = [build(m, chunks[r], layout.pp, layout.tp, dp,
-                                    lambda n, k, t=t: local[t].get(n, {}).get(k),
-                                    common or OptimCommon(), cfg.optimizer)
-                              for t in range(layout.tp)]
-        for t in range(layout.tp):
-            if rng is not None:
-                state = rng(t, r)
-                if state is not None:
-                    files[t]["rng_state"] = state
+
+def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
+                  read_group: Callable[[List[ParamSpec], bool], Dict[str, Dict[str, torch.Tensor]]],
+                  *, log: Log = _quiet, **kw) -> None:
+    """Write iteration ``iteration`` of ``layout`` into ``tmp``, one pipeline stage at a time
+    (:func:`assemble_stage` builds each; ``kw`` are its options)."""
+    it_dir = ckpt.iteration_dir(tmp, iteration)
+    for r in range(layout.pp):
+        for t, model_file, zero_files in assemble_stage(cfg, layout, r, iteration, read_group,
+                                                        **kw):
             shard = os.path.join(it_dir, ckpt.shard_dir_name(t, r))
             os.makedirs(shard, exist_ok=True)
-            ckpt.save_file(os.path.join(shard, ckpt.MODEL_FILE), files[t])
-            if zero_files is not None:
-                for d, zsd in enumerate(zero_files[t]):
-                    ckpt.save_file(os.path.join(shard, ckpt.distrib_optim_name(d)), zsd)
+            ckpt.save_file(os.path.join(shard, ckpt.MODEL_FILE), model_file)
+            for d, zsd in (zero_files or {}).items():
+                ckpt.save_file(os.path.join(shard, ckpt.distrib_optim_name(d)), zsd)
         log(f" wrote pipeline stage {r + 1}/{layout.pp} ({layout.tp} tensor-parallel file(s))")
-        del files, local, zero_files
 
 
 def _finish_checkpoint(tmp: str, cfg: MegaliteConfig, iteration: int,
@@ -501,6 +528,25 @@ def _finish_checkpoint(tmp: str, cfg: MegaliteConfig, iteration: int,
 
 
 # ================================================================================= reshard
+def _source_reader(src: MegaliteSource, m: ModelConfig):
+    """assemble_stage's ``read_group`` over a megalite checkpoint: a group's canonical tensors,
+    read from the source stage(s) holding them."""
+
+    def read_group(group: List[ParamSpec], with_optim: bool):
+        by_loc: Dict[Tuple[int, int], List[str]] = {}
+        for s in group:
+            name = canonical_name(s.name, m)
+            names = by_loc.setdefault(src.location(name), [])
+            if name not in names:
+                names.append(name)
+        out = {}
+        for names in by_loc.values():
+            out.update(src.read(names, with_optim))
+        return out
+
+    return read_group
+
+
 def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size: Optional[int]
             = None, no_optim: bool = False, iteration: Optional[int] = None,
             zero_stage: Optional[int] = None, log: Log = _quiet) -> str:
@@ -533,17 +579,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
         f"{layout.describe()}" + (f" dp={dp}" if optim in ("zero", "zero3") else "") +
         ("" if optim else " without optimizer state"))
 
-    def read_group(group: List[ParamSpec], with_optim: bool):
-        by_loc: Dict[Tuple[int, int], List[str]] = {}
-        for s in group:
-            name = canonical_name(s.name, cfg.model)
-            names = by_loc.setdefault(src.location(name), [])
-            if name not in names:
-                names.append(name)
-        out = {}
-        for names in by_loc.values():
-            out.update(src.read(names, with_optim))
-        return out
+    read_group = _source_reader(src, cfg.model)
 
     with atomic_output(save_dir) as tmp:
         _write_stages(tmp, cfg, layout, src.iteration, read_group,
@@ -551,6 +587,36 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
                       scheduler=src.scheduler, dp=dp, rng=src.rng_state, what=src.what, log=log)
         _finish_checkpoint(tmp, cfg, src.iteration, tok if os.path.isdir(tok) else None)
     return os.path.abspath(save_dir)
+
+
+def load_resharded(load_dir: str, iteration: int, cfg: MegaliteConfig, ps, with_optim: bool
+                   ) -> Tuple[dict, Optional[dict]]:
+    """Resharding on load: this rank's model file and optimizer state at the running job's
+    layout (``cfg``: TP, PP, virtual stages, ZeRO stage; ``ps``: this rank and the DP x CP size),
+    assembled from checkpoint ``load_dir`` saved at any other layout, by the same
+    :func:`assemble_stage` the converter writes with. Only this rank's (TP, PP) shards and, for
+    ZeRO, its own DP shard are built; the source files are memory-mapped and read a layer at a
+    time, so no rank holds more than its share and one layer (docs/checkpoints.md, "Resharding
+    on load"). The dicts are what the rank's own files would hold after an offline reshard, less
+    the RNG state (checkpointing.load_checkpoint re-seeds instead); it loads them as its own."""
+    src = MegaliteSource(load_dir, iteration)
+    z = cfg.optimizer.zero_stage
+    optim = None
+    if with_optim:
+        if src.optim_kind is None:
+            raise ConversionError(f"{src.what}: the checkpoint has no optimizer state (saved "
+                                  f"with --no-save-optim); pass --no-load-optim or --finetune")
+        optim = "zero3" if z == 3 else "zero" if z >= 1 else "plain"
+    layout = layout_of_config(cfg)
+    (files,) = assemble_stage(cfg, layout, ps.pp_rank, src.iteration,
+                              _source_reader(src, cfg.model), tp_ranks=[ps.tp_rank],
+                              dp_ranks=[ps.dp_cp_rank], consumed=src.consumed_samples,
+                              optim=optim, common=src.optim_common, scheduler=src.scheduler,
+                              dp=ps.dp_cp_size, what=src.what)
+    state = files.model_file
+    if optim == "plain":
+        return state, state.pop("optimizer")
+    return state, None if files.zero_files is None else files.zero_files[ps.dp_cp_rank]
 
 
 # ============================================================================ Hugging Face in

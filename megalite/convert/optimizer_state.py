@@ -168,35 +168,56 @@ def _zero_groups(common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
             {"name": "no_decay", "lr": lr, "weight_decay": 0.0}]
 
 
-def _flat(slots, padded: int, get: Getter) -> Dict[str, torch.Tensor]:
-    """One bucket's / unit's flat fp32 state: slot (name, start, numel, shape) filled from
-    ``get(name, kind)``; padding and never-stepped moments stay zero, as training keeps them."""
-    flat = {k: torch.zeros(padded, dtype=torch.float32) for k in ADAM_KINDS}
-    for name, start, numel, _ in slots:
-        for kind in ADAM_KINDS:
-            t = get(name, kind)
-            if t is not None:
-                flat[kind][start:start + numel] = t.reshape(-1).float()
-    return flat
+class ZeroTarget:
+    """The ZeRO files (optimizer.SHARD_FORMAT) of some DP ranks of one (tp, pp) rank, filled a
+    parameter at a time as a stage is assembled (the converter, and a load at another layout).
 
+    ``groups`` are the buckets or units in order, each (slots, padded size, parameter key), a
+    slot (name, start, numel, TP-local shape): DP rank d of ``dp`` holds elements
+    ``[d*P/dp, (d+1)*P/dp)`` of each (ZeRO stage 0: all of it), as the optimizers shard them.
+    Only the ranks asked for are allocated, and only their part: a loading rank holds its own
+    shard, never the stage's whole state. Padding and never-stepped moments stay zero, as
+    training keeps them."""
 
-def _per_rank_files(groups, dp: int, stage: int, common: OptimCommon,
-                    opt_cfg: OptimizerConfig) -> List[dict]:
-    """One file per DP rank (optimizer.SHARD_FORMAT) from ``groups`` of (slots, padded size,
-    flat state, parameter key), one per bucket or unit: DP rank d holds elements
-    ``[d*P/dp, (d+1)*P/dp)`` of each (ZeRO stage 0: all of it), as the optimizers shard them."""
-    out = []
-    for d in range(dp):
-        shards = []
-        for slots, padded, flat, key in groups:
-            lo, hi = (0, padded) if stage == 0 else (d * padded // dp, (d + 1) * padded // dp)
-            segs = [[key(n), a - lo, b - lo, a - start, shape] for n, start, numel, shape in slots
-                    for a, b in [(max(start, lo), min(start + numel, hi))] if a < b]
-            shards.append({"segments": segs, **{k: flat[k][lo:hi].clone() for k in ADAM_KINDS}})
-        out.append({"format": SHARD_FORMAT, "zero_stage": stage, "dp_size": dp, "dp_rank": d,
-                    "step": int(common.step), "param_groups": _zero_groups(common, opt_cfg),
-                    "grad_scaler": common.grad_scaler, "shards": shards})
-    return out
+    def __init__(self, groups, dp: int, stage: int, ranks=None):
+        self.groups, self.dp, self.stage = groups, dp, stage
+        self.ranks = list(range(dp)) if ranks is None else list(ranks)
+        self.bounds = {d: [(0, padded) if stage == 0 else
+                           (d * padded // dp, (d + 1) * padded // dp) for _, padded, _ in groups]
+                       for d in self.ranks}
+        self.flat = {d: [{k: torch.zeros(hi - lo, dtype=torch.float32) for k in ADAM_KINDS}
+                         for lo, hi in self.bounds[d]] for d in self.ranks}
+        self.where: Dict[str, List[Tuple[int, int, int]]] = {}
+        for g, (slots, _, _) in enumerate(groups):
+            for name, start, numel, _ in slots:
+                self.where.setdefault(name, []).append((g, start, numel))
+
+    def fill(self, name: str, kind: str, t: Optional[torch.Tensor]) -> None:
+        """Copy this rank's part of parameter ``name``'s (TP-local) state ``kind``."""
+        if t is None:
+            return
+        t = t.reshape(-1)
+        for g, start, numel in self.where.get(name, ()):
+            for d in self.ranks:
+                lo, hi = self.bounds[d][g]
+                a, b = max(start, lo), min(start + numel, hi)
+                if a < b:
+                    self.flat[d][g][kind][a - lo:b - lo] = t[a - start:b - start].float()
+
+    def files(self, common: OptimCommon, opt_cfg: OptimizerConfig) -> Dict[int, dict]:
+        out = {}
+        for d in self.ranks:
+            shards = []
+            for (slots, _, key), (lo, hi), flat in zip(self.groups, self.bounds[d], self.flat[d]):
+                segs = [[key(n), a - lo, b - lo, a - start, shape]
+                        for n, start, numel, shape in slots
+                        for a, b in [(max(start, lo), min(start + numel, hi))] if a < b]
+                shards.append({"segments": segs, **flat})
+            out[d] = {"format": SHARD_FORMAT, "zero_stage": self.stage, "dp_size": self.dp,
+                      "dp_rank": d, "step": int(common.step),
+                      "param_groups": _zero_groups(common, opt_cfg),
+                      "grad_scaler": common.grad_scaler, "shards": shards}
+        return out
 
 
 def _stand_in(spec: ParamSpec) -> torch.Tensor:
@@ -207,9 +228,9 @@ def _stand_in(spec: ParamSpec) -> torch.Tensor:
     return t
 
 
-def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int, get: Getter,
-               common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
-    """One ``DistributedOptimizer.state_dict()`` per DP rank for one (tp, pp) rank: chunk by
+def zero_groups(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
+                opt_cfg: OptimizerConfig) -> list:
+    """``DistributedOptimizer``'s buckets of one (tp, pp) rank, as ZeroTarget groups: chunk by
     chunk, one buffer per dtype, its buckets as DistributedDataParallel lays them out."""
     size = opt_cfg.ddp_bucket_size or DEFAULT_BUCKET_SIZE
     groups = []
@@ -221,8 +242,8 @@ def build_zero(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
             for placed, padded in bucket_layout(info, size, dp):
                 slots = [(n, a, specs[n].numel(cfg, tp), list(specs[n].local_shape(cfg, tp)))
                          for n, a in placed]
-                groups.append((slots, padded, _flat(slots, padded, get), key))
-    return _per_rank_files(groups, dp, opt_cfg.zero_stage, common, opt_cfg)
+                groups.append((slots, padded, key))
+    return groups
 
 
 def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int
@@ -236,16 +257,25 @@ def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int
     return out
 
 
-def build_zero3(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int, get: Getter,
-                common: OptimCommon, opt_cfg: OptimizerConfig) -> List[dict]:
-    """One ``Zero3Optimizer.state_dict()`` per DP rank (each unit padded to a multiple of dp)."""
+def zero3_groups(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int) -> list:
+    """``Zero3Optimizer``'s units of one (tp, pp) rank as ZeroTarget groups (each unit padded to
+    a multiple of dp)."""
     groups = []
     for _, shapes in zero3_units(cfg, chunks, pp, tp):
         numels = [math.prod(shape) for _, shape in shapes]
         starts, padded = packed(numels, dp)
         slots = [(n, a, k, list(shape)) for (n, shape), a, k in zip(shapes, starts, numels)]
-        groups.append((slots, padded, _flat(slots, padded, get), lambda n: n))
-    return _per_rank_files(groups, dp, 3, common, opt_cfg)
+        groups.append((slots, padded, lambda n: n))
+    return groups
+
+
+def zero_target(optim: str, cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int, dp: int,
+                opt_cfg: OptimizerConfig, ranks=None) -> ZeroTarget:
+    """The ZeroTarget of ``optim`` ("zero": ZeRO-1/2 buckets, "zero3": ZeRO-3 units)."""
+    if optim == "zero3":
+        return ZeroTarget(zero3_groups(cfg, chunks, pp, tp, dp), dp, 3, ranks)
+    return ZeroTarget(zero_groups(cfg, chunks, pp, tp, dp, opt_cfg), dp, opt_cfg.zero_stage,
+                      ranks)
 
 
 def zero_common(sd: dict) -> OptimCommon:
