@@ -812,8 +812,9 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps,
                                       f"pass --no-load-optim to start the optimizer afresh")
             scheduler.load_state_dict(state["opt_param_scheduler"])
     except Exception as e:  # any failure, not only ours: a peer must not wait for this rank
-        error = e if isinstance(e, CheckpointError) else CheckpointError(
-            f"{what}: loading {file or it_dir} failed: {C.one_line(e)}")
+        error = (e if isinstance(e, CheckpointError) else
+                 CheckpointError(str(e)) if isinstance(e, ConfigError) else  # the resharder's
+                 CheckpointError(f"{what}: loading {file or it_dir} failed: {C.one_line(e)}"))
     _agree_on_errors(ps, error)
     if load_optim and hasattr(optimizer, "sync_model_params"):
         optimizer.sync_model_params()

@@ -104,14 +104,15 @@ def test_unusable_checkpoints_fail_in_one_line(tmp_path, capsys, monkeypatch):
     assert sorted(train_losses(tmp_path / "m.jsonl")) == [3]
     capsys.readouterr()
 
-    # saved with another TP size: names the reshard tool
+    # args.json says TP 2: the load reshards (tests/test_reshard_load.py) and names the TP-rank
+    # file such a checkpoint would have
     args_path = ck / "iter_0000002" / "args.json"
     good_args = args_path.read_text()
     bad = json.loads(good_args)
     bad["parallel"]["tensor_model_parallel_size"] = 2
     args_path.write_text(json.dumps(bad))
     line = _error_line(capsys, run_main(flags(train_iters=3, load=ck)))
-    assert "tools/checkpoint/convert.py reshard" in line
+    assert "mp_rank_01_000" in line and "is missing" in line and "tp=2" in line
     args_path.write_text(good_args)
 
     # truncated model file
