@@ -507,13 +507,15 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
     (:func:`assemble_stage` builds each; ``kw`` are its options)."""
     it_dir = ckpt.iteration_dir(tmp, iteration)
     for r in range(layout.pp):
-        for t, model_file, zero_files in assemble_stage(cfg, layout, r, iteration, read_group,
-                                                        **kw):
+        stage = assemble_stage(cfg, layout, r, iteration, read_group, **kw)
+        while stage:  # each file dropped once written: one stage in memory at a time
+            t, model_file, zero_files = stage.pop(0)
             shard = os.path.join(it_dir, ckpt.shard_dir_name(t, r))
             os.makedirs(shard, exist_ok=True)
             ckpt.save_file(os.path.join(shard, ckpt.MODEL_FILE), model_file)
             for d, zsd in (zero_files or {}).items():
                 ckpt.save_file(os.path.join(shard, ckpt.distrib_optim_name(d)), zsd)
+            del model_file, zero_files
         log(f" wrote pipeline stage {r + 1}/{layout.pp} ({layout.tp} tensor-parallel file(s))")
 
 
