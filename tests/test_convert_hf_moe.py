@@ -181,6 +181,56 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
                                                                    for k in differ}
 
 
+def cfg_experts(c) -> int:
+    return next(getattr(c, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+                if getattr(c, n, None))
+
+
+# Every family but Mixtral and OLMoE (all layers MoE) has a dense layer 0: a PP2 cut after it
+# leaves the first stage without experts.
+DENSE_FIRST = {"qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe_raw_gates", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(case, tmp_path):
+    """tools/checkpoint/convert.py's hf-to-megalite, then megalite-to-hf, from HF's hub files:
+    at TP2 (what a TP2 x EP2 run loads: a checkpoint holds every expert by its global index,
+    whatever the EP) and at PP2 cut after layer 0 (a dense first stage where the family has
+    one), the same tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from megalite.convert import checkpoint_tools as ct
+    from megalite.convert.layout import Layout
+
+    hf = make_hf(case)
+    hf.save_pretrained(tmp_path / "hf")
+    hub = load_file(tmp_path / "hf" / "model.safetensors")
+    if hf.config.tie_word_embeddings:
+        hub.pop("lm_head.weight", None)  # written by neither side when tied
+    for name, layout in (("tp2", Layout(2, 1)), ("pp2", Layout(1, 2, decoder_first=1))):
+        ml, back = tmp_path / f"ml_{name}", tmp_path / f"back_{name}"
+        ct.hf_to_megalite(str(tmp_path / "hf"), str(ml), layout)
+        it = ml / "iter_0000000"
+        shards = {d: torch.load(it / d / "model_optim_rng.pt", weights_only=True)["model"]
+                  for d in sorted(p.name for p in it.iterdir() if p.is_dir())}
+        experts = {d: [k for k in sd if ".mlp.weight" in k] for d, sd in shards.items()}
+        if name == "tp2":
+            a, b = shards["mp_rank_00_000"], shards["mp_rank_01_000"]
+            attn = "layers.0.self_attention.linear_proj.weight"
+            assert a[attn].shape[1] * 2 == hub["model.layers.0.self_attn.o_proj.weight"].shape[1]
+            assert experts["mp_rank_00_000"] and all(  # every expert, by its global index
+                a[k].shape[0] == cfg_experts(hf.config)
+                for k in experts["mp_rank_00_000"])
+        else:
+            assert experts["mp_rank_00_001"]
+            assert (experts["mp_rank_00_000"] == []) == (case in DENSE_FIRST), experts
+        ct.megalite_to_hf(str(ml), str(back))
+        got = load_file(back / "model.safetensors")
+        assert set(got) == set(hub), (name, set(got) ^ set(hub))
+        for k in hub:
+            assert got[k].dtype == hub[k].dtype and torch.equal(got[k], hub[k]), (name, k)
+
+
 @pytest.mark.parametrize("case", ["glm4_moe", "deepseek_v3"])
 def test_mtp_layers_are_dropped_with_one_warning(tmp_path, case):
     """GLM-4.5 and DeepSeek-V3 hub files carry num_nextn_predict_layers multi-token-prediction
