@@ -400,33 +400,78 @@ def _checkpoint(case, tmp_path, tp: int):
     return out
 
 
-def test_imported_moe_models_train_in_parallel_as_on_one_process(tmp_path):
-    """Imported checkpoints trained by pretrain.py with --use-checkpoint-args, 3 steps: Qwen3-MoE
-    at EP2, and OLMoE (its q/k norm statistic summed over TP) at TP2 + SP x EP2, in one world of
-    two processes, give one process's losses and grad norms."""
+def test_use_checkpoint_args_needs_no_moe_flag_for_an_ep_run(tmp_path):
+    """The command line's model is not the run's under --use-checkpoint-args: an EP2 (TP2)
+    layout parses with no --num-experts, and args.json's model is checked against it once read,
+    a bad one in one line."""
+    from megalite.arguments import parse_args
+    from megalite.checkpointing import with_checkpoint_args
+
+    ckpt = _checkpoint("mixtral", tmp_path, 2)
+    base = ["--load", str(ckpt), "--use-checkpoint-args", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    cfg = with_checkpoint_args(parse_args(base + ["--expert-model-parallel-size", "2"]))
+    assert cfg.model.num_experts == 4 and cfg.model.hf_architecture == "MixtralForCausalLM"
+    cfg.validate(world_size=4)
+    bad = with_checkpoint_args(parse_args(base + ["--expert-model-parallel-size", "3"]))
+    with pytest.raises(ConfigError, match=r"--num-experts \(4\) must be divisible by "
+                                          r"--expert-model-parallel-size \(3\)"):
+        bad.validate(world_size=6)
+    with pytest.raises(ConfigError, match="need --num-experts"):  # still refused without a load
+        parse_args(["--expert-model-parallel-size", "2"])
+
+
+# the families trained at EP2 and exported; Qwen3-MoE and OLMoE also against one process
+TRAINED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3")
+
+
+def test_imported_moe_models_train_at_ep2_and_export_to_hf(tmp_path):
+    """Each family imported by the converter, trained 2 steps by pretrain.py at EP2 with
+    --use-checkpoint-args and no other model flag (OLMoE, its q/k norm statistic summed over TP,
+    at TP2 + SP x EP2), all in one world of two processes, saved, exported by megalite-to-hf:
+    from_pretrained loads it as its own class with every weight, the trained weights differ from
+    the imported ones, and HF's logits are megalite's. Qwen3-MoE and OLMoE give one process's
+    losses and grad norms."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     from dist_utils import run_distributed
+    from megalite.convert import checkpoint_tools as ct
     from pretrain_utils import flags, pretrain_cases, read_metrics, run_main
 
-    # --num-experts: the command line's own model must admit EP before args.json replaces it
     def argv(ckpt, name, *layout):
         return flags("--load", ckpt, "--use-checkpoint-args", "--tokenizer-type",
-                     "NullTokenizer", "--num-experts", "4", "--eval-iters", "0", *layout,
-                     train_iters=3, metrics_file=tmp_path / f"{name}.jsonl")
+                     "NullTokenizer", "--eval-iters", "0", *layout, train_iters=2,
+                     metrics_file=tmp_path / f"{name}.jsonl")
 
     ep2 = ["--expert-model-parallel-size", "2"]
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-tensor-parallel-size", "1"]
-    qwen3, olmoe = _checkpoint("qwen3_moe", tmp_path, 1), _checkpoint("olmoe", tmp_path, 1)
-    runs = [argv(qwen3, "qwen3_ep2", *ep2),
-            argv(_checkpoint("olmoe", tmp_path, 2), "olmoe_tp2_sp_ep2", *ep2, *tp2)]
+    runs = [argv(_checkpoint(c, tmp_path, 2 if c == "olmoe" else 1), c, *ep2,
+                 *(tp2 if c == "olmoe" else []), "--save", tmp_path / f"{c}_trained")
+            for c in TRAINED]
     assert all(run_distributed(pretrain_cases, 2, runs, timeout=300))
-    for ckpt, name in ((qwen3, "qwen3"), (olmoe, "olmoe")):
-        assert run_main(argv(ckpt, name)) == 0
-    for one, many in (("qwen3", "qwen3_ep2"), ("olmoe", "olmoe_tp2_sp_ep2")):
-        ref, got = (read_metrics(tmp_path / f"{n}.jsonl") for n in (one, many))
-        assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == [1, 2, 3]
+    for c in ("qwen3_moe", "olmoe"):
+        assert run_main(argv(_checkpoint(c, tmp_path / "one", 1), f"{c}_one")) == 0
+        ref, got = (read_metrics(tmp_path / f"{n}.jsonl") for n in (f"{c}_one", c))
+        assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == [1, 2]
         for a, b in zip(ref, got):
             for key in ("lm_loss", "grad_norm"):
-                assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (many, a["iteration"], key,
+                assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (c, a["iteration"], key,
                                                                    b[key], a[key])
-        assert len({r["lm_loss"] for r in ref}) == 3  # the model trains
+        assert ref[0]["lm_loss"] != ref[1]["lm_loss"]  # the model trains
+
+    ids = tokens()
+    for c in TRAINED:
+        out = ct.megalite_to_hf(str(tmp_path / f"{c}_trained"), str(tmp_path / f"{c}_export"))
+        hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert type(hf).__name__ == CASES[c][0] + "ForCausalLM", c
+        assert not info["missing_keys"] and not info["unexpected_keys"], (c, info)
+        before = load_file(tmp_path / f"{c}_hf" / "model.safetensors")
+        after = load_file(f"{out}/model.safetensors")  # the hub form: per-expert tensors
+        assert set(after) == set(before), c
+        moved = [k for k in before if not torch.equal(before[k], after[k])]
+        assert len(moved) > len(before) // 2, c  # trained: (almost) every tensor moved
+        with torch.no_grad():
+            got = hf.eval()(ids).logits
+            assert max_abs(from_hf(hf, make_vocab_size_divisible_by=8)(ids), got) <= TOL, c
