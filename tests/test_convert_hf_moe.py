@@ -363,6 +363,50 @@ def test_unsupported_hf_fields_are_one_line_errors(case, change, match):
     assert "\n" not in str(e.value)
 
 
+def _refused_configs():
+    from transformers import DeepseekV3Config, GptOssConfig, Llama4Config, Llama4TextConfig
+
+    fp8 = DeepseekV3Config(**copy.deepcopy({**BASE, "vocab_size": VOCAB, **DEEPSEEK}))
+    fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+                               "weight_block_size": [128, 128]}  # as DeepSeek-V3's hub files
+    return [(GptOssConfig(), r"gpt_oss is not supported: its attention sinks \(self_attn.sinks.*"
+                             r"clamped SwiGLU \(swiglu_limit=7.0\)"),
+            (Llama4TextConfig(), r"llama4_text is not supported: its chunked attention "
+                                 r"\(attention_chunk_size=8192\) and NoPE layers \(no_rope_layers"),
+            (Llama4Config(), r"llama4 is not supported: its chunked attention"),
+            (fp8, r"deepseek_v3 quantization_config \(quant_method 'fp8'\) is not supported")]
+
+
+def test_families_megalite_cannot_hold_are_refused_by_the_field(tmp_path):
+    """GPT-OSS (attention sinks, clamped SwiGLU), Llama 4 (chunked attention, NoPE layers) and
+    FP8 hub weights: one line naming the field, from a config, from a directory's config.json
+    (the converter's reader, before any weight is read), and FP8 from its weight_scale_inv
+    tensors alone."""
+    from safetensors.torch import save_file
+
+    from megalite.convert import checkpoint_tools as ct
+
+    for i, (config, match) in enumerate(_refused_configs()):
+        with pytest.raises(ConfigError, match=match) as e:
+            hf_config_to_model_config(config)
+        assert "\n" not in str(e.value)
+        config.save_pretrained(tmp_path / str(i))  # config.json only: no weights needed
+        with pytest.raises(ConfigError, match=match):
+            ct.HFSource(str(tmp_path / str(i)))
+    hf = make_hf("deepseek_v3")
+    sd = dict(hf.state_dict())
+    scale = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"
+    sd[scale] = torch.ones(1, 1)
+    fp8 = rf"FP8 weights \({scale}\) are not supported"
+    with pytest.raises(ConfigError, match=fp8):
+        hf_to_megalite_state_dict(sd, hf_config_to_model_config(hf.config))
+    hf.save_pretrained(tmp_path / "fp8")
+    save_file({scale: torch.ones(1, 1)}, tmp_path / "fp8" / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=fp8):
+        ct.HFSource(str(tmp_path / "fp8"))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(moe_router_norm_topk_prob=False), "--no-moe-router-norm-topk-prob needs "
                                             "--moe-router-score-function sigmoid"),
