@@ -1035,12 +1035,19 @@ def _moe_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
     out = {out_p + "mlp.router": _get(t, b + "gate.weight", where)}
     if cfg.moe_router_enable_expert_bias:
         out[out_p + "mlp.expert_bias"] = _get(t, b + "gate.e_score_correction_bias", where)
-    w1, w2 = [], []
+    # Written into the stacked tensors expert by expert: no per-expert [gate; up] copies beside
+    # them, so a layer of experts is held twice at most (the hub's tensors and these), not 2.3x.
+    w1 = w2 = None
     for e in range(cfg.num_experts):
         gate, up, down = (_get(t, f"{b}experts.{e}.{n}.weight", where) for n in m.expert_names)
-        w1.append(torch.cat([gate, up], dim=0).t())
-        w2.append(down.t())
-    out[out_p + "mlp.weight1"], out[out_p + "mlp.weight2"] = torch.stack(w1), torch.stack(w2)
+        if w1 is None:
+            f, h = gate.shape
+            w1 = gate.new_empty((cfg.num_experts, h, 2 * f))
+            w2 = down.new_empty((cfg.num_experts,) + tuple(down.t().shape))
+        w1[e, :, :f].copy_(gate.t())
+        w1[e, :, f:].copy_(up.t())
+        w2[e].copy_(down.t())
+    out[out_p + "mlp.weight1"], out[out_p + "mlp.weight2"] = w1, w2
     if cfg.moe_shared_expert_intermediate_size:
         out.update(_swiglu_from_hf(t, f"{b}{m.shared}.", out_p + "mlp.shared_expert.",
                                    cfg.add_bias_linear, where))
