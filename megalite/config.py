@@ -1178,17 +1178,25 @@ class MegaliteConfig(_Section):
     def validate(self, world_size: Optional[int] = None) -> "MegaliteConfig":
         """Every check, in one place. ``world_size`` None (at parse time) skips those needing it."""
         par, tr = self.parallel, self.training
-        self.model.validate(par.tensor_model_parallel_size)
+        # --use-checkpoint-args at parse time: the model is not the command line's but args.json's
+        # (checkpointing.with_checkpoint_args), so the checks of the layout against the model
+        # wait for resolve(), which has it; an EP run of a converted MoE checkpoint then needs
+        # no --num-experts of its own
+        model_known = world_size is not None or not self.checkpoint.use_checkpoint_args
+        if model_known:
+            self.model.validate(par.tensor_model_parallel_size)
         par.validate(world_size, self.model.seq_length)
-        par.check_context_parallel(self.model)
-        self._check_experts()
+        if model_known:
+            par.check_context_parallel(self.model)
+            self._check_experts()
         self.optimizer.validate()
         self.data.validate()
         tr.validate(None if world_size is None else par.data_parallel_size(world_size))
         self.checkpoint.validate()
         self.logging.validate()
         p, v = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
-        layers_per_virtual_stage(self.model.num_layers, p, v)
+        if model_known:
+            layers_per_virtual_stage(self.model.num_layers, p, v)
         check_zero3_schedule(self.optimizer.zero_stage, tr.pipeline_schedule)
         if world_size is not None and p > 1 and tr.global_batch_size is not None:
             # m, p, v and the schedule must fit together, before any model is built

@@ -181,6 +181,56 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
                                                                    for k in differ}
 
 
+def cfg_experts(c) -> int:
+    return next(getattr(c, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")
+                if getattr(c, n, None))
+
+
+# Every family but Mixtral and OLMoE (all layers MoE) has a dense layer 0: a PP2 cut after it
+# leaves the first stage without experts.
+DENSE_FIRST = {"qwen2_moe", "qwen3_moe", "glm4_moe", "glm4_moe_raw_gates", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(case, tmp_path):
+    """tools/checkpoint/convert.py's hf-to-megalite, then megalite-to-hf, from HF's hub files:
+    at TP2 (what a TP2 x EP2 run loads: a checkpoint holds every expert by its global index,
+    whatever the EP) and at PP2 cut after layer 0 (a dense first stage where the family has
+    one), the same tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from megalite.convert import checkpoint_tools as ct
+    from megalite.convert.layout import Layout
+
+    hf = make_hf(case)
+    hf.save_pretrained(tmp_path / "hf")
+    hub = load_file(tmp_path / "hf" / "model.safetensors")
+    if hf.config.tie_word_embeddings:
+        hub.pop("lm_head.weight", None)  # written by neither side when tied
+    for name, layout in (("tp2", Layout(2, 1)), ("pp2", Layout(1, 2, decoder_first=1))):
+        ml, back = tmp_path / f"ml_{name}", tmp_path / f"back_{name}"
+        ct.hf_to_megalite(str(tmp_path / "hf"), str(ml), layout)
+        it = ml / "iter_0000000"
+        shards = {d: torch.load(it / d / "model_optim_rng.pt", weights_only=True)["model"]
+                  for d in sorted(p.name for p in it.iterdir() if p.is_dir())}
+        experts = {d: [k for k in sd if ".mlp.weight" in k] for d, sd in shards.items()}
+        if name == "tp2":
+            a, b = shards["mp_rank_00_000"], shards["mp_rank_01_000"]
+            attn = "layers.0.self_attention.linear_proj.weight"
+            assert a[attn].shape[1] * 2 == hub["model.layers.0.self_attn.o_proj.weight"].shape[1]
+            assert experts["mp_rank_00_000"] and all(  # every expert, by its global index
+                a[k].shape[0] == cfg_experts(hf.config)
+                for k in experts["mp_rank_00_000"])
+        else:
+            assert experts["mp_rank_00_001"]
+            assert (experts["mp_rank_00_000"] == []) == (case in DENSE_FIRST), experts
+        ct.megalite_to_hf(str(ml), str(back))
+        got = load_file(back / "model.safetensors")
+        assert set(got) == set(hub), (name, set(got) ^ set(hub))
+        for k in hub:
+            assert got[k].dtype == hub[k].dtype and torch.equal(got[k], hub[k]), (name, k)
+
+
 @pytest.mark.parametrize("case", ["glm4_moe", "deepseek_v3"])
 def test_mtp_layers_are_dropped_with_one_warning(tmp_path, case):
     """GLM-4.5 and DeepSeek-V3 hub files carry num_nextn_predict_layers multi-token-prediction
@@ -313,6 +363,50 @@ def test_unsupported_hf_fields_are_one_line_errors(case, change, match):
     assert "\n" not in str(e.value)
 
 
+def _refused_configs():
+    from transformers import DeepseekV3Config, GptOssConfig, Llama4Config, Llama4TextConfig
+
+    fp8 = DeepseekV3Config(**copy.deepcopy({**BASE, "vocab_size": VOCAB, **DEEPSEEK}))
+    fp8.quantization_config = {"quant_method": "fp8", "fmt": "e4m3",
+                               "weight_block_size": [128, 128]}  # as DeepSeek-V3's hub files
+    return [(GptOssConfig(), r"gpt_oss is not supported: its attention sinks \(self_attn.sinks.*"
+                             r"clamped SwiGLU \(swiglu_limit=7.0\)"),
+            (Llama4TextConfig(), r"llama4_text is not supported: its chunked attention "
+                                 r"\(attention_chunk_size=8192\) and NoPE layers \(no_rope_layers"),
+            (Llama4Config(), r"llama4 is not supported: its chunked attention"),
+            (fp8, r"deepseek_v3 quantization_config \(quant_method 'fp8'\) is not supported")]
+
+
+def test_families_megalite_cannot_hold_are_refused_by_the_field(tmp_path):
+    """GPT-OSS (attention sinks, clamped SwiGLU), Llama 4 (chunked attention, NoPE layers) and
+    FP8 hub weights: one line naming the field, from a config, from a directory's config.json
+    (the converter's reader, before any weight is read), and FP8 from its weight_scale_inv
+    tensors alone."""
+    from safetensors.torch import save_file
+
+    from megalite.convert import checkpoint_tools as ct
+
+    for i, (config, match) in enumerate(_refused_configs()):
+        with pytest.raises(ConfigError, match=match) as e:
+            hf_config_to_model_config(config)
+        assert "\n" not in str(e.value)
+        config.save_pretrained(tmp_path / str(i))  # config.json only: no weights needed
+        with pytest.raises(ConfigError, match=match):
+            ct.HFSource(str(tmp_path / str(i)))
+    hf = make_hf("deepseek_v3")
+    sd = dict(hf.state_dict())
+    scale = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"
+    sd[scale] = torch.ones(1, 1)
+    fp8 = rf"FP8 weights \({scale}\) are not supported"
+    with pytest.raises(ConfigError, match=fp8):
+        hf_to_megalite_state_dict(sd, hf_config_to_model_config(hf.config))
+    hf.save_pretrained(tmp_path / "fp8")
+    save_file({scale: torch.ones(1, 1)}, tmp_path / "fp8" / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=fp8):
+        ct.HFSource(str(tmp_path / "fp8"))
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(moe_router_norm_topk_prob=False), "--no-moe-router-norm-topk-prob needs "
                                             "--moe-router-score-function sigmoid"),
@@ -350,33 +444,78 @@ def _checkpoint(case, tmp_path, tp: int):
     return out
 
 
-def test_imported_moe_models_train_in_parallel_as_on_one_process(tmp_path):
-    """Imported checkpoints trained by pretrain.py with --use-checkpoint-args, 3 steps: Qwen3-MoE
-    at EP2, and OLMoE (its q/k norm statistic summed over TP) at TP2 + SP x EP2, in one world of
-    two processes, give one process's losses and grad norms."""
+def test_use_checkpoint_args_needs_no_moe_flag_for_an_ep_run(tmp_path):
+    """The command line's model is not the run's under --use-checkpoint-args: an EP2 (TP2)
+    layout parses with no --num-experts, and args.json's model is checked against it once read,
+    a bad one in one line."""
+    from megalite.arguments import parse_args
+    from megalite.checkpointing import with_checkpoint_args
+
+    ckpt = _checkpoint("mixtral", tmp_path, 2)
+    base = ["--load", str(ckpt), "--use-checkpoint-args", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    cfg = with_checkpoint_args(parse_args(base + ["--expert-model-parallel-size", "2"]))
+    assert cfg.model.num_experts == 4 and cfg.model.hf_architecture == "MixtralForCausalLM"
+    cfg.validate(world_size=4)
+    bad = with_checkpoint_args(parse_args(base + ["--expert-model-parallel-size", "3"]))
+    with pytest.raises(ConfigError, match=r"--num-experts \(4\) must be divisible by "
+                                          r"--expert-model-parallel-size \(3\)"):
+        bad.validate(world_size=6)
+    with pytest.raises(ConfigError, match="need --num-experts"):  # still refused without a load
+        parse_args(["--expert-model-parallel-size", "2"])
+
+
+# the families trained at EP2 and exported; OLMoE also against one process
+TRAINED = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "deepseek_v3")
+
+
+def test_imported_moe_models_train_at_ep2_and_export_to_hf(tmp_path):
+    """Each family imported by the converter, trained 2 steps by pretrain.py at EP2 with
+    --use-checkpoint-args and no other model flag (OLMoE, its q/k norm statistic summed over TP,
+    at TP2 + SP x EP2), all in one world of two processes, saved, exported by megalite-to-hf:
+    from_pretrained loads it as its own class with every weight, the trained weights differ from
+    the imported ones, and HF's logits are megalite's. OLMoE gives one process's losses and grad
+    norms (the other families' shapes: tests/test_moe_parallel.py)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     from dist_utils import run_distributed
+    from megalite.convert import checkpoint_tools as ct
     from pretrain_utils import flags, pretrain_cases, read_metrics, run_main
 
-    # --num-experts: the command line's own model must admit EP before args.json replaces it
     def argv(ckpt, name, *layout):
         return flags("--load", ckpt, "--use-checkpoint-args", "--tokenizer-type",
-                     "NullTokenizer", "--num-experts", "4", "--eval-iters", "0", *layout,
-                     train_iters=3, metrics_file=tmp_path / f"{name}.jsonl")
+                     "NullTokenizer", "--eval-iters", "0", *layout, train_iters=2,
+                     metrics_file=tmp_path / f"{name}.jsonl")
 
     ep2 = ["--expert-model-parallel-size", "2"]
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
            "--expert-tensor-parallel-size", "1"]
-    qwen3, olmoe = _checkpoint("qwen3_moe", tmp_path, 1), _checkpoint("olmoe", tmp_path, 1)
-    runs = [argv(qwen3, "qwen3_ep2", *ep2),
-            argv(_checkpoint("olmoe", tmp_path, 2), "olmoe_tp2_sp_ep2", *ep2, *tp2)]
+    runs = [argv(_checkpoint(c, tmp_path, 2 if c == "olmoe" else 1), c, *ep2,
+                 *(tp2 if c == "olmoe" else []), "--save", tmp_path / f"{c}_trained")
+            for c in TRAINED]
     assert all(run_distributed(pretrain_cases, 2, runs, timeout=300))
-    for ckpt, name in ((qwen3, "qwen3"), (olmoe, "olmoe")):
-        assert run_main(argv(ckpt, name)) == 0
-    for one, many in (("qwen3", "qwen3_ep2"), ("olmoe", "olmoe_tp2_sp_ep2")):
-        ref, got = (read_metrics(tmp_path / f"{n}.jsonl") for n in (one, many))
-        assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == [1, 2, 3]
+    for c in ("olmoe",):
+        assert run_main(argv(_checkpoint(c, tmp_path / "one", 1), f"{c}_one")) == 0
+        ref, got = (read_metrics(tmp_path / f"{n}.jsonl") for n in (f"{c}_one", c))
+        assert [r["iteration"] for r in got] == [r["iteration"] for r in ref] == [1, 2]
         for a, b in zip(ref, got):
             for key in ("lm_loss", "grad_norm"):
-                assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (many, a["iteration"], key,
+                assert abs(b[key] - a[key]) <= 1e-5 * abs(a[key]), (c, a["iteration"], key,
                                                                    b[key], a[key])
-        assert len({r["lm_loss"] for r in ref}) == 3  # the model trains
+        assert ref[0]["lm_loss"] != ref[1]["lm_loss"]  # the model trains
+
+    ids = tokens()
+    for c in TRAINED:
+        out = ct.megalite_to_hf(str(tmp_path / f"{c}_trained"), str(tmp_path / f"{c}_export"))
+        hf, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+        assert type(hf).__name__ == CASES[c][0] + "ForCausalLM", c
+        assert not info["missing_keys"] and not info["unexpected_keys"], (c, info)
+        before = load_file(tmp_path / f"{c}_hf" / "model.safetensors")
+        after = load_file(f"{out}/model.safetensors")  # the hub form: per-expert tensors
+        assert set(after) == set(before), c
+        moved = [k for k in before if not torch.equal(before[k], after[k])]
+        assert len(moved) > len(before) // 2, c  # trained: (almost) every tensor moved
+        with torch.no_grad():
+            got = hf.eval()(ids).logits
+            assert max_abs(from_hf(hf, make_vocab_size_divisible_by=8)(ids), got) <= TOL, c

@@ -85,6 +85,119 @@ def test_mla_equals_hf_deepseek_v3_attention(q_lora_rank, rope):
         assert ours.softmax_scale != (8 + 4) ** -0.5 and ours.rotary.attention_factor != 1.0
 
 
+# ------------------------------------------------- an unfused reference, at TP 1 and TP 2
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate(x, pos, base):  # rotate-half RoPE over the last dim, positions on dim 1
+    d = x.shape[-1]
+    freqs = pos[:, None].double() / base ** (torch.arange(0, d, 2).double() / d)
+    emb = torch.cat([freqs, freqs], dim=-1).float()[None, :, None]  # [1, s, 1, d]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()
+
+
+def mla_reference(x, w, cfg):
+    """MLA written out from its formulas (megalite/models/mla.py's docstring) on whole weights
+    ``w`` (megalite's names), no TP: x [b, s, h] -> [b, s, h]."""
+    b, s, _ = x.shape
+    n, dn, dr, dv = (cfg.num_attention_heads, cfg.qk_head_dim, cfg.qk_pos_emb_head_dim,
+                     cfg.v_head_dim)
+    eps, pos = cfg.norm_epsilon, torch.arange(s)
+    if cfg.q_lora_rank is None:
+        q = x @ w["mla.linear_q_proj.weight"].T
+    else:
+        c_q = _rms(x @ w["mla.linear_q_down_proj.weight"].T, w["mla.q_layernorm.weight"], eps)
+        q = c_q @ w["mla.linear_q_up_proj.weight"].T
+    q_nope, q_pe = q.view(b, s, n, dn + dr).split([dn, dr], dim=-1)
+    c_kv, k_pe = (x @ w["mla.linear_kv_down_proj.weight"].T).split([cfg.kv_lora_rank, dr], -1)
+    kv = _rms(c_kv, w["mla.kv_layernorm.weight"], eps) @ w["mla.linear_kv_up_proj.weight"].T
+    k_nope, v = kv.view(b, s, n, dn + dv).split([dn, dv], dim=-1)
+    q = torch.cat([q_nope, _rotate(q_pe, pos, cfg.rotary_base)], dim=-1)
+    k_pe = _rotate(k_pe[:, :, None], pos, cfg.rotary_base).expand(b, s, n, dr)  # one shared head
+    k = torch.cat([k_nope, k_pe], dim=-1)
+    scores = torch.einsum("bqnd,bknd->bnqk", q, k) * (dn + dr) ** -0.5
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.einsum("bnqk,bknd->bqnd", scores.softmax(-1), v).reshape(b, s, n * dv)
+    return out @ w["linear_proj.weight"].T
+
+
+# how each weight is split over TP: the up projections by rows (whole heads per rank), the
+# output projection by columns; the down projections and the latent norms replicated
+_SPLIT_DIM = {"mla.linear_q_proj.weight": 0, "mla.linear_q_up_proj.weight": 0,
+              "mla.linear_kv_up_proj.weight": 0, "linear_proj.weight": 1}
+
+
+def mla_against_reference(rank, world_size, q_lora_rank, sp):
+    """SelfAttention (MLA) at TP ``world_size`` against :func:`mla_reference`: the output, the
+    input's gradient, every weight's gradient (this rank's slice), within 1e-5."""
+    from megalite import collectives as C
+    from megalite.models.transformer import SelfAttention
+    from megalite.parallel_state import initialize_model_parallel
+
+    group = None
+    if world_size > 1:
+        group = initialize_model_parallel(world_size, 1, backend="gloo", device="cpu",
+                                          set_default=False).tp_group
+    cfg = mla_config(q_lora_rank).validate(world_size)
+    ours = SelfAttention(cfg, 0, tp_group=group, sequence_parallel=sp)
+    torch.manual_seed(0)  # the same whole weights and input on every rank
+    whole = {n: (torch.randn(p.shape[:_SPLIT_DIM.get(n, 0)] + (p.shape[_SPLIT_DIM[n]] *
+             world_size,) + p.shape[_SPLIT_DIM[n] + 1:]) if n in _SPLIT_DIM else
+             torch.randn(p.shape)) * (1.0 if "layernorm" in n else 0.3)
+             for n, p in ours.named_parameters()}
+    whole = {n: t.requires_grad_(True) for n, t in whole.items()}
+    x = torch.randn(B, S, H, requires_grad=True)
+    want = mla_reference(x, whole, cfg)
+    dy = torch.randn_like(want)
+    (want * dy).sum().backward()
+
+    def mine(n, t):
+        return t.chunk(world_size, dim=_SPLIT_DIM[n])[rank] if n in _SPLIT_DIM else t
+
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            p.copy_(mine(n, whole[n]))
+    xs = x.detach().transpose(0, 1).contiguous()  # sequence-first [s, b, h]
+    dys = dy.transpose(0, 1)
+    if sp:  # each rank holds s/t tokens going in and coming out
+        xs, dys = (t.chunk(world_size, dim=0)[rank].contiguous() for t in (xs, dys))
+    xs.requires_grad_(True)
+    got = ours(xs)
+    (got * dys).sum().backward()
+    want_s = want.detach().transpose(0, 1)
+    want_dx = x.grad.transpose(0, 1)
+    if sp:
+        want_s, want_dx = (t.chunk(world_size, dim=0)[rank] for t in (want_s, want_dx))
+    torch.testing.assert_close(got, want_s, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xs.grad, want_dx, rtol=1e-5, atol=1e-5)
+    for n, p in ours.named_parameters():
+        g = p.grad
+        if sp and n not in _SPLIT_DIM:  # partial over TP under SP: summed after backward
+            C.all_reduce(g, group=group)
+        torch.testing.assert_close(g, mine(n, whole[n].grad), rtol=1e-5, atol=1e-5, msg=n)
+    return True
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_mla_equals_an_unfused_reference_at_tp1(q_lora_rank):
+    assert mla_against_reference(0, 1, q_lora_rank, sp=False)
+
+
+def _tp2_cases(rank, world_size):
+    return all(mla_against_reference(rank, world_size, q, sp) for q in (None, 12)
+               for sp in (False, True))
+
+
+def test_mla_equals_an_unfused_reference_at_tp2():
+    """Both q paths, without SP (the f operators sum the replicated weights' gradients) and
+    with SP (their partial gradients, summed over TP as finalize_model_grads does)."""
+    from dist_utils import run_distributed
+
+    assert all(run_distributed(_tp2_cases, 2, timeout=120))
+
+
 ITERS = 4
 MLA = ["--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8",
        "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--position-embedding-type", "rope",

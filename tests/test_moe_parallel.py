@@ -1,15 +1,18 @@
 """Mixture of experts in parallel layouts equals one process (docs/moe.md): pretrain.py's losses
-and grad norms, 6 steps in fp32 within 1e-5 (bf16 and fp16 looser), for expert parallelism
+and grad norms, 4 steps in fp32 within 1e-5 (bf16 and fp16 looser), for expert parallelism
 folded over data, tensor (with SP), context and pipeline ranks (1F1B and a V schedule), experts
 split by tensor parallelism (ETP), both token dispatchers, and for the router's variants (sigmoid scores with the
-loss-free balancing bias, a gated shared expert, capacity drops, grouped GEMMs, recomputation).
+loss-free balancing bias, a gated shared expert, capacity drops, grouped GEMMs, recomputation);
+and the shapes of two imported families: DeepSeek-V3's (multi-latent attention, YaRN, a dense
+first layer, group-limited sigmoid routing) at TP2 + SP, PP2 and CP2 (p2p and a2a), each x EP2,
+and Qwen3-MoE's at EP4 with ZeRO-3.
 Every multi-rank run is in strict mode (it emulates a GPU: docs/design.md, contract 1)."""
 
 import pytest
 
 from dist_utils import run_distributed
 
-ITERS = 6
+ITERS = 4
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--num-layers", "2"]
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
@@ -21,6 +24,21 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
 # (micro-batches of one: a V schedule at PP 2 needs 4 per DP rank)
 FOUR_LAYERS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--micro-batch-size", "1"]
+# DeepSeek-V3's shape: multi-latent attention with a q latent and YaRN, a dense first layer of its
+# own width, 8 experts chosen by sigmoid scores plus the balancing bias within 2 of 4 groups
+# (HF's group score, the sum of each group's top 2), gates scaled by 2.5, a shared expert
+DEEPSEEK = LLAMA + [
+    "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16", "--qk-head-dim",
+    "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--rope-type", "yarn",
+    "--rotary-scaling-factor", "4", "--rope-original-max-position-embeddings", "4",
+    "--mscale", "0.8", "--mscale-all-dim", "0.6", "--num-experts", "8", "--moe-layer-freq",
+    "[0,1]", "--ffn-hidden-size", "48", "--moe-router-num-groups", "4",
+    "--moe-router-group-topk", "2", "--moe-router-group-score", "top2_sum",
+    "--moe-router-topk-scaling-factor", "2.5", "--moe-shared-expert-intermediate-size", "24",
+    *SIGMOID]
+# Qwen3-MoE's: per-head q/k norm, grouped queries, a dense first layer (mlp_only_layers [0])
+QWEN3 = LLAMA + ["--qk-layernorm", "--group-query-attention", "--num-query-groups", "2",
+                 "--moe-layer-freq", "[0,1]"]
 # name: (world size, model flags, layout flags); the model flags alone are the one-process run
 CASES = {
     "dp2": (2, [], []),  # experts replicated: their gradients over the expert-DP group = DP
@@ -67,6 +85,15 @@ CASES = {
     # a V schedule: each rank holds the first chunk (a dense layer) and the last (experts)
     "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + ["--pipeline-model-parallel-size", "2",
                                                  "--pipeline-schedule", "dualpipev"]),
+    # DeepSeek-V3-shaped: MLA's replicated latents over TP, its V padded for the CP ring (p2p)
+    "deepseek_ep2_tp2_sp": (4, DEEPSEEK, EP2 + TP2_SP + ["--expert-tensor-parallel-size", "1"]),
+    "deepseek_ep2_pp2": (4, DEEPSEEK, EP2 + ["--pipeline-model-parallel-size", "2"]),
+    "deepseek_ep2_cp2_p2p": (4, DEEPSEEK, EP2 + ["--context-parallel-size", "2",
+                                                 "--cp-comm-type", "p2p"]),
+    "deepseek_ep2_cp2_a2a": (4, DEEPSEEK, EP2 + ["--context-parallel-size", "2",
+                                                 "--cp-comm-type", "a2a"]),
+    # Qwen3-MoE-shaped at EP4 (EDP 1) with every parameter sharded over DP 4
+    "qwen3_ep4_zero3": (4, QWEN3, EP4 + ["--zero-stage", "3"]),
 }
 
 
@@ -82,7 +109,7 @@ def _argv(model, layout, metrics):
     from pretrain_utils import flags
 
     return flags(*MOE, *model, *layout, train_iters=ITERS, metrics_file=metrics,
-                 attention_dropout=0.0, hidden_dropout=0.0)
+                 attention_dropout=0.0, hidden_dropout=0.0, eval_iters=0)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +147,7 @@ def test_moe_layout_matches_one_process(moe_runs, name):
 
 
 def test_moe_checkpoint_resumes_exactly_with_its_expert_bias(tmp_path):
-    """Save at iteration 3, resume to 6: the same losses as the run that never stopped, the
+    """Save at iteration 2, resume to 4: the same losses as the run that never stopped, the
     loss-free balancing bias (sigmoid routing chooses by it) restored from the checkpoint."""
     import torch
 
@@ -128,12 +155,12 @@ def test_moe_checkpoint_resumes_exactly_with_its_expert_bias(tmp_path):
 
     whole, first, second = (tmp_path / f"{n}.jsonl" for n in ("whole", "first", "second"))
     assert run_main(_argv(SIGMOID, [], whole)) == 0
-    assert run_main(_argv(SIGMOID, ["--exit-interval", "3", "--save", tmp_path / "ck"],
+    assert run_main(_argv(SIGMOID, ["--exit-interval", "2", "--save", tmp_path / "ck"],
                           first)) == 0
-    state = torch.load(tmp_path / "ck" / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt",
+    state = torch.load(tmp_path / "ck" / "iter_0000002" / "mp_rank_00_000" / "model_optim_rng.pt",
                        weights_only=False)
     bias = state["model"]["layers.0.mlp.expert_bias"]
-    assert bias.abs().sum() > 0  # it moved during the first three steps, and it is saved
+    assert bias.abs().sum() > 0  # it moved during the first two steps, and it is saved
     assert run_main(_argv(SIGMOID, ["--load", tmp_path / "ck"], second)) == 0
     ref = [r["lm_loss"] for r in read_metrics(whole)]
     got = [r["lm_loss"] for r in read_metrics(first) + read_metrics(second)]

@@ -44,6 +44,7 @@ from megalite.config import (
 from megalite.convert.hf import (
     IGNORED_HF_SUFFIXES,
     FAMILY_OF_MODEL_TYPE,
+    check_hf_weight_names,
     convert_layer_hf_to_megalite,
     convert_layer_megalite_to_hf,
     convert_non_layer_hf_to_megalite,
@@ -58,6 +59,7 @@ from megalite.convert.hf import (
     megalite_non_layer_keys,
     megalite_to_hf_state_dict,
     model_config_to_hf_config,
+    refused_hf_config,
     special_token_ids,
     SUPPORTED_ARCHITECTURES,
     unsupported_architecture,
@@ -639,6 +641,9 @@ class HFSource:
                 raw = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ConversionError(f"{self.what}: config.json is not valid JSON ({e})")
+        refusal = refused_hf_config(raw)  # GPT-OSS, Llama 4, FP8: the field that is refused
+        if refusal is not None:
+            raise ConversionError(f"{self.what}: {refusal}")
         # Checked before AutoConfig, whose error for an unknown model_type is long and vague.
         # GPT2Model (no LM head) is accepted: its keys lack only the "transformer." prefix.
         ok = SUPPORTED_ARCHITECTURES + ("GPT2Model",)
@@ -658,6 +663,7 @@ class HFSource:
         self.family = hf_family(self.hf_config)
         self.model_cfg = hf_config_to_model_config(self.hf_config, **config_overrides)
         self.key_file = self._index_weights()
+        check_hf_weight_names(self.key_file, self.what)
         self._alias: Dict[str, str] = {}
         if self.family == "gpt2" and not any(k.startswith("transformer.") for k in self.key_file):
             # GPT2Model checkpoints (e.g. the original "gpt2" upload) lack the LM-head prefix

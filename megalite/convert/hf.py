@@ -176,8 +176,45 @@ def unsupported_architecture(name: str) -> ConfigError:
                        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
+def refused_hf_config(raw: Mapping) -> Optional[str]:
+    """Why a config.json (as a dict) of a family megalite knows of but cannot hold is refused,
+    naming the field, or None. GPT-OSS's attention sinks (a learned per-head logit in every
+    softmax) and clamped SwiGLU, Llama 4's chunked attention and NoPE layers, and FP8 hub
+    weights (block-quantised, a ``weight_scale_inv`` per weight) have no megalite equivalent."""
+    model_type = raw.get("model_type")
+    if model_type == "gpt_oss":
+        return (f"gpt_oss is not supported: its attention sinks (self_attn.sinks, a learned "
+                f"logit per head in every softmax) and clamped SwiGLU (swiglu_limit="
+                f"{raw.get('swiglu_limit')}) have no megalite equivalent")
+    if model_type in ("llama4", "llama4_text"):
+        text = raw.get("text_config") or raw
+        nope = [i for i, rope in enumerate(text.get("no_rope_layers") or []) if not rope]
+        return (f"{model_type} is not supported: its chunked attention (attention_chunk_size="
+                f"{text.get('attention_chunk_size')}) and NoPE layers (no_rope_layers: "
+                f"{len(nope)} layer(s) without RoPE) have no megalite equivalent")
+    q = raw.get("quantization_config")
+    if q:
+        method = q.get("quant_method") if isinstance(q, Mapping) else getattr(
+            q, "quant_method", q)
+        return (f"{model_type} quantization_config (quant_method {method!r}) is not supported: "
+                f"megalite imports unquantised weights (dequantise the checkpoint to bf16 first)")
+    return None
+
+
+def check_hf_weight_names(names, where: str = "HF state dict") -> None:
+    """FP8 hub weights without their quantization_config: refused by the tensor that shows it."""
+    scale = next((k for k in names if k.endswith("weight_scale_inv")), None)
+    if scale is not None:
+        raise ConfigError(f"{where}: FP8 weights ({scale}) are not supported: megalite imports "
+                          f"unquantised weights (dequantise the checkpoint to bf16 first)")
+
+
 def hf_family(hf_config) -> str:
     model_type = getattr(hf_config, "model_type", None)
+    refusal = refused_hf_config(hf_config.to_dict() if hasattr(hf_config, "to_dict") else {
+        "model_type": model_type})
+    if refusal is not None:
+        raise ConfigError(refusal)
     family = FAMILY_OF_MODEL_TYPE.get(model_type)
     if family is None:
         archs = getattr(hf_config, "architectures", None) or [model_type]
@@ -998,12 +1035,19 @@ def _moe_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
     out = {out_p + "mlp.router": _get(t, b + "gate.weight", where)}
     if cfg.moe_router_enable_expert_bias:
         out[out_p + "mlp.expert_bias"] = _get(t, b + "gate.e_score_correction_bias", where)
-    w1, w2 = [], []
+    # Written into the stacked tensors expert by expert: no per-expert [gate; up] copies beside
+    # them, so a layer of experts is held twice at most (the hub's tensors and these), not 2.3x.
+    w1 = w2 = None
     for e in range(cfg.num_experts):
         gate, up, down = (_get(t, f"{b}experts.{e}.{n}.weight", where) for n in m.expert_names)
-        w1.append(torch.cat([gate, up], dim=0).t())
-        w2.append(down.t())
-    out[out_p + "mlp.weight1"], out[out_p + "mlp.weight2"] = torch.stack(w1), torch.stack(w2)
+        if w1 is None:
+            f, h = gate.shape
+            w1 = gate.new_empty((cfg.num_experts, h, 2 * f))
+            w2 = down.new_empty((cfg.num_experts,) + tuple(down.t().shape))
+        w1[e, :, :f].copy_(gate.t())
+        w1[e, :, f:].copy_(up.t())
+        w2[e].copy_(down.t())
+    out[out_p + "mlp.weight1"], out[out_p + "mlp.weight2"] = w1, w2
     if cfg.moe_shared_expert_intermediate_size:
         out.update(_swiglu_from_hf(t, f"{b}{m.shared}.", out_p + "mlp.shared_expert.",
                                    cfg.add_bias_linear, where))
@@ -1192,6 +1236,7 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
     HF tensor must be used (apart from buffers such as causal masks, a tied ``lm_head.weight``,
     and multi-token-prediction layers, dropped with a warning)."""
     cfg = model_config
+    check_hf_weight_names(hf_state_dict)
     sd = _normalize_hf_keys(hf_state_dict, cfg)
     out = convert_non_layer_hf_to_megalite(sd, cfg)
     used = set(hf_non_layer_keys(cfg))
