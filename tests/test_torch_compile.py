@@ -206,3 +206,47 @@ def test_moe_layer_compiles_up_to_its_experts():
         out.append([y.detach(), x.grad] + [p.grad for p in layer.parameters()])
     for got, ref in zip(out[1], out[0]):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def _overlapped_gathers_compiled(rank, world_size):
+    """ZeRO-2 with overlapped parameter gathers at DP 2, every layer compiled: the gathers are
+    waited on outside the layers' graph, so the layers share one graph."""
+    from torch._dynamo.utils import counters
+
+    from megalite.config import OptimizerConfig
+    from megalite.distributed.ddp import wrap_chunks
+    from megalite.models.gpt import GPTModel
+    from megalite.optimizer import build_optimizer
+    from megalite.parallel_state import initialize_model_parallel
+
+    ps = initialize_model_parallel(1, 1, backend="gloo", device="cpu", set_default=False)
+    ocfg = OptimizerConfig(lr=1e-2, zero_stage=2, overlap_grad_reduce=True,
+                           overlap_param_gather=True).validate()
+    model = GPTModel(tiny_config("gpt2", num_layers=3, torch_compile="eager"), ps, seed=7)
+    chunks, no_sync, finalize = wrap_chunks([model], ocfg, ps)
+    opt = build_optimizer(chunks, ocfg, ps)
+    torch._dynamo.reset()
+    counters.clear()
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(3):  # the second and third forwards wait on gathers issued by the step
+        opt.zero_grad()
+        loss = chunks[0](ids[:, :-1], labels=ids[:, 1:]).mean()
+        loss.backward()
+        finalize()
+        opt.step()
+        losses.append(loss.detach())
+    layers = [m for m in chunks[0].module.modules() if type(m).__name__ == "TransformerLayer"]
+    hooked = [bool(m._forward_pre_hooks) for m in layers]
+    inside = [n for layer in layers for n, m in layer.named_modules() if n and m._forward_pre_hooks]
+    return counters["stats"]["unique_graphs"], hooked, inside, [float(x) for x in losses]
+
+
+def test_overlapped_param_gathers_do_not_recompile_compiled_layers():
+    from dist_utils import run_distributed
+
+    for graphs, hooked, inside, losses in run_distributed(_overlapped_gathers_compiled, 2,
+                                                          timeout=300):
+        assert graphs == 1, graphs  # one graph for all three layers and every iteration
+        assert hooked == [True] * 3 and inside == [], (hooked, inside)  # hooks outside graphs
+        assert losses[2] < losses[0], losses  # the gathered parameters did update

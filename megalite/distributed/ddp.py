@@ -107,12 +107,14 @@ class DistributedDataParallel(nn.Module):
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
             p.deferred_grad_hook = self._deferred_grad_hook
         # Parameter all-gathers issued at the end of a step are waited on by the first module
-        # that uses the bucket's params in the next forward (overlap_param_gather). Only then:
-        # inside a --torch-compile'd layer the hook's parameter lookups guard on each parameter's
-        # identity, which would recompile every layer.
-        for m in module.modules() if self.overlap_param_gather else ():
-            if any(True for _ in m.parameters(recurse=False)):
-                self._hook_handles.append(m.register_forward_pre_hook(self._param_gather_pre_hook))
+        # that uses the bucket's params in the next forward (overlap_param_gather). Only then,
+        # and never inside compiled code: traced, the hook's parameter lookups guard on each
+        # parameter's identity, so every layer would compile its own graph until dynamo's
+        # recompile limit sends the rest back to eager. A module whose forward runs compiled
+        # code (``compiled_forward``, set by the transformer layer under --torch-compile) gets
+        # one hook, outside its graph, for all of its parameters.
+        for m in _gather_hook_sites(module) if self.overlap_param_gather else ():
+            self._hook_handles.append(m.register_forward_pre_hook(self._param_gather_pre_hook))
 
     # ------------------------------------------------------------------------------ nn.Module
     def forward(self, *args, **kwargs):
@@ -309,7 +311,7 @@ class DistributedDataParallel(nn.Module):
                 b.param_handle = None
 
     def _param_gather_pre_hook(self, module: nn.Module, args) -> None:
-        for p in module.parameters(recurse=False):
+        for p in module.parameters(recurse=getattr(module, "compiled_forward", False)):
             buf = self.param_to_buffer.get(p)
             if buf is None:
                 continue
@@ -368,6 +370,22 @@ def finalize_model_grads_ddp(chunks: Iterable[DistributedDataParallel], ps: Para
             lambda p: param_meta(p).tied_embedding)]
         if not add_tied_copies_here(emb):
             _all_reduce_slices(emb, ps.embedding_group, "embedding_grad_all_reduce")
+
+
+def _gather_hook_sites(module: nn.Module, seen=None):
+    """The modules that wait for overlapped parameter all-gathers: each one holding parameters
+    itself, except that a ``compiled_forward`` module stands for its whole subtree."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    if getattr(module, "compiled_forward", False):
+        yield module
+        return
+    if any(True for _ in module.parameters(recurse=False)):
+        yield module
+    for child in module.children():
+        yield from _gather_hook_sites(child, seen)
 
 
 def wrap_chunks(chunks: List[nn.Module], config: OptimizerConfig, ps: ParallelState):

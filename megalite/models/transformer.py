@@ -318,6 +318,9 @@ class TransformerLayer(nn.Module):
         # are read on the host, capacity drops size a select), which would break or recompile
         # the graph, and its expert GEMMs are grouped kernels already (docs/moe.md).
         self._forward = self._layer_forward
+        # Read by wrappers that hook modules (DDP's overlapped parameter gathers): a hook on a
+        # submodule would run inside the graph, so they hook this layer as a whole.
+        self.compiled_forward = bool(config.torch_compile)
         if config.torch_compile and isinstance(self.mlp, MoELayer):
             self._before_mlp = torch.compile(self._before_mlp, backend=config.torch_compile)
         elif config.torch_compile:
