@@ -139,6 +139,7 @@ class Model:
     # the EP all-to-alls hidden behind the other micro-batch's compute (Megatron's
     # --overlap-moe-expert-parallel-comm: a forward paired with another's backward)
     moe_overlap: bool = False
+    moe_a2a_dedup: bool = False  # EP across nodes: a token sent once per node (DeepEP)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -656,8 +657,23 @@ def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, floa
     a2a = 0.0
     if ep > 1:  # the busiest rank moves its larger side, (EP - 1)/EP of its rows leave the rank
         lat, bw = cl.link(etp * ep)
-        a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + max(sent, recv) * h * E * (ep - 1) / ep
-                   / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
+        rows_out = max(sent, recv) * (ep - 1) / ep
+        nodes = etp * ep // cl.gpus_per_node
+        if nodes > 1:  # across nodes: the rows to the rank's own node go over NVLink meanwhile;
+            # (nodes - 1)/nodes of them cross the network, or with a dispatcher that sends a
+            # token once per node (DeepEP, HybridEP: moe_a2a_dedup) the distinct remote nodes
+            # of its k experts, nodes (1 - (1 - 1/nodes)^k) (nodes - 1)/nodes per token
+            k = cfg.moe_router_topk
+            remote = max(sent, recv) * (nodes - 1) / nodes
+            if m.moe_a2a_dedup:
+                remote *= (nodes * (1 - (1 - 1 / nodes) ** k)) / k
+            intra = (max(sent, recv) / nodes - max(sent, recv) / ep) * h * E / (
+                cl.gpu.intra_node_bandwidth_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+            a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + max(
+                intra, remote * h * E / (bw * 1e9 * COLLECTIVE_EFFICIENCY)))
+        else:
+            a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + rows_out * h * E
+                       / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
     if etp > 1:
         a2a += 2 * _coll_s(False, rows * h * E, etp, cl.link(etp))
     return {"compute": router + experts + shared + moved * E / hbm, "w": shared, "a2a": a2a,
@@ -863,6 +879,8 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
         vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
                               + [(v, "interleaved") for v in range(2, 9)
                                  if (pipeline_slots(m, p) // p) % v == 0] if p > 1 else [])
+        if fixed.get("virtual_pipeline_model_parallel_size", 0) > 8 and p > 1:  # pinned beyond
+            vs.append((fixed["virtual_pipeline_model_parallel_size"], "interleaved"))  # the list
         for (v, sched), b, z, sp, rc, ct, (ep, etp) in itertools.product(
                 vs, only("micro_batch_size", (1, 2, 4, 8, 16)), only("zero_stage", range(4)),
                 only("sequence_parallel", (False, True)),
