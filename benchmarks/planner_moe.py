@@ -112,8 +112,9 @@ def main(argv=None):
         e = fit()
         print(f"least-squares GROUPED_GEMM_EFFICIENCY over the fitted rows: {e:.2f}")
         planner.GROUPED_GEMM_EFFICIENCY = e
-    print(f"GROUPED_GEMM_EFFICIENCY = {planner.GROUPED_GEMM_EFFICIENCY}, FP8_GEMM_EFFICIENCY = "
-          f"{planner.FP8_GEMM_EFFICIENCY}\n")
+    print(f"GROUPED_GEMM_EFFICIENCY = {planner.GROUPED_GEMM_EFFICIENCY} "
+          f"({'fitted on the fit set' if a.fit else 'not fitted: the planner constant'}), "
+          f"FP8_GEMM_EFFICIENCY = {planner.FP8_GEMM_EFFICIENCY}\n")
     print("| row | set | precision | GPUs | layout (published, pinned) | planner's rest | GiB | "
           "EP s | tokens/s/GPU published | planner | error | model TFLOP/s published | "
           "planner |\n|" + "---|" * 13)
@@ -123,7 +124,7 @@ def main(argv=None):
         lay = got["layout"]
         err = got["tokens"] / r[11] - 1
         worst[r[14]] = max(worst[r[14]], abs(err))
-        print(f"| {r[0]} | {'fit' if r[14] else 'held out'} | {r[2].upper()} | {r[3]} | "
+        print(f"| {r[0]} | {'fit set' if r[14] else 'held out'} | {r[2].upper()} | {r[3]} | "
               f"TP{r[7]} PP{r[8]} VP{r[9]} EP{r[10]} mb{r[5]} B{r[4]} s{r[6]} | "
               f"SP{int(lay.sequence_parallel)} recompute {lay.recompute_granularity} | "
               f"{got['gib']:.1f} | {got['ep_s']:.2f} | {r[11]} | {got['tokens']:.0f} | "

@@ -153,6 +153,9 @@ def build_plan_parser():
     g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
                    help="MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's "
                         "compute (Megatron's flag); planner only")
+    g.add_argument("--moe-a2a-dedup", action="store_true",
+                   help="MoE, EP across nodes: a token's rows sent once per node and fanned out "
+                        "over NVLink (DeepEP, HybridEP dispatchers); planner only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--top", type=int, default=10, help="layouts to print")
     return p
@@ -211,7 +214,7 @@ def parse(argv):
         activation_model=ns.activation_model,
         embedding_slot=ns.account_for_embedding_in_pipeline_split,
         loss_slot=ns.account_for_loss_in_pipeline_split, precision=ns.precision,
-        moe_overlap=ns.overlap_moe_expert_parallel_comm)
+        moe_overlap=ns.overlap_moe_expert_parallel_comm, moe_a2a_dedup=ns.moe_a2a_dedup)
     return model, cluster, ns.global_batch_size, fixed, ns
 
 
