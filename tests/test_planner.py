@@ -77,18 +77,29 @@ PUBLISHED = (
 
 
 @functools.lru_cache(maxsize=None)
-def predict(row, gemm_efficiency=None):
-    """The planner's TFLOP/s per GPU for a published row: the fastest layout that fits with the
-    published TP, PP (and recompute) pinned, at the given GEMM efficiency (default the GPU's)."""
+def _fitting(row):
+    """The row's model and the layouts that fit with the published TP, PP (and recompute)
+    pinned, in the planner's order: memory does not depend on the GEMM efficiency."""
     name, gpu, L, h, a, s, V, untied, t, p, n, gbs, tflops, flash, recompute = row
     m = model_from_args(L, h, a, s, V, untie_embeddings_and_output_weights=untied,
                         flash_attention=flash)
-    g = GPUS[gpu]._replace(gemm_efficiency=gemm_efficiency or GPUS[gpu].gemm_efficiency)
     fixed = {"tensor_model_parallel_size": t, "pipeline_model_parallel_size": p}
     if recompute:
         fixed["recompute_granularity"] = recompute
-    fits = [pl for pl in plan(m, Cluster(n, 8, g), gbs, fixed) if pl.fits]
-    return fits[0].time["tflops_per_gpu"] if fits else None
+    return m, [pl.layout for pl in plan(m, Cluster(n, 8, GPUS[gpu]), gbs, fixed) if pl.fits]
+
+
+@functools.lru_cache(maxsize=None)
+def predict(row, gemm_efficiency=None):
+    """The planner's TFLOP/s per GPU for a published row: the fastest layout that fits with the
+    published TP, PP (and recompute) pinned, at the given GEMM efficiency (default the GPU's)."""
+    gpu, n, gbs = row[1], row[10], row[11]
+    m, fits = _fitting(row)
+    if not fits:
+        return None
+    g = GPUS[gpu]._replace(gemm_efficiency=gemm_efficiency or GPUS[gpu].gemm_efficiency)
+    times = [step_time(m, lay, Cluster(n, 8, g), gbs) for lay in fits]
+    return min(times, key=lambda x: x["step_time_s"])["tflops_per_gpu"]
 
 
 def calibrate(rows) -> float:
