@@ -17,6 +17,11 @@ A mixture-of-experts model takes pretrain.py's MoE flags (--num-experts, --moe-r
 --expert-model-parallel-size and --expert-tensor-parallel-size pin the expert grid (searched
 otherwise: EP dividing the experts, ETP 1 or TP) and --moe-imbalance-factor sets the dropless
 receive headroom the memory model assumes (docs/planner.md, "Mixture of experts").
+
+Planner-only inputs describe a stack other than megalite's, to plan published runs:
+--activation-model fused, --account-for-embedding/loss-in-pipeline-split, --precision fp8,
+--overlap-moe-expert-parallel-comm and --moe-a2a-dedup (docs/planner.md, "Inputs for other
+stacks").
 """
 
 from __future__ import annotations
