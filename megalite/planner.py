@@ -370,6 +370,12 @@ def moe_activation_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
                        cfg.moe_shared_expert_intermediate_size)
     sent, recv = moe_rows(m, tokens, ep)
     recv *= etp  # each ETP slice computes the rows its ETP peers received too
+    act = (3 if cfg.swiglu else 2) * cfg.moe_ffn_hidden_size / etp
+    if m.activation_model == "fused":  # each tensor once: the router's logits (its dtype),
+        # probabilities (fp32) and routing map (bool); per received row the expert input, fc1
+        # output and activation, an int32 row map; per sent row the expert output to combine
+        return tokens * n_exp * (rb + 4 + 1) + recv * ((h + act) * E + 4) \
+            + sent * (h * E + 4) + (tokens * 3 * fs * E if fs else 0.0)
     # router: the logits (or scores) in its dtype, the top-k indices (int64) and gates (fp32),
     # unpermute's gate order (a slice of an argsort over all T x E), the input and the weight
     # cast to its dtype

@@ -227,6 +227,21 @@ def test_precision_overlap_and_dedup_inputs():
         assert got == pytest.approx(4 * 4 * one), copies  # 4 layers x 4 exchanges
 
 
+def test_fused_moe_activations():
+    """--activation-model fused keeps, per MoE layer and micro-batch, the router's logits,
+    probabilities and map (T E (4 + 4 + 1)), per received row the expert input, fc1 output and
+    SwiGLU product and an int32 map, per sent row the expert output and an int32: below what
+    megalite's MoE layer keeps (docs/planner.md, "Published MoE rows")."""
+    from megalite.planner import moe_activation_bytes
+
+    cfg = _moe_cfg(params_dtype="bfloat16", swiglu=True)
+    fused = dataclasses.replace(Model.from_config(cfg, moe_imbalance=1.0), activation_model="fused")
+    T, h, f, k, E = 128, 256, 128, 2, 8
+    want = T * E * 9 + k * T * ((h + 3 * f) * 2 + 4) + k * T * (h * 2 + 4)
+    assert moe_activation_bytes(fused, T, 2, 1) == want
+    assert moe_activation_bytes(Model.from_config(cfg, moe_imbalance=1.0), T, 2, 1) > want
+
+
 def test_plan_json_has_expert_grid_and_precision(capsys):
     """--json reports EP and ETP per layout; --precision fp8 and --overlap-moe-expert-parallel-
     comm change the predicted step, not the memory."""
