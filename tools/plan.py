@@ -56,6 +56,11 @@ from megalite.planner import (  # noqa: E402
 # the command line are pinned. --recompute-method/--recompute-num-layers and the uneven stages
 # are not searched: evaluated where given.
 _PINNED = layout_flags()
+# the planner's own inputs (no pretrain.py flag) added since tests/fixtures/cli/flags_before.json
+PLANNER_ONLY_FLAGS = ("--moe-imbalance-factor", "--activation-model",
+                      "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split", "--precision",
+                      "--overlap-moe-expert-parallel-comm", "--moe-a2a-dedup")
 
 
 def as_json(pl: Plan) -> dict:
