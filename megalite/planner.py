@@ -4,7 +4,9 @@ Memory = model states (megalite.memory's ZeRO accounting) + activations in fligh
 et al. 2022, Table 2, as megalite's layers save them) + the transient working set at the peak.
 Step time = compute + exposed TP (CP, EP) collectives + pipeline bubble + exposed DP/ZeRO
 collectives. A mixture-of-experts layer's MLP: the expert grid's memory (stage_expert_params,
-moe_activation_bytes) and time (_moe_layer_s).
+moe_activation_bytes) and time (_moe_layer_s). Model's planner-only inputs describe another
+stack (fused activations, embedding/loss pipeline slots, fp8 GEMMs, EP overlap and per-node
+dispatch) to plan published runs.
 FLOPs are megalite.logging's. docs/planner.md: derivations, constants, validation.
 """
 
