@@ -214,6 +214,13 @@ def test_precision_overlap_and_dedup_inputs():
     t = step_time(m, lay, cl, 32)
     assert step_time(dataclasses.replace(m, precision="fp8"), lay, cl, 32)["compute_s"] \
         < 0.9 * t["compute_s"]
+    # the capacity-factor mode: at cf 1 no rank receives more than k T rows, whatever the
+    # dropless imbalance assumed; dropless at 1.5 receives (and moves) more
+    dropping = Model.from_config(ModelConfig(**base, moe_expert_capacity_factor=1.0),
+                                 moe_imbalance=1.5)
+    skewed = Model.from_config(ModelConfig(**base), moe_imbalance=1.5)
+    assert step_time(dropping, lay, cl, 32)["ep_comm_s"] == pytest.approx(t["ep_comm_s"])
+    assert step_time(skewed, lay, cl, 32)["ep_comm_s"] > 1.3 * t["ep_comm_s"]
     over = step_time(dataclasses.replace(m, moe_overlap=True), lay, cl, 32)["ep_comm_s"]
     assert 0 <= over < t["ep_comm_s"]
     # EP 32 over 4 nodes: 3/4 of the 8 copies per token cross the network (the own node's over
