@@ -6,8 +6,9 @@ summaries), fitted on at most half of them.
 Each row pins the published layout (TP, PP, virtual stages, EP, micro-batch, the distributed
 optimizer) and searches the rest (SP, recompute); the planner's throughput is compared in tokens
 per second per GPU, which does not depend on how a publication counts attention FLOPs (GPT-OSS
-alternates 128-token sliding windows, planned here as full attention). All rows ran token-dropless with the router forced to
-balance the experts (the summaries' footnote): imbalance 1. What differs between them is an
+alternates 128-token sliding windows, planned here as full attention). All rows ran
+token-dropless with the router forced to balance the experts (the summaries' footnote):
+imbalance 1. What differs between them is an
 input, never a fitted factor: precision (BF16, or FP8 for the linear GEMMs), EP inside a node
 (NVLink) or across nodes (network), micro-batch and virtual stages, the embedding and loss in
 pipeline slots where the layers do not divide (Qwen3-235B: 94 layers over 8 x 4 chunks), the
