@@ -8,16 +8,16 @@ optimizer) and searches the rest (SP, recompute); the planner's throughput is co
 per second per GPU, which does not depend on how a publication counts attention FLOPs (GPT-OSS
 alternates 128-token sliding windows, planned here as full attention). All rows ran
 token-dropless with the router forced to balance the experts (the summaries' footnote):
-imbalance 1. What differs between them is an
-input, never a fitted factor: precision (BF16, or FP8 for the linear GEMMs), EP inside a node
-(NVLink) or across nodes (network), micro-batch and virtual stages, the embedding and loss in
-pipeline slots where the layers do not divide (Qwen3-235B: 94 layers over 8 x 4 chunks), the
-all-to-all overlap where the recipe sets it (OVERLAP). The recipes recompute nothing
-(Qwen3: recompute_granularity None; GPT-OSS: layernorm and moe_act modules, which the planner's
-search approximates by its own choice).
+imbalance 1. What differs between them is an input, never a fitted factor: precision (BF16, or
+FP8 for the linear GEMMs), EP inside a node (NVLink) or across nodes (network), micro-batch and
+virtual stages, the embedding and loss in pipeline slots where the layers do not divide
+(Qwen3-235B: 94 layers over 8 x 4 chunks), the all-to-all overlap where the recipe sets it
+(OVERLAP). The Qwen3 recipes recompute nothing; GPT-OSS's recomputes its layernorm and moe_act
+modules, which the planner (whole layers or the attention core) does not have: its search picks.
 
-The one constant fitted is GROUPED_GEMM_EFFICIENCY (the grouped expert GEMMs against a dense GEMM
-of the same shape), on the rows marked "fit"; ``--fit`` prints its least-squares value over them.
+The one constant that may be fitted is GROUPED_GEMM_EFFICIENCY (the grouped expert GEMMs against
+a dense GEMM of the same shape), on the rows marked "fit set" only: ``--fit`` fits it (least
+squares in log) and prints the table with it; without, the planner's value.
 """
 
 from __future__ import annotations
