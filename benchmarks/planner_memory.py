@@ -14,7 +14,7 @@ pretrain.py logs rank 0 only, whose stage holds the loss head (output layer and 
 only without pipeline parallelism; each pipeline case therefore runs a second time with the
 first rank of the last stage as the writer of metrics.jsonl (a row "... last stage").
 
-The mixture-of-experts cases (a second table, no pipeline parallelism) add the estimate with no
+The mixture-of-experts cases (a second table; EP 1 and 2 also under PP 2) add the estimate with no
 dropless imbalance headroom (planner.MOE_IMBALANCE replaced by 1: every EP rank receives the
 mean) beside the planner's.
 """
@@ -95,6 +95,9 @@ MOE_CASES = [
      MOE + ["--expert-model-parallel-size", "2", "--bf16", "--swiglu",
             "--moe-shared-expert-intermediate-size", "512", "--moe-shared-expert-gate",
             "--global-batch-size", "8"]),
+    # with pipeline parallelism: each stage's own MoE layers, warm-up micro-batches and head
+    ("MoE PP2 EP1", 2, MOE + PP),
+    ("MoE PP2 EP2", 4, MOE + PP + ["--expert-model-parallel-size", "2"]),
 ]
 
 
@@ -122,12 +125,14 @@ def run(name, nproc, extra, out_dir, writer=0):
     return rec, time.time() - t0
 
 
-def balanced_estimate(nproc, extra) -> float:
-    """The planner's estimate for rank 0 with no dropless imbalance headroom (moe_imbalance 1)."""
+def balanced_estimate(nproc, extra, stage=0) -> float:
+    """The planner's estimate for ``stage`` with no dropless imbalance headroom (moe_imbalance
+    1)."""
     from megalite.arguments import parse_args
     from megalite.planner import estimate_for_run
 
-    return estimate_for_run(parse_args(BASE + extra), nproc, "cpu", 0, moe_imbalance=1.0)["total"]
+    return estimate_for_run(parse_args(BASE + extra), nproc, "cpu", stage,
+                            moe_imbalance=1.0)["total"]
 
 
 def row(label, nproc, rec, *extra) -> str:
@@ -159,7 +164,8 @@ def main(argv=None):
             for writer in (0, nproc // 2) if "--pipeline-model-parallel-size" in extra else (0,):
                 label = name + " last stage" * (writer > 0)
                 rec = run(label, nproc, extra, a.out, writer)[0]
-                print(row(label, nproc, rec, *[balanced_estimate(nproc, extra)] * moe),
+                print(row(label, nproc, rec, *[balanced_estimate(nproc, extra, int(writer > 0))]
+                          * moe),
                       flush=True)
 
 

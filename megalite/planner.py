@@ -4,7 +4,9 @@ Memory = model states (megalite.memory's ZeRO accounting) + activations in fligh
 et al. 2022, Table 2, as megalite's layers save them) + the transient working set at the peak.
 Step time = compute + exposed TP (CP, EP) collectives + pipeline bubble + exposed DP/ZeRO
 collectives. A mixture-of-experts layer's MLP: the expert grid's memory (stage_expert_params,
-moe_activation_bytes) and time (_moe_layer_s).
+moe_activation_bytes) and time (_moe_layer_s). Model's planner-only inputs describe another
+stack (fused activations, embedding/loss pipeline slots, fp8 GEMMs, EP overlap and per-node
+dispatch) to plan published runs.
 FLOPs are megalite.logging's. docs/planner.md: derivations, constants, validation.
 """
 
@@ -55,6 +57,11 @@ USABLE_MEMORY_FRACTION = 0.92  # CUDA context, NCCL/cuBLAS workspaces, fragmenta
 # Dropless MoE at EP > 1: the receive buffer of the busiest EP rank over the mean (k rows per
 # token), the planner's headroom; GShard's usual capacity factor (docs/planner.md, "MoE")
 MOE_IMBALANCE = 1.25
+# fp8 linear GEMMs (the planner's comparison mode, never run): of twice the 16-bit peak, with the
+# per-tensor scaling and casts; 0.45 x 2 = 1.41x the 16-bit GEMM at 0.64 (docs/planner.md)
+FP8_GEMM_EFFICIENCY = 0.45
+# grouped expert GEMMs against a dense GEMM of the same per-expert shape (docs/planner.md, MoE)
+GROUPED_GEMM_EFFICIENCY = 1.0
 
 
 @dataclass
@@ -122,6 +129,19 @@ class Model:
     cross_entropy: str = "megalite"  # or "megatron": Megatron-LM's unfused, fp32 softmax kept
     # dropless MoE at EP > 1: rows the busiest EP rank receives over the mean (moe_rows)
     moe_imbalance: float = MOE_IMBALANCE
+    # what the stack being planned does beyond megalite (docs/planner.md, "Inputs for other
+    # stacks"): "fused" saves each tensor of a layer once in 16 bits (Korthikanti et al.'s
+    # Table 2 terms; no fp32 norm copies, no GQA copies); the embedding and the loss each take a
+    # layer's slot in the pipeline split (Megatron-LM's --account-for-embedding/loss-in-
+    # pipeline-split, the Llama 3 report's balancing); fp8 GEMMs (peak x 2, FP8_GEMM_EFFICIENCY)
+    activation_model: str = "megalite"  # megalite | fused
+    embedding_slot: bool = False
+    loss_slot: bool = False
+    precision: str = "bf16"  # bf16 | fp8 (the planner's time model only, never run)
+    # the EP all-to-alls hidden behind the other micro-batch's compute (Megatron's
+    # --overlap-moe-expert-parallel-comm: a forward paired with another's backward)
+    moe_overlap: bool = False
+    moe_a2a_dedup: bool = False  # EP across nodes: a token sent once per node (DeepEP)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -183,9 +203,22 @@ def head_rank(lay: Layout) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_ranges(L: int, p: int, v: int, v_shape: bool, first, last) -> tuple:
-    return tuple(tuple(range(s, e) for s, e in rank) for rank in virtual_layer_ranges(
-        L, p, L // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
+def _chunk_ranges(L: int, p: int, v: int, v_shape: bool, first, last, emb: bool = False,
+                  loss: bool = False) -> tuple:
+    """virtual_layer_ranges over L + emb + loss slots: slot 0 the embedding's, the last the loss
+    head's (p > 1), each taken out of the layers it would have held."""
+    e, n = (emb and p > 1), L + (emb and p > 1) + (loss and p > 1)
+    if n != L and (first is not None or last is not None):
+        raise ConfigError("the embedding/loss pipeline slots cannot be combined with "
+                          "--decoder-first/last-pipeline-num-layers")
+    return tuple(tuple(range(max(s - e, 0), min(x - e, L)) for s, x in rank)
+                 for rank in virtual_layer_ranges(
+                     n, p, n // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
+
+
+def pipeline_slots(m: "Model", p: int) -> int:
+    """Layer slots the pipeline split cuts: the layers, plus the embedding's and the loss's."""
+    return m.cfg.num_layers + (p > 1) * (m.embedding_slot + m.loss_slot)
 
 
 def stage_ranges(m: Model, lay: Layout) -> tuple:
@@ -196,7 +229,7 @@ def stage_ranges(m: Model, lay: Layout) -> tuple:
                          lay.virtual_pipeline_model_parallel_size,
                          lay.pipeline_schedule in V_SCHEDULES,
                          lay.decoder_first_pipeline_num_layers,
-                         lay.decoder_last_pipeline_num_layers)
+                         lay.decoder_last_pipeline_num_layers, m.embedding_slot, m.loss_slot)
 
 
 def stage_chunks(m: Model, lay: Layout) -> tuple:
@@ -288,6 +321,10 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
     attn = 4 * q if kv < q else 2 * q + 2 * kv + (q + kv) * rope
     attn += 2 * q * (not m.flash_attention and m.device == "cpu" and recompute != "selective")
     mlp = 4 * f if cfg.swiglu else 2 * f  # fc1 output and fc2 input (SwiGLU: both halves + silu)
+    if m.activation_model == "fused":  # each tensor once, 16 bits: no fp32 norm copy, no GQA
+        # or RoPE copies, SwiGLU's fc1 output and product (its silu recomputed in the kernel)
+        outside -= s * b * h * 8 * (cfg.normalization == "RMSNorm") / rep
+        attn, mlp = 2 * q + 2 * kv, 3 * f if cfg.swiglu else 2 * f
     if moe is not None:
         mlp, tokens = 0, s * b / rep
         outside += moe_activation_bytes(m, tokens, *moe)
@@ -335,6 +372,12 @@ def moe_activation_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
                        cfg.moe_shared_expert_intermediate_size)
     sent, recv = moe_rows(m, tokens, ep)
     recv *= etp  # each ETP slice computes the rows its ETP peers received too
+    act = (3 if cfg.swiglu else 2) * cfg.moe_ffn_hidden_size / etp
+    if m.activation_model == "fused":  # each tensor once: the router's logits (its dtype),
+        # probabilities (fp32) and routing map (bool); per received row the expert input, fc1
+        # output and activation, an int32 row map; per sent row the expert output to combine
+        return tokens * n_exp * (rb + 4 + 1) + recv * ((h + act) * E + 4) \
+            + sent * (h * E + 4) + (tokens * 3 * fs * E if fs else 0.0)
     # router: the logits (or scores) in its dtype, the top-k indices (int64) and gates (fp32),
     # unpermute's gate order (a slice of an argsort over all T x E), the input and the weight
     # cast to its dtype
@@ -394,6 +437,18 @@ def in_flight(lay: Layout, num_micro: int, r: int = 0) -> float:
     if v > 1:
         return min(2 * (p - r - 1) + (v - 1) * p + 1, num_micro * v) / v
     return float(min(p - r, num_micro))
+
+
+@functools.lru_cache(maxsize=4096)
+def interleaved_peak(p: int, r: int, m: int, v: int, weights: tuple) -> float:
+    """The most bytes rank r's live chunk forwards hold as order_interleaved runs, chunk c's
+    forward holding weights[c]: unequal chunks (the embedding's or the loss's slot) are not
+    in_flight's stage-equivalents."""
+    live, most = [0] * v, 0.0
+    for o in schedule_order("interleaved", p, r, m, v):
+        live[o.chunk] += 1 if o.kind == "F" else -1
+        most = max(most, sum(n * w for n, w in zip(live, weights)))
+    return most
 
 
 @functools.lru_cache(maxsize=1024)
@@ -464,7 +519,11 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
     live, ranges = in_flight(lay, num_micro, r), stage_ranges(m, lay)[r]
     chunks, moe = tuple(len(c) for c in ranges), [moe_layers(m, c) for c in ranges]
-    act = live * sum(chunk_activation_bytes(m, lay, c) for c in ranges)
+    per_chunk = tuple(chunk_activation_bytes(m, lay, c) for c in ranges)
+    act = live * sum(per_chunk)
+    if lay.pipeline_schedule == "interleaved" and len(set(per_chunk)) > 1:
+        act = interleaved_peak(p, r, num_micro, lay.virtual_pipeline_model_parallel_size,
+                               per_chunk)
     vt = cfg.padded_vocab_size(t) / t
     # what a deferred W pass keeps (tensor_parallel/layers.py): every linear's input and output
     # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input; an
@@ -488,7 +547,7 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     # layers freed before it); ...
     fl, n = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t, max(chunks)
     again = min(lay.recompute_num_layers or 1, n) if lay.recompute_method != "block" else 1
-    kinds = [None] * (sum(moe) < sum(chunks)) + [(ep, etp)] * (sum(moe) > 0)  # dense, MoE
+    kinds = [None] * (sum(moe) < sum(chunks)) + [(ep, etp)] * (sum(moe) > 0) or [None]  # dense, MoE
     biggest = max(layer_activation_bytes(m, b, t, sp, "none", k) for k in kinds)
     layer_work = max(s * b * (2 * fl + 2 * h) * E + fl * h * E if k is None else
                      moe_backward_bytes(m, s * b / (t if sp else 1), ep, etp) for k in kinds)
@@ -523,6 +582,14 @@ def moe_backward_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
     fc1, h = (2 if cfg.swiglu else 1) * cfg.moe_ffn_hidden_size / etp, cfg.hidden_size
     return (etp * recv * (2 * fc1 + 2 * h) + sent * h
             + cfg.num_experts // ep * fc1 * h) * E
+
+
+def gemm_gpu(m: Model, gpu: GPU) -> GPU:
+    """The GPU as the layers' linear GEMMs see it: in fp8 (``m.precision``) twice the dense
+    16-bit peak at FP8_GEMM_EFFICIENCY (the attention core, the router and the output layer stay
+    in 16 bits, as the FP8 recipes keep them)."""
+    return gpu._replace(peak_tflops=2 * gpu.peak_tflops, gemm_efficiency=FP8_GEMM_EFFICIENCY) \
+        if m.precision == "fp8" else gpu
 
 
 def _gemm_s(flops: float, dims, gpu: GPU) -> float:
@@ -584,10 +651,11 @@ def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, floa
     sent, recv = moe_rows(m, tokens, ep)
     rows, fc1 = etp * recv, f * (1 + cfg.swiglu)  # this ETP slice's rows: its peers' too
     per_expert = rows / (cfg.num_experts // ep)
-    experts = sum(_gemm_s(2 * rows * k * n, (per_expert, k, n), gpu)
-                  for k, n in ((h, fc1 / etp), (f / etp, h)))
+    gg = gemm_gpu(m, gpu)
+    experts = sum(_gemm_s(2 * rows * k * n, (per_expert, k, n), gg)
+                  for k, n in ((h, fc1 / etp), (f / etp, h))) / GROUPED_GEMM_EFFICIENCY
     router = _gemm_s(2 * tokens * h * cfg.num_experts, (tokens, h, cfg.num_experts), gpu)
-    shared = sum(_gemm_s(2 * M * k * n, (M, k, n), gpu) for k, n in
+    shared = sum(_gemm_s(2 * M * k * n, (M, k, n), gg) for k, n in
                  ((h, fs * (1 + cfg.swiglu) / t), (fs / t, h))) if fs else 0.0
     hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     # permute (read + write), unpermute (gate multiply, add back), each exchange's regrouping,
@@ -597,8 +665,23 @@ def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, floa
     a2a = 0.0
     if ep > 1:  # the busiest rank moves its larger side, (EP - 1)/EP of its rows leave the rank
         lat, bw = cl.link(etp * ep)
-        a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + max(sent, recv) * h * E * (ep - 1) / ep
-                   / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
+        rows_out = max(sent, recv) * (ep - 1) / ep
+        nodes = etp * ep // cl.gpus_per_node
+        if nodes > 1:  # across nodes: the rows to the rank's own node go over NVLink meanwhile;
+            # (nodes - 1)/nodes of them cross the network, or with a dispatcher that sends a
+            # token once per node (DeepEP, HybridEP: moe_a2a_dedup) the distinct remote nodes
+            # of its k experts, nodes (1 - (1 - 1/nodes)^k) (nodes - 1)/nodes per token
+            k = cfg.moe_router_topk
+            remote = max(sent, recv) * (nodes - 1) / nodes
+            if m.moe_a2a_dedup:
+                remote *= (nodes * (1 - (1 - 1 / nodes) ** k)) / k
+            intra = (max(sent, recv) / nodes - max(sent, recv) / ep) * h * E / (
+                cl.gpu.intra_node_bandwidth_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+            a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + max(
+                intra, remote * h * E / (bw * 1e9 * COLLECTIVE_EFFICIENCY)))
+        else:
+            a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + rows_out * h * E
+                       / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
     if etp > 1:
         a2a += 2 * _coll_s(False, rows * h * E, etp, cl.link(etp))
     return {"compute": router + experts + shared + moved * E / hbm, "w": shared, "a2a": a2a,
@@ -621,7 +704,8 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     # one layer, one micro-batch, forward, on this GPU's shard: four GEMMs, attention,
     # element-wise work (norms and bias-dropout-adds ~12h per token, /t under SP; activation)
-    gemm = sum(_gemm_s(2 * M * k * n, (M, k, n), gpu) for k, n in
+    gg = gemm_gpu(m, gpu)
+    gemm = sum(_gemm_s(2 * M * k * n, (M, k, n), gg) for k, n in
                ((h, (q + 2 * kv) / t), (q / t, h), (h, fc1 / t), (f / t, h)))
     attn_flops = fl["attention"] / L / 3 * b / t / c
     if m.flash_attention:
@@ -636,7 +720,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     # an MoE layer: attention as a dense layer's, its MLP _moe_layer_s
     moe = _moe_layer_s(m, lay, cl, M) if cfg.num_experts is not None else None
     if moe is not None:
-        gemm_attn = sum(_gemm_s(2 * M * k * n, (M, k, n), gpu)
+        gemm_attn = sum(_gemm_s(2 * M * k * n, (M, k, n), gg)
                         for k, n in ((h, (q + 2 * kv) / t), (q / t, h)))
         fwd_moe, w_moe = gemm_attn + attn + norms + moe["compute"], gemm_attn + moe["w"]
     # logits (last stage): the GEMM and the cross entropy's bytes per logit: megalite's reads
@@ -662,6 +746,8 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
             out[0] += n_moe * 3 * (fwd_moe - fwd) + k_moe * (fwd_moe - fwd)
             out[1] += (n_moe * 2 + k_moe) * (moe["tp"] - 1) * ar
             out[3] = (2 * n_moe + k_moe) * moe["a2a"]
+            if m.moe_overlap and lay.expert_model_parallel_size > 1:  # behind the paired
+                out[3] = max(0.0, out[3] - 0.9 * 3 * n_moe * fwd_moe)  # micro-batch's compute
             out[4] += n_moe * (fwd_moe - fwd)
             out[5] += n_moe * (w_moe - gemm)
         return out
@@ -734,7 +820,7 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
     if m.memo[key] is not None:
         return m.memo[key]
     sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
-    if (t * c * p * d != cl.num_gpus or (v > 1 and m.cfg.num_layers % (p * v)) or gbs % (d * b)
+    if (t * c * p * d != cl.num_gpus or (v > 1 and pipeline_slots(m, p) % (p * v)) or gbs % (d * b)
             or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
             or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
         return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
@@ -788,7 +874,7 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                                      only("pipeline_model_parallel_size", div),
                                      only("context_parallel_size", div)):
         if t > cl.gpus_per_node or t & (t - 1) or c & (c - 1) or cl.num_gpus % (t * p * c) \
-                or (m.cfg.num_layers % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
+                or (pipeline_slots(m, p) % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
             continue
         d = cl.num_gpus // (t * p * c)
         # the expert grid: EP dividing the experts, ETP unsplit or as TP; ETP x EP dividing the
@@ -800,7 +886,9 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
             if num_experts % e == 0 and (t * c * d) % (e * x) == 0]
         vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
                               + [(v, "interleaved") for v in range(2, 9)
-                                 if (m.cfg.num_layers // p) % v == 0] if p > 1 else [])
+                                 if (pipeline_slots(m, p) // p) % v == 0] if p > 1 else [])
+        if fixed.get("virtual_pipeline_model_parallel_size", 0) > 8 and p > 1:  # pinned beyond
+            vs.append((fixed["virtual_pipeline_model_parallel_size"], "interleaved"))  # the list
         for (v, sched), b, z, sp, rc, ct, (ep, etp) in itertools.product(
                 vs, only("micro_batch_size", (1, 2, 4, 8, 16)), only("zero_stage", range(4)),
                 only("sequence_parallel", (False, True)),

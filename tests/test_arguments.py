@@ -162,7 +162,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from megalite.arguments import build_parser
     from megalite.config import ModelConfig, ParallelConfig, flag_name
-    from plan import build_plan_parser
+    from plan import PLANNER_ONLY_FLAGS, build_plan_parser
 
     with open(os.path.join(ROOT, "tests", "fixtures", "cli", "flags_before.json")) as f:
         before = json.load(f)
@@ -180,7 +180,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)
-        planner_only = {"--moe-imbalance-factor"} if tool == "plan.py" else set()  # (its own)
+        planner_only = set(PLANNER_ONLY_FLAGS) if tool == "plan.py" else set()  # (its own)
         assert set(old) <= set(now) and {k.split()[0] for k in set(now) - set(old)} == added \
             | planner_only, tool
         old["--optimizer"]["choices"].append("sgd")

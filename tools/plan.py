@@ -17,6 +17,11 @@ A mixture-of-experts model takes pretrain.py's MoE flags (--num-experts, --moe-r
 --expert-model-parallel-size and --expert-tensor-parallel-size pin the expert grid (searched
 otherwise: EP dividing the experts, ETP 1 or TP) and --moe-imbalance-factor sets the dropless
 receive headroom the memory model assumes (docs/planner.md, "Mixture of experts").
+
+Planner-only inputs describe a stack other than megalite's, to plan published runs:
+--activation-model fused, --account-for-embedding/loss-in-pipeline-split, --precision fp8,
+--overlap-moe-expert-parallel-comm and --moe-a2a-dedup (docs/planner.md, "Inputs for other
+stacks").
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ from megalite.planner import (  # noqa: E402
 # the command line are pinned. --recompute-method/--recompute-num-layers and the uneven stages
 # are not searched: evaluated where given.
 _PINNED = layout_flags()
+# the planner's own inputs (no pretrain.py flag) added since tests/fixtures/cli/flags_before.json
+PLANNER_ONLY_FLAGS = ("--moe-imbalance-factor", "--activation-model",
+                      "--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split", "--precision",
+                      "--overlap-moe-expert-parallel-comm", "--moe-a2a-dedup")
 
 
 def as_json(pl: Plan) -> dict:
@@ -59,7 +69,9 @@ def as_json(pl: Plan) -> dict:
     out.update(fits=pl.fits, memory_gib={k: round(pl.memory[k] / GiB, 3) for k in (
         "params", "grads", "optimizer", "activations", "total")},
         step_time_s=round(pl.time["step_time_s"], 4),
-        tflops_per_gpu=round(pl.time["tflops_per_gpu"], 1), mfu=round(pl.time["mfu"], 4))
+        tflops_per_gpu=round(pl.time["tflops_per_gpu"], 1), mfu=round(pl.time["mfu"], 4),
+        time_s={k: round(pl.time[k], 4) for k in ("compute_s", "tp_comm_s", "bubble_s",
+                                                   "dp_comm_s", "cp_comm_s", "ep_comm_s")})
     return out
 
 
@@ -136,6 +148,24 @@ def build_plan_parser():
                    help="dropless MoE at EP > 1: rows the busiest EP rank receives over the mean "
                         "(1: balanced, as --moe-router-force-load-balancing runs; a measured "
                         "max/mean; default %(default)s); planner only, no pretrain.py flag")
+    g.add_argument("--activation-model", choices=["megalite", "fused"], default="megalite",
+                   help="fused: each tensor of a layer saved once in 16 bits (Korthikanti et al.'s "
+                        "Table 2 terms), as a fused stack (Transformer Engine, Meta's) saves them; "
+                        "megalite: what megalite's layers save")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding takes a layer's slot in the pipeline split (Megatron-LM's "
+                        "flag; the Llama 3 report's balancing); planner only")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the output layer and loss take a layer's slot (as above)")
+    g.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: the linear GEMMs at twice the 16-bit peak and the fp8 GEMM "
+                        "efficiency, to compare with published FP8 rows; megalite runs 16 bits")
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's "
+                        "compute (Megatron's flag); planner only")
+    g.add_argument("--moe-a2a-dedup", action="store_true",
+                   help="MoE, EP across nodes: a token's rows sent once per node and fanned out "
+                        "over NVLink (DeepEP, HybridEP dispatchers); planner only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--top", type=int, default=10, help="layouts to print")
     return p
@@ -186,9 +216,15 @@ def parse(argv):
         v = fixed["virtual_pipeline_model_parallel_size"]  # pretrain.py's default schedule for v
         fixed["pipeline_schedule"] = default_schedule(v)
     if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
-        stage_chunks(Model(cfg.model), Layout(**fixed))
-    model = Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy,
-                              ns.moe_imbalance_factor)
+        stage_chunks(Model(cfg.model, embedding_slot=ns.account_for_embedding_in_pipeline_split,
+                           loss_slot=ns.account_for_loss_in_pipeline_split), Layout(**fixed))
+    model = dataclasses.replace(
+        Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy,
+                          ns.moe_imbalance_factor),
+        activation_model=ns.activation_model,
+        embedding_slot=ns.account_for_embedding_in_pipeline_split,
+        loss_slot=ns.account_for_loss_in_pipeline_split, precision=ns.precision,
+        moe_overlap=ns.overlap_moe_expert_parallel_comm, moe_a2a_dedup=ns.moe_a2a_dedup)
     return model, cluster, ns.global_batch_size, fixed, ns
 
 
