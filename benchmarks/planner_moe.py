@@ -34,10 +34,10 @@ from megalite import planner  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.planner import GPUS, Cluster, Model, plan  # noqa: E402
 
-SRC_2602 = ("Megatron-Bridge docs/performance-summary-archive.md, 26.02 NeMo container, DGX-H100 "
-            "(commit 0a25f911)")
-SRC_2511 = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 "
-            "(commit 00b7660b)")
+SRC_2602 = ("https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/0a25f911/docs/performance-summary-archive.md"  # noqa: E501
+            ", 26.02 NeMo container, DGX-H100")
+SRC_2511 = ("https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/00b7660b/docs/performance-summary.md"  # noqa: E501
+            ", 25.11 NeMo container, DGX-H100")
 
 # published model configurations (Hugging Face config.json of each model)
 MODELS = {
