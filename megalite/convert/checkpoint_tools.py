@@ -163,6 +163,42 @@ def _release_freed_memory() -> None:
 _malloc_trim = None
 
 
+def _mapped_ranges(path: str) -> List[Tuple[int, int]]:
+    """Address ranges where this process has ``path`` memory-mapped (Linux; else none)."""
+    real, out = os.path.realpath(path), []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    a, b = fields[0].split("-")
+                    out.append((int(a, 16), int(b, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def _drop_mapped_pages(t: torch.Tensor, ranges: List[Tuple[int, int]]) -> None:
+    """Let the kernel drop the resident pages of ``t``, a read-only view into a memory-mapped
+    checkpoint file (``ranges``, from :func:`_mapped_ranges`), once it has been copied out: a
+    touched page of a mapped file counts as the process's memory until the file is unmapped,
+    which would hold a layer's source bytes beside its copy. Pages of a private file mapping
+    that were never written are re-read from the file if touched again (``MADV_DONTNEED``),
+    so this is only ever applied inside ``ranges``."""
+    import ctypes
+    import mmap
+
+    st = t.untyped_storage()
+    p, n = st.data_ptr(), st.nbytes()
+    if not any(a <= p and p + n <= b for a, b in ranges):
+        return
+    page = mmap.PAGESIZE
+    lo, hi = -(-p // page) * page, (p + n) // page * page
+    if hi > lo:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
+                                  mmap.MADV_DONTNEED)
+
+
 # ====================================================================== streamed stage files
 class _Spool:
     """A stage's tensors parked on disk while its files are assembled, then replayed into
@@ -424,8 +460,10 @@ class MegaliteSource:
                                                        self.layout.pp)}
         key = chunk_key(c, self.num_chunks)
         per_t: Dict[str, Dict[str, List[torch.Tensor]]] = {n: {} for n in names}
+        mapped: List[Tuple[int, int]] = []
         for t in range(self.layout.tp):
             sd = self._open(t, r)
+            mapped += _mapped_ranges(self._path(t, r))
             where = f"{self.what}: {self._path(t, r)}"
             model_sd = sd.get(key)
             if model_sd is None:
@@ -452,6 +490,9 @@ class MegaliteSource:
                 # a state that some TP rank lacks (never stepped) is absent as a whole
                 out[n][k] = (None if any(x is None for x in shards)
                              else specs[n].unshard(shards, self.model_cfg))
+            for w in per_t[n].get("weight", ()):  # copied out: its file pages can go
+                _drop_mapped_pages(w, mapped)
+            per_t[n] = {}
         return out
 
     def _read_optim(self, sd, t, r, c, names, specs, per_t) -> None:
@@ -948,8 +989,10 @@ class HFSource:
             raise ConversionError(f"{self.what}: embedding or output tensors do not fit "
                                   f"config.json ({_brief(e)})")
         # canonical vocab tensors are unpadded
-        return {k: (v[: self.model_cfg.vocab_size].clone() if k in (
-            EMBEDDING_WEIGHT_NAME, "output_layer.weight") else v) for k, v in out.items()}
+        # (a clone only where padding rows were added: else the view is the whole tensor)
+        vocab = self.model_cfg.vocab_size
+        return {k: (v[:vocab].clone() if k in (EMBEDDING_WEIGHT_NAME, "output_layer.weight")
+                    and v.shape[0] != vocab else v) for k, v in out.items()}
 
     def has_tokenizer(self) -> bool:
         return any(os.path.isfile(os.path.join(self.dir, f)) for f in _TOKENIZER_FILES)
@@ -1167,6 +1210,7 @@ def megalite_to_hf(load_dir: str, save_dir: str, *, iteration: Optional[int] = N
             full = {n: v["weight"] for n, v in src.read(megalite_layer_keys(i, m)).items()}
             shards.add(convert_layer_megalite_to_hf(i, full, m))
             del full
+            _release_freed_memory()
         shards.finish()
         hf_config.save_pretrained(tmp)
         if tokenizer is not None:
