@@ -28,7 +28,8 @@ import shutil
 import types
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence,
+                    Tuple, Union)
 
 import torch
 
@@ -137,6 +138,150 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset():
         t = t.clone()
     return t
+
+
+def _release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc's ``malloc_trim``; elsewhere a no-op).
+
+    Once a large tensor is freed, glibc raises its mmap threshold to that size, so the next
+    tensors of that size come from the heap, and freed heap memory stays resident: a converter
+    that reads and drops a layer at a time would keep every layer's pages (measured: 5.7 layers
+    at pp = 2 where 1 are live). Trimming after each layer keeps resident memory at what is
+    live."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
+def _mapped_ranges(path: str) -> List[Tuple[int, int]]:
+    """Address ranges where this process has ``path`` memory-mapped (Linux; else none)."""
+    real, out = os.path.realpath(path), []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(None, 5)
+                if len(fields) == 6 and fields[5].rstrip("\n") == real:
+                    a, b = fields[0].split("-")
+                    out.append((int(a, 16), int(b, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def _drop_mapped_pages(t: torch.Tensor, ranges: List[Tuple[int, int]]) -> None:
+    """Let the kernel drop the resident pages of ``t``, a read-only view into a memory-mapped
+    checkpoint file (``ranges``, from :func:`_mapped_ranges`), once it has been copied out: a
+    touched page of a mapped file counts as the process's memory until the file is unmapped,
+    which would hold a layer's source bytes beside its copy. Pages of a private file mapping
+    that were never written are re-read from the file if touched again (``MADV_DONTNEED``),
+    so this is only ever applied inside ``ranges``."""
+    import ctypes
+    import mmap
+
+    st = t.untyped_storage()
+    p, n = st.data_ptr(), st.nbytes()
+    if not any(a <= p and p + n <= b for a, b in ranges):
+        return
+    page = mmap.PAGESIZE
+    lo, hi = -(-p // page) * page, (p + n) // page * page
+    if hi > lo:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo),
+                                  mmap.MADV_DONTNEED)
+
+
+# ====================================================================== streamed stage files
+class _Spool:
+    """A stage's tensors parked on disk while its files are assembled, then replayed into
+    ``torch.save``'s own records: a stage is never whole in memory.
+
+    ``torch.save`` writes ``data.pkl`` (the object's structure, which needs only each tensor's
+    dtype, shape and storage) before the storages' bytes, so the bytes can arrive later. Each
+    tensor handed to :meth:`stash` is written to a scratch file and replaced by a *stand-in*: a
+    tensor of the same dtype, shape and storage size over an anonymous memory mapping that is
+    never touched (no resident pages). :meth:`save` runs torch's serializer over the object of
+    stand-ins, so the pickle and the record order are torch's own, and as each storage record
+    is written it reads that tensor's bytes back from the scratch file. The file is byte for
+    byte what ``torch.save`` of the real tensors writes (tests/test_checkpoint_convert.py);
+    memory during the write is one tensor. Tensors below ``min_bytes`` are kept as they are
+    (norms, biases: not worth a mapping each)."""
+
+    def __init__(self, path: str, min_bytes: int = 1 << 16):
+        self.path, self.min_bytes = path, min_bytes
+        self._f = open(path, "w+b")
+        self._at: Dict[int, Tuple[int, int]] = {}  # stand-in storage data_ptr -> (offset, n)
+        self._keep: List[object] = []  # the mappings behind the stand-ins
+
+    def stash(self, t: torch.Tensor) -> torch.Tensor:
+        import mmap
+
+        n = t.untyped_storage().nbytes()
+        if n < self.min_bytes or n != t.numel() * t.element_size() or t.storage_offset():
+            return t
+        offset = self._f.seek(0, os.SEEK_END)
+        self._f.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        buf = mmap.mmap(-1, n)
+        stand_in = torch.frombuffer(buf, dtype=torch.uint8).view(t.dtype).view(t.shape)
+        self._keep.append(buf)
+        self._at[stand_in.untyped_storage().data_ptr()] = (offset, n)
+        return stand_in
+
+    def save(self, obj, f) -> None:
+        """``torch.save(obj, f)`` with the stand-ins' bytes read back from the scratch file."""
+        import pickle
+
+        from torch import serialization as ser
+
+        spool = self
+
+        class Records:
+            """torch's zip writer, with each stand-in storage swapped for its bytes."""
+
+            def __init__(self, writer):
+                self.writer = writer
+
+            def write_record(self, name, data, size):
+                at = (spool._at.get(data.data_ptr())
+                      if isinstance(data, torch.UntypedStorage) else None)
+                if at is not None:
+                    buf = torch.empty(at[1], dtype=torch.uint8)
+                    spool._f.seek(at[0])
+                    spool._f.readinto(buf.numpy().data)
+                    data = buf.untyped_storage()
+                self.writer.write_record(name, data, size)
+                if at is not None:
+                    del data, buf
+                    _release_freed_memory()
+
+            def write_record_metadata(self, name, size):
+                self.writer.write_record_metadata(name, size)
+
+        self._f.flush()
+        writer = torch._C.PyTorchFileWriter(f, ser.get_crc32_options(),
+                                            ser._get_storage_alignment())
+        # torch.save's own steps for a file object (protocol 2, byte-order record kept)
+        ser._save(obj, Records(writer), pickle, ser.DEFAULT_PROTOCOL, False)
+        writer.write_end_of_file()
+
+    def close(self) -> None:
+        self._at.clear()
+        self._f.close()
+        for b in self._keep:
+            try:
+                b.close()
+            except BufferError:  # a stand-in still referenced: the mapping goes with it
+                pass
+        self._keep.clear()
+        os.unlink(self.path)
 
 
 # ========================================================================== target checks
@@ -315,8 +460,10 @@ class MegaliteSource:
                                                        self.layout.pp)}
         key = chunk_key(c, self.num_chunks)
         per_t: Dict[str, Dict[str, List[torch.Tensor]]] = {n: {} for n in names}
+        mapped: List[Tuple[int, int]] = []
         for t in range(self.layout.tp):
             sd = self._open(t, r)
+            mapped += _mapped_ranges(self._path(t, r))
             where = f"{self.what}: {self._path(t, r)}"
             model_sd = sd.get(key)
             if model_sd is None:
@@ -343,6 +490,9 @@ class MegaliteSource:
                 # a state that some TP rank lacks (never stepped) is absent as a whole
                 out[n][k] = (None if any(x is None for x in shards)
                              else specs[n].unshard(shards, self.model_cfg))
+            for w in per_t[n].get("weight", ()):  # copied out: its file pages can go
+                _drop_mapped_pages(w, mapped)
+            per_t[n] = {}
         return out
 
     def _read_optim(self, sd, t, r, c, names, specs, per_t) -> None:
@@ -424,7 +574,9 @@ def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
                    scheduler: Optional[dict] = None, dp: int = 1,
                    rng: Optional[Callable[[int, int], object]] = None,
                    weight_dtype: Optional[torch.dtype] = None,
-                   what: str = "source") -> List[StageFiles]:
+                   what: str = "source",
+                   hold: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                   ) -> List[StageFiles]:
     """The files of pipeline stage ``r`` of ``layout`` for TP ranks ``tp_ranks`` (default all)
     and, with a ZeRO ``optim``, DP ranks ``dp_ranks`` of ``dp`` (default all): the one assembly
     of a target layout, which the converter writes (:func:`_write_stages`) and a load at another
@@ -435,8 +587,12 @@ def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
     state), "plain", "zero" (ZeRO-1/2 files), "zero3" (ZeRO-3 files) or "fresh" (an empty plain
     state, so a plain --load of an imported model works). Memory: the TP ranks' model shards of
     the stage, their optimizer state (for ZeRO only the asked DP ranks' shards, filled as each
-    group is read) and one group's canonical tensors.
+    group is read) and one group's canonical tensors. ``hold`` (given a model-file tensor,
+    returns what the file keeps of it: the streamed writer's :meth:`_Spool.stash`) takes the
+    model shards out of memory as they are made; not with a "plain" ``optim``, whose fp32
+    masters are the model tensors themselves.
     """
+    assert hold is None or optim != "plain"
     m = cfg.model
     chunks = chunks_of(layout, m.num_layers)
     v = len(chunks[0])
@@ -466,14 +622,15 @@ def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
                 if weight_dtype is not None and not s.buffer:  # (buffers keep theirs)
                     w = w.to(weight_dtype)
                 for t in tps:
-                    files[t][key][s.name] = _own_storage(s.shard(w, m, t, layout.tp))
+                    w_t = _own_storage(s.shard(w, m, t, layout.tp))
+                    files[t][key][s.name] = w_t if hold is None else hold(w_t)
                     if not with_optim or s.buffer:
                         continue
                     state = {k: (s.shard(x, m, t, layout.tp) if x is not None else None)
                              for k, x in src.items() if k != "weight"}
                     if state.get("master") is None:
                         # fp32 models have no separate master: the weight is the master
-                        state["master"] = files[t][key][s.name].float()
+                        state["master"] = w_t.float()
                     if zero is not None:
                         for k in ADAM_KINDS:
                             zero[t].fill(s.name, k, state.get(k))
@@ -481,6 +638,8 @@ def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
                         local[t][s.name] = {k: (_own_storage(x) if x is not None else None)
                                             for k, x in state.items()}
             del full
+            w = w_t = None  # (the last group's tensors go too)
+            _release_freed_memory()
     out = []
     order = rank_param_order(m, chunks[r], layout.pp) if optim is not None else None
     for t in tps:
@@ -506,18 +665,32 @@ def _write_stages(tmp: str, cfg: MegaliteConfig, layout: Layout, iteration: int,
                   read_group: Callable[[List[ParamSpec], bool], Dict[str, Dict[str, torch.Tensor]]],
                   *, log: Log = _quiet, **kw) -> None:
     """Write iteration ``iteration`` of ``layout`` into ``tmp``, one pipeline stage at a time
-    (:func:`assemble_stage` builds each; ``kw`` are its options)."""
+    (:func:`assemble_stage` builds each; ``kw`` are its options). Model files are streamed
+    (:class:`_Spool`: a layer in memory, not the stage) unless the optimizer is "plain", whose
+    state sits in the model file and shares the fp32 weights' storage; then the stage is
+    assembled in memory and saved with one ``torch.save``."""
     it_dir = ckpt.iteration_dir(tmp, iteration)
+    streamed = kw.get("optim") != "plain"
     for r in range(layout.pp):
-        stage = assemble_stage(cfg, layout, r, iteration, read_group, **kw)
-        while stage:  # each file dropped once written: one stage in memory at a time
-            t, model_file, zero_files = stage.pop(0)
-            shard = os.path.join(it_dir, ckpt.shard_dir_name(t, r))
-            os.makedirs(shard, exist_ok=True)
-            ckpt.save_file(os.path.join(shard, ckpt.MODEL_FILE), model_file)
-            for d, zsd in (zero_files or {}).items():
-                ckpt.save_file(os.path.join(shard, ckpt.distrib_optim_name(d)), zsd)
-            del model_file, zero_files
+        spool = _Spool(os.path.join(tmp, f".stage-{r}.spool")) if streamed else None
+        try:
+            stage = assemble_stage(cfg, layout, r, iteration, read_group,
+                                   hold=spool.stash if spool else None, **kw)
+            while stage:  # each file dropped once written: one stage in memory at a time
+                t, model_file, zero_files = stage.pop(0)
+                shard = os.path.join(it_dir, ckpt.shard_dir_name(t, r))
+                os.makedirs(shard, exist_ok=True)
+                path = os.path.join(shard, ckpt.MODEL_FILE)
+                if spool is None:
+                    ckpt.save_file(path, model_file)
+                else:  # the same bytes, flushed and fsynced as save_file's
+                    ckpt._write(path, lambda f, obj=model_file: spool.save(obj, f))
+                for d, zsd in (zero_files or {}).items():
+                    ckpt.save_file(os.path.join(shard, ckpt.distrib_optim_name(d)), zsd)
+                del model_file, zero_files
+        finally:
+            if spool is not None:
+                spool.close()
         log(f" wrote pipeline stage {r + 1}/{layout.pp} ({layout.tp} tensor-parallel file(s))")
 
 
@@ -670,6 +843,7 @@ class HFSource:
             self._alias = {"transformer." + k: k for k in self.key_file
                            if not k.startswith("lm_head.")}
         self.used: set = set()
+        self._st_headers: Dict[str, Tuple[int, dict]] = {}
 
     def _index_weights(self) -> Dict[str, str]:
         """tensor name -> file, from an index (sharded checkpoints) or the single file."""
@@ -730,11 +904,8 @@ class HFSource:
         out = {}
         for path, pairs in by_file.items():
             if path.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                with safe_open(path, framework="pt") as f:
-                    for k, stored in pairs:
-                        out[k] = f.get_tensor(stored)
+                for k, stored in pairs:
+                    out[k] = self._read_safetensor(path, stored)
             else:
                 sd = self._load_bin(path)
                 for k, stored in pairs:
@@ -742,6 +913,51 @@ class HFSource:
                 del sd
             self.used.update(stored for _, stored in pairs)
         return out
+
+    def _read_safetensor(self, path: str, key: str) -> torch.Tensor:
+        """One tensor of a safetensors file, read with plain file reads straight into its own
+        memory. (safetensors' reader memory-maps the file: every page it copies from stays
+        resident beside the copy until the file is closed, a second layer of memory.) The format
+        is an 8-byte little-endian header length, a JSON header of dtype, shape and
+        data_offsets per tensor, then the raw little-endian bytes."""
+        header = self._st_headers.get(path)
+        if header is None:
+            try:
+                with open(path, "rb") as f:
+                    n = int.from_bytes(f.read(8), "little")
+                    header = (8 + n, json.loads(f.read(n)))
+            except (OSError, ValueError) as e:
+                raise ConversionError(f"{self.what}: {os.path.basename(path)} is not a "
+                                      f"readable safetensors file ({_brief(e)})")
+            self._st_headers[path] = header
+        start, entries = header
+        e = entries[key]
+        dtype = _SAFETENSORS_DTYPES.get(e["dtype"])
+        if dtype is None:
+            raise ConversionError(f"{self.what}: {os.path.basename(path)}: tensor {key} has "
+                                  f"dtype {e['dtype']}, which megalite does not read")
+        begin, end = e["data_offsets"]
+        t = torch.empty(e["shape"], dtype=dtype)
+        if t.numel() * t.element_size() != end - begin:
+            raise ConversionError(f"{self.what}: {os.path.basename(path)}: tensor {key} has "
+                                  f"{end - begin} bytes for shape {e['shape']} {e['dtype']}")
+        if end > begin:
+            with open(path, "rb") as f:
+                f.seek(start + begin)
+                if f.readinto(t.reshape(-1).view(torch.uint8).numpy().data) != end - begin:
+                    raise ConversionError(f"{self.what}: {os.path.basename(path)} is truncated "
+                                          f"(tensor {key})")
+        return t
+
+    def lazy(self, keys: Sequence[str], where: str) -> "_LazyTensors":
+        """The named tensors as a mapping that reads each when it is looked up (and keeps
+        none): a conversion that copies tensors into a bigger one (the stacked experts) holds
+        one hub tensor at a time, not the layer's."""
+        for k in keys:
+            if self._alias.get(k, k) not in self.key_file:
+                raise ConversionError(f"{self.what}: tensor {k} ({where}) is missing from the "
+                                      f"weights; config.json and the weights disagree")
+        return _LazyTensors(self, keys, where)
 
     def unused(self) -> List[str]:
         m = self.model_cfg
@@ -756,26 +972,54 @@ class HFSource:
 
     def read_layer(self, i: int) -> Dict[str, torch.Tensor]:
         where = f"layer {i}"
-        hf = self.get(hf_layer_keys(i, self.model_cfg), where)
+        hf = self.lazy(hf_layer_keys(i, self.model_cfg), where)
         try:
             return convert_layer_hf_to_megalite(i, hf, self.model_cfg)
         except (RuntimeError, ValueError) as e:
             raise ConversionError(f"{self.what}: {where} tensors do not fit config.json "
                                   f"({_brief(e)})")
 
-    def read_non_layer(self) -> Dict[str, torch.Tensor]:
-        hf = self.get(hf_non_layer_keys(self.model_cfg), "embeddings / final norm / lm_head")
+    def read_non_layer(self, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
+        """The non-layer tensors (megalite ``names`` of them, default all), canonical."""
+        hf = self.get(hf_non_layer_keys(self.model_cfg, names),
+                      "embeddings / final norm / lm_head")
         try:
-            out = convert_non_layer_hf_to_megalite(hf, self.model_cfg)
+            out = convert_non_layer_hf_to_megalite(hf, self.model_cfg, names)
         except (RuntimeError, ValueError) as e:
             raise ConversionError(f"{self.what}: embedding or output tensors do not fit "
                                   f"config.json ({_brief(e)})")
         # canonical vocab tensors are unpadded
-        return {k: (v[: self.model_cfg.vocab_size].clone() if k in (
-            EMBEDDING_WEIGHT_NAME, "output_layer.weight") else v) for k, v in out.items()}
+        # (a clone only where padding rows were added: else the view is the whole tensor)
+        vocab = self.model_cfg.vocab_size
+        return {k: (v[:vocab].clone() if k in (EMBEDDING_WEIGHT_NAME, "output_layer.weight")
+                    and v.shape[0] != vocab else v) for k, v in out.items()}
 
     def has_tokenizer(self) -> bool:
         return any(os.path.isfile(os.path.join(self.dir, f)) for f in _TOKENIZER_FILES)
+
+
+class _LazyTensors(Mapping):
+    """HFSource.lazy's mapping: a KeyError for names it was not given, as a dict."""
+
+    def __init__(self, src: "HFSource", keys: Sequence[str], where: str):
+        self.src, self.keys_, self.where = src, list(keys), where
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        if k not in self.keys_:
+            raise KeyError(k)
+        return self.src.get([k], self.where)[k]
+
+    def __iter__(self):
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
 
 
 def from_hf(hf_model_or_dir, **config_overrides):
@@ -834,17 +1078,14 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
         cfg.data.tokenizer_model = os.path.join(os.path.abspath(save_dir), "tokenizer")
     log(f" importing {hf_dir} ({src.hf_config.architectures or [src.family]}, "
         f"{m.num_layers} layers, hidden {m.hidden_size}) -> {layout.describe()}")
-    non_layer: Dict[str, torch.Tensor] = {}
-
     def read_group(group: List[ParamSpec], with_optim: bool):
         out = {}
         i = layer_of(group[0].name)
         if i is not None:
             tensors = src.read_layer(i)
-        else:
-            if not non_layer:
-                non_layer.update(src.read_non_layer())
-            tensors = non_layer
+        else:  # read when a stage needs them and dropped after, as a layer is
+            tensors = src.read_non_layer(list(dict.fromkeys(
+                canonical_name(s.name, m) for s in group)))
         for s in group:
             name = canonical_name(s.name, m)
             if name not in tensors:
@@ -969,6 +1210,7 @@ def megalite_to_hf(load_dir: str, save_dir: str, *, iteration: Optional[int] = N
             full = {n: v["weight"] for n, v in src.read(megalite_layer_keys(i, m)).items()}
             shards.add(convert_layer_megalite_to_hf(i, full, m))
             del full
+            _release_freed_memory()
         shards.finish()
         hf_config.save_pretrained(tmp)
         if tokenizer is not None:

@@ -64,7 +64,7 @@ import re
 import warnings
 from dataclasses import dataclass, fields
 from functools import lru_cache
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -958,8 +958,10 @@ def _non_layer_map(cfg: ModelConfig) -> Dict[str, str]:
     return {k: m[k] for k in megalite_non_layer_keys(cfg)}
 
 
-def hf_non_layer_keys(cfg: ModelConfig) -> List[str]:
-    return list(_non_layer_map(cfg).values())
+def hf_non_layer_keys(cfg: ModelConfig, names: Optional[Sequence[str]] = None) -> List[str]:
+    """HF names of the non-layer tensors (of megalite ``names`` only, if given)."""
+    m = _non_layer_map(cfg)
+    return [m[k] for k in (m if names is None else names) if k in m]
 
 
 def dropped_hf_keys(keys, cfg: ModelConfig) -> List[str]:
@@ -1152,11 +1154,15 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
 
 
 def convert_non_layer_hf_to_megalite(hf_tensors: Mapping[str, torch.Tensor],
-                                     cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Embeddings, final norm and (untied) output layer; vocab tensors zero-padded to
+                                     cfg: ModelConfig, names: Optional[Sequence[str]] = None
+                                     ) -> Dict[str, torch.Tensor]:
+    """Embeddings, final norm and (untied) output layer (or only megalite ``names`` of them: the
+    converter reads each when its stage needs it); vocab tensors zero-padded to
     ``cfg.padded_vocab_size(1)`` rows."""
     out = {}
     for ml, hf in _non_layer_map(cfg).items():
+        if names is not None and ml not in names:
+            continue
         t = _get(hf_tensors, hf, "HF state dict")
         if ml in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME):
             t = pad_vocab(t, cfg.vocab_size, cfg.padded_vocab_size(1))
