@@ -1,6 +1,6 @@
 """What a checkpoint save costs the training loop: synchronous vs --async-save, and DCP.
 
-    OMP_NUM_THREADS=1 python benchmarks/checkpoint.py [--hidden 1024] [--layers 2] [--save-at 4]
+    OMP_NUM_THREADS=1 python benchmarks/checkpoint.py [--hidden 1024] [--layers 4] [--save-at 10]
 
 One process on the CPU trains the same model twice (same seed, same data, ``--log-interval 1``),
 saving every ``--save-at`` iterations and at the end; the save measured is the second, at
@@ -8,7 +8,8 @@ iteration 2 x ``--save-at`` (the first allocates the snapshot buffers the later 
 
 * **sync**: the stall is the save itself (``stall_s`` of the run's ``checkpoint`` record);
 * **async**: the stall is the snapshot (the collective part and the host copy), and the write
-  overlaps the following iterations. Its extra wall time is the stall plus, over every iteration
+  overlaps the following iterations. Its extra wall time is the stall, plus any wait for the
+  writer at the next save or the end (``waited_s``), plus, over every iteration
   from the save until the write is published, that iteration's time minus the median time of the
   same run's iterations that overlap no write (``iteration_time_ms``; a save between log lines is
   not training time, so the snapshot is not in it; iteration 2, which carries the memory probe,
@@ -117,11 +118,11 @@ def _dcp(state: dict, work: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--save-at", type=int, default=4)
-    p.add_argument("--iters", type=int, default=13)
+    p.add_argument("--save-at", type=int, default=10)
+    p.add_argument("--iters", type=int, default=29)
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = p.parse_args()
     import torch
@@ -148,8 +149,8 @@ def main() -> None:
                                                         s["published_iteration"] + 1)}
                 free = [t for i, t in times.items() if 2 < i < args.iters and i not in busy]
                 base = statistics.median(free)
-                extra = ck["stall_s"] + sum(times[i] - base for i in overlapped)
-                r.update(write_s=ck["write_s"], host_bytes=ck["host_bytes"],
+                extra = ck["stall_s"] + ck["waited_s"] + sum(times[i] - base for i in overlapped)
+                r.update(write_s=ck["write_s"], waited_s=ck["waited_s"], host_bytes=ck["host_bytes"],
                          published_iteration=ck["published_iteration"],
                          overlapped_iterations=len(overlapped), median_iteration_s=base,
                          overlapped_iteration_s=[times[i] for i in overlapped],

@@ -293,6 +293,16 @@ def check_async_save_memory(cfg: MegaliteConfig, ps) -> int:
     return need
 
 
+def _yield_cpu() -> None:
+    """Run the calling thread at a low CPU priority (nice 10; Linux nice is per thread): where every
+    core is busy, the training thread keeps its share and the write, bound by the disk, takes
+    longer instead (docs/checkpoints.md, "Thread, not process")."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
+
+
 class PendingSave:
     """An asynchronous save in flight: this rank's snapshot, written by a daemon thread through
     the synchronous save's writer (``_write_plan``); published by :meth:`settle` once every rank
@@ -310,6 +320,7 @@ class PendingSave:
 
     def _run(self) -> None:
         try:
+            _yield_cpu()
             self.buffers.ready()
             _write_plan(self.plan, self.ps)
         except BaseException as e:  # reported by settle, on every rank

@@ -584,12 +584,17 @@ class Trainer:
         points): published once every rank's files are durable, an error on any rank raised on
         all. ``wait``: block until it is done (the next save, the end)."""
         pending = self.pending_save
-        if pending is None or not pending.settle(wait):
+        if pending is None:
             return
+        start = time.perf_counter()
+        if not pending.settle(wait):
+            return
+        waited = time.perf_counter() - start if wait else 0.0  # training stalled on the writer
         self.pending_save = None
         self.logger.print(f" saved checkpoint {pending.plan.final} (written in the background "
                           f"in {pending.write_s:.2f} s, published at iteration {self.iteration})")
-        self.logger.log({"stall_s": self.save_stall_s, "write_s": pending.write_s,
+        self.logger.log({"stall_s": self.save_stall_s, "waited_s": waited,
+                         "write_s": pending.write_s,
                          "host_bytes": self.host_buffers.nbytes,
                          "published_iteration": self.iteration}, pending.plan.iteration,
                         split="checkpoint")
