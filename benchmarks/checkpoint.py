@@ -24,6 +24,14 @@ megalite's writer (``checkpointing.save_file``, ``torch.load``) and by
 ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load`` into preallocated tensors, and
 ``dcp.async_save``'s stall where the installed torch offers it without a process group), for
 docs/checkpoints.md's DCP evaluation. Prints one JSON line.
+
+    python benchmarks/checkpoint.py --gpu-check
+
+checks on a CUDA device what the CPU runs cannot (exit 77 without one): the snapshot buffers are
+pinned and reused across saves, the writer sees the values of the save's iteration although the
+next steps' device work overwrites the tensors right after the non-blocking copies were queued,
+a tiny pretrain.py run on the GPU writes the same bytes with and without --async-save, and the
+snapshot's device-to-host bandwidth.
 """
 
 from __future__ import annotations
@@ -115,6 +123,63 @@ def _dcp(state: dict, work: str) -> dict:
     return out
 
 
+def gpu_check(args) -> int:
+    import torch
+
+    from megalite.host_snapshot import HostBuffers, snapshot
+
+    if not torch.cuda.is_available():
+        print(json.dumps({"gpu_check": "not run: no CUDA device"}))
+        return 77
+    dev = torch.device("cuda")
+    res = {}
+    flat = torch.arange(1 << 26, dtype=torch.float32, device=dev)  # 256 MiB
+    obj = {"view": flat[10:1000].view(10, 99), "flat": flat,
+           "p": torch.nn.Parameter(torch.ones(4, device=dev), requires_grad=False)}
+    buffers, ptrs = HostBuffers(pinned=True), []
+    for step in range(2):
+        expect = flat[:8].cpu()
+        buffers.begin()
+        t0 = time.perf_counter()
+        snap = snapshot(obj, buffers)
+        buffers.end(dev)
+        queued = time.perf_counter() - t0
+        flat.mul_(3).add_(1)  # the next step overwrites the tensors on the same stream
+        buffers.ready()
+        res.setdefault("snapshot_s", []).append(time.perf_counter() - t0)
+        res.setdefault("queue_s", []).append(queued)
+        assert torch.equal(snap["flat"][:8], expect), "the snapshot saw a later step's values"
+        assert all(s.is_pinned() for s in buffers.storages), "snapshot buffers are not pinned"
+        ptrs.append([s.data_ptr() for s in buffers.storages])
+    assert ptrs[0] == ptrs[1], "snapshot buffers were not reused"
+    res["d2h_gb_per_s"] = flat.numel() * 4 / min(res["snapshot_s"]) / 1e9
+    work = tempfile.mkdtemp(prefix="megalite_ckpt_gpu_", dir=args.dir)
+    try:
+        import subprocess
+
+        base = [sys.executable, os.path.join(ROOT, "pretrain.py"), "--mock-data", "--device",
+                "cuda", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
+                "--global-batch-size", "4", "--train-iters", "4", "--save-interval", "2",
+                "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3"]
+        for mode, extra in (("sync", []), ("async", ["--async-save"])):
+            subprocess.run(base + ["--save", os.path.join(work, mode)] + extra, check=True,
+                           capture_output=True)
+        names = sorted(os.path.relpath(os.path.join(d, f), os.path.join(work, "sync"))
+                       for d, _, fs in os.walk(os.path.join(work, "sync")) for f in fs
+                       if f.endswith(".pt"))
+        for n in names:
+            with open(os.path.join(work, "sync", n), "rb") as a, \
+                    open(os.path.join(work, "async", n), "rb") as b:
+                assert a.read() == b.read(), f"{n}: --async-save wrote other bytes on CUDA"
+        res["same_bytes_files"] = len(names)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    res["gpu_check"] = "pass"
+    print(json.dumps(res))
+    return 0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -124,7 +189,10 @@ def main() -> None:
     p.add_argument("--save-at", type=int, default=10)
     p.add_argument("--iters", type=int, default=29)
     p.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    p.add_argument("--gpu-check", action="store_true", help="the CUDA-only checks (see above)")
     args = p.parse_args()
+    if args.gpu_check:
+        sys.exit(gpu_check(args))
     import torch
 
     from megalite import checkpointing
@@ -132,7 +200,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     work = tempfile.mkdtemp(prefix="megalite_ckpt_bench_", dir=args.dir)
     try:
-        res = {"measured_save_iteration": 2 * args.save_at, "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+        res = {"measured_save_iteration": 2 * args.save_at,
+               "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
                          "seq": args.seq}}
         for mode in ("sync", "async"):
             metrics = os.path.join(work, f"{mode}.jsonl")
@@ -150,7 +219,8 @@ def main() -> None:
                 free = [t for i, t in times.items() if 2 < i < args.iters and i not in busy]
                 base = statistics.median(free)
                 extra = ck["stall_s"] + ck["waited_s"] + sum(times[i] - base for i in overlapped)
-                r.update(write_s=ck["write_s"], waited_s=ck["waited_s"], host_bytes=ck["host_bytes"],
+                r.update(write_s=ck["write_s"], writer_cpu_s=ck["writer_cpu_s"],
+                         waited_s=ck["waited_s"], host_bytes=ck["host_bytes"],
                          published_iteration=ck["published_iteration"],
                          overlapped_iterations=len(overlapped), median_iteration_s=base,
                          overlapped_iteration_s=[times[i] for i in overlapped],
@@ -160,7 +230,8 @@ def main() -> None:
         model_file = os.path.join(sync_dir, checkpointing.shard_dir_name(0, 0),
                                   checkpointing.MODEL_FILE)
         res["file_bytes"] = os.path.getsize(model_file)
-        res["async"]["ratio_to_sync_stall"] = res["async"]["extra_wall_s"] / res["sync"]["stall_s"]
+        res["async"]["ratio_to_sync_stall"] = (res["async"]["extra_wall_s"]
+                                               / res["sync"]["stall_s"])
         from megalite.arguments import parse_args
         from megalite.parallel_state import ParallelState
 

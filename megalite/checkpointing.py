@@ -314,17 +314,20 @@ class PendingSave:
         self.error: Optional[BaseException] = None
         self.started = time.perf_counter()
         self.write_s: Optional[float] = None
+        self.cpu_s: Optional[float] = None
         self.thread = threading.Thread(target=self._run, name="megalite-checkpoint-writer",
                                        daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        cpu = time.thread_time()
         try:
             _yield_cpu()
             self.buffers.ready()
             _write_plan(self.plan, self.ps)
         except BaseException as e:  # reported by settle, on every rank
             self.error = e
+        self.cpu_s = time.thread_time() - cpu  # what the write took from training's cores
         self.write_s = time.perf_counter() - self.started
 
     def join(self) -> None:

@@ -594,7 +594,7 @@ class Trainer:
         self.logger.print(f" saved checkpoint {pending.plan.final} (written in the background "
                           f"in {pending.write_s:.2f} s, published at iteration {self.iteration})")
         self.logger.log({"stall_s": self.save_stall_s, "waited_s": waited,
-                         "write_s": pending.write_s,
+                         "write_s": pending.write_s, "writer_cpu_s": pending.cpu_s,
                          "host_bytes": self.host_buffers.nbytes,
                          "published_iteration": self.iteration}, pending.plan.iteration,
                         split="checkpoint")
