@@ -26,6 +26,12 @@ re-split); otherwise DP rank 0 saves it inside model_optim_rng.pt. ZeRO-3 model 
 (``zero_stage == 3``) are consolidated for the model file by a DP collective, so the model file
 of every stage has the same full per-(tp, pp) format (docs/zero3.md, "Checkpoints").
 
+Asynchronous saves (``--async-save``): the same plan (``_plan_save``: the collective part) and
+the same writer (``_write_plan``), with the plan's objects first copied byte for byte into host
+buffers (megalite/host_snapshot.py) and written by a daemon thread; the training thread agrees
+on the outcome and publishes at the next log line, save or end (``PendingSave.settle``;
+docs/checkpoints.md, "Asynchronous saves").
+
 Experts: a layer whose experts are split over EP ranks is saved by global expert index, its
 [E_local, ...] tensors (weights; with the plain optimizer its moments and fp32 masters)
 all-gathered over the EP group into the [E, ...] tensors an EP-1 run saves, so the model file does
