@@ -26,6 +26,12 @@ re-split); otherwise DP rank 0 saves it inside model_optim_rng.pt. ZeRO-3 model 
 (``zero_stage == 3``) are consolidated for the model file by a DP collective, so the model file
 of every stage has the same full per-(tp, pp) format (docs/zero3.md, "Checkpoints").
 
+Asynchronous saves (``--async-save``): the same plan (``_plan_save``: the collective part) and
+the same writer (``_write_plan``), with the plan's objects first copied byte for byte into host
+buffers (megalite/host_snapshot.py) and written by a daemon thread; the training thread agrees
+on the outcome and publishes at the next log line, save or end (``PendingSave.settle``;
+docs/checkpoints.md, "Asynchronous saves").
+
 Experts: a layer whose experts are split over EP ranks is saved by global expert index, its
 [E_local, ...] tensors (weights; with the plain optimizer its moments and fp32 masters)
 all-gathered over the EP group into the [E, ...] tensors an EP-1 run saves, so the model file does
@@ -42,6 +48,8 @@ import json
 import math
 import os
 import shutil
+import threading
+import time
 from dataclasses import replace
 from itertools import chain
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
@@ -57,6 +65,8 @@ from megalite.config import (
     config_to_json,
     model_shape_differences,
 )
+from megalite.host_snapshot import HostBuffers, snapshot
+from megalite.memory import theoretical_model_state_bytes
 from megalite.moe.layer import MoELayer
 from megalite.optimizer.optimizer import FULL_FORMAT, merge_shard_state_dicts
 from megalite.param_meta import ParamMeta, param_meta
@@ -78,8 +88,10 @@ RESHARD_HINT = ("reshard it to this layout first with "
 # (load_dir, iteration, cfg, ps, with_optim) -> (model file dict, optimizer state or None).
 Resharder = Callable[[str, int, MegaliteConfig, object, bool], Tuple[dict, Optional[dict]]]
 
-# Test seam: called as hook(stage, path) at points of a save ("shard_written", "before_rename");
-# a fault-injection test sets it to raise or os._exit() to prove saves are atomic.
+# Test seam: called as hook(stage, path) at points of a save ("write_file" before each file of a
+# rank, "shard_written" after them, "before_rename", ...; with --async-save the first two on the
+# background writer); a fault-injection test sets it to raise or os._exit() to prove saves are
+# atomic and failures reach every rank.
 fault_hook: Optional[Callable[[str, str], None]] = None
 
 
@@ -135,14 +147,44 @@ def _chunk_key(i: int, n: int) -> str:
 # ------------------------------------------------------------------------------------------------
 # Save
 # ------------------------------------------------------------------------------------------------
+class _SavePlan(NamedTuple):
+    """What one rank writes for one save: every file and its content, in order."""
+    save_dir: str
+    iteration: int
+    final: str
+    tmp: str
+    shard: str  # this rank's mp_rank_* directory (fsynced once its files are written)
+    files: list  # [(path, object for torch.save)]
+    args_json: Optional[bytes]  # rank 0: args.json
+    run_id: int
+
+
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
                     consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> str:
     """Write iteration ``iteration`` atomically and durably; returns the final directory.
 
     Collective. A rank whose write fails (no space, no permission) makes every rank raise a
-    CheckpointError naming it at the next agreement point, not at the distributed timeout; the
-    partial ``.tmp-`` directory is removed and the tracker still names the previous checkpoint.
+    CheckpointError naming it and the file at the next agreement point, not at the distributed
+    timeout; the partial ``.tmp-`` directory is removed and the tracker still names the previous
+    checkpoint.
     """
+    plan = _plan_save(save_dir, iteration, model_chunks, optimizer, scheduler, consumed_samples,
+                      cfg, ps, run_id)
+    # (on a GPU the device tensors go to plain host memory one file at a time: the same bytes as
+    # an asynchronous save's host snapshot, whose storages say "cpu")
+    on_host = (lambda obj: obj) if ps.device.type == "cpu" else \
+        (lambda obj: snapshot(obj, copy_host=False))
+    error = _attempt(lambda: _write_plan(plan, ps, on_host))
+    _agree_on_save(ps, error, iteration, plan.tmp)  # every shard is durable before it is visible
+    _publish_agreed(plan, ps)
+    return plan.final
+
+
+def _plan_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
+               consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> _SavePlan:
+    """The collective part of a save: the temp directory (agreed), ZeRO-3 and expert gathers,
+    and the objects this rank's files hold (still the live tensors: a synchronous save writes
+    them now, an asynchronous one copies them first)."""
     final = iteration_dir(save_dir, iteration)
     tmp = f"{final}.tmp-{run_id:08x}"
     shard = os.path.join(tmp, shard_dir_name(ps.tp_rank, ps.pp_rank))
@@ -156,47 +198,191 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
     full = _gather_zero3_models(model_chunks, ps, iteration, tmp)
     experts = _gather_experts(model_chunks, optimizer, save_optim and not per_dp, ps, iteration,
                               tmp)
+    files = []
+    if ps.dp_cp_rank == 0:  # CP peers hold the same model: one writer
+        state = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": int(iteration),
+            "consumed_samples": int(consumed_samples),
+            "tensor_model_parallel_size": ps.tp_size,
+            "pipeline_model_parallel_size": ps.pp_size,
+            "num_model_chunks": len(model_chunks),
+            "rng_state": get_all_rng_states(ps.device),
+        }
+        for i, chunk in enumerate(model_chunks):
+            sd = full[i] if full[i] is not None else chunk.state_dict()
+            for (_, c, key), t in experts.get("model", {}).items():
+                if c == i:
+                    sd[key] = t
+            state[_chunk_key(i, len(model_chunks))] = sd
+        if save_optim:
+            state["opt_param_scheduler"] = scheduler.state_dict()
+            if not per_dp:
+                state["optimizer"] = _with_full_experts(optimizer.state_dict(), experts)
+        files.append((os.path.join(shard, MODEL_FILE), state))
+    if save_optim and per_dp:
+        files.append((os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)),
+                      optimizer.state_dict()))
+    args_json = config_to_json(cfg).encode() if ps.rank == 0 else None
+    return _SavePlan(save_dir, iteration, final, tmp, shard, files, args_json, run_id)
 
-    def write_shard():
-        if ps.dp_cp_rank == 0:  # CP peers hold the same model: one writer
-            state = {
-                "checkpoint_version": CHECKPOINT_VERSION,
-                "iteration": int(iteration),
-                "consumed_samples": int(consumed_samples),
-                "tensor_model_parallel_size": ps.tp_size,
-                "pipeline_model_parallel_size": ps.pp_size,
-                "num_model_chunks": len(model_chunks),
-                "rng_state": get_all_rng_states(ps.device),
-            }
-            for i, chunk in enumerate(model_chunks):
-                sd = full[i] if full[i] is not None else chunk.state_dict()
-                for (_, c, key), t in experts.get("model", {}).items():
-                    if c == i:
-                        sd[key] = t
-                state[_chunk_key(i, len(model_chunks))] = sd
-            if save_optim:
-                state["opt_param_scheduler"] = scheduler.state_dict()
-                if not per_dp:
-                    state["optimizer"] = _with_full_experts(optimizer.state_dict(), experts)
-            os.makedirs(shard, exist_ok=True)
-            save_file(os.path.join(shard, MODEL_FILE), state)
-        if save_optim and per_dp:
-            os.makedirs(shard, exist_ok=True)
-            save_file(os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)), optimizer.state_dict())
-        if fault_hook is not None:
-            fault_hook("shard_written", tmp)
-        if ps.rank == 0:
-            _write(os.path.join(tmp, "args.json"), lambda f: f.write(config_to_json(cfg).encode()))
-        if os.path.isdir(shard):
-            _fsync_dir(shard)
 
-    error = _attempt(write_shard)
-    del full, experts
-    _agree_on_save(ps, error, iteration, tmp)  # every shard is on disk before it becomes visible
+def _write_plan(plan: _SavePlan, ps, prepare=lambda obj: obj) -> None:
+    """Write one rank's files of a save through the one fsynced writer; no collective (it runs
+    on the background writer of an asynchronous save too). ``prepare``: the object a file is
+    written from (a synchronous save copies device tensors to the host one file at a time, so
+    both kinds of save write the same bytes). A failure names the file."""
+    for path, obj in plan.files:
+        try:
+            if fault_hook is not None:
+                fault_hook("write_file", path)
+            os.makedirs(plan.shard, exist_ok=True)
+            save_file(path, prepare(obj))
+        except Exception as e:
+            raise CheckpointError(f"writing {path}: {C.one_line(e)}") from e
+    if fault_hook is not None:
+        fault_hook("shard_written", plan.tmp)
+    if plan.args_json is not None:
+        path = os.path.join(plan.tmp, "args.json")
+        try:
+            _write(path, lambda f: f.write(plan.args_json))
+        except Exception as e:
+            raise CheckpointError(f"writing {path}: {C.one_line(e)}") from e
+    if os.path.isdir(plan.shard):
+        _fsync_dir(plan.shard)
+
+
+def _publish_agreed(plan: _SavePlan, ps) -> None:
+    """Once every rank agreed its files are durable: rank 0 makes the save visible."""
+    error = None
     if ps.rank == 0:
-        error = _attempt(lambda: _publish(save_dir, final, tmp, iteration, run_id))
-    _agree_on_save(ps, error, iteration, tmp)
-    return final
+        error = _attempt(lambda: _publish(plan.save_dir, plan.final, plan.tmp, plan.iteration,
+                                          plan.run_id))
+    _agree_on_save(ps, error, plan.iteration, plan.tmp)
+
+
+def snapshot_share_bytes(cfg: MegaliteConfig, ps) -> int:
+    """Host bytes of one snapshot of this rank's share, from the model state (docs/theory.md's
+    per-rank formula): the model file's weights (a writer's: the whole (TP, PP) shard, ZeRO-3's
+    consolidated too) plus this rank's fp32 masters and Adam moments (1/DP of them under ZeRO)."""
+    psi = cfg.model.num_parameters() / (ps.tp_size * ps.pp_size)
+    st = theoretical_model_state_bytes(int(psi), ps.dp_cp_size, cfg.optimizer.zero_stage,
+                                       cfg.model.params_dtype)
+    weights = st["params_bytes"] * (ps.dp_cp_size if cfg.optimizer.zero_stage >= 3 else 1)
+    optim = 0 if cfg.checkpoint.no_save_optim else (st["master_params_bytes"]
+                                                    + st["optimizer_states_bytes"])
+    return int(weights + optim)
+
+
+def host_memory_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_async_save_memory(cfg: MegaliteConfig, ps) -> int:
+    """--async-save keeps one host copy of the rank's share while it is written: refuse at
+    start-up, on every rank alike, a run whose ranks on this host cannot hold theirs together
+    (rather than swap or be killed mid-run). Returns this rank's estimate."""
+    need = snapshot_share_bytes(cfg, ps)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    avail = host_memory_available()
+    bad = torch.tensor([1.0 if avail is not None and need * local > avail else 0.0])  # host path
+    if ps.world_size > 1:
+        C.all_reduce(bad, group=C.world_group(), op=C.ReduceOp.MAX, tag="async_save_memory",
+                     host=True)
+    if bad.item() > 0:
+        gib = 2.0 ** 30
+        have = "another rank's host" if avail is None or need * local <= avail else \
+            f"{avail / gib:.1f} GiB available (/proc/meminfo MemAvailable)"
+        raise CheckpointError(
+            f"--async-save: one host copy of each rank's checkpoint share is ~{need / gib:.1f} GiB "
+            f"x {local} rank(s) on this host, more than {have}; drop --async-save to save "
+            f"synchronously, or spread the model over more hosts")
+    return need
+
+
+def _yield_cpu() -> None:
+    """Run the calling thread at a low CPU priority (nice 10; Linux nice is per thread): where every
+    core is busy, the training thread keeps its share and the write, bound by the disk, takes
+    longer instead (docs/checkpoints.md, "Thread, not process")."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
+        pass
+
+
+class PendingSave:
+    """An asynchronous save in flight: this rank's snapshot, written by a daemon thread through
+    the synchronous save's writer (``_write_plan``); published by :meth:`settle` once every rank
+    agrees its files are durable. The thread makes no collective: every agreement is made by the
+    training thread, at a point every rank reaches (a log line, the next save, the end)."""
+
+    def __init__(self, plan: _SavePlan, buffers: HostBuffers, ps):
+        self.plan, self.ps, self.buffers = plan, ps, buffers
+        self.error: Optional[BaseException] = None
+        self.started = time.perf_counter()
+        self.write_s: Optional[float] = None
+        self.cpu_s: Optional[float] = None
+        self.thread = threading.Thread(target=self._run, name="megalite-checkpoint-writer",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        cpu = time.thread_time()
+        try:
+            _yield_cpu()
+            self.buffers.ready()
+            _write_plan(self.plan, self.ps)
+        except BaseException as e:  # reported by settle, on every rank
+            self.error = e
+        self.cpu_s = time.thread_time() - cpu  # what the write took from training's cores
+        self.write_s = time.perf_counter() - self.started
+
+    def join(self) -> None:
+        """Wait for this rank's writer (no collective: also on the way out of a failed run)."""
+        self.thread.join()
+
+    def settle(self, wait: bool) -> bool:
+        """Collective. True once the save is published; False while some rank still writes
+        (``wait`` False only). A failure on any rank raises CheckpointError on every rank, naming
+        the rank and its file, after every rank's writer stopped; the temp directory is removed
+        and the tracker keeps naming the previous checkpoint."""
+        ps, plan = self.ps, self.plan
+        if wait:
+            self.join()
+        flags = torch.tensor([0.0 if not self.thread.is_alive() else 1.0,
+                              1.0 if self.error is not None else 0.0])  # host path
+        if ps.world_size > 1:
+            C.all_reduce(flags, group=C.world_group(), op=C.ReduceOp.MAX,
+                         tag="checkpoint_async_flags", host=True)
+        if flags[1] > 0:
+            self.join()
+            _agree_on_save(ps, self.error, plan.iteration, plan.tmp)
+        if flags[0] > 0:
+            return False
+        _publish_agreed(plan, ps)
+        return True
+
+
+def start_async_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
+                     consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int,
+                     buffers: HostBuffers) -> PendingSave:
+    """--async-save: the collective part of a save, then a host snapshot of exactly what a
+    synchronous save writes (into ``buffers``, reused across saves), then a background writer.
+    Collective; the caller has settled any earlier save (at most one in flight)."""
+    plan = _plan_save(save_dir, iteration, model_chunks, optimizer, scheduler, consumed_samples,
+                      cfg, ps, run_id)
+    buffers.begin()
+    files = [(path, snapshot(obj, buffers)) for path, obj in plan.files]
+    buffers.end(ps.device)
+    return PendingSave(plan._replace(files=files), buffers, ps)
 
 
 def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:

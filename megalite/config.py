@@ -1123,6 +1123,9 @@ class CheckpointConfig(_Section):
     load: Optional[str] = setting(None)
     save_interval: Optional[int] = setting(None, "default: save only at the end of training")
     no_save_optim: bool = setting(False)
+    async_save: bool = setting(
+        False, "snapshot the checkpoint into host memory and write it in the background while "
+        "training goes on (docs/checkpoints.md)")
     no_load_optim: bool = setting(False)
     no_load_rng: bool = setting(False)
     finetune: bool = setting(False, "load model weights only and start at iteration 0")
@@ -1137,6 +1140,8 @@ class CheckpointConfig(_Section):
             raise ConfigError("--use-checkpoint-args needs --load DIR")
         if self.finetune and not self.load:
             raise ConfigError("--finetune needs --load DIR")
+        if self.async_save and not self.save:
+            raise ConfigError("--async-save needs --save DIR")
         return self
 
 

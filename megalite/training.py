@@ -22,6 +22,7 @@ Seams other parts plug into:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -209,6 +210,11 @@ class Trainer:
         self.history: Dict[int, Tuple[float, float, bool, float]] = {}  # (loss, norm, applied, lr)
         self.loss_scale = 1.0  # as of the last _drain
         self.saved_at = None
+        self.pending_save: Optional[checkpointing.PendingSave] = None  # --async-save in flight
+        self.host_buffers = None
+        if cfg.checkpoint.async_save:  # refused here, before anything is built, if it cannot fit
+            checkpointing.check_async_save_memory(cfg, ps)
+            self.host_buffers = checkpointing.HostBuffers(pinned=ps.device.type == "cuda")
         self.times: List[float] = []
         self.host_queue_s = 0.0  # the last step's (train_step)
         self._build_data()
@@ -311,7 +317,7 @@ class Trainer:
             c.train()
         synchronize(self.ps.device)  # the first interval starts on an idle device
         # --exit-signal-handler / --exit-duration-in-mins, held until the final save is done
-        with ExitConditions(tr, self.ps, self.t_start) as self.exits:
+        with ExitConditions(tr, self.ps, self.t_start) as self.exits, self._joined_writer():
             while self.iteration < tr.train_iters:
                 start = time.perf_counter()
                 m = tr.num_micro_batches(self.ps.dp_size)
@@ -333,6 +339,16 @@ class Trainer:
                     break
             self._drain()
             return self._finish()
+
+    @contextlib.contextmanager
+    def _joined_writer(self):
+        """A run that stops on an error still lets its background writer finish the file it is
+        writing (its temp directory is never published) rather than cut it at exit."""
+        try:
+            yield
+        finally:
+            if self.pending_save is not None:
+                self.pending_save.join()
 
     def _logs_at(self, iteration: int) -> bool:
         return iteration % self.cfg.logging.log_interval == 0 \
@@ -441,6 +457,7 @@ class Trainer:
             self._evaluate_and_log()
         if self.cfg.checkpoint.save and self.saved_at != self.iteration:
             self._save()
+        self._settle_save(wait=True)  # the end, SIGTERM and the time limit wait for the writer
         s = self.summary
         s["iteration"], s["skipped_iterations"] = self.iteration, self.skipped
         s["wall_time_s"] = time.time() - self.t_start
@@ -496,6 +513,7 @@ class Trainer:
     def _log(self, interval: _Interval) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
         self._drain()
+        self._settle_save(wait=False)  # a log line agrees on a background save's outcome
         gbs, t_it = tr.global_batch_size, interval.time / interval.n
         self.times += [t_it] * interval.n
         steps = [self.history[it] for it in range(self.iteration - interval.n + 1,
@@ -543,12 +561,47 @@ class Trainer:
         self.logger.log({"lm_loss": loss, "ppl": ppl}, self.iteration, split="valid")
 
     def _save(self) -> None:
+        """Save this iteration: synchronously, or with --async-save a host snapshot written in
+        the background (at most one in flight: an earlier one is settled first)."""
         self._drain()  # before anything is written: raises if a step since then was not finite
-        path = checkpointing.save_checkpoint(
-            self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
-            self.scheduler, self.consumed, self.cfg, self.ps, self.run_id)
+        self._settle_save(wait=True)
+        args = (self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
+                self.scheduler, self.consumed, self.cfg, self.ps, self.run_id)
+        start = time.perf_counter()
         self.saved_at = self.iteration
-        self.logger.print(f" saved checkpoint {path}")
+        if self.host_buffers is None:
+            path = checkpointing.save_checkpoint(*args)
+            stall = time.perf_counter() - start
+            self.logger.print(f" saved checkpoint {path} ({stall:.2f} s)")
+            self.logger.log({"stall_s": stall, "published_iteration": self.iteration},
+                            self.iteration, split="checkpoint")
+            return
+        self.pending_save = checkpointing.start_async_save(*args, buffers=self.host_buffers)
+        synchronize(self.ps.device)  # (the stall includes the snapshot's device-to-host copies)
+        self.save_stall_s = time.perf_counter() - start
+        self.logger.print(f" saving checkpoint {self.pending_save.plan.final} in the background "
+                          f"(snapshot {self.save_stall_s:.2f} s, "
+                          f"{self.host_buffers.nbytes / 2**20:.1f} MiB of host memory)")
+
+    def _settle_save(self, wait: bool) -> None:
+        """Agree on the background save in flight (collective; every rank calls it at the same
+        points): published once every rank's files are durable, an error on any rank raised on
+        all. ``wait``: block until it is done (the next save, the end)."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        start = time.perf_counter()
+        if not pending.settle(wait):
+            return
+        waited = time.perf_counter() - start if wait else 0.0  # training stalled on the writer
+        self.pending_save = None
+        self.logger.print(f" saved checkpoint {pending.plan.final} (written in the background "
+                          f"in {pending.write_s:.2f} s, published at iteration {self.iteration})")
+        self.logger.log({"stall_s": self.save_stall_s, "waited_s": waited,
+                         "write_s": pending.write_s, "writer_cpu_s": pending.cpu_s,
+                         "host_bytes": self.host_buffers.nbytes,
+                         "published_iteration": self.iteration}, pending.plan.iteration,
+                        split="checkpoint")
 
     @torch.no_grad()
     def evaluate(self) -> Tuple[float, float]:

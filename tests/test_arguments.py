@@ -151,7 +151,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     (tests/fixtures/cli/flags_before.json, dumped from the hand-written parser). The changes:
     --optimizer offers sgd, which the optimizer always implemented, and the flags added since
     are exactly the declared MoE and multi-latent attention settings, YaRN's, the refused
-    --mtp-num-layers and the expert-parallel sizes."""
+    --mtp-num-layers, the expert-parallel sizes and --async-save."""
     import json
     import os
     import sys
@@ -177,6 +177,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     assert "--num-experts" in moe and len(added) == len(moe) + len(mla) + len(yarn_mtp) + 2
     added |= {"--rotary-percent", "--qk-layernorm-scope"}  # the HF MoE families' (models.md)
     added |= {"--cp-attention-kernel"}  # docs/context_parallel.md, "Kernels"
+    added |= {"--async-save"}  # docs/checkpoints.md, "Asynchronous saves"
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

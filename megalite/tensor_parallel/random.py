@@ -90,12 +90,21 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0,
                         device: Optional[torch.device] = None) -> None:
-    """Seed the default stream (same on every TP rank) and the TP-rank-specific stream.
+    """Seed the default stream (same on every TP rank) and the TP-rank-specific stream, and
+    Python's ``random`` and NumPy's global generator with the default stream's seed (as
+    Megatron-LM's ``_set_random_seed``): a checkpoint saves all of them, so two runs with the same
+    flags write the same bytes.
 
     Pipeline stages get different default seeds (their layers are different layers).
     """
+    import random as _random
+
+    import numpy as np
+
     device = device or torch.device("cpu")
     base = seed + 100 * pp_rank
+    _random.seed(base)
+    np.random.seed(base % 2**32)
     torch.manual_seed(base)
     if device.type == "cuda":
         torch.cuda.manual_seed(base)
