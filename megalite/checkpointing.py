@@ -63,6 +63,7 @@ from megalite.config import (
     MegaliteConfig,
     config_from_dict,
     config_to_json,
+    V_SCHEDULES,
     model_shape_differences,
 )
 from megalite.host_snapshot import HostBuffers, snapshot
@@ -70,7 +71,6 @@ from megalite.memory import theoretical_model_state_bytes
 from megalite.moe.layer import MoELayer
 from megalite.optimizer.optimizer import FULL_FORMAT, merge_shard_state_dicts
 from megalite.param_meta import ParamMeta, param_meta
-from megalite.config import V_SCHEDULES
 from megalite.tensor_parallel.random import (
     get_all_rng_states,
     model_parallel_seed,
@@ -666,16 +666,22 @@ def _publish(save_dir: str, final: str, tmp: str, iteration: int, run_id: int) -
 def _agree_on_save(ps, error: Optional[BaseException], iteration: int, tmp: str) -> None:
     """A barrier that also agrees on failure: if any rank's write failed, all raise at once."""
     failed = None
+    # our own errors are sentences naming the file already; others are quoted with their type
+    if error is None:
+        said = None
+    elif isinstance(error, CheckpointError):
+        said = (str(error).strip().splitlines() or ["CheckpointError"])[0][:300]
+    else:
+        said = C.one_line(error)
     if ps.world_size > 1:
         flag = torch.tensor([ps.rank if error is not None else ps.world_size])  # host path
         C.all_reduce(flag, group=C.world_group(), op=C.ReduceOp.MIN, tag="checkpoint_save_flag",
                      host=True)
         if int(flag.item()) < ps.world_size:
             failed = int(flag.item())
-            msg = C.all_gather_object(None if error is None else C.one_line(error),
-                                      C.world_group())[failed]
+            msg = C.all_gather_object(said, C.world_group())[failed]
     elif error is not None:
-        failed, msg = ps.rank, C.one_line(error)
+        failed, msg = ps.rank, said
     if failed is None:
         return
     if ps.rank == 0:
@@ -855,19 +861,11 @@ def _describe_layout(cfg: MegaliteConfig, num_chunks: int, per_dp: bool) -> str:
 def _reseeded_rng(seed: int, iteration: int, ps) -> dict:
     """The RNG states of a rank resuming at another layout: its saved generators belong to
     another rank grid, so every generator is seeded as a run with ``--seed seed + iteration``
-    seeds this rank (torch's default and TP streams, ``model_parallel_seed``; Python's random
-    and NumPy from the same per-rank number). Returned, not set: the caller sets it right before
-    the first step, as it sets a loaded state."""
-    import random
-
-    import numpy as np
-
+    seeds this rank (``model_parallel_seed``: torch's default and TP streams, Python's random and
+    NumPy). Returned, not set: the caller sets it right before the first step, as it sets a
+    loaded state."""
     before = get_all_rng_states(ps.device)
-    base = seed + iteration
-    model_parallel_seed(base, ps.tp_rank, ps.pp_rank, ps.device)
-    rank_seed = base + 100 * ps.pp_rank + ps.tp_rank
-    random.seed(rank_seed)
-    np.random.seed(rank_seed % 2**32)
+    model_parallel_seed(seed + iteration, ps.tp_rank, ps.pp_rank, ps.device)
     out = get_all_rng_states(ps.device)
     set_all_rng_states(before, ps.device)
     return out

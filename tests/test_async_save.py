@@ -199,7 +199,7 @@ def test_write_failure_on_one_rank_stops_every_rank_at_the_next_log_line(runs):
     for rank, (rc, err) in enumerate(out_rank["full_disk"] for out_rank in out):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert rc != 0 and len(lines) == 1, (rank, err)
-        assert "iteration 2 failed on rank 1: CheckpointError: writing " in lines[0], lines
+        assert "iteration 2 failed on rank 1: writing " in lines[0], lines
         assert path in lines[0] and "distrib_optim_dp001.pt" in lines[0], lines
         assert "No space left" in lines[0], lines
     # the log line of iteration 3 agreed on it: no iteration after 2 was logged, none saved
