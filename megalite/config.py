@@ -704,8 +704,8 @@ class ModelConfig(_Section):
         the router's rules (megalite/moe/router.py) are checked here too, before any work."""
         e, k = self.num_experts, self.moe_router_topk
         if e is None:
-            changed = [f for f in fields(self) if f.name.startswith("moe_")
-                       and getattr(self, f.name) != f.default]
+            changed = [f for f in fields(self) if (f.name.startswith("moe_") or f.name == (
+                "overlap_moe_expert_parallel_comm")) and getattr(self, f.name) != f.default]
             if changed:
                 raise ConfigError(f"{flag_name(changed[0])} needs --num-experts N: without it "
                                   f"every layer is a dense MLP")
@@ -1214,10 +1214,6 @@ class MegaliteConfig(_Section):
         m, par = self.model, self.parallel
         e, ep, etp = m.num_experts, par.expert_model_parallel_size, par.expert_tp_size
         if e is None:
-            if m.overlap_moe_expert_parallel_comm:
-                raise ConfigError("--overlap-moe-expert-parallel-comm needs --num-experts N and "
-                                  "--expert-model-parallel-size > 1 (a dense model has no "
-                                  "all-to-all to hide)")
             if ep != 1 or par.expert_tensor_parallel_size is not None:
                 raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size "
                                   "need --num-experts N (a dense model has no experts to split)")
