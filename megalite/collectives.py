@@ -216,8 +216,9 @@ def all_to_all_overlapped(output: torch.Tensor, input: torch.Tensor, output_spli
                           input_split_sizes, group, tag: str) -> None:
     """``all_to_all_single``, blocking for its caller. Inside a pair it is issued async and the
     other side runs until it reaches an all-to-all of its own (or ends); only then is this one
-    waited for, so its transfer hides behind that compute. The observer gets the time the caller
-    was blocked: the whole call without a pair, the issue and the final wait with one."""
+    waited for, so its transfer hides behind that compute. The observer gets the intervals the
+    caller was blocked, ``observe(start, end, kind)``: the whole call ("A") without a pair; with
+    one, the issue ("I") and the final wait ("A")."""
     pair, observe = _PAIR, _A2A_OBSERVER
     start = time.perf_counter()
     work = all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, tag,
@@ -228,7 +229,7 @@ def all_to_all_overlapped(output: torch.Tensor, input: torch.Tensor, output_spli
         resumed = time.perf_counter()
         work.wait()
         if observe is not None:
-            observe(start, issued)
-            observe(resumed, time.perf_counter())
+            observe(start, issued, "I")
+            observe(resumed, time.perf_counter(), "A")
     elif observe is not None:
-        observe(start, time.perf_counter())
+        observe(start, time.perf_counter(), "A")

@@ -362,8 +362,9 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         if timeline is not None:
             timeline.record("B", 0, j, start, time.perf_counter() - t0)
 
-    def a2a_wait(start: float, end: float) -> None:  # "A": blocked on an all-to-all
-        timeline.record("A", 0, running[0], start - t0, end - t0)
+    def a2a_wait(start: float, end: float, kind: str) -> None:
+        # "A": blocked waiting for an all-to-all, "I": issuing one (collectives)
+        timeline.record(kind, 0, running[0], start - t0, end - t0)
 
     def pair(j: int) -> None:  # F(j+1) and B(j), interleaved at their all-to-alls
         p = Pair()
