@@ -64,8 +64,8 @@ class StageTimeline:
         self.end = max(self.end, end)
 
     @property
-    def busy(self) -> float:
-        return sum(e.end - e.start for e in self.events)
+    def busy(self) -> float:  # the ops' time; an all-to-all's A/I intervals lie inside them
+        return sum(e.end - e.start for e in self.events if e.kind in "FBW")
 
     def mean_duration(self, kind: str) -> float:
         d = [e.end - e.start for e in self.events if e.kind == kind]
