@@ -28,9 +28,9 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "test
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in (("num-layers", 2), ("hidden-size", 256), ("num-attention-heads", 4),
-                          ("num-experts", 8), ("moe-router-topk", 2), ("moe-ffn-hidden-size", 512),
-                          ("seq-length", 256), ("micro-batch-size", 2), ("micro-batches", 8),
+    for name, default in (("num-layers", 2), ("hidden-size", 512), ("num-attention-heads", 4),
+                          ("num-experts", 8), ("moe-router-topk", 2), ("moe-ffn-hidden-size", 1024),
+                          ("seq-length", 256), ("micro-batch-size", 2), ("micro-batches", 16),
                           ("vocab-size", 1024), ("warmup", 2), ("rounds", 8), ("seed", 1234)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--imbalanced", dest="balanced", action="store_false",

@@ -92,7 +92,7 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     meta = trace.get("megalite", {})
     stats = meta.get("stats") or {}
     heading = title or f"{meta.get('schedule', 'pipeline')} schedule"
-    if stats:
+    if stats and not paired:  # (paired ops overlap: busy time exceeds the step)
         heading += (f"  (m={meta.get('num_microbatches')}, measured bubble "
                     f"{100 * stats['bubble_fraction']:.1f}%)")
     ax.set_title(heading, fontsize=10)
