@@ -118,11 +118,7 @@ def check_expert_flags(cfg, given, num_gpus: int) -> None:
         1 if cfg.model.num_experts is not None else None)
     par = dataclasses.replace(par, expert_tensor_parallel_size=etp, sequence_parallel=(
         par.sequence_parallel or "--sequence-parallel" not in given))
-    # --overlap-moe-expert-parallel-comm is pretrain.py's flag, but the planner prices it on any
-    # layout Megatron runs it on (PP > 1 with virtual stages): pretrain.py's PP 1 refusal is not
-    # the planner's
-    model = dataclasses.replace(cfg.model, overlap_moe_expert_parallel_comm=False)
-    dataclasses.replace(cfg, parallel=par, model=model)._check_experts()
+    dataclasses.replace(cfg, parallel=par)._check_experts()
     check_expert_grid_divisible(num_gpus, par.expert_tp_size, par.expert_model_parallel_size,
                                 par.pipeline_model_parallel_size)
 
@@ -190,6 +186,10 @@ def parse(argv):
         raise ConfigError(f"--moe-imbalance-factor must be >= 1 (the busiest rank over the mean), "
                           f"got {ns.moe_imbalance_factor}")
     cfg = config_from_namespace(ns)
+    # --overlap-moe-expert-parallel-comm is pretrain.py's flag, but the planner prices it (from
+    # ns) on any layout Megatron runs it on (PP > 1 with virtual stages): pretrain.py's refusals
+    # of what its own combined 1F1B does not compose with are not the planner's
+    cfg.model = dataclasses.replace(cfg.model, overlap_moe_expert_parallel_comm=False)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
     cfg.model.validate(1)
     if cfg.model.num_experts is not None or given & {"--expert-model-parallel-size",
