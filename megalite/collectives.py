@@ -17,6 +17,7 @@ serves, and on CPU emulates a GPU.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Dict, Optional
 
@@ -193,3 +194,42 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 def count_p2p(num_bytes: int, tag: str = "p2p") -> None:
     _BYTES_SENT[tag] += int(num_bytes)
+
+
+# ----------------------------------------------------------------------------- paired all-to-alls
+# The combined 1F1B (--overlap-moe-expert-parallel-comm, docs/moe.md "Hiding the all-to-alls")
+# runs one micro-batch's forward and another's backward as two sides of a ``Pair``; while it does,
+# ``_PAIR`` is that pair and every ``all_to_all_overlapped`` is issued asynchronously, the other
+# side computing until the exchange is waited for. ``_A2A_OBSERVER`` (the executor's, when it
+# records a timeline) sees each interval the calling side spends blocked on an all-to-all.
+_PAIR = None
+_A2A_OBSERVER = None
+
+
+def set_overlap(pair, observer=None) -> None:
+    """Install (or, with None, remove) the running pair and the all-to-all wait observer."""
+    global _PAIR, _A2A_OBSERVER
+    _PAIR, _A2A_OBSERVER = pair, observer
+
+
+def all_to_all_overlapped(output: torch.Tensor, input: torch.Tensor, output_split_sizes,
+                          input_split_sizes, group, tag: str) -> None:
+    """``all_to_all_single``, blocking for its caller. Inside a pair it is issued async and the
+    other side runs until it reaches an all-to-all of its own (or ends); only then is this one
+    waited for, so its transfer hides behind that compute. The observer gets the intervals the
+    caller was blocked, ``observe(start, end, kind)``: the whole call ("A") without a pair; with
+    one, the issue ("I") and the final wait ("A")."""
+    pair, observe = _PAIR, _A2A_OBSERVER
+    start = time.perf_counter()
+    work = all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, tag,
+                             async_op=pair is not None)
+    if work is not None and pair is not None:
+        issued = time.perf_counter()
+        pair.switch()
+        resumed = time.perf_counter()
+        work.wait()
+        if observe is not None:
+            observe(start, issued, "I")
+            observe(resumed, time.perf_counter(), "A")
+    elif observe is not None:
+        observe(start, time.perf_counter(), "A")

@@ -476,6 +476,11 @@ class ModelConfig(_Section):
         "alltoall", "how tokens reach the experts' ranks; Megatron's default is allgather, "
         "megalite's alltoall", choices=("alltoall", "allgather"), group="mixture of experts",
         role=RUN)
+    overlap_moe_expert_parallel_comm: bool = setting(
+        False, "MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's compute "
+        "(Megatron's flag). pretrain.py: the combined 1F1B at PP 1, alltoall dispatcher, no "
+        "recompute; tools/plan.py prices it on any layout", group="mixture of experts",
+        role=RUN)
     recompute_granularity: Optional[str] = setting(
         None, choices=("full", "selective"), group="activation recomputation", role=RUN,
         layout=True)
@@ -699,8 +704,8 @@ class ModelConfig(_Section):
         the router's rules (megalite/moe/router.py) are checked here too, before any work."""
         e, k = self.num_experts, self.moe_router_topk
         if e is None:
-            changed = [f for f in fields(self) if f.name.startswith("moe_")
-                       and getattr(self, f.name) != f.default]
+            changed = [f for f in fields(self) if (f.name.startswith("moe_") or f.name == (
+                "overlap_moe_expert_parallel_comm")) and getattr(self, f.name) != f.default]
             if changed:
                 raise ConfigError(f"{flag_name(changed[0])} needs --num-experts N: without it "
                                   f"every layer is a dense MLP")
@@ -1221,6 +1226,8 @@ class MegaliteConfig(_Section):
         if e % ep:
             raise ConfigError(f"--num-experts ({e}) must be divisible by "
                               f"--expert-model-parallel-size ({ep})")
+        if m.overlap_moe_expert_parallel_comm:
+            self._check_moe_overlap()
         if m.moe_ffn_hidden_size % etp:
             raise ConfigError(f"--moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible "
                               f"by --expert-tensor-parallel-size ({etp})")
@@ -1237,6 +1244,28 @@ class MegaliteConfig(_Section):
             raise ConfigError(f"--expert-tensor-parallel-size {etp} with expert biases: pass "
                               f"--disable-bias-linear, or --expert-tensor-parallel-size 1 (its "
                               f"default is --tensor-model-parallel-size, {t})")
+
+    def _check_moe_overlap(self) -> None:
+        """What the combined 1F1B (docs/moe.md, "Hiding the all-to-alls") composes with."""
+        m, par, flag = self.model, self.parallel, "--overlap-moe-expert-parallel-comm"
+        if par.expert_model_parallel_size == 1:
+            raise ConfigError(f"{flag} needs --expert-model-parallel-size > 1 (at EP 1 no "
+                              f"all-to-all runs, so there is nothing to hide)")
+        if m.moe_token_dispatcher_type != "alltoall":
+            raise ConfigError(f"{flag} needs --moe-token-dispatcher-type alltoall (the "
+                              f"allgather dispatcher's exchanges are not paired), got "
+                              f"{m.moe_token_dispatcher_type}")
+        if m.recompute_granularity is not None:
+            # a recomputed forward would replay its all-to-alls inside the paired backward, out
+            # of step with the other rank's pair (Megatron refuses it too)
+            raise ConfigError(f"{flag} cannot be combined with --recompute-granularity "
+                              f"{m.recompute_granularity}: drop one of them")
+        if par.pipeline_model_parallel_size > 1:
+            raise ConfigError(f"{flag} is the combined 1F1B of --pipeline-model-parallel-size 1 "
+                              f"only, got {par.pipeline_model_parallel_size}")
+        if self.optimizer.zero_stage == 3:
+            # ZeRO-3's forward hooks gather the parameters the paired backward releases
+            raise ConfigError(f"{flag} cannot be combined with --zero-stage 3: use ZeRO 0-2")
 
     def layers_per_virtual_stage(self) -> Optional[int]:
         par = self.parallel

@@ -267,3 +267,25 @@ def test_two_spellings_of_one_layer_pattern_are_one_shape():
     assert model_shape_differences(a, b) == []
     assert model_shape_differences(a, c) == [
         "--moe-layer-freq: checkpoint has 2, this run has [0,1,0,1]"]
+
+
+OVERLAP = ["--num-experts", "4", "--expert-model-parallel-size", "2",
+           "--overlap-moe-expert-parallel-comm"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--expert-model-parallel-size", "1"], "needs --expert-model-parallel-size > 1"),
+    (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
+    (["--recompute-granularity", "full"], "with --recompute-granularity full"),
+    (["--recompute-granularity", "selective"], "with --recompute-granularity selective"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1 only"),
+    (["--zero-stage", "3"], "with --zero-stage 3"),
+])
+def test_moe_overlap_refuses_what_it_does_not_compose_with(argv, needle):
+    """The combined 1F1B's one-line refusals (docs/moe.md, "Hiding the all-to-alls"); the flag
+    itself passes at EP 2, PP 1 (the last flag given wins)."""
+    assert parse_args(OVERLAP).model.overlap_moe_expert_parallel_comm
+    with pytest.raises(ConfigError, match=needle) as e:
+        parse_args(OVERLAP + argv)
+    assert str(e.value).startswith("--overlap-moe-expert-parallel-comm") and "\n" not in str(
+        e.value)

@@ -19,9 +19,9 @@ otherwise: EP dividing the experts, ETP 1 or TP) and --moe-imbalance-factor sets
 receive headroom the memory model assumes (docs/planner.md, "Mixture of experts").
 
 Planner-only inputs describe a stack other than megalite's, to plan published runs:
---activation-model fused, --account-for-embedding/loss-in-pipeline-split, --precision fp8,
---overlap-moe-expert-parallel-comm and --moe-a2a-dedup (docs/planner.md, "Inputs for other
-stacks").
+--activation-model fused, --account-for-embedding/loss-in-pipeline-split, --precision fp8 and
+--moe-a2a-dedup (docs/planner.md, "Inputs for other stacks"). --overlap-moe-expert-parallel-comm
+is pretrain.py's flag (the combined 1F1B, PP 1 there); the planner prices it on any layout.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ _PINNED = layout_flags()
 PLANNER_ONLY_FLAGS = ("--moe-imbalance-factor", "--activation-model",
                       "--account-for-embedding-in-pipeline-split",
                       "--account-for-loss-in-pipeline-split", "--precision",
-                      "--overlap-moe-expert-parallel-comm", "--moe-a2a-dedup")
+                      "--moe-a2a-dedup")
 
 
 def as_json(pl: Plan) -> dict:
@@ -160,9 +160,6 @@ def build_plan_parser():
     g.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: the linear GEMMs at twice the 16-bit peak and the fp8 GEMM "
                         "efficiency, to compare with published FP8 rows; megalite runs 16 bits")
-    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
-                   help="MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's "
-                        "compute (Megatron's flag); planner only")
     g.add_argument("--moe-a2a-dedup", action="store_true",
                    help="MoE, EP across nodes: a token's rows sent once per node and fanned out "
                         "over NVLink (DeepEP, HybridEP dispatchers); planner only")
@@ -189,6 +186,10 @@ def parse(argv):
         raise ConfigError(f"--moe-imbalance-factor must be >= 1 (the busiest rank over the mean), "
                           f"got {ns.moe_imbalance_factor}")
     cfg = config_from_namespace(ns)
+    # --overlap-moe-expert-parallel-comm is pretrain.py's flag, but the planner prices it (from
+    # ns) on any layout Megatron runs it on (PP > 1 with virtual stages): pretrain.py's refusals
+    # of what its own combined 1F1B does not compose with are not the planner's
+    cfg.model = dataclasses.replace(cfg.model, overlap_moe_expert_parallel_comm=False)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
     cfg.model.validate(1)
     if cfg.model.num_experts is not None or given & {"--expert-model-parallel-size",

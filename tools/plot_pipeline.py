@@ -1,4 +1,5 @@
-"""Draw a pipeline schedule from a real run: one row per stage, F/B/W coloured, idle left blank.
+"""Draw a pipeline schedule from a real run: one row per stage, F/B/W coloured, idle left blank,
+MoE all-to-all waits (A) and issues (I) as thin bars over the ops they block.
 
     python tools/plot_pipeline.py TRACE_OR_METRICS -o schedule.png [--title TEXT]
 
@@ -59,17 +60,29 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     xs = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     if not xs:
         raise SystemExit("the trace has no F/B/W events to draw")
+    xs = [e for e in xs if e["cat"] in "FBWAI"]
     stages = sorted({e["pid"] for e in xs})
     end_ms = max(e["ts"] + e["dur"] for e in xs) / 1e3
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(xs) / len(stages) * 0.45)),
                                     0.6 * len(stages) + 1.2))
+    # the combined 1F1B (PP 1, --overlap-moe-expert-parallel-comm) runs an F and a B at once: on
+    # a stage whose F and B spans overlap, F takes the upper half of the row and B the lower
+    ops = [e for e in xs if e["cat"] in "FBW"]
+    paired = {e["pid"] for e in ops for o in ops if o is not e and o["pid"] == e["pid"]
+              and o["ts"] < e["ts"] < o["ts"] + o["dur"]}
     for e in xs:
         row = stages.index(e["pid"])
         start, dur = e["ts"] / 1e3, e["dur"] / 1e3
-        ax.barh(row, dur, left=start, height=0.8, color=COLORS.get(e["cat"], "grey"),
+        if e["cat"] in ("A", "I"):  # blocked on an MoE all-to-all: a thin bar over the op
+            ax.barh(row + 0.3, dur, left=start, height=0.2, color=COLORS[e["cat"]], zorder=3)
+            continue
+        y, h = row, 0.8
+        if e["pid"] in paired:
+            y, h = row + (-0.2 if e["cat"] == "F" else 0.2), 0.4
+        ax.barh(y, dur, left=start, height=h, color=COLORS.get(e["cat"], "grey"),
                 edgecolor="black", linewidth=0.4)
         if dur > end_ms / 120:
-            ax.text(start + dur / 2, row, e["name"].split(".")[0][1:], ha="center", va="center",
+            ax.text(start + dur / 2, y, e["name"].split(".")[0][1:], ha="center", va="center",
                     fontsize=6, color="white")
     ax.set_yticks(range(len(stages)))
     ax.set_yticklabels([f"stage {s}" for s in stages])
@@ -79,13 +92,14 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     meta = trace.get("megalite", {})
     stats = meta.get("stats") or {}
     heading = title or f"{meta.get('schedule', 'pipeline')} schedule"
-    if stats:
+    if stats and not paired:  # (paired ops overlap: busy time exceeds the step)
         heading += (f"  (m={meta.get('num_microbatches')}, measured bubble "
                     f"{100 * stats['bubble_fraction']:.1f}%)")
     ax.set_title(heading, fontsize=10)
-    kinds = sorted({e["cat"] for e in xs}, key="FBW".index)
+    kinds = sorted({e["cat"] for e in xs}, key="FBWAI".index)
     names = {"F": "F forward", "B": "B backward (input grad)" if "W" in kinds else "B backward",
-             "W": "W weight grad"}
+             "W": "W weight grad", "A": "waiting for an all-to-all",
+             "I": "issuing an all-to-all"}
     ax.legend(handles=[Patch(color=COLORS[k], label=names[k]) for k in kinds],
               loc="upper center", bbox_to_anchor=(0.5, -0.55 / (len(stages) ** 0.5)), ncol=3,
               fontsize=8, frameon=False)

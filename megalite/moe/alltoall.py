@@ -17,6 +17,11 @@ Dropless routing makes the block sizes data-dependent, and the collectives need 
 one read per MoE layer and micro-batch, of the counts both exchanges need, brought in on the device
 first. Everything else stays on the tokens' device. Capacity padding fixes every block at C rows
 per expert: then nothing is exchanged or read.
+
+Every exchange here goes through ``collectives.all_to_all_overlapped``: blocking as seen from the
+layer, but inside the combined 1F1B's pair (--overlap-moe-expert-parallel-comm) the paired
+micro-batch computes while it is in flight, the count exchange included, so the split sizes
+have arrived by the time they are read (docs/moe.md, "Hiding the all-to-alls").
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ def exchange_counts(tokens_per_expert_local: torch.Tensor, ep_group) -> torch.Te
     rank s sends here for each local expert (one equal-split all-to-all of E ints)."""
     ep = C.group_size(ep_group)
     counts = torch.empty_like(tokens_per_expert_local)
-    C.all_to_all_single(counts, tokens_per_expert_local, None, None, ep_group, "moe_counts")
+    C.all_to_all_overlapped(counts, tokens_per_expert_local, None, None, ep_group, "moe_counts")
     return counts.view(ep, -1)
 
 
@@ -55,14 +60,14 @@ class AllToAll(torch.autograd.Function):
                 tag: str = "moe_all_to_all"):
         ctx.splits, ctx.group, ctx.tag = (output_splits, input_splits), group, tag
         out = x.new_empty(sum(output_splits), *x.shape[1:])
-        C.all_to_all_single(out, x, output_splits, input_splits, group, ctx.tag)
+        C.all_to_all_overlapped(out, x, output_splits, input_splits, group, ctx.tag)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         out = grad.new_empty(sum(input_splits), *grad.shape[1:])
-        C.all_to_all_single(out, grad, input_splits, output_splits, ctx.group, ctx.tag)
+        C.all_to_all_overlapped(out, grad, input_splits, output_splits, ctx.group, ctx.tag)
         return out, None, None, None, None
 
 

@@ -13,6 +13,7 @@ rank (where the V of zb-v / dualpipev turns, on rank p-1) is handed over in memo
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -267,6 +268,51 @@ class _NoSync:
 
 
 # ----------------------------------------------------------------------------- entry points
+class Pair:
+    """Two sides (callables) run as coroutines on two threads: exactly one runs at a time, side 0
+    first, and the running side hands over only inside ``switch`` (called by
+    ``collectives.all_to_all_overlapped`` once its exchange is issued) or by ending. Both ranks
+    of the EP group therefore issue their all-to-alls in one order, the same on every rank: the
+    order the two sides reach them, alternating. The side that switches is always the one
+    running, whichever thread it is on (on CUDA, autograd runs the backward's nodes on its
+    device thread), so the pair needs no thread identities."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.turn, self.done = 0, [False, False]
+
+    def switch(self) -> None:
+        with self.cond:
+            me = self.turn
+            if self.done[1 - me]:
+                return  # the other side has ended: nothing to hand over to
+            self.turn = 1 - me
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.turn == me)
+
+    def run(self, side0: Callable, side1: Callable) -> None:
+        errors: List[BaseException] = []
+
+        def side(k: int, fn: Callable) -> None:
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn == k)
+            try:
+                fn()
+            except BaseException as e:  # re-raised on the caller's thread below
+                errors.append(e)
+            finally:
+                with self.cond:
+                    self.done[k], self.turn = True, 1 - k
+                    self.cond.notify_all()
+
+        other = threading.Thread(target=side, args=(1, side1), daemon=True)
+        other.start()
+        side(0, side0)
+        other.join()
+        if errors:
+            raise errors[0]
+
+
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model,
                                    num_microbatches: int, seq_length: int = 0,
                                    micro_batch_size: int = 0, parallel_state=None,
@@ -275,39 +321,96 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    no_sync_func: Optional[Callable] = None,
                                    finalize_model_grads_func: Optional[Callable] = None,
                                    timing_log_level: int = 0,
+                                   overlap_moe_expert_parallel_comm: bool = False,
                                    **unused) -> List[dict]:
-    """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last."""
+    """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last.
+
+    ``overlap_moe_expert_parallel_comm``: the combined 1F1B (docs/moe.md, "Hiding the
+    all-to-alls"): F1, then the pairs (F(j+1), B(j)), then B(m); each pair's all-to-alls are in
+    flight while the other micro-batch computes. The same ops on the same inputs in the same
+    forward and backward orders: losses and gradients are bit for bit those without it."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
     module = chunks[0]
     no_sync = no_sync_func or contextlib.nullcontext
+    m = num_microbatches
     stats_list: List[dict] = []
-    timeline = StageTimeline("none", 0, 1, num_microbatches) if timing_log_level >= 1 else None
+    timeline = StageTimeline("none", 0, 1, m) if timing_log_level >= 1 else None
     t0 = time.perf_counter()
+    losses: Dict[int, torch.Tensor] = {}
+    running = [0]  # the micro-batch whose side runs (what an all-to-all wait is charged to)
 
-    def one(j: int) -> None:
+    def forward(j: int) -> None:
+        running[0] = j
         start = time.perf_counter() - t0
         with torch.set_grad_enabled(not forward_only):
             output, loss_func = forward_step_func(data_iterator, module)
             loss, stats = loss_func(output)
-        stats_list.append(stats)
-        if timeline is not None:
-            mid = time.perf_counter() - t0
-            timeline.record("F", 0, j, start, mid)
-        if not forward_only:
-            if grad_scale_func is not None:
+            if grad_scale_func is not None and not forward_only:
                 loss = grad_scale_func(loss)
-            loss.backward()
-            if timeline is not None:
-                timeline.record("B", 0, j, mid, time.perf_counter() - t0)
+        stats_list.append(stats)
+        losses[j] = loss
+        if timeline is not None:
+            timeline.record("F", 0, j, start, time.perf_counter() - t0)
 
-    with no_sync():
-        for j in range(num_microbatches - 1):
-            one(j)
-    one(num_microbatches - 1)  # outside no_sync: the DP reduction (or its hooks) may fire now
+    def backward(j: int) -> None:
+        running[0] = j
+        start = time.perf_counter() - t0
+        with torch.set_grad_enabled(True):
+            losses.pop(j).backward()
+        if timeline is not None:
+            timeline.record("B", 0, j, start, time.perf_counter() - t0)
+
+    def a2a_wait(start: float, end: float, kind: str) -> None:
+        # "A": blocked waiting for an all-to-all, "I": issuing one (collectives)
+        timeline.record(kind, 0, running[0], start - t0, end - t0)
+
+    def pair(j: int) -> None:  # F(j+1) and B(j), interleaved at their all-to-alls
+        p = Pair()
+        fwd_mb, bwd_mb = j + 1, j
+
+        def side_f():
+            forward(fwd_mb)
+
+        def side_b():
+            backward(bwd_mb)
+
+        # the running side is charged for the waits: track it at every hand-over
+        switch = p.switch
+
+        def tracked_switch():
+            switch()
+            running[0] = fwd_mb if p.turn == 0 else bwd_mb
+        p.switch = tracked_switch
+        C.set_overlap(p, a2a_wait if timeline is not None else None)
+        try:
+            p.run(side_f, side_b)
+        finally:
+            C.set_overlap(None, a2a_wait if timeline is not None else None)
+
+    C.set_overlap(None, a2a_wait if timeline is not None else None)
+    try:
+        paired = overlap_moe_expert_parallel_comm and not forward_only and m > 1
+        with no_sync():
+            if paired:
+                forward(0)
+                for j in range(m - 1):
+                    pair(j)
+            else:
+                for j in range(m - 1):
+                    forward(j)
+                    if not forward_only:
+                        backward(j)
+        # outside no_sync: the DP reduction (or its hooks) may fire now
+        if not paired:
+            forward(m - 1)
+        if not forward_only:
+            backward(m - 1)
+    finally:
+        C.set_overlap(None, None)
     if timeline is not None:
-        timeline.peak_in_flight = 1
+        timeline.peak_in_flight = 2 if paired else 1
         set_last_timeline(timeline)
     if not forward_only and finalize_model_grads_func is not None:
         finalize_model_grads_func(chunks)

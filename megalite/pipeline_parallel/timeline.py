@@ -38,7 +38,8 @@ def set_last_timeline(timeline: Optional["StageTimeline"]) -> None:
 
 @dataclass
 class OpEvent:
-    kind: str  # "F", "B" (input grad; full backward outside ZB) or "W" (deferred weight grads)
+    kind: str  # "F", "B" (input grad; full backward outside ZB) or "W" (deferred weight grads);
+    # at PP 1, "A" and "I": blocked waiting for / issuing an MoE all-to-all (inside an F or B)
     chunk: int
     microbatch: int
     start: float
@@ -63,8 +64,8 @@ class StageTimeline:
         self.end = max(self.end, end)
 
     @property
-    def busy(self) -> float:
-        return sum(e.end - e.start for e in self.events)
+    def busy(self) -> float:  # the ops' time; an all-to-all's A/I intervals lie inside them
+        return sum(e.end - e.start for e in self.events if e.kind in "FBW")
 
     def mean_duration(self, kind: str) -> float:
         d = [e.end - e.start for e in self.events if e.kind == kind]
@@ -176,7 +177,7 @@ def schedule_idle_times(schedule: str, p: int, m: int, v: int = 1, t_f: float = 
     return [step - b for b in busy]
 
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "A": "#C44E52", "I": "#8172B3"}
 
 
 def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:

@@ -1,0 +1,151 @@
+"""Exposed all-to-all time of the combined 1F1B (--overlap-moe-expert-parallel-comm) at EP 2 x PP 1.
+
+    OMP_NUM_THREADS=1 python benchmarks/moe_overlap.py [--json PATH]      # docs/moe.md's table
+
+Two gloo CPU processes (EP 2 folded over DP 2), one thread each, run the same MoE GPT's
+forward-backward (the no-pipelining schedule, m micro-batches) without and with the overlap, one
+step of each in turn per round, so load from other jobs hits both alike. Each step records the
+executor's op timeline (``timing_log_level`` 1): F and B spans, and "A" events, the intervals the
+computing side spent blocked on an all-to-all (the whole call without the overlap; its issue and
+its final wait with it, "I" and "A", ``collectives.all_to_all_overlapped``). Exposed all-to-all time is the
+sum of a step's A and I (issue) events; per step, the slower rank's; medians over the timed rounds. The
+gradients of the two variants are checked equal (bit for bit) after the first round.
+--trace PATH writes rank 0's last timeline of each variant as a Chrome trace for
+tools/plot_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("num-layers", 2), ("hidden-size", 512), ("num-attention-heads", 4),
+                          ("num-experts", 8), ("moe-router-topk", 2), ("moe-ffn-hidden-size", 1024),
+                          ("seq-length", 256), ("micro-batch-size", 2), ("micro-batches", 16),
+                          ("vocab-size", 1024), ("warmup", 2), ("rounds", 8), ("seed", 1234)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--imbalanced", dest="balanced", action="store_false",
+                   help="route as the router says (default: evenly, as published MoE "
+                        "benchmarks force it, so the ranks' expert compute is equal)")
+    p.add_argument("--all-timelines", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--trace", metavar="PATH", help="Chrome traces, PATH.{plain,overlap}.json")
+    return p.parse_args(argv)
+
+
+def model_config(args):
+    from megalite.config import ModelConfig
+
+    return ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                       vocab_size=args.vocab_size, make_vocab_size_divisible_by=128,
+                       hidden_dropout=0.0, attention_dropout=0.0, num_experts=args.num_experts,
+                       moe_router_topk=args.moe_router_topk,
+                       moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                       moe_router_force_load_balancing=args.balanced).validate()
+
+
+def worker(rank, world_size, args):
+    import torch
+
+    from megalite.models import GPTModel
+    from megalite.parallel_state import initialize_model_parallel
+    from megalite.pipeline_parallel.executor import get_forward_backward_func
+
+    torch.set_num_threads(1)
+    ps = initialize_model_parallel(1, 1, expert_model_parallel_size=world_size, backend="gloo",
+                                   device="cpu", set_default=False)
+    model = GPTModel(model_config(args), ps, seed=args.seed).train()
+    fb = get_forward_backward_func(1)
+    m, b, s = args.micro_batches, args.micro_batch_size, args.seq_length
+    g = torch.Generator().manual_seed(args.seed + rank)  # each DP rank its own tokens
+    ids = torch.randint(0, args.vocab_size, (m * b, s + 1), generator=g)
+    batches = [(ids[j * b:(j + 1) * b, :-1], ids[j * b:(j + 1) * b, 1:]) for j in range(m)]
+    ntok = m * b * s
+
+    def forward_step(it, chunk):
+        tokens, labels = next(it)
+        out = chunk(tokens, labels=labels)
+        return out, lambda t: (t.sum() / ntok, {})
+
+    def step(overlap: bool):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(args.seed + rank)  # the balanced router's draws: alike in both
+        fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+           num_microbatches=m, parallel_state=ps, timing_log_level=1,
+           overlap_moe_expert_parallel_comm=overlap)
+        tl = fb.last_timeline()
+        wait = sum(e.end - e.start for e in tl.events if e.kind == "A")
+        issue = sum(e.end - e.start for e in tl.events if e.kind == "I")
+        return {"step_s": tl.end, "exposed_a2a_s": wait + issue, "wait_s": wait,
+                "issue_s": issue, "a2a_calls": sum(e.kind == "A" for e in tl.events)}, tl
+
+    out = {False: [], True: []}
+    last = {}
+    for r in range(args.warmup + args.rounds):
+        for overlap in ((False, True) if r % 2 == 0 else (True, False)):
+            rec, last[overlap] = step(overlap)
+            if r == 0:
+                grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+                last.setdefault("grads", {})[overlap] = grads
+            if r >= args.warmup:
+                out[overlap].append(rec)
+    same = all(torch.equal(x, y) for x, y in zip(last["grads"][False], last["grads"][True]))
+    return {"plain": out[False], "overlap": out[True], "grads_bit_identical": same,
+            "timelines": {"plain": last[False].to_dict(), "overlap": last[True].to_dict()}
+            if rank == 0 or args.all_timelines else None}
+
+
+def summarise(per_rank):
+    """Per variant: medians over rounds of the slower rank's step and exposed time."""
+    res = {}
+    for name in ("plain", "overlap"):
+        rounds = list(zip(*[r[name] for r in per_rank]))
+        res[name] = {k: statistics.median(max(x[k] for x in rnd) for rnd in rounds)
+                     for k in ("step_s", "exposed_a2a_s", "wait_s", "issue_s")}
+        res[name]["a2a_calls_per_step"] = rounds[0][0]["a2a_calls"]
+    res["exposed_ratio"] = res["overlap"]["exposed_a2a_s"] / res["plain"]["exposed_a2a_s"]
+    res["step_ratio"] = res["overlap"]["step_s"] / res["plain"]["step_s"]
+    res["grads_bit_identical"] = all(r["grads_bit_identical"] for r in per_rank)
+    return res
+
+
+def main(argv=None):
+    from dist_utils import run_distributed
+    from megalite.pipeline_parallel.timeline import StageTimeline, write_chrome_trace
+
+    args = parse_args(argv)
+    per_rank = run_distributed(worker, 2, args, timeout=900)
+    res = summarise(per_rank)
+    res["args"] = vars(args)
+    print(f"EP2 x PP1, 2 processes, m={args.micro_batches}, medians of {args.rounds} rounds "
+          f"(slower rank per step)")
+    print(f"{'variant':10s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
+          f"{'issue':>7s} {'a2a calls':>10s}")
+    for name in ("plain", "overlap"):
+        r = res[name]
+        print(f"{name:10s} {1e3 * r['step_s']:9.1f} {1e3 * r['exposed_a2a_s']:15.2f} "
+              f"{1e3 * r['wait_s']:11.2f} {1e3 * r['issue_s']:7.2f} "
+              f"{r['a2a_calls_per_step']:10d}")
+    print(f"exposed overlap/plain {res['exposed_ratio']:.2f} (target <= 0.5), step "
+          f"{res['step_ratio']:.2f}, gradients bit-identical: {res['grads_bit_identical']}")
+    if args.trace:
+        for name, d in per_rank[0]["timelines"].items():
+            write_chrome_trace([StageTimeline.from_dict(d)], f"{args.trace}.{name}.json")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
