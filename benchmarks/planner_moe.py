@@ -104,10 +104,11 @@ def predict(row) -> dict:
 
 
 def fit() -> float:
-    """GROUPED_GEMM_EFFICIENCY minimising the squared log error over the fitted rows."""
+    """MOE_EXPERT_KERNEL_HOST_S minimising the squared log error over the fitted rows (1 us
+    steps)."""
     best = None
-    for e in [x / 100 for x in range(20, 101, 2)]:
-        planner.GROUPED_GEMM_EFFICIENCY = e
+    for e in [x * 1e-6 for x in range(0, 121)]:
+        planner.MOE_EXPERT_KERNEL_HOST_S = e
         err = sum(math.log(predict(r)["tokens"] / r[11]) ** 2 for r in ROWS if r[14])
         best = min(best or (err, e), (err, e))
     return best[1]
