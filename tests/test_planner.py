@@ -756,6 +756,37 @@ def test_moe_step_time_prices_active_experts_and_all_to_alls():
     assert step_time(moe(32, 1024, 1.25), lay, cl, 32) == step_time(moe(32, 1024), lay, cl, 32)
 
 
+def test_moe_expert_kernel_host_time():
+    """Dropless at EP > 1 on a GPU an MoE layer adds MOE_EXPERT_KERNEL_HOST_S per per-expert
+    kernel: E/EP experts x (2 forward + 4 backward GEMMs, + 2 + 2 casts in fp8) per layer and
+    micro-batch, and a full recompute's forward once more; nothing at EP 1, with a capacity
+    factor, or on the CPU."""
+    from megalite.planner import MOE_EXPERT_KERNEL_HOST_S as host
+
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256,
+                vocab_size=1024, params_dtype="bfloat16", swiglu=True, add_bias_linear=False,
+                ffn_hidden_size=512, hidden_dropout=0.0, attention_dropout=0.0, num_experts=16,
+                moe_router_topk=2, moe_ffn_hidden_size=256)
+    cl = Cluster(8, 8, GPUS[H100])
+    lay = Layout(1, 1, 1, 8, 1, False, "none", 1, "1f1b", expert_model_parallel_size=8)
+
+    def extra(lay, device="cuda", precision="bf16", **kw):
+        cfg = ModelConfig(**base, **kw)
+        m = dataclasses.replace(Model.from_config(cfg, device), precision=precision)
+        on = step_time(m, lay, cl, 8)["compute_s"]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)
+            off = step_time(dataclasses.replace(m, memo={}), lay, cl, 8)["compute_s"]
+        return on - off
+    assert host > 0
+    assert extra(lay) == pytest.approx(4 * 2 * 6 * host)  # 4 layers, 2 experts, 1 micro-batch
+    assert extra(lay, precision="fp8") == pytest.approx(4 * 2 * 10 * host)
+    assert extra(dataclasses.replace(lay, recompute_granularity="full")) \
+        == pytest.approx(4 * 2 * 8 * host)
+    ep1 = dataclasses.replace(lay, expert_model_parallel_size=1)
+    assert extra(ep1) == extra(lay, "cpu") == extra(lay, moe_expert_capacity_factor=1.0) == 0
+
+
 def test_pretrain_estimate_moe_ep2(tmp_path):
     """An EP 2 run (2 processes, 4 experts of a 4-layer model): the logged estimate, with the
     dropless headroom, is within 10% of the measured peak."""
