@@ -130,9 +130,9 @@ def main(argv=None):
         e = fit()
         print(f"least-squares MOE_EXPERT_KERNEL_HOST_S over the fit set: {e * 1e6:.0f} us")
         planner.MOE_EXPERT_KERNEL_HOST_S = e
-    print(f"MOE_EXPERT_KERNEL_HOST_S = {planner.MOE_EXPERT_KERNEL_HOST_S * 1e6:.0f} us "
-          f"({'just fitted on the fit set' if a.fit else 'set to 0' if a.no_host else 'the planner'}"
-          "'s constant), "
+    how = "just fitted on the fit set" if a.fit else "set to 0" if a.no_host \
+        else "the planner's constant"
+    print(f"MOE_EXPERT_KERNEL_HOST_S = {planner.MOE_EXPERT_KERNEL_HOST_S * 1e6:.0f} us ({how}), "
           f"GROUPED_GEMM_EFFICIENCY = {planner.GROUPED_GEMM_EFFICIENCY}, "
           f"FP8_GEMM_EFFICIENCY = {planner.FP8_GEMM_EFFICIENCY}\n")
     print("| row | set | precision | GPUs | layout (published, pinned) | planner's rest | GiB | "
