@@ -1,7 +1,7 @@
 """The planner's MoE time model against published H100 MoE rows (Megatron-Bridge performance
 summaries), fitted on at most half of them.
 
-    python benchmarks/planner_moe.py [--fit]
+    python benchmarks/planner_moe.py [--fit | --no-host] [--per-row]
 
 Each row pins the published layout (TP, PP, virtual stages, EP, micro-batch, the distributed
 optimizer) and searches the rest (SP, recompute); the planner's throughput is compared in tokens
@@ -15,9 +15,13 @@ virtual stages, the embedding and loss in pipeline slots where the layers do not
 (OVERLAP). The Qwen3 recipes recompute nothing; GPT-OSS's recomputes its layernorm and moe_act
 modules, which the planner (whole layers or the attention core) does not have: its search picks.
 
-The one constant that may be fitted is GROUPED_GEMM_EFFICIENCY (the grouped expert GEMMs against
-a dense GEMM of the same shape), on the rows marked "fit set" only: ``--fit`` fits it (least
-squares in log) and prints the table with it; without, the planner's value.
+The one constant fitted is MOE_EXPERT_KERNEL_HOST_S (the exposed host time of each per-expert
+kernel of a dropless MoE layer at EP > 1), on the rows marked "fit set" only: ``--fit`` fits it
+(least squares in log, 1 us steps) and prints the table with it; without, the planner's value,
+which is that fit; ``--no-host`` sets it to 0 (the planner without the term); ``--per-row``
+also prints, per row, the value at which that row alone would be predicted exactly (bisection),
+fit set and held out alike. GROUPED_GEMM_EFFICIENCY stays 1.0 (grouped GEMMs at a dense GEMM's
+efficiency of their per-expert shape).
 """
 
 from __future__ import annotations
@@ -104,10 +108,11 @@ def predict(row) -> dict:
 
 
 def fit() -> float:
-    """GROUPED_GEMM_EFFICIENCY minimising the squared log error over the fitted rows."""
+    """MOE_EXPERT_KERNEL_HOST_S minimising the squared log error over the fitted rows (1 us
+    steps)."""
     best = None
-    for e in [x / 100 for x in range(20, 101, 2)]:
-        planner.GROUPED_GEMM_EFFICIENCY = e
+    for e in [x * 1e-6 for x in range(0, 121)]:
+        planner.MOE_EXPERT_KERNEL_HOST_S = e
         err = sum(math.log(predict(r)["tokens"] / r[11]) ** 2 for r in ROWS if r[14])
         best = min(best or (err, e), (err, e))
     return best[1]
@@ -115,14 +120,20 @@ def fit() -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--fit", action="store_true", help="print the fitted efficiency first")
+    ap.add_argument("--fit", action="store_true", help="print the fitted constant first")
+    ap.add_argument("--no-host", action="store_true", help="MOE_EXPERT_KERNEL_HOST_S = 0")
+    ap.add_argument("--per-row", action="store_true", help="each row's exact constant")
     a = ap.parse_args(argv)
+    if a.no_host:
+        planner.MOE_EXPERT_KERNEL_HOST_S = 0.0
     if a.fit:
         e = fit()
-        print(f"least-squares GROUPED_GEMM_EFFICIENCY over the fitted rows: {e:.2f}")
-        planner.GROUPED_GEMM_EFFICIENCY = e
-    print(f"GROUPED_GEMM_EFFICIENCY = {planner.GROUPED_GEMM_EFFICIENCY} "
-          f"({'fitted on the fit set' if a.fit else 'not fitted: the planner constant'}), "
+        print(f"least-squares MOE_EXPERT_KERNEL_HOST_S over the fit set: {e * 1e6:.0f} us")
+        planner.MOE_EXPERT_KERNEL_HOST_S = e
+    how = "just fitted on the fit set" if a.fit else "set to 0" if a.no_host \
+        else "the planner's constant"
+    print(f"MOE_EXPERT_KERNEL_HOST_S = {planner.MOE_EXPERT_KERNEL_HOST_S * 1e6:.0f} us ({how}), "
+          f"GROUPED_GEMM_EFFICIENCY = {planner.GROUPED_GEMM_EFFICIENCY}, "
           f"FP8_GEMM_EFFICIENCY = {planner.FP8_GEMM_EFFICIENCY}\n")
     print("| row | set | precision | GPUs | layout (published, pinned) | planner's rest | GiB | "
           "EP s | tokens/s/GPU published | planner | error | model TFLOP/s published | "
@@ -139,6 +150,17 @@ def main(argv=None):
               f"{got['gib']:.1f} | {got['ep_s']:.2f} | {r[11]} | {got['tokens']:.0f} | "
               f"{err:+.1%} | {r[12]} | {got['tflops']:.0f} |", flush=True)
     print(f"\nworst |error|: fitted {worst[True]:.1%}, held out {worst[False]:.1%}")
+    if a.per_row:
+        print("\n| row | set | MOE_EXPERT_KERNEL_HOST_S that predicts the row exactly |\n"
+              "|---|---|---|")
+        for r in ROWS:
+            lo, hi = 0.0, 200e-6
+            for _ in range(20):
+                planner.MOE_EXPERT_KERNEL_HOST_S = (lo + hi) / 2
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if predict(r)["tokens"] > r[11] else (lo, mid)
+            print(f"| {r[0]} | {'fit set' if r[14] else 'held out'} | "
+                  f"{(lo + hi) / 2 * 1e6:.0f} us |")
     print("\nsources:")
     for s in sorted({r[13] for r in ROWS}):
         print(f"* {s}")

@@ -62,6 +62,10 @@ MOE_IMBALANCE = 1.25
 FP8_GEMM_EFFICIENCY = 0.45
 # grouped expert GEMMs against a dense GEMM of the same per-expert shape (docs/planner.md, MoE)
 GROUPED_GEMM_EFFICIENCY = 1.0
+# host seconds per per-expert kernel of a dropless MoE layer at EP > 1 (its GEMMs, and in fp8
+# their casts), exposed: the layer reads its split sizes on the host, so the host cannot run
+# ahead of the device; fitted on the MoE fit set only (docs/planner.md, "Published MoE rows")
+MOE_EXPERT_KERNEL_HOST_S = 54e-6
 
 
 @dataclass
@@ -684,8 +688,15 @@ def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, floa
                        / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
     if etp > 1:
         a2a += 2 * _coll_s(False, rows * h * E, etp, cl.link(etp))
+    # the per-expert kernels' host time (MOE_EXPERT_KERNEL_HOST_S), dropless at EP > 1 on a
+    # GPU: forward fc1 and fc2, backward their input and weight gradients; in fp8 each GEMM
+    # input cast forward and each output gradient cast backward
+    host = 0.0
+    if ep > 1 and cfg.moe_expert_capacity_factor is None and m.device == "cuda":
+        host = cfg.num_experts // ep * MOE_EXPERT_KERNEL_HOST_S
+    casts = 2 if m.precision == "fp8" else 0
     return {"compute": router + experts + shared + moved * E / hbm, "w": shared, "a2a": a2a,
-            "tp": 1 if fs else 0}
+            "tp": 1 if fs else 0, "host_f": (2 + casts) * host, "host_b": (4 + casts) * host}
 
 
 def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
@@ -743,12 +754,13 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         n_moe = sum(moe_layers(m, x) for x in ranges[r])
         if n_moe:  # MoE layers in place of dense ones (recomputed in proportion)
             k_moe = k * n_moe / n
-            out[0] += n_moe * 3 * (fwd_moe - fwd) + k_moe * (fwd_moe - fwd)
+            out[0] += n_moe * 3 * (fwd_moe - fwd) + k_moe * (fwd_moe - fwd) \
+                + n_moe * (moe["host_f"] + moe["host_b"]) + k_moe * moe["host_f"]
             out[1] += (n_moe * 2 + k_moe) * (moe["tp"] - 1) * ar
             out[3] = (2 * n_moe + k_moe) * moe["a2a"]
             if m.moe_overlap and lay.expert_model_parallel_size > 1:  # behind the paired
                 out[3] = max(0.0, out[3] - 0.9 * 3 * n_moe * fwd_moe)  # micro-batch's compute
-            out[4] += n_moe * (fwd_moe - fwd)
+            out[4] += n_moe * (fwd_moe - fwd + moe["host_f"])
             out[5] += n_moe * (w_moe - gemm)
         return out
 

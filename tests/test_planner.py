@@ -212,8 +212,10 @@ def test_precision_overlap_and_dedup_inputs():
     lay, cl = Layout(1, 1, 1, 32, 1, False, "none", 1, "1f1b",
                      expert_model_parallel_size=32), Cluster(32, 8, h100)
     t = step_time(m, lay, cl, 32)
-    assert step_time(dataclasses.replace(m, precision="fp8"), lay, cl, 32)["compute_s"] \
-        < 0.9 * t["compute_s"]
+    with pytest.MonkeyPatch.context() as mp:  # the GEMMs alone (fp8's casts add host time:
+        mp.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)  # its own test)
+        assert step_time(dataclasses.replace(m, precision="fp8"), lay, cl, 32)["compute_s"] \
+            < 0.9 * step_time(dataclasses.replace(m, memo={}), lay, cl, 32)["compute_s"]
     # the capacity-factor mode: at cf 1 no rank receives more than k T rows, whatever the
     # dropless imbalance assumed; dropless at 1.5 receives (and moves) more
     dropping = Model.from_config(ModelConfig(**base, moe_expert_capacity_factor=1.0),
@@ -249,9 +251,11 @@ def test_fused_moe_activations():
     assert moe_activation_bytes(Model.from_config(cfg, moe_imbalance=1.0), T, 2, 1) > want
 
 
-def test_plan_json_has_expert_grid_and_precision(capsys):
-    """--json reports EP and ETP per layout; --precision fp8 and --overlap-moe-expert-parallel-
-    comm change the predicted step, not the memory."""
+def test_plan_json_has_expert_grid_and_precision(capsys, monkeypatch):
+    """--json reports EP and ETP per layout; --precision fp8 (its GEMMs; the host time of its
+    casts is test_moe_expert_kernel_host_time's) and --overlap-moe-expert-parallel-comm change
+    the predicted step, not the memory."""
+    monkeypatch.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)
     tool = _plan_tool()
     pin = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
            "--zero-stage", "1", "--micro-batch-size", "1", "--recompute-granularity",
@@ -701,9 +705,17 @@ def test_plan_moe_runs_and_pins_the_expert_grid(capsys):
     assert tool.main([*MOE_MODEL, *pin, "--expert-model-parallel-size", "4"]) == 0
     assert {x["expert_model_parallel_size"] for x in json.loads(
         capsys.readouterr().out)["layouts"]} == {4}
-    assert tool.main([*MOE_MODEL, *pin[:-3], "--top", "2"]) == 0  # the table: EP time too
+    # the table: EP time too, and why an EP layout loses: on this small model the host time
+    # of each local expert's kernels; without it, its all-to-alls
+    assert tool.main([*MOE_MODEL, *pin[:-3], "--expert-tensor-parallel-size", "1",
+                      "--context-parallel-size", "1", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "(0.02B active)" in out and "(comp/tp/bubble/dp/ep)" in out, out
+    assert "slower: EP 8: the host time of each local expert's kernels" in out, out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)
+        assert tool.main([*MOE_MODEL, *pin[:-3], "--top", "2"]) == 0
+    out = capsys.readouterr().out
     assert "why not first: " in out and "slower: EP 2 all-to-alls" in out, out
 
 
@@ -754,6 +766,37 @@ def test_moe_step_time_prices_active_experts_and_all_to_alls():
                 / (gbps * COLLECTIVE_EFFICIENCY)
             assert got == pytest.approx(4 * 4 * one), (ep, imbalance)  # 4 layers, 1 micro-batch
     assert step_time(moe(32, 1024, 1.25), lay, cl, 32) == step_time(moe(32, 1024), lay, cl, 32)
+
+
+def test_moe_expert_kernel_host_time():
+    """Dropless at EP > 1 on a GPU an MoE layer adds MOE_EXPERT_KERNEL_HOST_S per per-expert
+    kernel: E/EP experts x (2 forward + 4 backward GEMMs, + 2 + 2 casts in fp8) per layer and
+    micro-batch, and a full recompute's forward once more; nothing at EP 1, with a capacity
+    factor, or on the CPU."""
+    from megalite.planner import MOE_EXPERT_KERNEL_HOST_S as host
+
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=256,
+                vocab_size=1024, params_dtype="bfloat16", swiglu=True, add_bias_linear=False,
+                ffn_hidden_size=512, hidden_dropout=0.0, attention_dropout=0.0, num_experts=16,
+                moe_router_topk=2, moe_ffn_hidden_size=256)
+    cl = Cluster(8, 8, GPUS[H100])
+    lay = Layout(1, 1, 1, 8, 1, False, "none", 1, "1f1b", expert_model_parallel_size=8)
+
+    def extra(lay, device="cuda", precision="bf16", **kw):
+        cfg = ModelConfig(**base, **kw)
+        m = dataclasses.replace(Model.from_config(cfg, device), precision=precision)
+        on = step_time(m, lay, cl, 8)["compute_s"]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)
+            off = step_time(dataclasses.replace(m, memo={}), lay, cl, 8)["compute_s"]
+        return on - off
+    assert host > 0
+    assert extra(lay) == pytest.approx(4 * 2 * 6 * host)  # 4 layers, 2 experts, 1 micro-batch
+    assert extra(lay, precision="fp8") == pytest.approx(4 * 2 * 10 * host)
+    assert extra(dataclasses.replace(lay, recompute_granularity="full")) \
+        == pytest.approx(4 * 2 * 8 * host)
+    ep1 = dataclasses.replace(lay, expert_model_parallel_size=1)
+    assert extra(ep1) == extra(lay, "cpu") == extra(lay, moe_expert_capacity_factor=1.0) == 0
 
 
 def test_pretrain_estimate_moe_ep2(tmp_path):

@@ -94,7 +94,10 @@ def why_lost(pl: Plan, best: Plan, cl: Cluster) -> str:
                f"micro-batch {lay.micro_batch_size}: smaller GEMMs"
                if lay.micro_batch_size < b.micro_batch_size else
                f"ZeRO {lay.zero_stage}: a longer optimizer step"
-               if lay.zero_stage != b.zero_stage else "smaller GEMMs per GPU")
+               if lay.zero_stage != b.zero_stage else
+               f"EP {lay.expert_model_parallel_size}: the host time of each local expert's kernels"
+               if lay.expert_model_parallel_size > max(1, b.expert_model_parallel_size)
+               and pl.time["compute_s"] > best.time["compute_s"] else "smaller GEMMs per GPU")
     why = {"compute_s": compute,
            "tp_comm_s": f"TP {t} collectives" + (" cross the node" if t > cl.gpus_per_node
                                                   else ""),
