@@ -33,18 +33,21 @@ def saved_bytes(layer, x, full_recompute: bool) -> int:
     from megalite.tensor_parallel.random import checkpoint
 
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    # Storages are held here, not only their addresses: a part of the graph freed during the
+    # forward would free its saved tensors, and a later one allocated at the same address would
+    # replace its entry (an undercount that depended on the allocator's reuse).
     seen = {}
 
     def pack(t):
         s = t.untyped_storage()
         if s.data_ptr() not in params and s.nbytes() > 0:
-            seen[s.data_ptr()] = s.nbytes()
+            seen[s.data_ptr()] = s
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = checkpoint(layer, x.device, x) if full_recompute else layer(x)
     y.float().sum().backward()  # the saved tensors must serve a real backward
-    return sum(seen.values())
+    return sum(s.nbytes() for s in seen.values())
 
 
 def measure(rank, world, port, a, results):
