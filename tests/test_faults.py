@@ -238,6 +238,15 @@ def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
     assert "memory at iteration 3" in out and "iteration        3/" not in out, out
     assert not [n for n in os.listdir(ck16) if n.startswith("iter_")]
     assert not (ck16 / checkpointing.TRACKER_FILE).exists()
+    # --async-save, the save (iteration 3) before any log line: the pending NaN of iteration 2 is
+    # read before the snapshot is taken, so nothing is snapshotted, written or published
+    cka = tmp_path / "ck_async"
+    assert run_main(flags(*boom, "--bf16", "--async-save", log_interval=5, save=cka,
+                          save_interval=3)) == 1
+    out, err = capsys.readouterr()
+    assert "loss nan at iteration 2 in bfloat16, its optimizer step skipped" in err, err
+    assert not [n for n in os.listdir(cka) if n.startswith("iter_")]
+    assert not (cka / checkpointing.TRACKER_FILE).exists()
     # fp16 (one process: the overflow flag's agreement over ranks is the fp32 path's reduction)
     assert run_main(flags(*boom, "--fp16", metrics_file=tmp_path / "fp16.jsonl")) == 0
     recs = read_metrics(tmp_path / "fp16.jsonl")
