@@ -35,11 +35,7 @@ import json, os, shutil, sys, tempfile
 sys.path.insert(0, {root!r})
 from megalite.convert import checkpoint_tools as ct
 from megalite.convert.layout import Layout
-
-def kb(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
+from megalite.memory import host_rss_bytes, reset_host_peak_rss
 
 def run(op, src, dst):
     if op == "import":
@@ -50,11 +46,9 @@ def run(op, src, dst):
 w = tempfile.mkdtemp()
 run({op!r}, {tiny!r}, os.path.join(w, "x"))  # warm-up
 shutil.rmtree(w)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # VmHWM := VmRSS
-base = kb("VmRSS")
+base = reset_host_peak_rss()
 run({op!r}, {src!r}, {dst!r})
-print(json.dumps({{"growth": (kb("VmHWM") - base) * 1024}}))
+print(json.dumps({{"growth": host_rss_bytes("VmHWM") - base}}))
 """
 
 

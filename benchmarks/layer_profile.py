@@ -116,29 +116,25 @@ def kernels(args):
 
 
 def ce(args):
-    import re
     import statistics
     import time
 
+    from megalite.memory import host_rss_bytes, reset_host_peak_rss
     from megalite.parallel_state import synchronize
     from megalite.tensor_parallel import cross_entropy as ce_mod
 
     ce_mod.COMPILE_BLOCKS = {"auto": None, "compiled": True, "eager": False}[args.blocks]
     dev = torch.device(args.device)
 
-    def kib(field):  # VmRSS (now) or VmHWM (high-water mark since the last reset)
-        return int(re.search(field + r":\s+(\d+)", open("/proc/self/status").read()).group(1))
-
     def reset_peak():
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             return torch.cuda.memory_allocated()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return kib("VmRSS") * 1024
+        return reset_host_peak_rss()
 
     def peak():
-        return torch.cuda.max_memory_allocated() if dev.type == "cuda" else kib("VmHWM") * 1024
+        return torch.cuda.max_memory_allocated() if dev.type == "cuda" else \
+            host_rss_bytes("VmHWM")
 
     for vocab in map(int, args.vocabs.split(",")):
         for dtype in args.dtypes.split(","):

@@ -30,14 +30,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {key} in /proc/self/status")
-
-
 def _flags(a, *extra):
     return ["--mock-data", "--num-layers", a.layers, "--hidden-size", a.hidden,
             "--num-attention-heads", 4, "--seq-length", 32, "--vocab-size", 1024,
@@ -49,6 +41,7 @@ def _load_rank(rank, world, argv, offline, tp, pp):
     from megalite.arguments import parse_args
     from megalite.data import build_tokenizer
     from megalite.logging import MetricsLogger
+    from megalite.memory import host_rss_bytes, reset_host_peak_rss
     from megalite.parallel_state import initialize_model_parallel
     from megalite.training import Trainer
 
@@ -62,11 +55,9 @@ def _load_rank(rank, world, argv, offline, tp, pp):
 
     class Measured(Trainer):
         def _load_checkpoint(self):
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # VmHWM := VmRSS
-            before = _status("VmRSS")
+            before = reset_host_peak_rss()
             super()._load_checkpoint()
-            out["growth"] = _status("VmHWM") - before
+            out["growth"] = host_rss_bytes("VmHWM") - before
 
     Measured(cfg, ps, MetricsLogger(cfg, is_writer=False, stream=io.StringIO()), tok, 0.0)
     shard = os.path.join(offline, "iter_0000001", f"mp_rank_{ps.tp_rank:02d}_{ps.pp_rank:03d}")

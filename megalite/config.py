@@ -704,8 +704,8 @@ class ModelConfig(_Section):
         the router's rules (megalite/moe/router.py) are checked here too, before any work."""
         e, k = self.num_experts, self.moe_router_topk
         if e is None:
-            changed = [f for f in fields(self) if (f.name.startswith("moe_") or f.name == (
-                "overlap_moe_expert_parallel_comm")) and getattr(self, f.name) != f.default]
+            changed = [f for f in fields(self) if f.metadata.get("group") == "mixture of experts"
+                       and f.name != "num_experts" and getattr(self, f.name) != f.default]
             if changed:
                 raise ConfigError(f"{flag_name(changed[0])} needs --num-experts N: without it "
                                   f"every layer is a dense MLP")

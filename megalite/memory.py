@@ -36,6 +36,7 @@ that group's N, the rest DP x CP's (the formula is linear in Ψ, so the parts ad
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -359,3 +360,28 @@ class PeakTensorMemory:
         self.peak_bytes = int(self.baseline + high)
         self._prof = None
         return False
+
+
+# ------------------------------------------------------------------------------ host peak RSS
+# What the converter, load-time resharding and the CPU profiles are held to: a process's peak
+# resident memory over a region, from Linux's /proc (``VmHWM``, the high-water mark, which writing
+# "5" to /proc/self/clear_refs resets to the current ``VmRSS``).
+HOST_PEAK_RSS_SUPPORTED = os.path.exists("/proc/self/clear_refs")
+
+
+def host_rss_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now (``VmRSS``) or its peak since the last reset
+    (``VmHWM``), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_host_peak_rss() -> int:
+    """Reset the peak to the current resident memory and return that: the peak growth of a region
+    is ``host_rss_bytes("VmHWM") - reset_host_peak_rss()`` taken around it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return host_rss_bytes("VmRSS")

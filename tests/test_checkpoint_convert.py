@@ -18,6 +18,7 @@ from pretrain_utils import ROOT, TINY
 from test_convert_hf import SEQ, VOCAB, make_hf
 
 from megalite import checkpointing as ckpt
+from megalite.memory import HOST_PEAK_RSS_SUPPORTED
 from megalite.convert import checkpoint_tools as ct
 from megalite.convert.layout import Layout
 
@@ -423,11 +424,7 @@ import json, os, shutil, sys, tempfile
 sys.path.insert(0, {root!r})
 from megalite.convert import checkpoint_tools as ct
 from megalite.convert.layout import Layout
-
-def kb(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
+from megalite.memory import host_rss_bytes, reset_host_peak_rss
 
 def run(src, dst, pp):
     if {cmd!r} == "reshard":
@@ -438,11 +435,9 @@ def run(src, dst, pp):
 w = tempfile.mkdtemp()
 run({tiny!r}, os.path.join(w, "x"), 2)  # warm-up: imports and caches are not what is measured
 shutil.rmtree(w)
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-base = kb("VmRSS")
+base = reset_host_peak_rss()
 run({src!r}, {dst!r}, {pp})
-print(json.dumps({{"growth": (kb("VmHWM") - base) * 1024}}))
+print(json.dumps({{"growth": host_rss_bytes("VmHWM") - base}}))
 """
 
 
@@ -470,7 +465,7 @@ def _dir_bytes(d) -> int:
     return sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(d) for f in fs)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+@pytest.mark.skipif(not HOST_PEAK_RSS_SUPPORTED, reason="needs Linux /proc")
 def test_streaming_peak_memory_is_one_stage_not_the_model(tmp_path):
     """24 layers: resharding to pp=8 and exporting in small shards grow the peak RSS by a fraction
     of the checkpoint, where loading it whole would take all of it (docs: measured figures)."""
