@@ -277,9 +277,10 @@ class Pair:
     running, whichever thread it is on (on CUDA, autograd runs the backward's nodes on its
     device thread), so the pair needs no thread identities."""
 
-    def __init__(self):
+    def __init__(self, on_resume: Optional[Callable[[int], None]] = None):
         self.cond = threading.Condition()
         self.turn, self.done = 0, [False, False]
+        self.on_resume = on_resume  # called with the side that runs again after a hand-over
 
     def switch(self) -> None:
         with self.cond:
@@ -289,6 +290,8 @@ class Pair:
             self.turn = 1 - me
             self.cond.notify_all()
             self.cond.wait_for(lambda: self.turn == me)
+        if self.on_resume is not None:
+            self.on_resume(me)
 
     def run(self, side0: Callable, side1: Callable) -> None:
         errors: List[BaseException] = []
@@ -367,25 +370,12 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         timeline.record(kind, 0, running[0], start - t0, end - t0)
 
     def pair(j: int) -> None:  # F(j+1) and B(j), interleaved at their all-to-alls
-        p = Pair()
-        fwd_mb, bwd_mb = j + 1, j
-
-        def side_f():
-            forward(fwd_mb)
-
-        def side_b():
-            backward(bwd_mb)
-
+        sides = (j + 1, j)  # side 0 the forward's micro-batch, side 1 the backward's
         # the running side is charged for the waits: track it at every hand-over
-        switch = p.switch
-
-        def tracked_switch():
-            switch()
-            running[0] = fwd_mb if p.turn == 0 else bwd_mb
-        p.switch = tracked_switch
+        p = Pair(on_resume=lambda side: running.__setitem__(0, sides[side]))
         C.set_overlap(p, a2a_wait if timeline is not None else None)
         try:
-            p.run(side_f, side_b)
+            p.run(lambda: forward(sides[0]), lambda: backward(sides[1]))
         finally:
             C.set_overlap(None, a2a_wait if timeline is not None else None)
 
