@@ -99,6 +99,8 @@ def snapshot(obj, buffers: Optional[HostBuffers] = None, copy_host: bool = True)
             return p
         if t.requires_grad:
             out.requires_grad_(True)
+        if t.__dict__:  # torch.save records a tensor's Python attributes too
+            out.__dict__.update(t.__dict__)
         return out
 
     def walk(x):

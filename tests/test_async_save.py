@@ -225,12 +225,16 @@ def test_sigterm_during_async_save_finishes_it_and_resumes_exactly(runs):
 
 def test_snapshot_reuses_host_buffers_and_keeps_the_bytes():
     """The CPU side of the pinned-buffer seam: storages reused across saves, views stay views of
-    one copy, Parameters stay Parameters, and torch.save writes the original's bytes."""
+    one copy, Parameters stay Parameters, attributes are kept, and torch.save writes the
+    original's bytes."""
     flat = torch.arange(12, dtype=torch.float32)
     p = torch.nn.Parameter(torch.ones(3), requires_grad=False)
     obj = {"a": flat[2:6].view(2, 2), "b": flat[6:], "p": p, "n": [1, 2.5, "x", None],
            "t": (flat[:1], 3)}
     obj["again"] = obj["n"]
+    tagged = torch.full((2,), 7.0)
+    tagged.note = "kept"  # a tensor's Python attributes are in torch.save's bytes too
+    obj["tagged"] = tagged
     buffers = HostBuffers(pinned=False)
 
     def saved(o):
@@ -251,7 +255,7 @@ def test_snapshot_reuses_host_buffers_and_keeps_the_bytes():
         ptrs.append([s.data_ptr() for s in buffers.storages])
         flat += 1  # training goes on: the snapshot keeps what was saved
         assert torch.equal(snap["b"], flat[6:] - 1)
-    assert ptrs[0] == ptrs[1] and buffers.allocations == 2  # the flat buffer and the Parameter
+    assert ptrs[0] == ptrs[1] and buffers.allocations == 3  # flat buffer, Parameter, tagged
 
 
 def test_async_save_refused_when_one_snapshot_cannot_fit(tmp_path, capsys):
