@@ -478,8 +478,8 @@ class ModelConfig(_Section):
         role=RUN)
     overlap_moe_expert_parallel_comm: bool = setting(
         False, "MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's compute "
-        "(Megatron's flag). pretrain.py: the combined 1F1B at PP 1, alltoall dispatcher, no "
-        "recompute; tools/plan.py prices it on any layout", group="mixture of experts",
+        "(Megatron's flag): the combined 1F1B at PP 1, every pipeline schedule's F&B pairs at "
+        "PP > 1; alltoall dispatcher, no recompute", group="mixture of experts",
         role=RUN)
     recompute_granularity: Optional[str] = setting(
         None, choices=("full", "selective"), group="activation recomputation", role=RUN,
@@ -1260,9 +1260,6 @@ class MegaliteConfig(_Section):
             # of step with the other rank's pair (Megatron refuses it too)
             raise ConfigError(f"{flag} cannot be combined with --recompute-granularity "
                               f"{m.recompute_granularity}: drop one of them")
-        if par.pipeline_model_parallel_size > 1:
-            raise ConfigError(f"{flag} is the combined 1F1B of --pipeline-model-parallel-size 1 "
-                              f"only, got {par.pipeline_model_parallel_size}")
         if self.optimizer.zero_stage == 3:
             # ZeRO-3's forward hooks gather the parameters the paired backward releases
             raise ConfigError(f"{flag} cannot be combined with --zero-stage 3: use ZeRO 0-2")

@@ -665,7 +665,7 @@ class Trainer:
         extra = {} if forward_only else dict(
             grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
             finalize_model_grads_func=self.finalize_fn,
-            # the combined 1F1B (PP 1; config refuses it elsewhere): docs/moe.md
+            # the combined 1F1B / F&B pairs: docs/moe.md, docs/pipeline_parallel.md
             overlap_moe_expert_parallel_comm=self.cfg.model.overlap_moe_expert_parallel_comm,
             # the timeline synchronises around every op: only on the steps whose bubble is logged
             timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)

@@ -278,13 +278,15 @@ OVERLAP = ["--num-experts", "4", "--expert-model-parallel-size", "2",
     (["--moe-token-dispatcher-type", "allgather"], "needs --moe-token-dispatcher-type alltoall"),
     (["--recompute-granularity", "full"], "with --recompute-granularity full"),
     (["--recompute-granularity", "selective"], "with --recompute-granularity selective"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1 only"),
     (["--zero-stage", "3"], "with --zero-stage 3"),
 ])
 def test_moe_overlap_refuses_what_it_does_not_compose_with(argv, needle):
     """The combined 1F1B's one-line refusals (docs/moe.md, "Hiding the all-to-alls"); the flag
-    itself passes at EP 2, PP 1 (the last flag given wins)."""
+    itself passes at EP 2, PP 1 and under every pipeline schedule (the last flag given wins)."""
     assert parse_args(OVERLAP).model.overlap_moe_expert_parallel_comm
+    for schedule in ("1f1b", "dualpipev", "zb-v", "zb-h1"):
+        assert parse_args(OVERLAP + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                     schedule]).model.overlap_moe_expert_parallel_comm
     with pytest.raises(ConfigError, match=needle) as e:
         parse_args(OVERLAP + argv)
     assert str(e.value).startswith("--overlap-moe-expert-parallel-comm") and "\n" not in str(

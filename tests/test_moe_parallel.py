@@ -24,6 +24,8 @@ TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
 # (micro-batches of one: a V schedule at PP 2 needs 4 per DP rank)
 FOUR_LAYERS = ["--num-layers", "4", "--moe-layer-freq", "[0,1,1,1]", "--micro-batch-size", "1"]
+DENSE_FIRST = ["--moe-layer-freq", "[0,1]", "--micro-batch-size", "1"]  # PP 2: stage 0 dense
+PP2, OVERLAP = ["--pipeline-model-parallel-size", "2"], ["--overlap-moe-expert-parallel-comm"]
 # DeepSeek-V3's shape: multi-latent attention with a q latent and YaRN, a dense first layer of its
 # own width, 8 experts chosen by sigmoid scores plus the balancing bias within 2 of 4 groups
 # (HF's group score, the sum of each group's top 2), gates scaled by 2.5, a shared expert
@@ -77,16 +79,22 @@ CASES = {
     "allgather_ep2": (2, [], ALLGATHER + EP2),
     "ep2_cp2": (4, [], EP2 + ["--context-parallel-size", "2"]),
     # the first stage is dense: its ranks hold no expert
-    "ep2_pp2_dense_first": (4, ["--moe-layer-freq", "[0,1]"],
-                            EP2 + ["--pipeline-model-parallel-size", "2"]),
+    "ep2_pp2_dense_first": (4, DENSE_FIRST, EP2 + PP2),
+    # F&B pairs (docs/pipeline_parallel.md): bit for bit the same schedule without them
+    "ep2_pp2_dense_first_overlap": (4, DENSE_FIRST, EP2 + PP2 + OVERLAP),
     # global_aux_loss: the two DP ranks' micro-batches of 2 are one round of 4 tokens' worth
     # of sequences, so the one-process run takes micro-batches of 4 (docs/moe.md)
     "global_aux_dp2_ep2_tp2_sp": (4, LLAMA + ["--moe-router-load-balancing-type",
                                               "global_aux_loss", "--micro-batch-size", "4"],
                                   EP2 + TP2_SP + ["--micro-batch-size", "2"]),
     # a V schedule: each rank holds the first chunk (a dense layer) and the last (experts)
-    "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + ["--pipeline-model-parallel-size", "2",
-                                                 "--pipeline-schedule", "dualpipev"]),
+    "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + PP2 + ["--pipeline-schedule", "dualpipev"]),
+    "ep2_pp2_dualpipev_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
+        "--pipeline-schedule", "dualpipev"]),
+    # the other schedules' pairs: ZB-V's (its W ops deferred too), interleaved's (v 2)
+    "ep2_pp2_zbv_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + ["--pipeline-schedule", "zb-v"]),
+    "ep2_pp2_interleaved_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
+        "--num-layers-per-virtual-pipeline-stage", "1"]),
     # DeepSeek-V3-shaped: MLA's replicated latents over TP, its V padded for the CP ring (p2p)
     "deepseek_ep2_tp2_sp": (4, DEEPSEEK, EP2 + TP2_SP + ["--expert-tensor-parallel-size", "1"]),
     "deepseek_ep2_pp2": (4, DEEPSEEK, EP2 + ["--pipeline-model-parallel-size", "2"]),
@@ -148,13 +156,18 @@ def test_moe_layout_matches_one_process(moe_runs, name):
     assert len({round(r["lm_loss"], 4) for r in ref}) >= ITERS - 1  # the losses do move
 
 
-def test_moe_overlap_is_bit_for_bit_the_run_without_it(moe_runs):
+@pytest.mark.parametrize("plain, overlap", [
+    ("ep2", "ep2_overlap"),  # PP 1: the combined 1F1B
+    ("ep2_pp2_dense_first", "ep2_pp2_dense_first_overlap"),  # 1F1B's F&B pairs
+    ("ep2_pp2_dualpipev", "ep2_pp2_dualpipev_overlap"),  # DualPipeV's
+])
+def test_moe_overlap_is_bit_for_bit_the_run_without_it(moe_runs, plain, overlap):
     """--overlap-moe-expert-parallel-comm reorders when ops run, never what they compute: every
     logged figure of the EP2 run, losses and grad norms included, is exactly the plain run's."""
     from pretrain_utils import read_metrics
 
     d, _ = moe_runs
-    plain, paired = read_metrics(d / "ep2.jsonl"), read_metrics(d / "ep2_overlap.jsonl")
+    plain, paired = read_metrics(d / f"{plain}.jsonl"), read_metrics(d / f"{overlap}.jsonl")
     assert len(plain) == ITERS and [{k: r[k] for k in KEYS} for r in paired] == [
         {k: r[k] for k in KEYS} for r in plain]
 

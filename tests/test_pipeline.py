@@ -34,7 +34,7 @@ from megalite.config import SCHEDULES, V_SCHEDULES, check_pipeline_args
 from megalite.pipeline_parallel.executor import get_forward_backward_func
 from megalite.pipeline_parallel.partition import virtual_stage
 from megalite.pipeline_parallel.schedules import (
-    eager_program, op_peers, p2p_program, schedule_order)
+    eager_program, op_peers, p2p_program, paired_units, schedule_order)
 from megalite.pipeline_parallel.timeline import (
     StageTimeline, bubble_stats, schedule_idle_times, write_chrome_trace)
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -401,27 +401,58 @@ def test_bad_pipeline_config_is_one_clear_line(call, flag):
 
 # --------------------------------------------------------------------- deadlock-freedom (no procs)
 # Every rank runs its p2p program (schedules.p2p_program): "post" a batch of sends and receives,
-# "wait" for a batch, "run" an op. Replayed here under the backend's rules: each send or receive
-# is matched by the counterpart with the same index on its (src, dst, tag) channel, a batch
-# completes once all its ops are matched, and a rank blocks at "wait" until its batch completes.
-# NCCL (batched program) ignores tags (one channel per (src, dst), in posting order) and runs a
-# rank's batches in order on one stream: a batch is not even posted until the rank's earlier
-# batches have completed. The replay also checks that the
-# k-th message on each channel is the (virtual stage, micro-batch) the receiver expects, and that
-# a hand-over inside a rank (the V's tip) comes from an op that rank already ran.
-def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", lookahead=None):
+# "wait" for a batch, "run" an op (or "pair" an F&B pair). Replayed here under the backend's
+# rules: each send or receive is matched by the counterpart with the same index on its (src, dst,
+# tag) channel, a batch completes once all its ops are matched, and a rank blocks at "wait" until
+# its batch completes. NCCL (batched program) ignores tags (one channel per (src, dst), in posting
+# order) and runs a rank's batches in order on one stream: a batch is not even posted until the
+# rank's earlier batches have completed. The replay also checks that the k-th message on each
+# channel is the (virtual stage, micro-batch) the receiver expects, and that a hand-over inside a
+# rank (the V's tip) comes from an op that rank already ran.
+#
+# With ``ep`` > 1 each pipeline rank is ``ep`` ranks (an EP group, running the same program) and
+# every F or B of an MoE chunk issues all-to-alls on its group: 3 per forward (counts, dispatch,
+# combine), 2 per backward, a pair's alternating F, B, F, B, ... as the Pair hands over. The
+# calling rank blocks until an all-to-all completes (the host reads the split sizes), which needs
+# every peer of the group to have issued it, carrying the same (kind, micro-batch, piece); under
+# NCCL, also the peers' earlier batches done (one stream: the all-to-all queues behind them).
+A2A_PIECES = {"F": 3, "B": 2, "W": 0}
+
+
+def _a2a_order(unit, ops, moe):
+    """The all-to-alls a program step issues, in the order a Pair hands over between its sides."""
+    sides = [[(ops[i].kind, ops[i].chunk, ops[i].microbatch, n)
+              for n in range(A2A_PIECES[ops[i].kind] if moe(ops[i]) else 0)] for i in unit]
+    out = []
+    while any(sides):
+        for side in sides:
+            if side:
+                out.append(side.pop(0))
+    return out
+
+
+def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", lookahead=None,
+            paired=False, ep=1, dense_first=False):
     v_shape = schedule in V_SCHEDULES
     progs = []
+    paired = paired and not forward_only
     for r in range(p):
-        ops = schedule_order(schedule, p, r, m, v, forward_only)
+        ops = schedule_order(schedule, p, r, m, v, forward_only, paired)
         peers = [op_peers(op, schedule, p, r, v) for op in ops]
         if lookahead is None:
-            prog = p2p_program(mode, schedule, p, r, m, v, forward_only)
+            prog = p2p_program(mode, schedule, p, r, m, v, forward_only, paired)
         else:
             prog = eager_program([s not in (None, r) for s, _ in peers],
                                  [d not in (None, r) for _, d in peers], lookahead)
+
+        def moe(op, r=r):  # dense_first: the first virtual stage holds no expert
+            return ep > 1 and not (dense_first and virtual_stage(p, r, op.chunk, v, v_shape) == 0)
         steps = []
         for step in prog:
+            if step[0] in ("run", "pair"):
+                steps.append(step)
+                steps += [("a2a", piece) for piece in _a2a_order(step[1:], ops, moe)]
+                continue
             if step[0] != "post":
                 steps.append(step)
                 continue
@@ -443,12 +474,15 @@ def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", lookahead=Non
                 assert src_op in [(o.kind, o.chunk, o.microbatch) for o in ops[:i]], (r, op)
         progs.append(steps)
 
+    ranks = [(r, e) for r in range(p) for e in range(ep)]  # (pipeline rank, EP rank)
     posted = {}  # (send|recv, channel) -> payloads in posting order
-    batches = [{} for _ in range(p)]  # rank -> batch id -> [(kind, channel, index, payload)]
-    pos = [0] * p
+    batches = {q: {} for q in ranks}  # rank -> batch id -> [(kind, channel, index, payload)]
+    issued = {q: [] for q in ranks}  # rank -> its all-to-alls: (payload, batch ids before it)
+    pos = {q: 0 for q in ranks}
 
-    def complete(op):
-        kind, ch, k, pay = op
+    def complete(op, e):
+        kind, (src, dst, tag), k, pay = op
+        ch = ((src, e), (dst, e), tag)
         other = posted.get(("recv" if kind == "send" else "send", ch), [])
         if len(other) <= k:
             return False
@@ -457,31 +491,51 @@ def _replay(schedule, p, m, v=1, forward_only=False, mode="eager", lookahead=Non
                                   f"{sent}, the receiver expects {expected}")
         return True
 
+    def batch_done(q, b):
+        return all(complete(o, q[1]) for o in batches[q][b])
+
+    def a2a_done(r, k):
+        for e in range(ep):
+            if len(issued[r, e]) <= k:
+                return False
+            pay, before = issued[r, e][k]
+            assert pay == issued[r, 0][k][0], f"{schedule}: all-to-all {k} of stage {r} differs"
+            if mode == "batched" and not all(batch_done((r, e), b) for b in before):
+                return False
+        return True
+
     while True:
         progressed = False
-        for r in range(p):
-            while pos[r] < len(progs[r]):
-                step = progs[r][pos[r]]
+        for q in ranks:
+            r, e = q
+            while pos[q] < len(progs[r]):
+                step = progs[r][pos[q]]
                 if step[0] == "post":
-                    if mode == "batched" and not all(complete(o) for b in batches[r].values()
-                                                     for o in b):
+                    if mode == "batched" and not all(batch_done(q, b) for b in batches[q]):
                         break  # NCCL: the stream is still busy with an earlier batch
                     ops = []
                     for kind, ch, pay in step[2]:
-                        lst = posted.setdefault((kind, ch), [])
+                        chan = ((ch[0], e), (ch[1], e), ch[2])
+                        lst = posted.setdefault((kind, chan), [])
                         ops.append((kind, ch, len(lst), pay))
                         lst.append(pay)
-                    batches[r][step[1]] = ops
-                elif step[0] == "wait" and not all(complete(o) for o in batches[r][step[1]]):
+                    batches[q][step[1]] = ops
+                elif step[0] == "wait" and not batch_done(q, step[1]):
                     break
-                pos[r] += 1
+                elif step[0] == "a2a":
+                    k = sum(1 for s in progs[r][:pos[q]] if s[0] == "a2a")
+                    if len(issued[q]) == k:
+                        issued[q].append((step[1], list(batches[q])))
+                    if not a2a_done(r, k):
+                        break
+                pos[q] += 1
                 progressed = True
-        if all(pos[r] == len(progs[r]) for r in range(p)):
-            for r in range(p):  # the step's end waits every batch left: all must complete
-                assert all(complete(o) for b in batches[r].values() for o in b), schedule
+        if all(pos[q] == len(progs[q[0]]) for q in ranks):
+            for q in ranks:  # the step's end waits every batch left: all must complete
+                assert all(batch_done(q, b) for b in batches[q]), schedule
             return True
         if not progressed:
-            return [(r, progs[r][pos[r]]) for r in range(p) if pos[r] < len(progs[r])]
+            return [(q, progs[q[0]][pos[q]]) for q in ranks if pos[q] < len(progs[q[0]])]
 
 
 @pytest.mark.parametrize("schedule, v, mode", [
@@ -498,6 +552,59 @@ def test_p2p_programs_cannot_deadlock_and_match(schedule, v, mode):
                 if mode == "eager":
                     res = _replay(schedule, p, m, v, forward_only, mode, lookahead=1)
                     assert res is True, f"{schedule} lookahead 1 p={p} m={m}: deadlock at {res}"
+
+
+@pytest.mark.parametrize("mode", ["eager", "batched"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_paired_programs_with_all_to_alls_cannot_deadlock(schedule, mode):
+    """The F&B pairs' programs (--overlap-moe-expert-parallel-comm) on EP groups of 2 per stage,
+    each F and B issuing its all-to-alls, a pair's alternating: deadlock-free and matched under
+    both backends' rules, with experts on every stage and with a dense first stage; and the
+    pairs are really there, in every steady phase."""
+    v = 2 if schedule in V_SCHEDULES or schedule == "interleaved" else 1
+    for p in (2, 3, 4):
+        for m in (2 * p, 3 * p + (schedule != "interleaved")):  # interleaved: m a multiple of p
+            for dense_first in (False, True):
+                res = _replay(schedule, p, m, v, mode=mode, paired=True, ep=2,
+                              dense_first=dense_first)
+                assert res is True, f"{schedule} {mode} p={p} m={m}: deadlock at {res}"
+            units = paired_units(schedule, p, m, v)
+            assert all(any(len(u) == 2 for u in mine) for mine in units), (schedule, p, m)
+
+
+def test_unpaired_programs_with_all_to_alls_cannot_deadlock():
+    """Without pairs, the all-to-alls of every F and B between the schedule's p2p batches."""
+    for schedule in SCHEDULES:
+        v = 2 if schedule in V_SCHEDULES or schedule == "interleaved" else 1
+        for mode in ("eager", "batched"):
+            res = _replay(schedule, 3, 6, v, mode=mode, ep=2)
+            assert res is True, f"{schedule} {mode}: deadlock at {res}"
+
+
+def test_pairing_unties_a_knot_the_replay_finds(monkeypatch):
+    """Both ranks of p = 2 given 1F1B's order of rank 0 (F1, F2 B1, F3 B2, F4 B3, B4: it runs).
+    Pairing each F with the B after it knots them: rank 0's (F2, B1) waits for rank 1's B1,
+    which rank 1 pairs with an F2 that waits for rank 0's. The replay finds the deadlock;
+    ``paired_units`` splits every such pair, and its program runs."""
+    import megalite.pipeline_parallel.schedules as S
+
+    def same_order(schedule, p, r, m, v=1, forward_only=False, paired=False):
+        return S.order_1f1b(p, 0, m)
+
+    def every_pair(schedule, p, m, v=1):
+        return tuple(((0,), (1, 2), (3, 4), (5, 6), (7,)) for _ in range(p))
+
+    for mod, name in ((S, "schedule_order"), (S, "p2p_program"), (S, "paired_units")):
+        monkeypatch.setattr(mod, name, getattr(S, name).__wrapped__ if name != "schedule_order"
+                            else same_order)
+    monkeypatch.setitem(globals(), "schedule_order", same_order)
+    monkeypatch.setitem(globals(), "p2p_program", S.p2p_program)
+    untied = S.paired_units("1f1b", 2, 4)
+    assert untied == tuple(tuple((i,) for i in range(8)) for _ in range(2))
+    for mode in ("eager", "batched"):
+        assert _replay("1f1b", 2, 4, mode=mode, paired=True, ep=2) is True
+    monkeypatch.setattr(S, "paired_units", every_pair)
+    assert _replay("1f1b", 2, 4, mode="eager", paired=True, ep=2) is not True
 
 
 def test_p2p_programs_are_built_once_per_layout():

@@ -61,13 +61,13 @@ class PipelineExecutor:
 
     def __init__(self, schedule: str, chunks: list, parallel_state, m: int, forward_only: bool,
                  forward_step_func: Callable, data_iterator, grad_scale_func, no_sync_func,
-                 p2p: PipelineP2P, timing: bool):
+                 p2p: PipelineP2P, timing: bool, paired: bool = False):
         ps = parallel_state
         self.chunks, self.p2p, self.forward_only = chunks, p2p, forward_only
         self.forward_step_func, self.grad_scale_func = forward_step_func, grad_scale_func
         p, r, v = ps.pp_size, ps.pp_rank, len(chunks)
         self.r = r
-        self.ops = schedule_order(schedule, p, r, m, v, forward_only)
+        self.ops = schedule_order(schedule, p, r, m, v, forward_only, paired)
         self.peers = [op_peers(op, schedule, p, r, v) for op in self.ops]
         self.index = {(op.kind, op.chunk, op.microbatch): i for i, op in enumerate(self.ops)}
         vs = [virtual_stage(p, r, c, v, schedule in V_SCHEDULES) for c in range(v)]
@@ -85,6 +85,7 @@ class PipelineExecutor:
         self.stats: List[dict] = []
         self.timeline = StageTimeline(schedule, r, p, m, v) if timing else None
         self.t0 = time.perf_counter()
+        self.running: Optional[Op] = None  # the op an all-to-all wait is charged to
 
     # ---------------------------------------------------------------- the program's three steps
     def post(self, b: int, sends, recvs) -> None:
@@ -105,23 +106,73 @@ class PipelineExecutor:
         self.inbox.update(zip(recvs, batch.wait() if batch is not None else []))
 
     def run(self, i: int) -> None:
-        op = self.ops[i]
         self.no_sync.before(i)
+        start = self._clock()
+        self._deliver(i, self._compute(i), start)
+
+    def pair(self, i: int, k: int) -> None:
+        """An F&B pair (schedules.paired_units): the forward ops[i] and the backward ops[k] as
+        the two sides of a ``Pair``, interleaved at their all-to-alls (docs/pipeline_parallel.md,
+        "F&B pairs"); each side's output leaves once both have ended."""
+        for j in (i, k):
+            self.no_sync.before(j)
+        start, outs, sides = self._clock(), {}, (i, k)
+
+        def side(j: int) -> None:
+            began = time.perf_counter() - self.t0
+            outs[j] = self._compute(j)
+            if self.timeline is not None:
+                op = self.ops[j]
+                self.timeline.record(op.kind, op.chunk, op.microbatch, began,
+                                     time.perf_counter() - self.t0)
+
+        pair = Pair(on_resume=lambda s: setattr(self, "running", self.ops[sides[s]]))
+        C.set_overlap(pair, self._a2a_observer())
+        try:
+            pair.run(lambda: side(i), lambda: side(k))
+        finally:
+            C.set_overlap(None, self._a2a_observer())
+        for j in sides:
+            self._deliver(j, outs[j], None)
         if self.timeline is not None:
             synchronize(self.p2p.device)
-            start = time.perf_counter() - self.t0
+            self.timeline.end = max(self.timeline.end, time.perf_counter() - self.t0)
+
+    def _clock(self) -> Optional[float]:
+        if self.timeline is None:
+            return None
+        synchronize(self.p2p.device)
+        return time.perf_counter() - self.t0
+
+    def _compute(self, i: int):
+        op = self.running = self.ops[i]
         compute = {"F": self.forward, "B": self.backward, "W": self.weight}[op.kind]
-        out = compute(op, self.inbox.pop(i, None))
-        dst = self.peers[i][1]
+        return compute(op, self.inbox.pop(i, None))
+
+    def _deliver(self, i: int, out, start: Optional[float]) -> None:
+        """Hand op i's output to its consumer; record its span (``start``: not already
+        recorded)."""
+        op, dst = self.ops[i], self.peers[i][1]
         if dst == self.r:  # the V turns inside this rank: hand the output to its consumer
             nxt = Op(op.kind, 1 - op.chunk, op.microbatch)
             self.inbox[self.index[nxt.kind, nxt.chunk, nxt.microbatch]] = out.detach()
         elif dst is not None:
             self.outbox[i] = out
-        if self.timeline is not None:
+        if self.timeline is not None and start is not None:
             synchronize(self.p2p.device)
             self.timeline.record(op.kind, op.chunk, op.microbatch, start,
                                  time.perf_counter() - self.t0)
+
+    def _a2a_observer(self) -> Optional[Callable]:
+        """Records the intervals the running op was blocked in an MoE all-to-all: "A" waiting,
+        "I" issuing one (collectives.all_to_all_overlapped)."""
+        if self.timeline is None:
+            return None
+
+        def observe(start: float, end: float, kind: str) -> None:
+            op = self.running
+            self.timeline.record(kind, op.chunk, op.microbatch, start - self.t0, end - self.t0)
+        return observe
 
     # ---------------------------------------------------------------- F, B and W
     def forward(self, op: Op, inp: Optional[torch.Tensor]) -> torch.Tensor:
@@ -159,6 +210,7 @@ class PipelineExecutor:
             fn()
 
     def execute(self, program: List[tuple]) -> List[dict]:
+        C.set_overlap(None, self._a2a_observer())
         try:
             for step, *args in program:
                 getattr(self, step)(*args)
@@ -166,6 +218,7 @@ class PipelineExecutor:
                 if batch is not None:
                     batch.wait()
         finally:
+            C.set_overlap(None, None)
             self.no_sync.close()
         assert self.forward_only or not (self.saved or self.weight_grads), "work left undone"
         return self.stats
@@ -178,11 +231,16 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
                                 no_sync_func=None,
                                 finalize_model_grads_func: Optional[Callable] = None,
                                 schedule: Optional[str] = None, timing_log_level: int = 0,
-                                p2p_mode: Optional[str] = None, **unused) -> List[dict]:
+                                p2p_mode: Optional[str] = None,
+                                overlap_moe_expert_parallel_comm: bool = False,
+                                **unused) -> List[dict]:
     """Run this rank's part of a pipelined step (schedules' contract).
 
     ``p2p_mode``: "eager" or "batched" (schedules.p2p_program); None picks eager where the
     backend's p2p ops complete independently (gloo) and batched elsewhere (NCCL).
+    ``overlap_moe_expert_parallel_comm``: run the schedule's F&B pairs (schedules.paired_units,
+    docs/pipeline_parallel.md "F&B pairs"); the same ops on the same inputs, so the same losses
+    and gradients bit for bit.
     """
     ps = parallel_state
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -199,10 +257,11 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
         synchronize(param.device)
         if ps.pp_group is not None:
             C.barrier(group=ps.pp_group)  # a common step start for all stages
+    paired = overlap_moe_expert_parallel_comm and not forward_only
     ex = PipelineExecutor(schedule, chunks, ps, num_microbatches, forward_only, forward_step_func,
-                          data_iterator, grad_scale_func, no_sync_func, p2p, timing)
+                          data_iterator, grad_scale_func, no_sync_func, p2p, timing, paired)
     stats = ex.execute(p2p_program(mode, schedule, ps.pp_size, ps.pp_rank, num_microbatches,
-                                   len(chunks), forward_only))
+                                   len(chunks), forward_only, paired))
     if timing:
         set_last_timeline(ex.timeline)
     if not forward_only and finalize_model_grads_func is not None:

@@ -47,9 +47,10 @@ class Op:
         return f"{self.kind}{self.microbatch + 1}.{self.chunk}"
 
 
-def order_1f1b(p: int, r: int, m: int) -> List[Op]:
-    """Warm-up p-r-1 forwards, steady one-forward-one-backward, cool-down backwards."""
-    warmup = min(p - r - 1, m)
+def order_1f1b(p: int, r: int, m: int, extra_warmup: int = 0) -> List[Op]:
+    """Warm-up p-r-1 forwards, steady one-forward-one-backward, cool-down backwards.
+    ``extra_warmup`` 1: the combined 1F1B's order (``paired_units``)."""
+    warmup = min(p - r - 1 + extra_warmup, m)
     ops = [Op("F", 0, j) for j in range(warmup)]
     for i in range(m - warmup):
         ops += [Op("F", 0, warmup + i), Op("B", 0, i)]
@@ -65,10 +66,10 @@ def _interleaved_op(k: int, p: int, v: int, forward: bool) -> Op:
     return Op("F" if forward else "B", chunk, mb)
 
 
-def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
+def order_interleaved(p: int, r: int, m: int, v: int, extra_warmup: int = 0) -> List[Op]:
     """Interleaved 1F1B: 2(p-r-1)+(v-1)p warm-up forwards, then 1F1B, then cool-down."""
     total = m * v
-    warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    warmup = min(2 * (p - r - 1) + (v - 1) * p + extra_warmup, total)
     ops = [_interleaved_op(k, p, v, True) for k in range(warmup)]
     for i in range(total - warmup):
         ops += [_interleaved_op(warmup + i, p, v, True), _interleaved_op(i, p, v, False)]
@@ -76,12 +77,12 @@ def order_interleaved(p: int, r: int, m: int, v: int) -> List[Op]:
     return ops
 
 
-def order_zb_h1(p: int, r: int, m: int) -> List[Op]:
+def order_zb_h1(p: int, r: int, m: int, extra_warmup: int = 0) -> List[Op]:
     """ZB-H1 (Qi et al. 2024): the 1F1B order of F and B on stage g = r, with W_j right after
     B_{j+g} and the last g W's after the final B."""
     ops: List[Op] = []
     next_w = 0
-    for op in order_1f1b(p, r, m):
+    for op in order_1f1b(p, r, m, extra_warmup):
         ops.append(op)
         if op.kind == "B" and op.microbatch - r >= 0:
             ops.append(Op("W", 0, op.microbatch - r))
@@ -135,9 +136,14 @@ def order_dualpipev(p: int, r: int, m: int) -> List[Op]:
 
 
 def schedule_order(schedule: str, p: int, r: int, m: int, v: int = 1,
-                   forward_only: bool = False) -> List[Op]:
-    orders = {"1f1b": lambda: order_1f1b(p, r, m), "zb-h1": lambda: order_zb_h1(p, r, m),
-              "interleaved": lambda: order_interleaved(p, r, m, v),
+                   forward_only: bool = False, paired: bool = False) -> List[Op]:
+    """Rank r's ops. ``paired``: the order the F&B pairs run in (``paired_units``): the 1F1B
+    family warms up with one more forward, so the forward a backward is paired with never feeds
+    it (at the last stage 1F1B runs F_j B_j back to back); the V's orders are unchanged."""
+    extra = 1 if paired and not forward_only else 0
+    orders = {"1f1b": lambda: order_1f1b(p, r, m, extra),
+              "zb-h1": lambda: order_zb_h1(p, r, m, extra),
+              "interleaved": lambda: order_interleaved(p, r, m, v, extra),
               "zb-v": lambda: order_zb_v(p, r, m), "dualpipev": lambda: order_dualpipev(p, r, m)}
     if schedule not in orders:
         raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
@@ -167,7 +173,8 @@ RECV_LOOKAHEAD = 2  # eager: receives posted this many input-needing ops ahead
 
 
 def eager_program(needs_recv: Sequence[bool], sends: Sequence[bool],
-                  lookahead: int = RECV_LOOKAHEAD) -> List[tuple]:
+                  lookahead: int = RECV_LOOKAHEAD,
+                  units: Optional[Sequence[tuple]] = None) -> List[tuple]:
     """Every send and receive its own batch (gloo, whose p2p ops complete independently).
 
     The receives of the next ``lookahead`` ops that need one are posted before an op runs, so a
@@ -176,103 +183,164 @@ def eager_program(needs_recv: Sequence[bool], sends: Sequence[bool],
     only on its own next input, whose send is posted as soon as the neighbour computes it, and
     no rank blocks on a send, so a rank waits only for ops the (dataflow-consistent) orders put
     before its own. Receives are posted in op order, so on each (peer, tag) channel they meet the
-    sends in the same order.
+    sends in the same order. ``units`` (``paired_units``): an F&B pair waits for both inputs,
+    runs as one step, then sends both outputs; the pairing is one the lockstep run completes, so
+    the argument holds for pairs as for ops.
     """
     need = [i for i, n in enumerate(needs_recv) if n]
     prog: List[tuple] = []
     batch_of = {}
-    for i in range(len(needs_recv)):
-        k = bisect.bisect_right(need, i) + lookahead - 1  # the lookahead-th later op needing one
+    for unit in units or [(i,) for i in range(len(needs_recv))]:
+        k = bisect.bisect_right(need, unit[-1]) + lookahead - 1  # lookahead-th later needing one
         limit = need[k] if k < len(need) else len(needs_recv)
         for j in need[len(batch_of):bisect.bisect_right(need, limit)]:
             batch_of[j] = len(prog)
             prog.append(("post", len(prog), (), (j,)))
-        if needs_recv[i]:
-            prog.append(("wait", batch_of[i]))
-        prog.append(("run", i))
-        if sends[i]:
-            prog.append(("post", len(prog), (i,), ()))
+        prog += [("wait", batch_of[i]) for i in unit if needs_recv[i]]
+        prog.append(_run_step(unit))
+        prog += [("post", len(prog) + n, (i,), ()) for n, i in enumerate(
+            [i for i in unit if sends[i]])]
     return prog
 
 
+def _source(schedule: str, p: int, q: int, v: int, op: Op):
+    """(kind, virtual stage, micro-batch) of the op whose output feeds ``op`` on rank q."""
+    vs = virtual_stage(p, q, op.chunk, v, schedule in V_SCHEDULES)
+    up = vs - 1 if op.kind == "F" else vs + 1
+    return (op.kind, up, op.microbatch) if op.kind != "W" and 0 <= up < p * v else None
+
+
+def _lockstep(schedule: str, p: int, v: int, orders, units):
+    """Every rank's units (tuples of op indices run as one step) run together in lockstep: at
+    each step a rank runs its next unit if every input of it was produced at an earlier step
+    (unit times) -> (ran_at: (kind, virtual stage, micro-batch) -> step, steps: per rank the step
+    each unit ran at), or (None, the (rank, unit) pairs still waiting) when none can run."""
+    v_shape = schedule in V_SCHEDULES
+    ran_at: Dict[tuple, int] = {}
+    steps: List[List[int]] = [[] for _ in range(p)]
+    t = 0
+    while any(len(steps[q]) < len(units[q]) for q in range(p)):
+        ran = [q for q in range(p) if len(steps[q]) < len(units[q]) and all(
+            src is None or ran_at.get(src, t) < t
+            for src in (_source(schedule, p, q, v, orders[q][i]) for i in units[q][len(steps[q])]))]
+        if not ran:
+            return None, [(q, len(steps[q])) for q in range(p) if len(steps[q]) < len(units[q])]
+        for q in ran:
+            for i in units[q][len(steps[q])]:
+                op = orders[q][i]
+                ran_at[op.kind, virtual_stage(p, q, op.chunk, v, v_shape), op.microbatch] = t
+            steps[q].append(t)
+        t += 1
+    return ran_at, steps
+
+
+# ----------------------------------------------------------------------------- F&B pairs
+@functools.lru_cache(maxsize=64)
+def paired_units(schedule: str, p: int, m: int, v: int = 1) -> Tuple[Tuple[tuple, ...], ...]:
+    """The combined 1F1B's steps (--overlap-moe-expert-parallel-comm, docs/pipeline_parallel.md
+    "F&B pairs"): per rank, tuples of indices into ``schedule_order(..., paired=True)``: ``(i,)``
+    an op alone, ``(i, i+1)`` a forward and the backward right after it, run together.
+
+    A forward and a backward pair up where they are adjacent and of different micro-batches (a
+    backward needs every forward of its own micro-batch). A pair runs once both its inputs have
+    arrived, so pairing can tie ranks in a knot: rank q's pair may wait for a backward that its
+    neighbour pairs with a forward waiting for q's. The lockstep run (``_lockstep``) finds such
+    knots; the pairs caught in one are split and the run retried, until every rank finishes
+    (splitting every pair gives back the schedule's own order, which runs). In the steady phase
+    every rank keeps its pairs: 1F1B's F(j+p-r) with B(j) (one more warm-up forward than 1F1B,
+    as Megatron's combined 1F1B), DualPipeV's (F0, B1) and (F1, B0), ZB-V's (F0, I0) and (F1, I1).
+    """
+    orders = [schedule_order(schedule, p, q, m, v, paired=True) for q in range(p)]
+    units = []
+    for ops in orders:
+        mine, i = [], 0
+        while i < len(ops):
+            pair = (i + 1 < len(ops) and ops[i].kind == "F" and ops[i + 1].kind == "B"
+                    and ops[i].microbatch != ops[i + 1].microbatch)
+            mine.append((i, i + 1) if pair else (i,))
+            i += 2 if pair else 1
+        units.append(mine)
+    while True:
+        ran_at, waiting = _lockstep(schedule, p, v, orders, units)
+        if ran_at is not None:
+            return tuple(tuple(u) for u in units)
+        knotted = [(q, u) for q, u in waiting if len(units[q][u]) == 2]
+        assert knotted, f"{schedule}: the orders of p={p} m={m} wait on each other"
+        for q, u in knotted:
+            i, k = units[q][u]
+            units[q][u:u + 1] = [(i,), (k,)]
+
+
 def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
-                     forward_only: bool = False) -> List[tuple]:
-    """The batched program (NCCL), built by running every rank's order together in lockstep:
-    at each step every rank runs its next op if that op's input was produced at an earlier step
-    (unit op times). Batch t of a rank carries exactly the messages of step t: the output of
-    the op it ran at step t and the inputs its neighbours produced at step t; it is posted
-    after the rank's step-t op and waited before the first op that needs one of its receives.
+                     forward_only: bool = False, paired: bool = False) -> List[tuple]:
+    """The batched program (NCCL), built by running every rank's order together in lockstep
+    (``_lockstep``). Batch t of a rank carries exactly the messages of step t: the outputs of
+    the op (or F&B pair) it ran at step t and the inputs its neighbours produced at step t; it is
+    posted after the rank's step-t op and waited before the first op that needs one of its
+    receives.
 
     So each batch's sends and receives meet their counterparts in the peers' batch t, and
     batch t of every rank can be posted once its batches before t completed: by induction on t
     no rank waits forever even under NCCL, whose batches complete in order on one stream. A
-    rank sends one message per step, so a batch holds at most one message per direction of a
-    pair and matching never depends on tags. The argument uses nothing of the schedule but
+    rank's step sends at most one activation and one gradient, and p2p.post orders a batch's
+    activations before its gradients on every rank, so matching never depends on tags (a pair
+    of the V sends both to the same neighbour). The argument uses nothing of the schedule but
     that its orders can run at all (asserted below), so it covers every schedule: 1F1B,
-    interleaved, ZB-H1 and the V's, where a rank exchanges with both neighbours both ways.
+    interleaved, ZB-H1 and the V's, where a rank exchanges with both neighbours both ways, with
+    or without pairs. A pair's all-to-alls stay inside the step, between its waits and its
+    posts: tests/test_pipeline.py replays the programs with them.
     """
-    v_shape = schedule in V_SCHEDULES
-    orders = [schedule_order(schedule, p, q, m, v, forward_only) for q in range(p)]
-
-    def source(q: int, op: Op):  # (kind, virtual stage, micro-batch) of the op feeding op
-        vs = virtual_stage(p, q, op.chunk, v, v_shape)
-        up = vs - 1 if op.kind == "F" else vs + 1
-        return (op.kind, up, op.microbatch) if op.kind != "W" and 0 <= up < p * v else None
-
-    ran_at = {}  # (kind, virtual stage, micro-batch) -> step
-    mine = {}  # step -> index of the op rank r ran
-    pos, t = [0] * p, 0
-    while any(pos[q] < len(orders[q]) for q in range(p)):
-        ran = []
-        for q in range(p):
-            if pos[q] < len(orders[q]):
-                src = source(q, orders[q][pos[q]])
-                if src is None or ran_at.get(src, t) < t:
-                    ran.append(q)
-        assert ran, f"{schedule}: the orders of p={p} m={m} wait on each other"
-        for q in ran:
-            op = orders[q][pos[q]]
-            ran_at[op.kind, virtual_stage(p, q, op.chunk, v, v_shape), op.microbatch] = t
-            if q == r:
-                mine[t] = pos[q]
-            pos[q] += 1
-        t += 1
+    paired = paired and not forward_only
+    orders = [schedule_order(schedule, p, q, m, v, forward_only, paired) for q in range(p)]
+    units = (paired_units(schedule, p, m, v) if paired
+             else [[(i,) for i in range(len(o))] for o in orders])
+    ran_at, steps = _lockstep(schedule, p, v, orders, units)
+    assert ran_at is not None, f"{schedule}: the orders of p={p} m={m} wait on each other"
 
     ops = orders[r]
     peers = [op_peers(op, schedule, p, r, v) for op in ops]
-    batch_of = {i: ran_at[source(r, op)] for i, op in enumerate(ops)
+    batch_of = {i: ran_at[_source(schedule, p, r, v, op)] for i, op in enumerate(ops)
                 if peers[i][0] not in (None, r)}  # the step its input was sent at
     recvs_at: Dict[int, List[int]] = {}
     for i, b in batch_of.items():
         recvs_at.setdefault(b, []).append(i)
+    mine = dict(zip(steps[r], units[r]))  # step -> the unit rank r ran
     prog: List[tuple] = []
     waited = set()
-    for step in range(t):
-        i = mine.get(step)
-        if i is not None:
+    for step in range(max(s[-1] for s in steps if s) + 1):
+        unit = mine.get(step, ())
+        for i in unit:
             if i in batch_of and batch_of[i] not in waited:
                 waited.add(batch_of[i])
                 prog.append(("wait", batch_of[i]))
-            prog.append(("run", i))
-        sends = (i,) if i is not None and peers[i][1] not in (None, r) else ()
+        if unit:
+            prog.append(_run_step(unit))
+        sends = tuple(i for i in unit if peers[i][1] not in (None, r))
         if sends or step in recvs_at:
             prog.append(("post", step, sends, tuple(recvs_at.get(step, ()))))
     return prog
 
 
+def _run_step(unit: tuple) -> tuple:
+    return ("run", unit[0]) if len(unit) == 1 else ("pair", *unit)
+
+
 @functools.lru_cache(maxsize=64)  # a step asks for the same (schedule, p, r, m, v) each time
 def p2p_program(mode: str, schedule: str, p: int, r: int, m: int, v: int = 1,
-                forward_only: bool = False) -> Tuple[tuple, ...]:
+                forward_only: bool = False, paired: bool = False) -> Tuple[tuple, ...]:
     """Rank ``r``'s ``mode`` program for ``schedule_order``'s ops (cached: every step asks for
     the same one). "batched" (``lockstep_program``) is correct on any backend and the only one
     NCCL can run (one in-order stream). "eager" (``eager_program``) remains for gloo, whose p2p
     ops complete independently: there each op waits only for its own input and each output
-    leaves at once, instead of batch by batch, and it needs no lockstep simulation."""
+    leaves at once, instead of batch by batch, and it needs no lockstep simulation. ``paired``:
+    the F&B pairs' program (``paired_units``; ("pair", i, k) steps)."""
+    paired = paired and not forward_only
     if mode == "eager":
-        ops = schedule_order(schedule, p, r, m, v, forward_only)
+        ops = schedule_order(schedule, p, r, m, v, forward_only, paired)
         peers = [op_peers(op, schedule, p, r, v) for op in ops]
         return tuple(eager_program([src not in (None, r) for src, _ in peers],
-                                   [dst not in (None, r) for _, dst in peers]))
+                                   [dst not in (None, r) for _, dst in peers],
+                                   units=paired_units(schedule, p, m, v)[r] if paired else None))
     if mode == "batched":
-        return tuple(lockstep_program(schedule, p, r, m, v, forward_only))
+        return tuple(lockstep_program(schedule, p, r, m, v, forward_only, paired))
     raise ValueError(f"p2p_mode must be 'eager' or 'batched', got {mode!r}")

@@ -39,7 +39,7 @@ def set_last_timeline(timeline: Optional["StageTimeline"]) -> None:
 @dataclass
 class OpEvent:
     kind: str  # "F", "B" (input grad; full backward outside ZB) or "W" (deferred weight grads);
-    # at PP 1, "A" and "I": blocked waiting for / issuing an MoE all-to-all (inside an F or B)
+    # "A" and "I": blocked waiting for / issuing an MoE all-to-all (inside an F or B)
     chunk: int
     microbatch: int
     start: float
@@ -64,8 +64,14 @@ class StageTimeline:
         self.end = max(self.end, end)
 
     @property
-    def busy(self) -> float:  # the ops' time; an all-to-all's A/I intervals lie inside them
-        return sum(e.end - e.start for e in self.events if e.kind in "FBW")
+    def busy(self) -> float:
+        """The time inside F, B and W ops: the length of their union, since an F&B pair's two
+        spans overlap (an all-to-all's A/I intervals lie inside the ops)."""
+        total, reach = 0.0, float("-inf")
+        for start, end in sorted((e.start, e.end) for e in self.events if e.kind in "FBW"):
+            total += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return total
 
     def mean_duration(self, kind: str) -> float:
         d = [e.end - e.start for e in self.events if e.kind == kind]
