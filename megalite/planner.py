@@ -429,27 +429,32 @@ def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
     return max(ce, n * vt * E + vt * h * E + n * h * E * (1 + sp))
 
 
-def in_flight(lay: Layout, num_micro: int, r: int = 0) -> float:
+def in_flight(lay: Layout, num_micro: int, r: int = 0, paired: bool = False) -> float:
     """Micro-batches (in stage-equivalents) stage r holds at its peak, as the schedules run:
     1F1B/ZB-H1 warm up p - r - 1 forwards, interleaved 2(p - r - 1) + (v - 1)p chunk forwards;
-    the V schedules' orders are counted (ZB-V: 2p chunks, DualPipeV: 2p + 1)."""
+    the V schedules' orders are counted (ZB-V: 2p chunks, DualPipeV: 2p + 1). ``paired`` (the
+    F&B pairs of --overlap-moe-expert-parallel-comm, schedules.paired_units): the 1F1B family
+    warms up one forward more, and at PP 1 F(j+1) runs beside B(j); a V's pair runs its forward
+    where the order already had it, before the backward, so its peak is the order's."""
     p, v = lay.pipeline_model_parallel_size, lay.virtual_pipeline_model_parallel_size
+    extra = int(paired and num_micro > 1)
     if p == 1:
-        return 1.0
+        return 1.0 + extra
     if lay.pipeline_schedule in V_SCHEDULES:
         return max(x[0] for x in v_live_states(lay.pipeline_schedule, p, r, num_micro)) / 2
     if v > 1:
-        return min(2 * (p - r - 1) + (v - 1) * p + 1, num_micro * v) / v
-    return float(min(p - r, num_micro))
+        return min(2 * (p - r - 1) + (v - 1) * p + 1 + extra, num_micro * v) / v
+    return float(min(p - r + extra, num_micro))
 
 
 @functools.lru_cache(maxsize=4096)
-def interleaved_peak(p: int, r: int, m: int, v: int, weights: tuple) -> float:
+def interleaved_peak(p: int, r: int, m: int, v: int, weights: tuple,
+                     paired: bool = False) -> float:
     """The most bytes rank r's live chunk forwards hold as order_interleaved runs, chunk c's
     forward holding weights[c]: unequal chunks (the embedding's or the loss's slot) are not
     in_flight's stage-equivalents."""
     live, most = [0] * v, 0.0
-    for o in schedule_order("interleaved", p, r, m, v):
+    for o in schedule_order("interleaved", p, r, m, v, paired=paired):
         live[o.chunk] += 1 if o.kind == "F" else -1
         most = max(most, sum(n * w for n, w in zip(live, weights)))
     return most
@@ -521,13 +526,14 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
              for n, size in ((psi - psi_e, d), (psi_e, t * d // (etp * ep))) if n]
     st = {k: sum(x[k] for x in parts) for k in parts[0]}
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
-    live, ranges = in_flight(lay, num_micro, r), stage_ranges(m, lay)[r]
+    paired = m.moe_overlap and ep > 1  # the F&B pairs hold one micro-batch more (in_flight)
+    live, ranges = in_flight(lay, num_micro, r, paired), stage_ranges(m, lay)[r]
     chunks, moe = tuple(len(c) for c in ranges), [moe_layers(m, c) for c in ranges]
     per_chunk = tuple(chunk_activation_bytes(m, lay, c) for c in ranges)
     act = live * sum(per_chunk)
     if lay.pipeline_schedule == "interleaved" and len(set(per_chunk)) > 1:
         act = interleaved_peak(p, r, num_micro, lay.virtual_pipeline_model_parallel_size,
-                               per_chunk)
+                               per_chunk, paired)
     vt = cfg.padded_vocab_size(t) / t
     # what a deferred W pass keeps (tensor_parallel/layers.py): every linear's input and output
     # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input; an

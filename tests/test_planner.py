@@ -253,8 +253,9 @@ def test_fused_moe_activations():
 
 def test_plan_json_has_expert_grid_and_precision(capsys, monkeypatch):
     """--json reports EP and ETP per layout; --precision fp8 (its GEMMs; the host time of its
-    casts is test_moe_expert_kernel_host_time's) and --overlap-moe-expert-parallel-comm change
-    the predicted step, not the memory."""
+    casts is test_moe_expert_kernel_host_time's) changes the predicted step, not the memory;
+    --overlap-moe-expert-parallel-comm the step, and the activations by the paired micro-batch's
+    (at PP 1 F(j+1) runs beside B(j): two micro-batches live, planner.in_flight)."""
     monkeypatch.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)
     tool = _plan_tool()
     pin = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -268,7 +269,10 @@ def test_plan_json_has_expert_grid_and_precision(capsys, monkeypatch):
     assert bf16["expert_model_parallel_size"] == 8 and bf16["expert_tensor_parallel_size"] == 1
     assert fp8["time_s"]["compute_s"] < bf16["time_s"]["compute_s"]
     assert over["time_s"]["ep_comm_s"] < bf16["time_s"]["ep_comm_s"]
-    assert fp8["memory_gib"] == bf16["memory_gib"] == over["memory_gib"]
+    assert fp8["memory_gib"] == bf16["memory_gib"]
+    assert {k: v for k, v in over["memory_gib"].items() if k not in ("activations", "total")} == {
+        k: v for k, v in bf16["memory_gib"].items() if k not in ("activations", "total")}
+    assert over["memory_gib"]["activations"] > bf16["memory_gib"]["activations"]
 
 
 @pytest.mark.parametrize("L,h,a,p,v,b,published_tp,published_sp", [
@@ -286,20 +290,26 @@ def test_korthikanti_activations(L, h, a, p, v, b, published_tp, published_sp):
         assert stored <= total < 1.1 * stored
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("schedule,p,v,m", [("1f1b", 4, 1, 8), ("zb-h1", 4, 1, 8),
                                             ("interleaved", 4, 2, 8), ("1f1b", 4, 1, 2),
                                             ("zb-v", 4, 2, 8), ("dualpipev", 4, 2, 12)])
-def test_in_flight_matches_schedules(schedule, p, v, m):
-    """The closed form equals the peak count of forwards not yet backwarded in the real orders."""
-    from megalite.pipeline_parallel.schedules import schedule_order
+def test_in_flight_matches_schedules(schedule, p, v, m, paired):
+    """The closed form equals the peak count of forwards not yet backwarded in the real orders,
+    with the F&B pairs (--overlap-moe-expert-parallel-comm) as the executor runs them: a pair's
+    forward and backward at once, so its forward's activations join before its backward frees."""
+    from megalite.pipeline_parallel.schedules import paired_units, schedule_order
 
+    units = paired_units(schedule, p, m, v) if paired else None
     for r in range(p):
+        ops = schedule_order(schedule, p, r, m, v, paired=paired)
         live = peak = 0
-        for op in schedule_order(schedule, p, r, m, v):
-            live += {"F": 1, "B": -1}.get(op.kind, 0)
-            peak = max(peak, live)
+        for unit in (units[r] if paired else [(i,) for i in range(len(ops))]):
+            for i in unit:  # a pair's F (first) counts in before its B counts out
+                live += {"F": 1, "B": -1}.get(ops[i].kind, 0)
+                peak = max(peak, live)
         lay = Layout(1, p, v, 1, 0, False, "none", 1, schedule)
-        assert in_flight(lay, m, r) * v == peak, (r, peak)
+        assert in_flight(lay, m, r, paired) * v == peak, (r, peak)
 
 
 def test_v_bubble_matches_orders():

@@ -65,8 +65,8 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     end_ms = max(e["ts"] + e["dur"] for e in xs) / 1e3
     fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(xs) / len(stages) * 0.45)),
                                     0.6 * len(stages) + 1.2))
-    # the combined 1F1B (PP 1, --overlap-moe-expert-parallel-comm) runs an F and a B at once: on
-    # a stage whose F and B spans overlap, F takes the upper half of the row and B the lower
+    # an F&B pair (--overlap-moe-expert-parallel-comm) runs an F and a B at once: on a stage
+    # whose F and B spans overlap, F takes the upper half of the row and B the lower
     ops = [e for e in xs if e["cat"] in "FBW"]
     paired = {e["pid"] for e in ops for o in ops if o is not e and o["pid"] == e["pid"]
               and o["ts"] < e["ts"] < o["ts"] + o["dur"]}
@@ -92,7 +92,7 @@ def plot(trace: dict, out: str, title: str = "") -> None:
     meta = trace.get("megalite", {})
     stats = meta.get("stats") or {}
     heading = title or f"{meta.get('schedule', 'pipeline')} schedule"
-    if stats and not paired:  # (paired ops overlap: busy time exceeds the step)
+    if stats:  # (busy time is the union of the ops' spans: a pair's overlap counts once)
         heading += (f"  (m={meta.get('num_microbatches')}, measured bubble "
                     f"{100 * stats['bubble_fraction']:.1f}%)")
     ax.set_title(heading, fontsize=10)

@@ -1,0 +1,149 @@
+"""Exposed all-to-all time of the pipelined F&B pairs (--overlap-moe-expert-parallel-comm) at
+EP 2 x PP 2.
+
+    OMP_NUM_THREADS=1 python benchmarks/moe_overlap_pipeline.py [--schedule dualpipev] [--json P]
+
+Four gloo CPU processes (two pipeline stages, each an EP 2 group folded over its DP 2), one
+thread each, run the same MoE GPT's pipelined forward-backward without and with the pairs, one
+step of each in turn per round. Exposed all-to-all time is, as in benchmarks/moe_overlap.py
+(EP 2 x PP 1), the time the compute thread spends blocked in all-to-alls: the A (waiting) and I
+(issuing) events of the executor's op timeline; per step the slowest rank's, medians over the
+timed rounds. Four processes share two cores here, so the figures show that the pairs hide their
+exchanges at PP > 1, not what a GPU would gain. The gradients of the two variants are checked
+equal bit for bit. --trace PATH writes every stage's last timeline of each variant as a Chrome
+trace (PATH.{plain,overlap}.json) for tools/plot_pipeline.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests"), HERE]
+
+from moe_overlap import model_config  # noqa: E402  (the same model as at PP 1)
+
+WORLD = 4  # PP 2 x (EP 2 over DP 2)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for name, default in (("num-layers", 4), ("hidden-size", 256), ("num-attention-heads", 4),
+                          ("num-experts", 8), ("moe-router-topk", 2), ("moe-ffn-hidden-size", 512),
+                          ("seq-length", 128), ("micro-batch-size", 2), ("micro-batches", 8),
+                          ("vocab-size", 1024), ("warmup", 1), ("rounds", 4), ("seed", 1234)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--schedule", default="1f1b", choices=("1f1b", "dualpipev", "zb-v"))
+    p.add_argument("--imbalanced", dest="balanced", action="store_false",
+                   help="route as the router says (default: evenly, as published MoE "
+                        "benchmarks force it)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    p.add_argument("--trace", metavar="PATH", help="Chrome traces, PATH.{plain,overlap}.json")
+    return p.parse_args(argv)
+
+
+def worker(rank, world_size, args):
+    import torch
+
+    from megalite.config import V_SCHEDULES
+    from megalite.distributed.finalize_model_grads import finalize_model_grads
+    from megalite.parallel_state import initialize_model_parallel
+    from megalite.pipeline_parallel.executor import get_forward_backward_func
+    from megalite.pipeline_parallel.partition import build_model_chunks
+
+    torch.set_num_threads(1)
+    ps = initialize_model_parallel(1, 2, expert_model_parallel_size=2, backend="gloo",
+                                   device="cpu", set_default=False)
+    chunks = build_model_chunks(model_config(args), ps, seed=args.seed,
+                                v_shape=args.schedule in V_SCHEDULES)
+    for c in chunks:
+        c.train()
+    fb = get_forward_backward_func(2, ps.vpp_size, args.schedule)
+    m, b, s = args.micro_batches, args.micro_batch_size, args.seq_length
+    g = torch.Generator().manual_seed(args.seed + ps.dp_rank)  # each DP rank its own tokens
+    ids = torch.randint(0, args.vocab_size, (m * b, s + 1), generator=g)
+    batches = [(ids[j * b:(j + 1) * b, :-1], ids[j * b:(j + 1) * b, 1:]) for j in range(m)]
+    ntok = m * b * s
+
+    def forward_step(it, chunk):
+        tokens, labels = next(it)
+        return chunk(tokens, labels=labels), lambda t: (t.sum() / ntok, {})
+
+    def step(overlap: bool):
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        torch.manual_seed(args.seed + rank)  # the balanced router's draws: alike in both
+        fb(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
+           num_microbatches=m, seq_length=s, micro_batch_size=b, parallel_state=ps,
+           timing_log_level=1, overlap_moe_expert_parallel_comm=overlap,
+           finalize_model_grads_func=lambda cs: finalize_model_grads(cs, ps))
+        tl = fb.last_timeline()
+        wait = sum(e.end - e.start for e in tl.events if e.kind == "A")
+        issue = sum(e.end - e.start for e in tl.events if e.kind == "I")
+        return {"step_s": tl.end, "exposed_a2a_s": wait + issue, "wait_s": wait,
+                "issue_s": issue}, tl
+
+    out, last, grads = {False: [], True: []}, {}, {}
+    for r in range(args.warmup + args.rounds):
+        for overlap in ((False, True) if r % 2 == 0 else (True, False)):
+            rec, last[overlap] = step(overlap)
+            if r == 0:
+                grads[overlap] = [p.grad.clone() for c in chunks for p in c.parameters()
+                                  if p.grad is not None]
+            if r >= args.warmup:
+                out[overlap].append(rec)
+    same = len(grads[False]) == len(grads[True]) and all(
+        torch.equal(x, y) for x, y in zip(grads[False], grads[True]))
+    return {"plain": out[False], "overlap": out[True], "grads_bit_identical": same,
+            "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank,
+            "timelines": {"plain": last[False].to_dict(), "overlap": last[True].to_dict()}}
+
+
+def summarise(per_rank):
+    """Per variant: medians over rounds of the slowest rank's step and exposed time."""
+    res = {}
+    for name in ("plain", "overlap"):
+        rounds = list(zip(*[r[name] for r in per_rank]))
+        res[name] = {k: statistics.median(max(x[k] for x in rnd) for rnd in rounds)
+                     for k in ("step_s", "exposed_a2a_s", "wait_s", "issue_s")}
+    res["exposed_ratio"] = res["overlap"]["exposed_a2a_s"] / res["plain"]["exposed_a2a_s"]
+    res["step_ratio"] = res["overlap"]["step_s"] / res["plain"]["step_s"]
+    res["grads_bit_identical"] = all(r["grads_bit_identical"] for r in per_rank)
+    return res
+
+
+def main(argv=None):
+    from dist_utils import run_distributed
+    from megalite.pipeline_parallel.timeline import StageTimeline, write_chrome_trace
+
+    args = parse_args(argv)
+    per_rank = run_distributed(worker, WORLD, args, timeout=900)
+    res = summarise(per_rank)
+    res["args"] = vars(args)
+    print(f"EP2 x PP2 ({args.schedule}), 4 processes on the machine's cores, m={args.micro_batches}"
+          f", medians of {args.rounds} rounds (slowest rank per step)")
+    print(f"{'variant':10s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
+          f"{'issue':>7s}")
+    for name in ("plain", "overlap"):
+        r = res[name]
+        print(f"{name:10s} {1e3 * r['step_s']:9.1f} {1e3 * r['exposed_a2a_s']:15.2f} "
+              f"{1e3 * r['wait_s']:11.2f} {1e3 * r['issue_s']:7.2f}")
+    print(f"exposed overlap/plain {res['exposed_ratio']:.2f}, step {res['step_ratio']:.2f}, "
+          f"gradients bit-identical: {res['grads_bit_identical']}")
+    if args.trace:
+        for name in ("plain", "overlap"):  # DP rank 0 of each stage, stages in order
+            stages = sorted((r for r in per_rank if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
+            write_chrome_trace([StageTimeline.from_dict(r["timelines"][name]) for r in stages],
+                               f"{args.trace}.{name}.json")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()
