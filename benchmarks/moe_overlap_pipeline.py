@@ -54,6 +54,7 @@ def worker(rank, world_size, args):
     from megalite.parallel_state import initialize_model_parallel
     from megalite.pipeline_parallel.executor import get_forward_backward_func
     from megalite.pipeline_parallel.partition import build_model_chunks
+    from megalite.pipeline_parallel.timeline import exposed_a2a_seconds
 
     torch.set_num_threads(1)
     ps = initialize_model_parallel(1, 2, expert_model_parallel_size=2, backend="gloo",
@@ -83,9 +84,8 @@ def worker(rank, world_size, args):
            finalize_model_grads_func=lambda cs: finalize_model_grads(cs, ps))
         tl = fb.last_timeline()
         wait = sum(e.end - e.start for e in tl.events if e.kind == "A")
-        issue = sum(e.end - e.start for e in tl.events if e.kind == "I")
-        return {"step_s": tl.end, "exposed_a2a_s": wait + issue, "wait_s": wait,
-                "issue_s": issue}, tl
+        return {"step_s": tl.end, "exposed_a2a_s": exposed_a2a_seconds(tl), "wait_s": wait,
+                "issue_s": exposed_a2a_seconds(tl) - wait}, tl
 
     out, last, grads = {False: [], True: []}, {}, {}
     for r in range(args.warmup + args.rounds):

@@ -542,9 +542,10 @@ class Trainer:
         self.logger.print(training_log_line(rec, tr.train_iters, eta))
         rec.pop("iteration")
         self.logger.log(rec, self.iteration, split="train")
-        if tr.timing_log_level >= 1 and ps.pp_size > 1:
-            # measured bubble of this step (docs/pipeline_parallel.md); a collective over the
-            # pipeline group, reached by every rank since the log condition is global
+        if tr.timing_log_level >= 1 and (ps.pp_size > 1 or ps.ep_size > 1):
+            # measured bubble (docs/pipeline_parallel.md) and exposed all-to-all time (docs/moe.md)
+            # of this step; a collective over the pipeline group, reached by every rank since the
+            # log condition is global
             from megalite.pipeline_parallel.timeline import log_pipeline_step
 
             log_pipeline_step(self.forward_backward.last_timeline(), ps, self.iteration,

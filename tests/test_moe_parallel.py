@@ -89,8 +89,9 @@ CASES = {
                                   EP2 + TP2_SP + ["--micro-batch-size", "2"]),
     # a V schedule: each rank holds the first chunk (a dense layer) and the last (experts)
     "ep2_pp2_dualpipev": (4, FOUR_LAYERS, EP2 + PP2 + ["--pipeline-schedule", "dualpipev"]),
+    # (its op timeline logged: test_a_run_logs_its_exposed_all_to_all_time)
     "ep2_pp2_dualpipev_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
-        "--pipeline-schedule", "dualpipev"]),
+        "--pipeline-schedule", "dualpipev", "--timing-log-level", "1"]),
     # the other schedules' pairs: ZB-V's (its W ops deferred too), interleaved's (v 2)
     "ep2_pp2_zbv_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + ["--pipeline-schedule", "zb-v"]),
     "ep2_pp2_interleaved_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
@@ -170,6 +171,35 @@ def test_moe_overlap_is_bit_for_bit_the_run_without_it(moe_runs, plain, overlap)
     plain, paired = read_metrics(d / f"{plain}.jsonl"), read_metrics(d / f"{overlap}.jsonl")
     assert len(plain) == ITERS and [{k: r[k] for k in KEYS} for r in paired] == [
         {k: r[k] for k in KEYS} for r in plain]
+
+
+def test_a_run_logs_its_exposed_all_to_all_time(moe_runs, tmp_path):
+    """pretrain.py at --timing-log-level 1 logs, per log line, the stages' op timelines with the
+    pairs' all-to-all waits and issues, and the exposed all-to-all time (the slowest stage's);
+    tools/plot_pipeline.py draws the run's last one."""
+    import os
+    import sys
+
+    from pretrain_utils import ROOT, read_metrics
+
+    d, _ = moe_runs
+    path = d / "ep2_pp2_dualpipev_overlap.jsonl"
+    recs = read_metrics(path, split="pipeline")
+    assert len(recs) == ITERS
+    for rec in recs:
+        stages = rec["pipeline_timeline"]
+        assert [t["pp_rank"] for t in stages] == [0, 1]
+        kinds = [{e["kind"] for e in t["events"]} for t in stages]
+        assert all({"F", "B", "A", "I"} <= k for k in kinds), kinds
+        per_stage = [rec[f"moe_a2a_exposed_s_stage{g}"] for g in range(2)]
+        assert 0 < rec["moe_a2a_exposed_s"] == max(per_stage)
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import plot_pipeline
+
+    trace = plot_pipeline.load(str(path))
+    assert {e["cat"] for e in trace["traceEvents"] if e.get("ph") == "X"} >= {"A", "I"}
+    plot_pipeline.plot(trace, str(tmp_path / "pairs.png"))
+    assert (tmp_path / "pairs.png").stat().st_size > 0
 
 
 def _paired_timeline(rank, world_size):

@@ -204,6 +204,12 @@ def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms", "megalite": meta}
 
 
+def exposed_a2a_seconds(timeline: StageTimeline) -> float:
+    """The time the compute thread spent blocked in MoE all-to-alls during the step: its "A"
+    (waiting) and "I" (issuing) intervals. docs/moe.md "Hiding the all-to-alls"."""
+    return sum(e.end - e.start for e in timeline.events if e.kind in ("A", "I"))
+
+
 def write_chrome_trace(timelines: Sequence[StageTimeline], path: str) -> None:
     with open(path, "w") as f:
         json.dump(chrome_trace(timelines), f)
@@ -238,6 +244,10 @@ def log_pipeline_step(timeline: Optional[StageTimeline], parallel_state, iterati
     }
     # flat per-stage scalars as well: W&B / TensorBoard take scalars only, not the lists
     rec.update({f"bubble_fraction_stage{g}": b for g, b in enumerate(st["bubble_per_stage"])})
+    exposed = [exposed_a2a_seconds(t) for t in timelines]
+    if any(e.kind in ("A", "I") for t in timelines for e in t.events):  # an MoE run at EP > 1
+        rec["moe_a2a_exposed_s"] = max(exposed)  # the slowest stage's: the step waits for it
+        rec.update({f"moe_a2a_exposed_s_stage{g}": x for g, x in enumerate(exposed)})
     if trace_dir is not None and parallel_state.rank == 0:
         os.makedirs(trace_dir, exist_ok=True)
         path = os.path.join(trace_dir, f"pipeline_trace_iter{iteration}.json")
