@@ -92,8 +92,10 @@ CASES = {
     # (its op timeline logged: test_a_run_logs_its_exposed_all_to_all_time)
     "ep2_pp2_dualpipev_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
         "--pipeline-schedule", "dualpipev", "--timing-log-level", "1"]),
-    # the other schedules' pairs: ZB-V's (its W ops deferred too), interleaved's (v 2)
-    "ep2_pp2_zbv_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + ["--pipeline-schedule", "zb-v"]),
+    # the other schedules' pairs: ZB-V's (its W ops deferred too; ZeRO-2 whose gradient
+    # reduce-scatters the pairs' backwards launch), interleaved's (v 2)
+    "ep2_pp2_zbv_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
+        "--pipeline-schedule", "zb-v", "--zero-stage", "2", "--overlap-grad-reduce"]),
     "ep2_pp2_interleaved_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
         "--num-layers-per-virtual-pipeline-stage", "1"]),
     # DeepSeek-V3-shaped: MLA's replicated latents over TP, its V padded for the CP ring (p2p)
