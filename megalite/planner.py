@@ -25,6 +25,7 @@ from megalite.config import (
     ConfigError,
     MegaliteConfig,
     ModelConfig,
+    OptimizerConfig,
     ParallelConfig,
     check_expert_grid_divisible,
     check_zero3_schedule,
@@ -865,7 +866,13 @@ def _config_checks(m: Model, lay: Layout, world_size: int) -> Optional[str]:
         pc.validate(seq_length=m.cfg.seq_length)
         pc.check_context_parallel(m.cfg)
         if moe or (ep, etp) != (1, 1):  # pretrain.py's checks of the expert layout and its grid
-            MegaliteConfig(model=cfg, parallel=pc)._check_experts()
+            if m.moe_overlap:  # and of what the F&B pairs compose with (recompute, ZeRO-3, EP 1)
+                cfg = dataclasses.replace(cfg, overlap_moe_expert_parallel_comm=True,
+                                          recompute_granularity={"none": None}.get(
+                                              lay.recompute_granularity,
+                                              lay.recompute_granularity))
+            MegaliteConfig(model=cfg, parallel=pc, optimizer=OptimizerConfig(
+                zero_stage=lay.zero_stage))._check_experts()
             check_expert_grid_divisible(world_size, etp, ep, p)
         check_zero3_schedule(lay.zero_stage, lay.pipeline_schedule)
         stage_chunks(m, lay)  # pretrain.py's checks of the (uneven) layer placement

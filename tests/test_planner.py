@@ -259,14 +259,19 @@ def test_plan_json_has_expert_grid_and_precision(capsys, monkeypatch):
     monkeypatch.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)
     tool = _plan_tool()
     pin = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-           "--zero-stage", "1", "--micro-batch-size", "1", "--recompute-granularity",
-           "selective", "--expert-model-parallel-size", "8", "--json", "--top", "1"]
+           "--zero-stage", "1", "--micro-batch-size", "1", "--expert-model-parallel-size", "8",
+           "--json", "--top", "1"]
 
     def top(*extra):
         assert tool.main([*MOE_MODEL, *pin, *extra]) == 0
         return json.loads(capsys.readouterr().out)["layouts"][0]
     bf16, fp8, over = top(), top("--precision", "fp8"), top("--overlap-moe-expert-parallel-comm")
     assert bf16["expert_model_parallel_size"] == 8 and bf16["expert_tensor_parallel_size"] == 1
+    # (the pairs refuse recomputation, as pretrain.py does: the search leaves it out)
+    assert bf16["recompute_granularity"] == over["recompute_granularity"] == "none"
+    assert tool.main([*MOE_MODEL, "--overlap-moe-expert-parallel-comm",  # no layout both
+                      "--recompute-granularity", "full"]) == 2  # recomputes and pairs
+    assert "no layout" in capsys.readouterr().err
     assert fp8["time_s"]["compute_s"] < bf16["time_s"]["compute_s"]
     assert over["time_s"]["ep_comm_s"] < bf16["time_s"]["ep_comm_s"]
     assert fp8["memory_gib"] == bf16["memory_gib"]
