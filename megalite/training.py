@@ -204,7 +204,7 @@ class Trainer:
         # (cfg, world size, device type, pipeline stage) -> {"total", "params", ...} bytes, or None
         self.memory_estimate = memory_estimate
         self.tokenizer, self.eod = tokenizer, tokenizer.eod
-        self.summary = {"train_losses": {}, "grad_norms": {}, "valid": {}}
+        self.summary = {"valid": {}}  # + train_losses / grad_norms from history (_result)
         self.skipped = 0
         self.pending: List[Tuple[int, StepRecord]] = []  # on the device, until _drain
         self.history: Dict[int, Tuple[float, float, bool, float]] = {}  # (loss, norm, applied, lr)
@@ -306,7 +306,7 @@ class Trainer:
         tr = self.cfg.training
         if tr.skip_train:
             self._evaluate_and_log()
-            return self.summary
+            return self._result()
         data_it = iter(self.build_loader(self.train_ds, self.consumed, tr.micro_batch_size,
                                          self.ps.dp_rank, self.ps.dp_size,
                                          num_workers=self.cfg.data.num_workers))
@@ -466,7 +466,14 @@ class Trainer:
             done += (f" | final validation loss {s['valid'][max(s['valid'])]:.4f} nats vs "
                      f"unigram entropy {s['unigram_entropy']:.4f} nats")
         self.logger.print(done)
-        return s
+        return self._result()
+
+    def _result(self) -> dict:
+        """What pretrain() returns: the summary, with each step's loss and grad norm read from
+        the one record of them, ``history``."""
+        self.summary["train_losses"] = {it: h[0] for it, h in sorted(self.history.items())}
+        self.summary["grad_norms"] = {it: h[1] for it, h in sorted(self.history.items())}
+        return self.summary
 
     # --------------------------------------------------------------------------------------------
     # Logging, evaluation, saving
@@ -499,8 +506,6 @@ class Trainer:
         for i, it in enumerate(its):
             loss = values[2 * i] / max(values[2 * i + 1], 1.0)
             self.history[it] = (loss, norms[i], bool(applied[i]), lrs[i])
-            self.summary["train_losses"][it] = loss
-            self.summary["grad_norms"][it] = norms[i]
             self.skipped += not applied[i]
         if self._check_finite:
             for it in its:
