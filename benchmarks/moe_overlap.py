@@ -1,15 +1,18 @@
-"""Exposed all-to-all time of the combined 1F1B (--overlap-moe-expert-parallel-comm) at EP 2 x PP 1.
+"""Exposed all-to-all time of the combined 1F1B (--overlap-moe-expert-parallel-comm, and with
+--delay-wgrad-compute) at EP 2 x PP 1.
 
     OMP_NUM_THREADS=1 python benchmarks/moe_overlap.py [--json PATH]      # docs/moe.md's table
 
 Two gloo CPU processes (EP 2 folded over DP 2), one thread each, run the same MoE GPT's
-forward-backward (the no-pipelining schedule, m micro-batches) without and with the overlap, one
-step of each in turn per round, so load from other jobs hits both alike. Each step records the
-executor's op timeline (``timing_log_level`` 1): F and B spans, and "A" events, the intervals the
-computing side spent blocked on an all-to-all (the whole call without the overlap; its issue and
-its final wait with it, "I" and "A", ``collectives.all_to_all_overlapped``). Exposed all-to-all time is the
-sum of a step's A and I (issue) events; per step, the slower rank's; medians over the timed rounds. The
-gradients of the two variants are checked equal (bit for bit) after the first round.
+forward-backward (the no-pipelining schedule, m micro-batches) without the overlap, with it, and
+with it and the experts' deferred weight gradients (W), one step of each in turn per round, so
+load from other jobs hits all alike. Each step records the executor's op timeline
+(``timing_log_level`` 1): F and B spans, and "A" events, the intervals the computing side spent
+blocked on an all-to-all (the whole call without the overlap; its issue and its final wait with
+it, "I" and "A", ``collectives.all_to_all_overlapped``), and "W" events, the deferred weight
+gradients' runs (compute, not exposed time). Exposed all-to-all time is the sum of a step's A and
+I (issue) events; per step, the slower rank's; medians over the timed rounds. The gradients of
+the three variants are checked equal (bit for bit) after the first round.
 --trace PATH writes rank 0's last timeline of each variant as a Chrome trace for
 tools/plot_pipeline.py.
 """
@@ -26,6 +29,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests")]
 
 
+# --overlap-moe-expert-parallel-comm off, on, and on with --delay-wgrad-compute
+VARIANTS = ("plain", "overlap", "overlap+delay_wgrad")
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("num-layers", 2), ("hidden-size", 512), ("num-attention-heads", 4),
@@ -38,7 +45,8 @@ def parse_args(argv=None):
                         "benchmarks force it, so the ranks' expert compute is equal)")
     p.add_argument("--all-timelines", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    p.add_argument("--trace", metavar="PATH", help="Chrome traces, PATH.{plain,overlap}.json")
+    p.add_argument("--trace", metavar="PATH", help="Chrome traces, PATH.{plain,overlap,"
+                   "overlap+delay_wgrad}.json")
     return p.parse_args(argv)
 
 
@@ -77,44 +85,50 @@ def worker(rank, world_size, args):
         out = chunk(tokens, labels=labels)
         return out, lambda t: (t.sum() / ntok, {})
 
-    def step(overlap: bool):
+    def step(name: str):
         model.zero_grad(set_to_none=True)
-        torch.manual_seed(args.seed + rank)  # the balanced router's draws: alike in both
+        torch.manual_seed(args.seed + rank)  # the balanced router's draws: alike in all
         fb(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
            num_microbatches=m, parallel_state=ps, timing_log_level=1,
-           overlap_moe_expert_parallel_comm=overlap)
+           overlap_moe_expert_parallel_comm=name != "plain",
+           delay_wgrad_compute=name == "overlap+delay_wgrad")
         tl = fb.last_timeline()
         wait = sum(e.end - e.start for e in tl.events if e.kind == "A")
         issue = sum(e.end - e.start for e in tl.events if e.kind == "I")
         return {"step_s": tl.end, "exposed_a2a_s": wait + issue, "wait_s": wait,
-                "issue_s": issue, "a2a_calls": sum(e.kind == "A" for e in tl.events)}, tl
+                "issue_s": issue, "a2a_calls": sum(e.kind == "A" for e in tl.events),
+                "w_s": sum(e.end - e.start for e in tl.events if e.kind == "W")}, tl
 
-    out = {False: [], True: []}
-    last = {}
+    out = {name: [] for name in VARIANTS}
+    last, grads = {}, {}
     for r in range(args.warmup + args.rounds):
-        for overlap in ((False, True) if r % 2 == 0 else (True, False)):
-            rec, last[overlap] = step(overlap)
+        shift = r % len(VARIANTS)  # each variant first in turn
+        for name in VARIANTS[shift:] + VARIANTS[:shift]:
+            rec, last[name] = step(name)
             if r == 0:
-                grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-                last.setdefault("grads", {})[overlap] = grads
+                grads[name] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
             if r >= args.warmup:
-                out[overlap].append(rec)
-    same = all(torch.equal(x, y) for x, y in zip(last["grads"][False], last["grads"][True]))
-    return {"plain": out[False], "overlap": out[True], "grads_bit_identical": same,
-            "timelines": {"plain": last[False].to_dict(), "overlap": last[True].to_dict()}
+                out[name].append(rec)
+    same = all(len(grads[name]) == len(grads["plain"]) and all(
+        torch.equal(x, y) for x, y in zip(grads["plain"], grads[name])) for name in VARIANTS)
+    return {**out, "grads_bit_identical": same,
+            "timelines": {name: last[name].to_dict() for name in VARIANTS}
             if rank == 0 or args.all_timelines else None}
 
 
 def summarise(per_rank):
     """Per variant: medians over rounds of the slower rank's step and exposed time."""
     res = {}
-    for name in ("plain", "overlap"):
+    for name in VARIANTS:
         rounds = list(zip(*[r[name] for r in per_rank]))
         res[name] = {k: statistics.median(max(x[k] for x in rnd) for rnd in rounds)
-                     for k in ("step_s", "exposed_a2a_s", "wait_s", "issue_s")}
+                     for k in ("step_s", "exposed_a2a_s", "wait_s", "issue_s", "w_s")}
         res[name]["a2a_calls_per_step"] = rounds[0][0]["a2a_calls"]
-    res["exposed_ratio"] = res["overlap"]["exposed_a2a_s"] / res["plain"]["exposed_a2a_s"]
-    res["step_ratio"] = res["overlap"]["step_s"] / res["plain"]["step_s"]
+    for name in VARIANTS[1:]:
+        res[name]["exposed_ratio"] = res[name]["exposed_a2a_s"] / res["plain"]["exposed_a2a_s"]
+        res[name]["step_ratio"] = res[name]["step_s"] / res["plain"]["step_s"]
+    res["exposed_ratio"] = res["overlap"]["exposed_ratio"]
+    res["step_ratio"] = res["overlap"]["step_ratio"]
     res["grads_bit_identical"] = all(r["grads_bit_identical"] for r in per_rank)
     return res
 
@@ -129,15 +143,17 @@ def main(argv=None):
     res["args"] = vars(args)
     print(f"EP2 x PP1, 2 processes, m={args.micro_batches}, medians of {args.rounds} rounds "
           f"(slower rank per step)")
-    print(f"{'variant':10s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
-          f"{'issue':>7s} {'a2a calls':>10s}")
-    for name in ("plain", "overlap"):
+    print(f"{'variant':20s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
+          f"{'issue':>7s} {'W ms':>7s} {'a2a calls':>10s} {'exposed/plain':>14s}")
+    for name in VARIANTS:
         r = res[name]
-        print(f"{name:10s} {1e3 * r['step_s']:9.1f} {1e3 * r['exposed_a2a_s']:15.2f} "
-              f"{1e3 * r['wait_s']:11.2f} {1e3 * r['issue_s']:7.2f} "
-              f"{r['a2a_calls_per_step']:10d}")
-    print(f"exposed overlap/plain {res['exposed_ratio']:.2f} (target <= 0.5), step "
-          f"{res['step_ratio']:.2f}, gradients bit-identical: {res['grads_bit_identical']}")
+        ratio = f"{r['exposed_ratio']:.2f}" if "exposed_ratio" in r else "-"
+        print(f"{name:20s} {1e3 * r['step_s']:9.1f} {1e3 * r['exposed_a2a_s']:15.2f} "
+              f"{1e3 * r['wait_s']:11.2f} {1e3 * r['issue_s']:7.2f} {1e3 * r['w_s']:7.2f} "
+              f"{r['a2a_calls_per_step']:10d} {ratio:>14s}")
+    print(f"exposed/plain: overlap {res['exposed_ratio']:.2f}, overlap+delay_wgrad "
+          f"{res['overlap+delay_wgrad']['exposed_ratio']:.2f} (target <= 0.5); gradients "
+          f"bit-identical: {res['grads_bit_identical']}")
     if args.trace:
         for name, d in per_rank[0]["timelines"].items():
             write_chrome_trace([StageTimeline.from_dict(d)], f"{args.trace}.{name}.json")

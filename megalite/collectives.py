@@ -215,8 +215,9 @@ def set_overlap(pair, observer=None) -> None:
 def all_to_all_overlapped(output: torch.Tensor, input: torch.Tensor, output_split_sizes,
                           input_split_sizes, group, tag: str) -> None:
     """``all_to_all_single``, blocking for its caller. Inside a pair it is issued async and the
-    other side runs until it reaches an all-to-all of its own (or ends); only then is this one
-    waited for, so its transfer hides behind that compute. The observer gets the intervals the
+    other side runs until it reaches an all-to-all of its own (or ends); then the pair's queued
+    weight gradients may run (``Pair.fill_while``), and only then is this one waited for, so its
+    transfer hides behind that compute. The observer gets the intervals the
     caller was blocked, ``observe(start, end, kind)``: the whole call ("A") without a pair; with
     one, the issue ("I") and the final wait ("A")."""
     pair, observe = _PAIR, _A2A_OBSERVER
@@ -226,6 +227,7 @@ def all_to_all_overlapped(output: torch.Tensor, input: torch.Tensor, output_spli
     if work is not None and pair is not None:
         issued = time.perf_counter()
         pair.switch()
+        pair.fill_while(work)  # deferred weight gradients, where nothing else would run
         resumed = time.perf_counter()
         work.wait()
         if observe is not None:

@@ -481,6 +481,10 @@ class ModelConfig(_Section):
         "(Megatron's flag): the combined 1F1B at PP 1, every pipeline schedule's F&B pairs at "
         "PP > 1; alltoall dispatcher, no recompute", group="mixture of experts",
         role=RUN)
+    delay_wgrad_compute: bool = setting(
+        False, "with --overlap-moe-expert-parallel-comm: the experts' weight gradients of a "
+        "paired backward are deferred and run while an all-to-all would otherwise be waited for "
+        "(Megatron's flag; docs/moe.md)", group="mixture of experts", role=RUN)
     recompute_granularity: Optional[str] = setting(
         None, choices=("full", "selective"), group="activation recomputation", role=RUN,
         layout=True)
@@ -1218,6 +1222,11 @@ class MegaliteConfig(_Section):
         """What the MoE settings need of the expert layout (the world size: ParallelConfig)."""
         m, par = self.model, self.parallel
         e, ep, etp = m.num_experts, par.expert_model_parallel_size, par.expert_tp_size
+        if m.delay_wgrad_compute and not m.overlap_moe_expert_parallel_comm:
+            # the deferred weight gradients fill the paired schedule's all-to-all waits: without
+            # the pairs there is nothing for them to fill
+            raise ConfigError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm "
+                              "(it fills the paired micro-batches' all-to-all waits)")
         if e is None:
             if ep != 1 or par.expert_tensor_parallel_size is not None:
                 raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size "

@@ -673,6 +673,7 @@ class Trainer:
             finalize_model_grads_func=self.finalize_fn,
             # the combined 1F1B / F&B pairs: docs/moe.md, docs/pipeline_parallel.md
             overlap_moe_expert_parallel_comm=self.cfg.model.overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=self.cfg.model.delay_wgrad_compute,
             # the timeline synchronises around every op: only on the steps whose bubble is logged
             timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)
         return self.forward_backward(

@@ -291,3 +291,12 @@ def test_moe_overlap_refuses_what_it_does_not_compose_with(argv, needle):
         parse_args(OVERLAP + argv)
     assert str(e.value).startswith("--overlap-moe-expert-parallel-comm") and "\n" not in str(
         e.value)
+
+
+def test_delay_wgrad_compute_needs_the_overlap():
+    """--delay-wgrad-compute fills the combined 1F1B's all-to-all waits: alone it is refused in
+    one line; with the overlap it passes."""
+    assert parse_args(OVERLAP + ["--delay-wgrad-compute"]).model.delay_wgrad_compute
+    with pytest.raises(ConfigError, match="needs --overlap-moe-expert-parallel-comm") as e:
+        parse_args(OVERLAP[:4] + ["--delay-wgrad-compute"])
+    assert str(e.value).startswith("--delay-wgrad-compute") and "\n" not in str(e.value)

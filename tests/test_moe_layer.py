@@ -9,7 +9,9 @@ import torch
 from megalite.models import GPTModel
 from megalite.models.transformer import TransformerLayer, mlp_activation
 from megalite.moe import router as R
-from megalite.moe.layer import MoELayer, begin_step, moe_layers
+from megalite.moe.layer import (MoELayer, begin_step, enable_expert_weight_grad_deferral,
+                                moe_layers)
+from megalite.tensor_parallel.layers import WeightGradStore
 from megalite.parallel_state import ParallelState
 
 from model_utils import tiny_config
@@ -65,6 +67,38 @@ def test_grouped_gemm_equals_the_expert_loop(kw):
     torch.testing.assert_close(dx1, dx0, rtol=1e-5, atol=1e-6)
     for a, b in zip(g0, g1):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_deferred_expert_weight_grads_are_the_inline_ones(grouped):
+    """--delay-wgrad-compute's expert W (docs/moe.md): a marked layer's backward inside
+    ``WeightGradStore.capture()`` leaves the expert weights' gradients to two queued closures;
+    run, then followed by an inline micro-batch, every gradient is bit for bit the unmarked
+    layer's (both paths: grouped GEMM and the per-expert loop)."""
+    cfg = _moe_config(moe_grouped_gemm=grouped)
+    plain, marked = _layer(cfg), _layer(cfg)
+    enable_expert_weight_grad_deferral([marked])
+    xs = [torch.randn(9, 2, 32) for _ in range(2)]
+    grads = []
+    for layer in (plain, marked):
+        dx = []
+        for j, x in enumerate(xs):
+            x = x.clone().requires_grad_()
+            y = layer(x)
+            loss = (y * torch.arange(y.numel()).view_as(y).sin()).sum()
+            if layer is marked and j == 0:
+                with WeightGradStore.capture() as queue:
+                    loss.backward()
+                assert len(queue) == 2 and layer.weight1.grad is None
+                assert layer.weight2.grad is None and layer.router.grad is not None
+                for fn in queue:
+                    fn()
+            else:
+                loss.backward()
+            dx.append(x.grad)
+        grads.append(dx + [p.grad for p in layer.parameters()])
+    assert marked.weight1.weight_grads_queued == marked.weight2.weight_grads_queued == 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def _reference(layer, x):

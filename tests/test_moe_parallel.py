@@ -49,6 +49,13 @@ CASES = {
     "ep2": (2, [], EP2),
     # the combined 1F1B (2 micro-batches per rank: F1, the pair (F2, B1), B2); bit for bit ep2
     "ep2_overlap": (2, [], EP2 + ["--overlap-moe-expert-parallel-comm"]),
+    # and the experts' weight gradients deferred into its all-to-all waits; bit for bit ep2;
+    # the per-expert loop's too (the one-process run takes the grouped GEMM: within 1e-5)
+    "ep2_overlap_delay_wgrad": (2, [], EP2 + ["--overlap-moe-expert-parallel-comm",
+                                              "--delay-wgrad-compute"]),
+    "ep2_loop_overlap_delay_wgrad": (2, [], EP2 + ["--overlap-moe-expert-parallel-comm",
+                                                   "--delay-wgrad-compute",
+                                                   "--no-moe-grouped-gemm"]),
     # Llama shapes with sigmoid routing and its bias, a gated shared expert, seq_aux_loss and
     # the per-expert loop (the other runs take grouped GEMMs), under full recomputation
     "ep2_llama_variants": (2, LLAMA + SIGMOID + [
@@ -161,12 +168,14 @@ def test_moe_layout_matches_one_process(moe_runs, name):
 
 @pytest.mark.parametrize("plain, overlap", [
     ("ep2", "ep2_overlap"),  # PP 1: the combined 1F1B
+    ("ep2", "ep2_overlap_delay_wgrad"),  # and the experts' W deferred
     ("ep2_pp2_dense_first", "ep2_pp2_dense_first_overlap"),  # 1F1B's F&B pairs
     ("ep2_pp2_dualpipev", "ep2_pp2_dualpipev_overlap"),  # DualPipeV's
 ])
 def test_moe_overlap_is_bit_for_bit_the_run_without_it(moe_runs, plain, overlap):
     """--overlap-moe-expert-parallel-comm reorders when ops run, never what they compute: every
-    logged figure of the EP2 run, losses and grad norms included, is exactly the plain run's."""
+    logged figure of the EP2 run, losses and grad norms included, is exactly the plain run's;
+    with --delay-wgrad-compute too (the experts' weight gradients run later, in order)."""
     from pretrain_utils import read_metrics
 
     d, _ = moe_runs
@@ -226,7 +235,8 @@ def _paired_timeline(rank, world_size):
 def test_moe_overlap_interleaves_the_pair_and_hides_its_waits():
     """The pairs really run interleaved: B(j)'s span lies inside F(j+1)'s, each pair's
     all-to-alls are issued async ("I" events) by both sides, and the gradients equal the
-    unpaired step's bit for bit; the unpaired schedule records each all-to-all as one wait."""
+    unpaired step's bit for bit (with --delay-wgrad-compute too, whose W's run after their B and
+    before the next); the unpaired schedule records each all-to-all as one wait."""
     from dist_utils import run_distributed
     from megalite.pipeline_parallel.timeline import StageTimeline
 
@@ -244,6 +254,14 @@ def test_moe_overlap_interleaves_the_pair_and_hides_its_waits():
         issued = {e.microbatch for e in paired.events if e.kind == "I"}
         assert issued == {0, 1, 2}  # both sides of both pairs issued async
         assert paired.peak_in_flight == 2
+        # --delay-wgrad-compute: each pair's B(j) leaves its experts' W's (2 per MoE layer) to
+        # run in all-to-all waits, first in first out, all before the last B (inline)
+        delayed = StageTimeline.from_dict(r["timelines"]["overlap+delay_wgrad"])
+        w = [e for e in delayed.events if e.kind == "W"]
+        assert [e.microbatch for e in w] == [0] * 4 + [1] * 4
+        span = {(e.kind, e.microbatch): e for e in delayed.events if e.kind in "FB"}
+        assert all(span["B", e.microbatch].start < e.start and e.end <= span["B", 2].start
+                   for e in w)
 
 
 def _pipelined_timeline(rank, world_size):

@@ -25,6 +25,7 @@ from megalite.moe import router as R
 from megalite.moe.alltoall import combine, dispatch
 from megalite.moe.dispatch import permute, unpermute
 from megalite.param_meta import set_param_meta
+from megalite.tensor_parallel.layers import WeightGradStore
 from megalite.tensor_parallel.mappings import (
     gather_first_dim,
     gather_from_sequence_parallel_region,
@@ -52,21 +53,69 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                      grouped: bool) -> torch.Tensor:
+                      grouped: bool, defer: bool = False) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts`` [E_local] rows each) times ``weight[e]``
     ([E_local, in, out]). ``grouped``: one grouped GEMM; else a loop over the experts (the
-    reference the grouped path is tested against)."""
+    reference the grouped path is tested against). ``defer`` (a layer marked by
+    :func:`enable_expert_weight_grad_deferral`): the weight's gradient is its own step, queued
+    while ``WeightGradStore`` captures; x's gradient is autograd's, as unmarked."""
+    w = weight.detach() if defer else weight
     if grouped:
-        offs = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight, offs=offs)
-    out, start = [], 0
-    # unbind once: indexing weight[e] per expert would give each expert a zero-filled gradient of
-    # the whole stack in backward (E full passes per projection); unbind's backward is one stack
-    per_expert = weight.unbind(0)
-    for e, n in enumerate(counts.tolist()):  # the loop path reads the counts: a reference only
-        out.append(x[start:start + n] @ per_expert[e])
-        start += n
-    return torch.cat(out) if out else x.new_zeros(0, weight.shape[-1])
+        split = counts.cumsum(0).to(torch.int32)
+        y = torch._grouped_mm(x, w, offs=split)
+    else:
+        # unbind once: indexing weight[e] per expert would give each expert a zero-filled
+        # gradient of the whole stack in backward (E full passes per projection); unbind's
+        # backward is one stack
+        split, per_expert = counts.tolist(), w.unbind(0)  # the loop reads the counts: a reference
+        out, start = [], 0
+        for e, n in enumerate(split):
+            out.append(x[start:start + n] @ per_expert[e])
+            start += n
+        y = torch.cat(out) if out else x.new_zeros(0, weight.shape[-1])
+    if defer:
+        y = _ExpertWeightGrad.apply(y, x.detach(), weight, split, grouped)
+    return y
+
+
+@torch.no_grad()  # a deferred W runs outside backward: its matmuls must not record a graph
+def _expert_weight_grad(x: torch.Tensor, grad: torch.Tensor, split, grouped: bool):
+    """dW[e] = x_eᵀ dy_e over each expert's rows, in the form autograd's own backward of the
+    unmarked product computes it (checked bit for bit in tests/test_moe_layer.py)."""
+    if grouped:
+        return torch._grouped_mm(x.t(), grad, offs=split)
+    return torch.stack([a.t().mm(g) for a, g in zip(x.split(split), grad.split(split))])
+
+
+class _ExpertWeightGrad(torch.autograd.Function):
+    """Identity on y = the product with a detached weight (whose graph gives x its gradient);
+    backward adds the weight's: inline, or queued for a W pass while ``WeightGradStore``
+    captures (the combined 1F1B's --delay-wgrad-compute, docs/moe.md)."""
+
+    @staticmethod
+    def forward(ctx, y, x, weight, split, grouped):
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.split, ctx.grouped = weight, split, grouped
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        split, grouped = ctx.split, ctx.grouped
+        if WeightGradStore.is_capturing():
+            WeightGradStore.put(ctx.weight, lambda: _expert_weight_grad(x, grad, split, grouped))
+            return grad, None, None, None, None
+        return grad, None, _expert_weight_grad(x, grad, split, grouped), None, None
+
+
+def enable_expert_weight_grad_deferral(modules) -> None:
+    """Mark the MoE layers under ``modules``: a backward inside ``WeightGradStore.capture()``
+    then queues their experts' weight gradients (only theirs: each expert weight is used once
+    per micro-batch, so one deferred gradient replaces one inline one, bit for bit)."""
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, MoELayer):
+                m.defer_weight_grad = True
 
 
 class MoEGroups(NamedTuple):
@@ -85,6 +134,8 @@ class MoEGroups(NamedTuple):
 
 
 class MoELayer(nn.Module):
+    defer_weight_grad = False  # set by enable_expert_weight_grad_deferral
+
     def __init__(self, config: ModelConfig, layer_number: int, activation: Callable,
                  shared_expert: Optional[nn.Module] = None, groups: MoEGroups = MoEGroups(),
                  sequence_parallel: bool = False, device=None):
@@ -231,11 +282,11 @@ class MoELayer(nn.Module):
                                                  c.moe_aux_loss_coeff)
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        grouped = self.config.moe_grouped_gemm
-        h = grouped_expert_mm(x, self.weight1, counts, grouped)
+        grouped, defer = self.config.moe_grouped_gemm, self.defer_weight_grad
+        h = grouped_expert_mm(x, self.weight1, counts, grouped, defer)
         if self.bias1 is not None:
             h = h + self.bias1.repeat_interleave(counts, dim=0, output_size=x.shape[0])
-        h = grouped_expert_mm(self.act(h), self.weight2, counts, grouped)
+        h = grouped_expert_mm(self.act(h), self.weight2, counts, grouped, defer)
         if self.bias2 is not None:
             h = h + self.bias2.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return h

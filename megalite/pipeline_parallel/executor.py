@@ -25,6 +25,7 @@ from megalite.parallel_state import synchronize
 from megalite.pipeline_parallel.p2p import (
     TAG_ACTIVATION, TAG_GRADIENT, PipelineP2P, tensor_shape)
 from megalite.config import V_SCHEDULES, ConfigError, check_pipeline_args
+from megalite.moe.layer import enable_expert_weight_grad_deferral
 from megalite.pipeline_parallel.partition import virtual_stage
 from megalite.pipeline_parallel.schedules import Op, op_peers, p2p_program, schedule_order
 from megalite.pipeline_parallel.timeline import StageTimeline, last_timeline, set_last_timeline
@@ -327,6 +328,40 @@ class _NoSync:
 
 
 # ----------------------------------------------------------------------------- entry points
+class WeightGradQueue:
+    """The deferred weight gradients (W) of successive backwards, run first in, first out: each
+    parameter's W's then accumulate in the order of their backwards, as inline gradients would.
+    ``capture(label)`` is the context of one backward (its W's are appended as it reaches them,
+    and may be run meanwhile); ``on_run(label, start, end)`` sees each W run."""
+
+    def __init__(self, on_run: Optional[Callable[[int, float, float], None]] = None):
+        self.groups: List[tuple] = []  # (label, the backward's W's still to run)
+        self.on_run = on_run
+
+    @contextlib.contextmanager
+    def capture(self, label: int):
+        with WeightGradStore.capture(queue=[]) as queue:
+            self.groups.append((label, queue))
+            yield
+
+    def run_one(self) -> bool:
+        """Run the oldest queued W; False when none is queued."""
+        while len(self.groups) > 1 and not self.groups[0][1]:
+            self.groups.pop(0)  # (the last group's backward may still be appending)
+        label, queue = next(((lb, q) for lb, q in self.groups if q), (None, None))
+        if queue is None:
+            return False
+        start = time.perf_counter()
+        queue.pop(0)()
+        if self.on_run is not None:
+            self.on_run(label, start, time.perf_counter())
+        return True
+
+    def flush(self) -> None:
+        while self.run_one():
+            pass
+
+
 class Pair:
     """Two sides (callables) run as coroutines on two threads: exactly one runs at a time, side 0
     first, and the running side hands over only inside ``switch`` (called by
@@ -334,12 +369,27 @@ class Pair:
     of the EP group therefore issue their all-to-alls in one order, the same on every rank: the
     order the two sides reach them, alternating. The side that switches is always the one
     running, whichever thread it is on (on CUDA, autograd runs the backward's nodes on its
-    device thread), so the pair needs no thread identities."""
+    device thread), so the pair needs no thread identities.
 
-    def __init__(self, on_resume: Optional[Callable[[int], None]] = None):
+    ``fill`` (--delay-wgrad-compute): the deferred weight gradients (W) that ``fill_while`` runs
+    where the running side would otherwise block on an exchange."""
+
+    def __init__(self, on_resume: Optional[Callable[[int], None]] = None,
+                 fill: Optional["WeightGradQueue"] = None):
         self.cond = threading.Condition()
         self.turn, self.done = 0, [False, False]
         self.on_resume = on_resume  # called with the side that runs again after a hand-over
+        self.fill = fill
+
+    def fill_while(self, work) -> None:
+        """Run queued W's, first in first out, while ``work`` (an issued exchange of the running
+        side, which has handed over and resumed) is still in flight: in the pair's tail, where
+        no other side is left to compute, and wherever the other side's compute was shorter
+        than the exchange. Only until it completes: a W run past that delays this rank's next
+        exchange, which the peer ranks wait for (benchmarks/moe_overlap.py: running them all at
+        the first wait of the tail exposes more than it hides)."""
+        while self.fill is not None and not work.is_completed() and self.fill.run_one():
+            pass
 
     def switch(self) -> None:
         with self.cond:
@@ -384,13 +434,18 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    finalize_model_grads_func: Optional[Callable] = None,
                                    timing_log_level: int = 0,
                                    overlap_moe_expert_parallel_comm: bool = False,
+                                   delay_wgrad_compute: bool = False,
                                    **unused) -> List[dict]:
     """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last.
 
     ``overlap_moe_expert_parallel_comm``: the combined 1F1B (docs/moe.md, "Hiding the
     all-to-alls"): F1, then the pairs (F(j+1), B(j)), then B(m); each pair's all-to-alls are in
     flight while the other micro-batch computes. The same ops on the same inputs in the same
-    forward and backward orders: losses and gradients are bit for bit those without it."""
+    forward and backward orders: losses and gradients are bit for bit those without it.
+
+    ``delay_wgrad_compute`` (with it): a pair's backward defers its experts' weight gradients
+    (W), which run while the pair's tail would wait on an all-to-all, the rest as the pair ends:
+    before the next pair's backward, so every gradient accumulates in micro-batch order."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
@@ -416,10 +471,11 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         if timeline is not None:
             timeline.record("F", 0, j, start, time.perf_counter() - t0)
 
-    def backward(j: int) -> None:
+    def backward(j: int, deferred: bool = False) -> None:
         running[0] = j
         start = time.perf_counter() - t0
-        with torch.set_grad_enabled(True):
+        with torch.set_grad_enabled(True), (
+                wgrads.capture(j) if deferred else contextlib.nullcontext()):
             losses.pop(j).backward()
         if timeline is not None:
             timeline.record("B", 0, j, start, time.perf_counter() - t0)
@@ -431,21 +487,30 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     def pair(j: int) -> None:  # F(j+1) and B(j), interleaved at their all-to-alls
         sides = (j + 1, j)  # side 0 the forward's micro-batch, side 1 the backward's
         # the running side is charged for the waits: track it at every hand-over
-        p = Pair(on_resume=lambda side: running.__setitem__(0, sides[side]))
+        p = Pair(on_resume=lambda side: running.__setitem__(0, sides[side]),
+                 fill=wgrads if delay_wgrad_compute else None)
         C.set_overlap(p, a2a_wait if timeline is not None else None)
         try:
-            p.run(lambda: forward(sides[0]), lambda: backward(sides[1]))
+            p.run(lambda: forward(sides[0]), lambda: backward(sides[1], delay_wgrad_compute))
         finally:
             C.set_overlap(None, a2a_wait if timeline is not None else None)
 
     C.set_overlap(None, a2a_wait if timeline is not None else None)
+    paired = overlap_moe_expert_parallel_comm and not forward_only and m > 1
+    delay_wgrad_compute = delay_wgrad_compute and paired
+    if delay_wgrad_compute:
+        enable_expert_weight_grad_deferral(chunks)  # only the experts' (docs/moe.md)
+    wgrads = WeightGradQueue(None if timeline is None else lambda j, start, end: timeline.record(
+        "W", 0, j, start - t0, end - t0))
     try:
-        paired = overlap_moe_expert_parallel_comm and not forward_only and m > 1
         with no_sync():
             if paired:
                 forward(0)
                 for j in range(m - 1):
-                    pair(j)
+                    pair(j)  # B(j)'s W's left over run in the next pair's waits
+                # before B(m) computes its experts' gradients inline, and the DP reduction
+                # (outside no_sync) may start
+                wgrads.flush()
             else:
                 for j in range(m - 1):
                     forward(j)

@@ -55,8 +55,9 @@ class WeightGradStore:
 
     @classmethod
     @contextlib.contextmanager
-    def capture(cls):
-        previous, cls._queue = cls._queue, []
+    def capture(cls, queue: Optional[List[Callable[[], None]]] = None):
+        """``queue``: append to this list (which others may be emptying meanwhile)."""
+        previous, cls._queue = cls._queue, [] if queue is None else queue
         try:
             yield cls._queue
         finally:
@@ -65,6 +66,13 @@ class WeightGradStore:
     @classmethod
     def is_capturing(cls) -> bool:
         return cls._queue is not None
+
+    @classmethod
+    def put(cls, param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
+        """Queue ``param``'s weight gradient, ``compute()``, for the W pass (capturing only)."""
+        # a gradient buffer waits for this part (ddp.py); accumulate_weight_grad counts it off
+        param.weight_grads_queued = getattr(param, "weight_grads_queued", 0) + 1
+        cls._queue.append(lambda: accumulate_weight_grad(param, compute()))
 
 
 @torch.no_grad()  # the W closure runs outside backward; accumulation must not be recorded
@@ -116,11 +124,7 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
         if ctx.has_bias:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         if ctx.defer and WeightGradStore.is_capturing():  # marked, and this backward is a B
-            param = ctx.weight
-            # a gradient buffer waits for this part (ddp.py); accumulate_weight_grad counts it off
-            param.weight_grads_queued = getattr(param, "weight_grads_queued", 0) + 1
-            WeightGradStore._queue.append(
-                lambda: accumulate_weight_grad(param, _weight_grad(grad_output, total_input)))
+            WeightGradStore.put(ctx.weight, lambda: _weight_grad(grad_output, total_input))
             grad_weight = None
         else:
             grad_weight = _weight_grad(grad_output, total_input)
