@@ -77,10 +77,10 @@ def plot(trace: dict, out: str, title: str = "") -> None:
             ax.barh(row + 0.3, dur, left=start, height=0.2, color=COLORS[e["cat"]], zorder=3)
             continue
         y, h = row, 0.8
-        if e["pid"] in paired:
+        if e["pid"] in paired:  # (--delay-wgrad-compute's W's run in the waits of either side)
             y, h = row + (-0.2 if e["cat"] == "F" else 0.2), 0.4
         ax.barh(y, dur, left=start, height=h, color=COLORS.get(e["cat"], "grey"),
-                edgecolor="black", linewidth=0.4)
+                edgecolor="black", linewidth=0.4, zorder=2 if e["cat"] == "W" else 1)
         if dur > end_ms / 120:
             ax.text(start + dur / 2, y, e["name"].split(".")[0][1:], ha="center", va="center",
                     fontsize=6, color="white")

@@ -444,8 +444,9 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     forward and backward orders: losses and gradients are bit for bit those without it.
 
     ``delay_wgrad_compute`` (with it): a pair's backward defers its experts' weight gradients
-    (W), which run while the pair's tail would wait on an all-to-all, the rest as the pair ends:
-    before the next pair's backward, so every gradient accumulates in micro-batch order."""
+    (W) into a first-in-first-out queue; they run where a side would wait on an all-to-all
+    (``Pair.fill_while``), in this pair or the next, and the rest before B(m), so every
+    gradient accumulates in micro-batch order."""
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if len(chunks) != 1:
         raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
