@@ -4,14 +4,14 @@ EP 2 x PP 2.
     OMP_NUM_THREADS=1 python benchmarks/moe_overlap_pipeline.py [--schedule dualpipev] [--json P]
 
 Four gloo CPU processes (two pipeline stages, each an EP 2 group folded over its DP 2), one
-thread each, run the same MoE GPT's pipelined forward-backward without and with the pairs, one
-step of each in turn per round. Exposed all-to-all time is, as in benchmarks/moe_overlap.py
+thread each, run the same MoE GPT's pipelined forward-backward without and with the pairs (and with
+--delay-wgrad-compute), one step of each in turn per round. Exposed all-to-all time is, as in benchmarks/moe_overlap.py
 (EP 2 x PP 1), the time the compute thread spends blocked in all-to-alls: the A (waiting) and I
 (issuing) events of the executor's op timeline; per step the slowest rank's, medians over the
 timed rounds. Four processes share two cores here, so the figures show that the pairs hide their
 exchanges at PP > 1, not what a GPU would gain. The gradients of the two variants are checked
 equal bit for bit. --trace PATH writes every stage's last timeline of each variant as a Chrome
-trace (PATH.{plain,overlap}.json) for tools/plot_pipeline.py.
+trace (PATH.{plain,overlap,overlap+delay_wgrad}.json) for tools/plot_pipeline.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "test
 from moe_overlap import model_config  # noqa: E402  (the same model as at PP 1)
 
 WORLD = 4  # PP 2 x (EP 2 over DP 2)
+VARIANTS = ("plain", "overlap", "overlap+delay_wgrad")
 
 
 def parse_args(argv=None):
@@ -74,44 +75,46 @@ def worker(rank, world_size, args):
         tokens, labels = next(it)
         return chunk(tokens, labels=labels), lambda t: (t.sum() / ntok, {})
 
-    def step(overlap: bool):
+    def step(variant: str):
+        overlap, delay = variant != "plain", variant == "overlap+delay_wgrad"
         for c in chunks:
             c.zero_grad(set_to_none=True)
         torch.manual_seed(args.seed + rank)  # the balanced router's draws: alike in both
         fb(forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
            num_microbatches=m, seq_length=s, micro_batch_size=b, parallel_state=ps,
            timing_log_level=1, overlap_moe_expert_parallel_comm=overlap,
+           delay_wgrad_compute=delay,
            finalize_model_grads_func=lambda cs: finalize_model_grads(cs, ps))
         tl = fb.last_timeline()
         wait = sum(e.end - e.start for e in tl.events if e.kind == "A")
         return {"step_s": tl.end, "exposed_a2a_s": exposed_a2a_seconds(tl), "wait_s": wait,
                 "issue_s": exposed_a2a_seconds(tl) - wait}, tl
 
-    out, last, grads = {False: [], True: []}, {}, {}
+    out, last, grads = {v: [] for v in VARIANTS}, {}, {}
     for r in range(args.warmup + args.rounds):
-        for overlap in ((False, True) if r % 2 == 0 else (True, False)):
-            rec, last[overlap] = step(overlap)
+        for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            rec, last[variant] = step(variant)
             if r == 0:
-                grads[overlap] = [p.grad.clone() for c in chunks for p in c.parameters()
+                grads[variant] = [p.grad.clone() for c in chunks for p in c.parameters()
                                   if p.grad is not None]
             if r >= args.warmup:
-                out[overlap].append(rec)
-    same = len(grads[False]) == len(grads[True]) and all(
-        torch.equal(x, y) for x, y in zip(grads[False], grads[True]))
-    return {"plain": out[False], "overlap": out[True], "grads_bit_identical": same,
-            "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank,
-            "timelines": {"plain": last[False].to_dict(), "overlap": last[True].to_dict()}}
+                out[variant].append(rec)
+    same = all(len(grads[v]) == len(grads["plain"]) and all(
+        torch.equal(x, y) for x, y in zip(grads[v], grads["plain"])) for v in VARIANTS)
+    return {**out, "grads_bit_identical": same, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank,
+            "timelines": {v: last[v].to_dict() for v in VARIANTS}}
 
 
 def summarise(per_rank):
     """Per variant: medians over rounds of the slowest rank's step and exposed time."""
     res = {}
-    for name in ("plain", "overlap"):
+    for name in VARIANTS:
         rounds = list(zip(*[r[name] for r in per_rank]))
         res[name] = {k: statistics.median(max(x[k] for x in rnd) for rnd in rounds)
                      for k in ("step_s", "exposed_a2a_s", "wait_s", "issue_s")}
-    res["exposed_ratio"] = res["overlap"]["exposed_a2a_s"] / res["plain"]["exposed_a2a_s"]
-    res["step_ratio"] = res["overlap"]["step_s"] / res["plain"]["step_s"]
+    for name in VARIANTS[1:]:
+        res[f"{name}_exposed_ratio"] = res[name]["exposed_a2a_s"] / res["plain"]["exposed_a2a_s"]
+        res[f"{name}_step_ratio"] = res[name]["step_s"] / res["plain"]["step_s"]
     res["grads_bit_identical"] = all(r["grads_bit_identical"] for r in per_rank)
     return res
 
@@ -126,16 +129,18 @@ def main(argv=None):
     res["args"] = vars(args)
     print(f"EP2 x PP2 ({args.schedule}), 4 processes on the machine's cores, m={args.micro_batches}"
           f", medians of {args.rounds} rounds (slowest rank per step)")
-    print(f"{'variant':10s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
+    print(f"{'variant':20s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
           f"{'issue':>7s}")
-    for name in ("plain", "overlap"):
+    for name in VARIANTS:
         r = res[name]
-        print(f"{name:10s} {1e3 * r['step_s']:9.1f} {1e3 * r['exposed_a2a_s']:15.2f} "
+        print(f"{name:20s} {1e3 * r['step_s']:9.1f} {1e3 * r['exposed_a2a_s']:15.2f} "
               f"{1e3 * r['wait_s']:11.2f} {1e3 * r['issue_s']:7.2f}")
-    print(f"exposed overlap/plain {res['exposed_ratio']:.2f}, step {res['step_ratio']:.2f}, "
-          f"gradients bit-identical: {res['grads_bit_identical']}")
+    for name in VARIANTS[1:]:
+        print(f"{name}/plain: exposed {res[f'{name}_exposed_ratio']:.2f}, step "
+              f"{res[f'{name}_step_ratio']:.2f}")
+    print(f"gradients bit-identical: {res['grads_bit_identical']}")
     if args.trace:
-        for name in ("plain", "overlap"):  # DP rank 0 of each stage, stages in order
+        for name in VARIANTS:  # DP rank 0 of each stage, stages in order
             stages = sorted((r for r in per_rank if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
             write_chrome_trace([StageTimeline.from_dict(r["timelines"][name]) for r in stages],
                                f"{args.trace}.{name}.json")

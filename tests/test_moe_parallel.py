@@ -99,6 +99,8 @@ CASES = {
     # (its op timeline logged: test_a_run_logs_its_exposed_all_to_all_time)
     "ep2_pp2_dualpipev_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
         "--pipeline-schedule", "dualpipev", "--timing-log-level", "1"]),
+    "ep2_pp2_dualpipev_overlap_delay_wgrad": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
+        "--pipeline-schedule", "dualpipev", "--delay-wgrad-compute"]),
     # the other schedules' pairs: ZB-V's (its W ops deferred too; ZeRO-2 whose gradient
     # reduce-scatters the pairs' backwards launch), interleaved's (v 2)
     "ep2_pp2_zbv_overlap": (4, FOUR_LAYERS, EP2 + PP2 + OVERLAP + [
@@ -171,6 +173,7 @@ def test_moe_layout_matches_one_process(moe_runs, name):
     ("ep2", "ep2_overlap_delay_wgrad"),  # and the experts' W deferred
     ("ep2_pp2_dense_first", "ep2_pp2_dense_first_overlap"),  # 1F1B's F&B pairs
     ("ep2_pp2_dualpipev", "ep2_pp2_dualpipev_overlap"),  # DualPipeV's
+    ("ep2_pp2_dualpipev", "ep2_pp2_dualpipev_overlap_delay_wgrad"),
 ])
 def test_moe_overlap_is_bit_for_bit_the_run_without_it(moe_runs, plain, overlap):
     """--overlap-moe-expert-parallel-comm reorders when ops run, never what they compute: every
@@ -304,6 +307,12 @@ def test_pipelined_pairs_interleave_and_hide_their_waits():
             assert f.start < b.start < f.end  # B started while F was suspended at an all-to-all
         issued = {(e.chunk, e.microbatch) for e in paired.events if e.kind == "I"}
         assert {(ops[k].chunk, ops[k].microbatch) for _, k in pairs} <= issued
+        # --delay-wgrad-compute: the pairs' backwards leave their experts' W's to the queue
+        delayed = StageTimeline.from_dict(r["timelines"]["overlap+delay_wgrad"])
+        w = [(e.chunk, e.microbatch) for e in delayed.events if e.kind == "W"]
+        own = [(o.chunk, o.microbatch) for o in ops if o.kind == "W"]  # the schedule's W ops
+        assert len(w) > len(own) and set(w) <= set(own) | {
+            (ops[k].chunk, ops[k].microbatch) for _, k in pairs}
 
 
 def test_moe_checkpoint_resumes_exactly_with_its_expert_bias(tmp_path):

@@ -62,7 +62,8 @@ class PipelineExecutor:
 
     def __init__(self, schedule: str, chunks: list, parallel_state, m: int, forward_only: bool,
                  forward_step_func: Callable, data_iterator, grad_scale_func, no_sync_func,
-                 p2p: PipelineP2P, timing: bool, paired: bool = False):
+                 p2p: PipelineP2P, timing: bool, paired: bool = False,
+                 delay_wgrad: bool = False):
         ps = parallel_state
         self.chunks, self.p2p, self.forward_only = chunks, p2p, forward_only
         self.forward_step_func, self.grad_scale_func = forward_step_func, grad_scale_func
@@ -87,6 +88,12 @@ class PipelineExecutor:
         self.timeline = StageTimeline(schedule, r, p, m, v) if timing else None
         self.t0 = time.perf_counter()
         self.running: Optional[Op] = None  # the op an all-to-all wait is charged to
+        # --delay-wgrad-compute: a pair's backward queues its experts' W's, run first in first
+        # out in all-to-all waits (Pair.fill_while), the rest before the next op outside a pair
+        # that computes gradients, so every gradient still accumulates in micro-batch order
+        self.wgrads = WeightGradQueue(self._record_w) if paired and delay_wgrad else None
+        if self.wgrads is not None:
+            enable_expert_weight_grad_deferral(chunks)
 
     # ---------------------------------------------------------------- the program's three steps
     def post(self, b: int, sends, recvs) -> None:
@@ -107,6 +114,8 @@ class PipelineExecutor:
         self.inbox.update(zip(recvs, batch.wait() if batch is not None else []))
 
     def run(self, i: int) -> None:
+        if self.wgrads is not None and self.ops[i].kind != "F":
+            self.wgrads.flush()
         self.no_sync.before(i)
         start = self._clock()
         self._deliver(i, self._compute(i), start)
@@ -121,13 +130,18 @@ class PipelineExecutor:
 
         def side(j: int) -> None:
             began = time.perf_counter() - self.t0
-            outs[j] = self._compute(j)
+            key = (self.ops[j].chunk, self.ops[j].microbatch)
+            queued = self.wgrads is not None and self.ops[j].kind == "B" \
+                and key not in self.deferred_w  # (a B with a W op of its own defers into it)
+            with self.wgrads.capture(j) if queued else contextlib.nullcontext():
+                outs[j] = self._compute(j)
             if self.timeline is not None:
                 op = self.ops[j]
                 self.timeline.record(op.kind, op.chunk, op.microbatch, began,
                                      time.perf_counter() - self.t0)
 
-        pair = Pair(on_resume=lambda s: setattr(self, "running", self.ops[sides[s]]))
+        pair = Pair(on_resume=lambda s: setattr(self, "running", self.ops[sides[s]]),
+                    fill=self.wgrads)
         C.set_overlap(pair, self._a2a_observer())
         try:
             pair.run(lambda: side(i), lambda: side(k))
@@ -138,6 +152,11 @@ class PipelineExecutor:
         if self.timeline is not None:
             synchronize(self.p2p.device)
             self.timeline.end = max(self.timeline.end, time.perf_counter() - self.t0)
+
+    def _record_w(self, i: int, start: float, end: float) -> None:
+        if self.timeline is not None:
+            op = self.ops[i]
+            self.timeline.record("W", op.chunk, op.microbatch, start - self.t0, end - self.t0)
 
     def _clock(self) -> Optional[float]:
         if self.timeline is None:
@@ -215,6 +234,8 @@ class PipelineExecutor:
         try:
             for step, *args in program:
                 getattr(self, step)(*args)
+            if self.wgrads is not None:
+                self.wgrads.flush()
             for recvs, batch in self.batches.values():
                 if batch is not None:
                     batch.wait()
@@ -234,6 +255,7 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
                                 schedule: Optional[str] = None, timing_log_level: int = 0,
                                 p2p_mode: Optional[str] = None,
                                 overlap_moe_expert_parallel_comm: bool = False,
+                                delay_wgrad_compute: bool = False,
                                 **unused) -> List[dict]:
     """Run this rank's part of a pipelined step (schedules' contract).
 
@@ -241,7 +263,8 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
     backend's p2p ops complete independently (gloo) and batched elsewhere (NCCL).
     ``overlap_moe_expert_parallel_comm``: run the schedule's F&B pairs (schedules.paired_units,
     docs/pipeline_parallel.md "F&B pairs"); the same ops on the same inputs, so the same losses
-    and gradients bit for bit.
+    and gradients bit for bit. ``delay_wgrad_compute`` (with it): a paired backward's expert
+    weight gradients fill the pair's all-to-all waits (``Pair.fill_while``).
     """
     ps = parallel_state
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
@@ -260,7 +283,8 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
             C.barrier(group=ps.pp_group)  # a common step start for all stages
     paired = overlap_moe_expert_parallel_comm and not forward_only
     ex = PipelineExecutor(schedule, chunks, ps, num_microbatches, forward_only, forward_step_func,
-                          data_iterator, grad_scale_func, no_sync_func, p2p, timing, paired)
+                          data_iterator, grad_scale_func, no_sync_func, p2p, timing, paired,
+                          delay_wgrad_compute)
     stats = ex.execute(p2p_program(mode, schedule, ps.pp_size, ps.pp_rank, num_microbatches,
                                    len(chunks), forward_only, paired))
     if timing:
