@@ -68,6 +68,7 @@ def worker(rank, world_size, args):
     from megalite.models import GPTModel
     from megalite.parallel_state import initialize_model_parallel
     from megalite.pipeline_parallel.executor import get_forward_backward_func
+    from megalite.pipeline_parallel.timeline import exposed_a2a_seconds
 
     torch.set_num_threads(1)
     ps = initialize_model_parallel(1, 1, expert_model_parallel_size=world_size, backend="gloo",
@@ -94,9 +95,8 @@ def worker(rank, world_size, args):
            delay_wgrad_compute=name == "overlap+delay_wgrad")
         tl = fb.last_timeline()
         wait = sum(e.end - e.start for e in tl.events if e.kind == "A")
-        issue = sum(e.end - e.start for e in tl.events if e.kind == "I")
-        return {"step_s": tl.end, "exposed_a2a_s": wait + issue, "wait_s": wait,
-                "issue_s": issue, "a2a_calls": sum(e.kind == "A" for e in tl.events),
+        return {"step_s": tl.end, "exposed_a2a_s": exposed_a2a_seconds(tl), "wait_s": wait,
+                "issue_s": exposed_a2a_seconds(tl) - wait, "a2a_calls": sum(e.kind == "A" for e in tl.events),
                 "w_s": sum(e.end - e.start for e in tl.events if e.kind == "W")}, tl
 
     out = {name: [] for name in VARIANTS}
