@@ -33,20 +33,28 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "test
 VARIANTS = ("plain", "overlap", "overlap+delay_wgrad")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in (("num-layers", 2), ("hidden-size", 512), ("num-attention-heads", 4),
-                          ("num-experts", 8), ("moe-router-topk", 2), ("moe-ffn-hidden-size", 1024),
-                          ("seq-length", 256), ("micro-batch-size", 2), ("micro-batches", 16),
-                          ("vocab-size", 1024), ("warmup", 2), ("rounds", 8), ("seed", 1234)):
-        p.add_argument(f"--{name}", type=int, default=default)
+def argument_parser(description: str, **defaults) -> argparse.ArgumentParser:
+    """The model, batch and rounds flags (with this benchmark's defaults, or ``defaults``), the
+    routing, --json and --trace: shared with benchmarks/moe_overlap_pipeline.py."""
+    p = argparse.ArgumentParser(description=description)
+    base = {"num-layers": 2, "hidden-size": 512, "num-attention-heads": 4, "num-experts": 8,
+            "moe-router-topk": 2, "moe-ffn-hidden-size": 1024, "seq-length": 256,
+            "micro-batch-size": 2, "micro-batches": 16, "vocab-size": 1024, "warmup": 2,
+            "rounds": 8, "seed": 1234}
+    for name, default in base.items():
+        p.add_argument(f"--{name}", type=int, default=defaults.get(name.replace("-", "_"), default))
     p.add_argument("--imbalanced", dest="balanced", action="store_false",
                    help="route as the router says (default: evenly, as published MoE "
                         "benchmarks force it, so the ranks' expert compute is equal)")
-    p.add_argument("--all-timelines", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
     p.add_argument("--trace", metavar="PATH", help="Chrome traces, PATH.{plain,overlap,"
                    "overlap+delay_wgrad}.json")
+    return p
+
+
+def parse_args(argv=None):
+    p = argument_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--all-timelines", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 

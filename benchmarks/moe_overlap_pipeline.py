@@ -16,7 +16,6 @@ trace (PATH.{plain,overlap,overlap+delay_wgrad}.json) for tools/plot_pipeline.py
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -25,25 +24,17 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(HERE), "tests"), HERE]
 
-from moe_overlap import model_config  # noqa: E402  (the same model as at PP 1)
+# the same model, flags and variants as at PP 1
+from moe_overlap import VARIANTS, argument_parser, model_config  # noqa: E402
 
 WORLD = 4  # PP 2 x (EP 2 over DP 2)
-VARIANTS = ("plain", "overlap", "overlap+delay_wgrad")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name, default in (("num-layers", 4), ("hidden-size", 256), ("num-attention-heads", 4),
-                          ("num-experts", 8), ("moe-router-topk", 2), ("moe-ffn-hidden-size", 512),
-                          ("seq-length", 128), ("micro-batch-size", 2), ("micro-batches", 8),
-                          ("vocab-size", 1024), ("warmup", 1), ("rounds", 4), ("seed", 1234)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    p = argument_parser(__doc__.split("\n\n")[0], num_layers=4, hidden_size=256,
+                        moe_ffn_hidden_size=512, seq_length=128, micro_batches=8, warmup=1,
+                        rounds=4)
     p.add_argument("--schedule", default="1f1b", choices=("1f1b", "dualpipev", "zb-v"))
-    p.add_argument("--imbalanced", dest="balanced", action="store_false",
-                   help="route as the router says (default: evenly, as published MoE "
-                        "benchmarks force it)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    p.add_argument("--trace", metavar="PATH", help="Chrome traces, PATH.{plain,overlap}.json")
     return p.parse_args(argv)
 
 
@@ -127,7 +118,7 @@ def main(argv=None):
     per_rank = run_distributed(worker, WORLD, args, timeout=900)
     res = summarise(per_rank)
     res["args"] = vars(args)
-    print(f"EP2 x PP2 ({args.schedule}), 4 processes on the machine's cores, m={args.micro_batches}"
+    print(f"EP2 x PP2 ({args.schedule}), 4 processes, m={args.micro_batches}"
           f", medians of {args.rounds} rounds (slowest rank per step)")
     print(f"{'variant':20s} {'step ms':>9s} {'exposed a2a ms':>15s} {'of it wait':>11s} "
           f"{'issue':>7s}")
