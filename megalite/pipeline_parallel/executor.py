@@ -368,12 +368,15 @@ class WeightGradQueue:
             self.groups.append((label, queue))
             yield
 
-    def run_one(self) -> bool:
-        """Run the oldest queued W; False when none is queued."""
+    def run_one(self, before: Optional[int] = None) -> bool:
+        """Run the oldest queued W (``before``: if its backward's label is lower); False when
+        there is none to run."""
         while len(self.groups) > 1 and not self.groups[0][1]:
             self.groups.pop(0)  # (the last group's backward may still be appending)
-        label, queue = next(((lb, q) for lb, q in self.groups if q), (None, None))
-        if queue is None:
+        if not self.groups or not self.groups[0][1]:
+            return False
+        label, queue = self.groups[0]
+        if before is not None and label >= before:
             return False
         start = time.perf_counter()
         queue.pop(0)()
@@ -381,8 +384,9 @@ class WeightGradQueue:
             self.on_run(label, start, time.perf_counter())
         return True
 
-    def flush(self) -> None:
-        while self.run_one():
+    def flush(self, before: Optional[int] = None) -> None:
+        """Run the queued W's (``before``: those of backwards labelled lower)."""
+        while self.run_one(before):
             pass
 
 
@@ -532,7 +536,8 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
             if paired:
                 forward(0)
                 for j in range(m - 1):
-                    pair(j)  # B(j)'s W's left over run in the next pair's waits
+                    pair(j)  # B(j)'s W's left over run in the next pair's waits,
+                    wgrads.flush(before=j)  # older ones now: at most two backwards' W's held
                 # before B(m) computes its experts' gradients inline, and the DP reduction
                 # (outside no_sync) may start
                 wgrads.flush()
