@@ -147,6 +147,8 @@ class PipelineExecutor:
             pair.run(lambda: side(i), lambda: side(k))
         finally:
             C.set_overlap(None, self._a2a_observer())
+        if self.wgrads is not None:  # older backwards' W's now: at most two backwards' held
+            self.wgrads.flush(before=k)
         for j in sides:
             self._deliver(j, outs[j], None)
         if self.timeline is not None:
