@@ -53,9 +53,11 @@ CASES = {
     # the per-expert loop's too (the one-process run takes the grouped GEMM: within 1e-5)
     "ep2_overlap_delay_wgrad": (2, [], EP2 + ["--overlap-moe-expert-parallel-comm",
                                               "--delay-wgrad-compute"]),
+    # (with ZeRO-2's overlapped reduce-scatter: a deferred W marks its expert weight ready)
     "ep2_loop_overlap_delay_wgrad": (2, [], EP2 + ["--overlap-moe-expert-parallel-comm",
                                                    "--delay-wgrad-compute",
-                                                   "--no-moe-grouped-gemm"]),
+                                                   "--no-moe-grouped-gemm", "--zero-stage", "2",
+                                                   "--overlap-grad-reduce"]),
     # Llama shapes with sigmoid routing and its bias, a gated shared expert, seq_aux_loss and
     # the per-expert loop (the other runs take grouped GEMMs), under full recomputation
     "ep2_llama_variants": (2, LLAMA + SIGMOID + [
