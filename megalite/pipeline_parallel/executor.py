@@ -155,10 +155,13 @@ class PipelineExecutor:
             synchronize(self.p2p.device)
             self.timeline.end = max(self.timeline.end, time.perf_counter() - self.t0)
 
-    def _record_w(self, i: int, start: float, end: float) -> None:
+    def _record_interval(self, kind: str, op: Op, start: float, end: float) -> None:
+        """An interval inside an op (perf_counter times): a queued W, an all-to-all's A or I."""
         if self.timeline is not None:
-            op = self.ops[i]
-            self.timeline.record("W", op.chunk, op.microbatch, start - self.t0, end - self.t0)
+            self.timeline.record(kind, op.chunk, op.microbatch, start - self.t0, end - self.t0)
+
+    def _record_w(self, i: int, start: float, end: float) -> None:
+        self._record_interval("W", self.ops[i], start, end)
 
     def _clock(self) -> Optional[float]:
         if self.timeline is None:
@@ -190,11 +193,7 @@ class PipelineExecutor:
         "I" issuing one (collectives.all_to_all_overlapped)."""
         if self.timeline is None:
             return None
-
-        def observe(start: float, end: float, kind: str) -> None:
-            op = self.running
-            self.timeline.record(kind, op.chunk, op.microbatch, start - self.t0, end - self.t0)
-        return observe
+        return lambda start, end, kind: self._record_interval(kind, self.running, start, end)
 
     # ---------------------------------------------------------------- F, B and W
     def forward(self, op: Op, inp: Optional[torch.Tensor]) -> torch.Tensor:
