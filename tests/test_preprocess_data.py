@@ -70,7 +70,6 @@ def test_without_append_eod_and_null_tokenizer(tmp_path):
 
 
 def test_megatron_core_reads_the_output(tmp_path):
-    pytest.importorskip("megatron.core")
     import warnings
 
     with warnings.catch_warnings():
