@@ -11,11 +11,9 @@ import torch
 def get_batch(micro_batch, eod_token: int, eod_mask_loss: bool,
               device: Optional[torch.device] = None
               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``tokens [b, s]`` = sample[:-1], ``labels [b, s]`` = sample[1:] (next-token targets),
-    ``loss_mask [b, s]`` float (0 where the *input* token is EOD when ``eod_mask_loss``, as
-    Megatron: the prediction made from an EOD crosses into an unrelated document),
-    ``position_ids [b, s]`` = 0..s-1 for every row (samples span documents; positions do not reset).
-    """
+    """(tokens, labels, loss_mask, position_ids), each ``[b, s]`` (docs/data.md). The loss is
+    masked where the *input* is EOD: the prediction made from an EOD crosses into an unrelated
+    document. Positions do not reset at document boundaries."""
     data = micro_batch["tokens"] if isinstance(micro_batch, dict) else micro_batch
     if isinstance(data, np.ndarray):
         data = torch.from_numpy(data)

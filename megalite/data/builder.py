@@ -8,35 +8,23 @@ from megalite.config import ConfigError, DataConfig
 from megalite.data import sources
 from megalite.data.gpt_dataset import (BlendedDataset, GPTDataset, MockGPTDataset,
                                        blended_component_samples, parse_blend,
-                                       split_document_ranges)
+                                       split_document_ranges, split_weights)
 
 SPLIT_NAMES = ("train", "valid", "test")
-
-
-def _split_weights(split: str):
-    w = [float(x) for x in split.replace("/", ",").split(",") if x.strip() != ""]
-    return (w + [0.0, 0.0, 0.0])[:3]
 
 
 def build_pretraining_datasets(data_cfg: DataConfig, tokenizer, seq_length: int, seed: int,
                                num_samples: Sequence[int], cache_dir: Optional[str] = None
                                ) -> Tuple[Optional[object], Optional[object], Optional[object]]:
-    """(train, valid, test); each ``len(ds)`` >= its ``num_samples`` and ``ds[i]`` is
-    ``{"tokens": int64[seq_length + 1]}``. A split with zero ``--split`` weight, or whose document
-    range is empty, is None.
-
-    Every ``--data-path`` entry is split into contiguous document ranges by ``--split``; each
-    range becomes a :class:`GPTDataset`; with several entries the ranges of one split are blended
-    by weight (:class:`BlendedDataset`, ``num_samples`` long). ``num_samples`` of 0 builds one
-    epoch of the split.
-    """
+    """(train, valid, test), each None or a dataset of at least its ``num_samples`` (0: one
+    epoch) samples ``{"tokens": int64[seq_length + 1]}`` (docs/data.md, "Splits", "Blending")."""
     data_cfg.validate()
     if seq_length <= 0:
         raise ConfigError(f"--seq-length must be positive, got {seq_length}")
     num_samples = tuple(int(n) for n in num_samples)
     if len(num_samples) != 3 or any(n < 0 for n in num_samples):
         raise ValueError(f"num_samples must be three non-negative counts, got {num_samples}")
-    split_w = _split_weights(data_cfg.split)
+    split_w = split_weights(data_cfg.split)
 
     if data_cfg.mock_data:
         return tuple(MockGPTDataset(tokenizer.vocab_size, seq_length, num_samples[k], seed, k)

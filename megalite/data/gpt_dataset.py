@@ -1,16 +1,9 @@
-"""GPT samples: documents packed into fixed-length samples, split, shuffled and blended.
+"""GPT samples: documents packed into fixed-length samples, split, shuffled and blended
+(docs/data.md, "Packing", "Splits", "Blending"). No process count or rank enters, which makes
+the data layout-independent (docs/design.md, contract 4).
 
 A *document store* is anything with ``num_documents``, ``document_lengths`` (int64 tokens per
-document), ``get_document(d)`` and ``name``: :class:`~megalite.data.indexed_dataset.IndexedDataset`
-(.bin/.idx) and :class:`ArrayDocumentStore` (HF datasets tokenized on the fly) both are one.
-
-Packing (as Megatron-LM's GPTDataset): the documents of a split, each already ending in EOD, are
-laid end to end in a shuffled order (a fresh permutation per epoch, as many epochs as the requested
-number of samples needs); sample j is tokens ``[j*s, j*s + s + 1)`` of that stream, so consecutive
-samples share one token (the last label of one is the first input of the next) and no token is
-wasted. The sample order is then shuffled once more. Everything is a function of (documents, split,
-seq_length, seed, num_samples): no process count or rank enters, which is what makes the data
-layout-independent (docs/design.md, contract 4).
+document), ``get_document(d)`` and ``name``: ``IndexedDataset`` and ``ArrayDocumentStore``.
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ from megalite.config import ConfigError
 
 
 class ArrayDocumentStore:
-    """Documents as one flat token array plus offsets: document d is
-    ``tokens[offsets[d]:offsets[d+1]]``."""
+    """Document d is ``tokens[offsets[d]:offsets[d+1]]``."""
 
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray, name: str = "") -> None:
         self.tokens = tokens
@@ -48,15 +40,15 @@ class ArrayDocumentStore:
         return self.tokens[self.offsets[d]:self.offsets[d + 1]]
 
 
-def split_document_ranges(num_documents: int, split: str) -> List[range]:
-    """``--split 969,30,1`` -> three contiguous document ranges (train, valid, test).
+def split_weights(split: str) -> List[float]:
+    """``--split`` as three weights, padded with zeros (``--split 100`` is train only)."""
+    w = [float(x) for x in split.replace("/", ",").split(",") if x.strip() != ""]
+    return (w + [0.0, 0.0, 0.0])[:3]
 
-    Boundaries are round(cumulative fraction x documents), so the ranges are disjoint, cover every
-    document, and a zero weight gives an empty range. Fewer than three numbers pad with zeros
-    (``--split 100`` is train only), as in Megatron-LM.
-    """
-    weights = [float(x) for x in split.replace("/", ",").split(",") if x.strip() != ""]
-    weights = (weights + [0.0, 0.0, 0.0])[:3]
+
+def split_document_ranges(num_documents: int, split: str) -> List[range]:
+    """``--split 969,30,1`` -> three contiguous document ranges (train, valid, test)."""
+    weights = split_weights(split)
     total = sum(weights)
     cum = np.cumsum(weights) / total
     bounds = [0] + [int(round(c * num_documents)) for c in cum]
@@ -65,11 +57,7 @@ def split_document_ranges(num_documents: int, split: str) -> List[range]:
 
 
 class GPTDataset:
-    """Packed, shuffled samples of ``seq_length + 1`` tokens from a range of documents.
-
-    ``len(ds)`` is at least ``num_samples`` (all samples of the epochs built); ``ds[i]`` is
-    ``{"tokens": int64 array of seq_length + 1}``.
-    """
+    """Packed, shuffled samples of ``seq_length + 1`` tokens from a range of documents."""
 
     def __init__(self, store, documents: Sequence[int], seq_length: int, num_samples: int,
                  seed: int, name: str = "") -> None:
@@ -134,13 +122,8 @@ class MockGPTDataset:
 
 
 def blending_indices(weights: Sequence[float], size: int):
-    """Deterministic per-sample source assignment for a blend.
-
-    Sample n goes to the dataset with the largest deficit ``w_i * (n + 1) - count_i`` (ties: the
-    lowest index) — the same greedy rule as Megatron-LM's ``build_blending_indices``. After any
-    prefix of n samples every count is within one of ``w_i * n``, so each global batch holds its
-    share of every dataset. Returns (dataset_index, index within that dataset), both int64[size].
-    """
+    """(dataset_index, index within that dataset), both int64[size]: Megatron-LM's greedy
+    largest-deficit rule (docs/data.md, "Blending")."""
     w = [float(x) for x in weights]
     counts = [0] * len(w)
     ds_index = np.empty(size, dtype=np.int64)
@@ -176,15 +159,13 @@ class BlendedDataset:
 
 
 def blended_component_samples(weight: float, size: int) -> int:
-    """Samples dataset i must provide for a blend of ``size``: the greedy rule never exceeds
-    ceil(w_i * size) + 1."""
+    """Samples a dataset of weight ``weight`` provides a blend of ``size`` (a bound of the rule)."""
     return int(math.ceil(weight * size)) + 1
 
 
 def parse_blend(data_path: Optional[Sequence[str]]):
-    """``--data-path`` list -> (paths, weights). ``[p]`` has weight 1; ``[w1 p1 w2 p2 ...]`` is a
-    weighted blend; ``[p1 p2 ...]`` without numbers weighs each dataset by its token count
-    (weights None), which is plain concatenation."""
+    """``--data-path`` list -> (paths, weights); weights None for paths without numbers (each
+    weighs its token count: plain concatenation)."""
     items = [str(x) for x in (data_path or [])]
     if not items:
         raise ConfigError("--data-path is empty; give a path or HF dataset name, or a blend like "

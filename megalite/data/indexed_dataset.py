@@ -1,23 +1,6 @@
-"""Megatron-LM's preprocessed token format: ``PREFIX.bin`` (tokens) + ``PREFIX.idx`` (the index).
-
-The layout is Megatron-LM's ``MMIDIDX`` format (megatron/core/datasets/indexed_dataset.py), kept
-byte-compatible so files move between the two projects in both directions. All integers are
-little-endian; docs/data.md has the table.
-
-``PREFIX.idx``::
-
-    magic            9 bytes   b"MMIDIDX\\x00\\x00"
-    version          <Q        1
-    dtype code       <B        token dtype of PREFIX.bin (see DTYPE_CODES)
-    sequence count   <Q        S
-    document count   <Q        D + 1 (document_indices has a leading 0)
-    sequence_lengths int32[S]  tokens in each sequence
-    sequence_ptrs    int64[S]  byte offset of each sequence in PREFIX.bin
-    document_indices int64[D+1] document d is sequences [document_indices[d], document_indices[d+1])
-
-``PREFIX.bin`` is the raw token array, sequences back to back. A "sequence" is what the builder's
-``add_item`` got (a sentence with Megatron's ``--split-sentences``, otherwise a whole document).
-"""
+"""Megatron-LM's preprocessed token format, ``PREFIX.bin`` (tokens) + ``PREFIX.idx`` (the index),
+byte-compatible with megatron/core/datasets/indexed_dataset.py (docs/data.md, "The MMIDIDX byte
+layout", has the table)."""
 
 from __future__ import annotations
 
@@ -80,18 +63,9 @@ def exists(prefix: str) -> bool:
 
 
 class IndexedDatasetBuilder:
-    """Writes PREFIX.bin while tokens arrive, and PREFIX.idx at :meth:`finalize`.
-
-    Usage (the same method names as Megatron-LM's builder)::
-
-        b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-        for doc in docs:
-            b.add_document(doc_tokens)          # one sequence + end of document
-        b.finalize(prefix + ".idx")
-
-    The .idx is written to a temporary name and renamed, so a crash never leaves a pair that
-    looks valid (docs/design.md, contract 8).
-    """
+    """Writes PREFIX.bin while tokens arrive and PREFIX.idx at :meth:`finalize` (Megatron-LM's
+    method names). The .idx is renamed into place last, so a crash never leaves a pair that looks
+    valid (docs/design.md, contract 8)."""
 
     def __init__(self, bin_path: str, dtype=np.int32) -> None:
         self.bin_path = bin_path
@@ -186,12 +160,8 @@ def _corrupt(path: str, what: str) -> ConfigError:
 
 
 class IndexedDataset:
-    """Read-only view of PREFIX.bin/PREFIX.idx through ``np.memmap`` (nothing is loaded eagerly).
-
-    ``ds[i]`` is sequence i; :meth:`get_document` returns a whole document. Documents are what
-    GPT samples are packed from (gpt_dataset.py); with unsplit preprocessing a document is one
-    sequence.
-    """
+    """Read-only ``np.memmap`` view of PREFIX.bin/PREFIX.idx: ``ds[i]`` is sequence i,
+    :meth:`get_document` a whole document (one sequence unless preprocessing split sentences)."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix

@@ -1,13 +1,5 @@
-"""Megatron's pretraining sampler and the data loader built on it.
-
-The samples of a dataset form one fixed global order (index g is ``ds[g % len(ds)]``). Starting at
-``consumed_samples``, each *step* takes the next ``micro_batch_size * dp_size`` indices and rank r
-gets the contiguous slice ``[r*mbs, (r+1)*mbs)`` of it (Megatron-LM's MegatronPretrainingSampler).
-Hence the ``global_batch_size`` samples starting at ``consumed_samples`` are the same set for any
-DP size and micro-batch size (docs/design.md, contract 4), and a run resumed with the
-consumed_samples of its checkpoint continues with exactly the samples the original run would have
-seen next.
-"""
+"""Megatron's pretraining sampler and the data loader built on it (docs/data.md, "Sampler and
+resume": why a global batch is the same samples for any DP size, and resumes exactly)."""
 
 from __future__ import annotations
 
@@ -20,12 +12,8 @@ from megalite.config import ConfigError
 
 
 class PretrainingSampler:
-    """Yields, forever, this rank's micro-batches as lists of dataset indices.
-
-    Unlike Megatron's sampler it does not stop at the end of the dataset: indices wrap around, so
-    a training loop that asks for more samples than were built repeats from the start instead of
-    ending early.
-    """
+    """Yields, forever, this rank's micro-batches as lists of dataset indices: unlike Megatron's it
+    wraps around at the end of the dataset instead of ending the run early."""
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int) -> None:
@@ -60,11 +48,8 @@ def collate(samples) -> dict:
 def build_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                       data_parallel_rank: int, data_parallel_size: int,
                       num_workers: int = 0) -> Optional[torch.utils.data.DataLoader]:
-    """An infinite iterable of this rank's micro-batches ``{"tokens": LongTensor[b, s+1]}``.
-
-    Each ``iter(loader)`` starts again at ``consumed_samples``: keep one iterator for a run and
-    build a new loader (with the checkpoint's consumed_samples) to resume. None for a None dataset.
-    """
+    """An infinite iterable of this rank's micro-batches ``{"tokens": LongTensor[b, s+1]}``; each
+    ``iter(loader)`` starts again at ``consumed_samples``. None for a None dataset."""
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size,

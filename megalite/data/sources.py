@@ -1,18 +1,5 @@
-"""Where text comes from: ``--data-path`` entries, the built-in corpus, and on-the-fly tokenization.
-
-A ``--data-path`` entry is, checked in this order:
-
-1. ``indexed`` — PREFIX with PREFIX.bin and PREFIX.idx on disk (Megatron's preprocessed format);
-2. ``local``  — an existing file or directory: .txt/.text, .json/.jsonl (optionally .gz/.bz2/.xz/
-   .zst), .parquet, .arrow, .csv, or a folder of such files, or a folder written by
-   ``Dataset.save_to_disk``; read with ``datasets.load_dataset``;
-3. ``hub``    — anything else is a Hugging Face dataset name (its "train" split). Offline or
-   unknown, that is one ConfigError line naming --data-path.
-
-Text files are read one document per paragraph (blank-line separated, ``sample_by="paragraph"``):
-a line per document would put an EOD every few dozen tokens, a file per document would leave a
-single-file corpus nothing to split into train/valid/test.
-"""
+"""Where text comes from: ``--data-path`` entries, the built-in corpus, and on-the-fly tokenization
+(docs/data.md, "Formats accepted by --data-path" and "The built-in corpus")."""
 
 from __future__ import annotations
 
@@ -75,7 +62,7 @@ def _looks_local(path: str) -> bool:
 
 
 def classify_data_path(path: str) -> str:
-    """'indexed', 'local' or 'hub' (see the module docstring); missing local paths raise."""
+    """'indexed', 'local' or 'hub'; missing local paths raise."""
     if indexed_dataset.exists(path):
         return "indexed"
     if os.path.exists(path):
@@ -127,6 +114,8 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
             ds = datasets.load_from_disk(path)  # a Dataset.save_to_disk folder
             return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
         builder, files = _local_files(path)
+        # a document per paragraph: a line per document would put an EOD every few dozen tokens,
+        # a file per document would leave a single-file corpus nothing to split
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         if all(_has_no_content(f) for f in files):
             # datasets' own errors for this case (StopIteration, 'corresponds to no data') do not
@@ -187,7 +176,6 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "_
 
 
 def stdlib_files() -> List[str]:
-    """The standard library's .py files, test suites and installed packages excluded, sorted."""
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for d, dirs, files in os.walk(root):
@@ -197,8 +185,8 @@ def stdlib_files() -> List[str]:
 
 
 def builtin_corpus_fingerprint(files: Optional[List[str]] = None) -> str:
-    """Keyed by interpreter version and each file's path and size (cheap; content hashing of tens
-    of MB would cost more than the cache saves on small vocabularies)."""
+    """Interpreter version and each file's path and size: hashing tens of MB of content would cost
+    more than the cache saves on small vocabularies."""
     files = stdlib_files() if files is None else files
     return _fingerprint("stdlib", CACHE_VERSION, sys.version,
                         [(f, os.path.getsize(f)) for f in files])
@@ -211,7 +199,7 @@ def _read_files(files, fingerprint):  # fingerprint is in gen_kwargs only to key
 
 
 def builtin_corpus(cache_dir: Optional[str] = None):
-    """The built-in corpus as a ``datasets.Dataset`` with a "text" column (one file per row)."""
+    """The built-in corpus, a ``datasets.Dataset`` with a "text" column (one file per row)."""
     import datasets
 
     files = stdlib_files()
@@ -246,8 +234,8 @@ def _user_cache(data_cfg: DataConfig, cache_dir: Optional[str]) -> Optional[str]
 
 
 def iter_texts(ds, text_field: str, max_chars: int) -> Iterator[str]:
-    """Up to ``max_chars`` characters of text, documents taken at an even stride over the whole
-    dataset (deterministic, and representative when the data is sorted by topic or file)."""
+    """Documents at an even stride over the whole dataset until ``max_chars`` characters are
+    reached (representative when the data is sorted by topic or file)."""
     n = len(ds)
     if n == 0:
         return
@@ -284,8 +272,7 @@ def _tokenize_batch(batch, tokenizer, text_field, append_eod):
 
 def tokenize_dataset(ds, tokenizer, text_field: str, num_proc: int = 0, append_eod: bool = True,
                      where: str = "dataset", desc: Optional[str] = None):
-    """``ds.map`` to an "input_ids" column; cached by ``datasets`` under a fingerprint of
-    (source, tokenizer, field, eod) so a second run reads the cache instead of re-tokenizing."""
+    """``ds.map`` to an "input_ids" column, cached by ``datasets`` (docs/data.md)."""
     import datasets
 
     text_column(ds, text_field, where)
@@ -300,7 +287,6 @@ def tokenize_dataset(ds, tokenizer, text_field: str, num_proc: int = 0, append_e
 
 
 def store_from_tokenized(tokenized, name: str) -> ArrayDocumentStore:
-    """Flatten the arrow "input_ids" list column into (tokens, offsets) numpy arrays."""
     import pyarrow as pa
 
     col = tokenized.data.column("input_ids")
@@ -316,7 +302,7 @@ def store_from_tokenized(tokenized, name: str) -> ArrayDocumentStore:
 
 def load_document_store(path: str, data_cfg: DataConfig, tokenizer,
                         cache_dir: Optional[str] = None):
-    """A document store for one ``--data-path`` entry (the built-in corpus for path None)."""
+    """One ``--data-path`` entry's documents (the built-in corpus for path None)."""
     if path is None:
         ds, name = builtin_corpus(cache_root(data_cfg, cache_dir)), "the built-in corpus"
         text_field = "text"

@@ -1,20 +1,5 @@
-"""Tokenizers: every kind is a Hugging Face ``PreTrainedTokenizerFast`` behind one small wrapper.
-
-``--tokenizer-type``:
-
-- ``None`` / ``ByteLevelBPETokenizer`` — a byte-level BPE trained on the training text (the
-  built-in corpus, or the ``--data-path`` text) with ``--vocab-size`` ids, one of them the EOD
-  special token ``<|endoftext|>``; cached on disk, keyed by corpus and vocab size.
-- ``HuggingFaceTokenizer`` — ``--tokenizer-model DIR_OR_NAME`` through ``AutoTokenizer``;
-  EOD is its eos token (else sep token).
-- ``GPT2BPETokenizer`` — ``--tokenizer-model`` is a folder holding GPT-2's ``vocab.json`` and
-  ``merges.txt`` (Megatron's ``--vocab-file/--merge-file`` pair); EOD ``<|endoftext|>``.
-- ``NullTokenizer`` — ids are their decimal spelling (``"5 17"`` <-> ``[5, 17]``), EOD the last
-  id; the default with ``--mock-data``, which needs no text at all.
-
-Because all of them are HF tokenizers, ``save_pretrained`` always writes files that
-``transformers.AutoTokenizer`` loads, so an exported checkpoint carries its tokenizer.
-"""
+"""Tokenizers, every kind a Hugging Face fast tokenizer behind one wrapper (docs/data.md,
+"Tokenizers": the ``--tokenizer-type`` kinds, the trained BPE and its cache)."""
 
 from __future__ import annotations
 
@@ -30,8 +15,7 @@ from megalite.config import ConfigError, DataConfig
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("ByteLevelBPETokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "NullTokenizer")
-# BPE training reads at most this much text, sampled at an even stride over the corpus: merges
-# learnt from 4 MB of text are near those from the whole corpus, and training stays seconds.
+# BPE training reads at most this much text (docs/data.md, "Tokenizers")
 BPE_TRAIN_MAX_CHARS = 4_000_000
 
 
@@ -94,8 +78,7 @@ def null_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 def train_bpe(texts, vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2's scheme: bytes mapped to printable unicode, so any text round-trips)
-    with ``<|endoftext|>`` as the only special token."""
+    """Byte-level BPE with ``<|endoftext|>`` as the only special token."""
     from tokenizers import Tokenizer as TkTokenizer, decoders, models, pre_tokenizers, trainers
 
     tk = TkTokenizer(models.BPE())
@@ -212,7 +195,6 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokeni
 
 
 def build_tokenizer(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokenizer:
-    """The tokenizer ``data_cfg`` asks for (see the module docstring for the kinds)."""
     kind = data_cfg.tokenizer_type
     if kind is None:
         kind = "NullTokenizer" if data_cfg.mock_data else "ByteLevelBPETokenizer"
