@@ -1,10 +1,5 @@
-"""Optimizers (AdamW with fp32 masters; the ZeRO distributed optimizer), loss scaling, clipping, LR.
-
-:func:`build_optimizer` is the one seam the training loop uses: ``--zero-stage >= 1`` (or
-``--use-distributed-optimizer``) dispatches to ``megalite.optimizer.distrib_optimizer.
-DistributedOptimizer(model_chunks, opt_cfg, ps)``, which keeps the interface documented in
-``megalite/optimizer/optimizer.py``.
-"""
+"""Optimizers (AdamW with fp32 masters, plain or ZeRO), loss scaling, clipping, LR schedule.
+:func:`build_optimizer` is the one seam the training loop uses."""
 
 from __future__ import annotations
 

@@ -1,22 +1,6 @@
-"""Gradient clipping by the global L2 norm of the *full* model, whatever the parallel layout.
-
-Each parameter's gradient must be counted exactly once over the model-parallel group (tp x pp):
-  * a TP-sharded parameter (record ``tp_split``, megalite/param_meta.py) contributes its shard on
-    every TP rank;
-  * a replicated parameter (norms, row-parallel biases, position embeddings) is identical on every
-    TP rank after finalize_model_grads, so only TP rank 0 counts it;
-  * the tied-embedding copy on the last pipeline stage (``tied_embedding``) duplicates the
-    first stage's, so only the first stage counts it; under zb-v / dualpipev both copies are on the
-    first stage, and the output layer's (``local_tied_copy``) is the one left out.
-The squares are summed locally, then all-reduced (SUM) over ``ps.mp_group``. Data-parallel replicas
-hold identical gradients after the DP all-reduce, so the model-parallel group suffices and every DP
-rank computes the same norm; ZeRO's disjoint shards are summed over DP first. Under expert
-parallelism (EP > 1, or an expert-tensor-parallel size other than TP's: ``ps.experts_apart``) each
-EP rank holds other experts and each ETP rank another slice of them: their squares are summed over
-ETP x EP instead (ZeRO's expert shards over the expert-data-parallel group first, which they are
-split over), and added once per TP group (on TP rank 0) before the model-parallel sum adds the
-pipeline stages (megalite/moe/layer.py). ``grad_norm_squared``
-is the one norm of every optimizer (plain, ZeRO 0-2, ZeRO-3). The result equals
+"""Gradient clipping by the global L2 norm of the *full* model, whatever the parallel layout: each
+parameter counted once over TP x PP (``counts_for_norm``), ZeRO's disjoint shards summed over DP
+first (docs/data_parallel.md, "How a step runs"), experts over ETP x EP (docs/moe.md). It equals
 ``torch.nn.utils.clip_grad_norm_`` on the single-device model (tests/test_optimizer.py).
 """
 
@@ -31,7 +15,9 @@ from megalite.param_meta import param_meta
 
 
 def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) -> bool:
-    """Whether this rank's copy of ``param`` is the one that counts in the global norm."""
+    """Whether this rank's copy of ``param`` is the one that counts in the global norm: a
+    TP-sharded one on every TP rank, a replicated one on TP rank 0, a tied embedding on the first
+    stage only, and there (zb-v, dualpipev: both copies) not the output layer's local copy."""
     meta = param_meta(param)
     if meta.tied_embedding and (not is_first_pp_stage or meta.local_tied_copy):
         return False
@@ -62,13 +48,11 @@ def _sum_of_squares(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
 
 def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = False,
                       expert: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-    """The one gradient norm of every optimizer, squared, as a float32 device tensor of shape [1]
-    (never read by the step: its skip mask and clipping use it on the device, optimizer.py):
-    the sum of squares of
-    ``counted`` (this rank's gradients, or pieces of them, that ``counts_for_norm``), summed over
-    DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the model-parallel
-    group. ``expert``: the expert gradients when ``ps.experts_apart`` (``split_counted``), or
-    with ``dp_sharded`` this rank's shards of them over the expert-data-parallel group."""
+    """The one gradient norm of every optimizer, squared: a float32 device tensor [1] the step
+    uses on the device. ``counted``: this rank's gradients (or pieces) that ``counts_for_norm``,
+    summed over DP x CP when those ranks hold disjoint shards (``dp_sharded``), then over the
+    model-parallel group; ``expert``: the expert gradients when ``ps.experts_apart``
+    (``split_counted``), with ``dp_sharded`` this rank's shards of them over the EDP group."""
     sq = _sum_of_squares(counted, ps.device)
     if dp_sharded:
         C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
@@ -88,11 +72,9 @@ def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = Fa
 @torch.no_grad()
 def clip_grads_by_norm(grads: Iterable[torch.Tensor], total_norm: torch.Tensor,
                        max_norm: float) -> None:
-    """Scale grads by min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does
-    (the same float32 arithmetic, so a run matches torch's), with ``total_norm`` a device
-    scalar: the coefficient is computed on the device and always applied. A coefficient of 1
-    leaves every gradient exactly as it was, and choosing on the host whether to clip would read
-    the norm."""
+    """Scale grads by min(1, max_norm / (norm + 1e-6)) in torch.nn.utils.clip_grad_norm_'s float32
+    arithmetic. The coefficient is always applied on the device: choosing on the host whether to
+    clip would read the norm, and a coefficient of 1 leaves every gradient as it was."""
     if max_norm <= 0:
         return
     grads: List[torch.Tensor] = [g for g in grads if g is not None]

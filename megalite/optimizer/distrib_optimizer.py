@@ -1,39 +1,8 @@
-"""The ZeRO distributed optimizer (stages 1, 2) over DistributedDataParallel's buffers.
-
-ZeRO (Rajbhandari et al. 2020; docs/theory.md, "ZeRO"): with N data-parallel ranks, rank r owns
-shard r of every bucket (``bucket[r*B/N:(r+1)*B/N]``, param_and_grad_buffer.py) and keeps the fp32
-master parameters and the Adam moments of that shard only. A step is
-
-    reduce-scatter grads (DDP, during/after backward)  ->  unscale, overflow check, clip
-    ->  AdamW on the flat shard  ->  copy master -> model param shard
-    ->  all-gather each bucket's params (at once, or overlapped with the next forward)
-
-which moves the same 2Ψ elements per rank as the all-reduce of plain DP (docs/theory.md: all-reduce
-= reduce-scatter + all-gather) while cutting optimizer memory by N. Stage 2 additionally keeps only
-the gradient shard (ddp.py). Stage 0 (replicas) is the plain optimizer, optimizer.py.
-
-Under expert parallelism (EP > 1, docs/moe.md) the expert weights have buffers of their own whose
-group is the expert-data-parallel one (ddp.params_by_dtype): the ranks that hold the same experts.
-Their N is the EDP size and every shard, gather and reduce-scatter of them uses that group (each
-buffer's ``dp_group``); their squares in the gradient norm are summed over EDP, then over EP.
-
-Per-rank model-state bytes (megalite's layout; measured by megalite/memory.py):
-
-    fp32:        params 4Ψ + grads 4Ψ (stage 2: 4Ψ/N) + Adam 8Ψ/N   [masters = params]
-    bf16/fp16:   params 2Ψ + fp32 grads 4Ψ (stage 2: 4Ψ/N) + masters 4Ψ/N + Adam 8Ψ/N,
-                 i.e. Megatron's 6 + 12/N bytes per parameter for stage 1.
-
-The step (unscale, overflow check, norm, clipping, AdamW on the flat shards) is
-``optimizer.ShardedAdamW``'s, shared with ZeRO-3. Shards straddle parameters, so weight decay is
-applied per segment (the part of a parameter inside the shard): matrices decay, biases and norm
-weights (dim <= 1) do not — the same rule as the plain optimizer.
-
-Checkpoints: ``optimizer.ShardedAdamW``'s formats, shared with ZeRO-3. :meth:`state_dict` is this
-DP rank's shard (``sharded_state_dict_per_dp_rank``: the checkpoint writer saves one file per DP
-rank) and loads only at the same DP size and layout. To change the DP size,
-``gather_full_state`` (collective over DP) or ``merge_shard_state_dicts`` (from the files) gives
-the unsharded state by parameter name, which ``load_full_state`` re-splits for the new layout
-without communication. See docs/data_parallel.md.
+"""The ZeRO distributed optimizer (stages 1, 2) over DistributedDataParallel's buffers: rank r
+owns shard r of every bucket and keeps the fp32 masters and Adam moments of that shard only
+(docs/data_parallel.md: the step, the 16Ψ accounting, checkpoints and resharding). The step and
+the checkpoint formats are ``optimizer.ShardedAdamW``'s, shared with ZeRO-3. Expert weights have
+buffers of their own, sharded over the expert-data-parallel group (each buffer's ``dp_group``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Loss scaling for fp16 training (Micikevicius et al. 2018; Megatron-LM's DynamicGradScaler idea).
+"""Loss scaling for fp16 training (Micikevicius et al. 2018; Megatron-LM's DynamicGradScaler).
 
-fp16 has a narrow exponent range: small gradients underflow to zero. The loss is multiplied by a
-scale S before backward and the gradients divided by S before the update. The dynamic scaler
-starts high; when any rank sees an inf/NaN gradient the step is skipped and, after ``hysteresis``
-such overflows, S is halved (never below ``min_scale``); after ``window`` clean steps in a row S is
-doubled. bf16 and fp32 need no scaling (bf16 has fp32's exponent range).
-
-The scale and its trackers are device tensors, updated on the device from the step's overflow
-flag with ``torch.where``: the host never reads the flag to decide (docs/design.md, contract 11).
-An update makes new tensors rather than writing in place, so a scale handed out earlier (the
-loss of a step already queued, a test's list of scales) keeps the value it had.
+The scale and its trackers are device tensors updated with ``torch.where`` from the step's
+overflow flag, which the host never reads (docs/design.md, contract 11). An update makes new
+tensors rather than writing in place, so a scale handed out earlier (the loss of a step already
+queued, a test's list of scales) keeps the value it had.
 """
 
 from __future__ import annotations
@@ -17,6 +11,8 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+
+from megalite import torch_private as P
 
 
 def _flag(found_inf: Union[bool, torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -83,11 +79,9 @@ class DynamicGradScaler(_Scaler):
         self._hysteresis_tracker = self._full(self.hysteresis, torch.int32)
 
     def update(self, found_inf) -> None:
-        """One step's update from its overflow flag (a device tensor, > 0 on overflow).
-
-        An overflow breaks the run of clean steps; only after `hysteresis` overflows (not
-        necessarily consecutive, as in Megatron) is the scale actually reduced. ``window`` clean
-        steps in a row double it and restore the hysteresis."""
+        """One step's update from its overflow flag (> 0 on overflow): the scale backs off after
+        ``hysteresis`` overflows (not necessarily consecutive, as in Megatron) and grows after
+        ``growth_interval`` clean steps in a row, which also restore the hysteresis."""
         found = _flag(found_inf, self.device)
         growth = torch.where(found, 0, self._growth_tracker + 1)
         hysteresis = torch.where(found, self._hysteresis_tracker - 1, self._hysteresis_tracker)
@@ -110,9 +104,8 @@ class DynamicGradScaler(_Scaler):
 
 
 def build_grad_scaler(opt_cfg, params_dtype: torch.dtype, device: Optional[torch.device] = None):
-    """None for bf16/fp32 parameters; a constant or dynamic scaler for fp16 ones (the model's
-    dtype is the one fact of the 16-bit mode: ModelConfig.params_dtype), its state on ``device``
-    (the compute device)."""
+    """None for bf16/fp32 parameters (ModelConfig.params_dtype); for fp16 a constant or dynamic
+    scaler with its state on the compute ``device``."""
     if params_dtype != torch.float16:
         return None
     if opt_cfg.loss_scale is not None:
@@ -124,15 +117,12 @@ def build_grad_scaler(opt_cfg, params_dtype: torch.dtype, device: Optional[torch
 
 def found_inf_flag(grads, device: torch.device, group=None,
                    inv_scale: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
-    """A float32 device tensor of shape [1], > 0 if any gradient on any rank of ``group`` (None:
-    the world) holds an inf or NaN; the gradients are multiplied by ``inv_scale`` (unscaled) in
-    the same pass (``inv_scale``: a float, or the scaler's float32 device tensor).
+    """A float32 device tensor [1], > 0 if any gradient on any rank of ``group`` (None: the
+    world) holds an inf or NaN; the gradients are unscaled by ``inv_scale`` in the same pass.
 
     Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag,
     on the compute ``device`` even on a rank without gradients (NCCL takes device tensors only).
-    The check is one fused kernel per dtype writing the flag (1.0 on overflow), which stays on
-    the device: the optimizer's skip mask and the scaler's update are computed from it there
-    (optimizer.py, ``decide_step``); a host read of it would stall the host behind the device.
+    The flag stays on the device (optimizer.py, ``decide_step``).
     """
     from megalite import collectives as C
     import torch.distributed as dist
@@ -144,7 +134,7 @@ def found_inf_flag(grads, device: torch.device, group=None,
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for gs in by_dtype.values():
-        torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, scale)
+        P.unscale_and_check_(gs, flag, scale)
     if dist.is_initialized():
         C.all_reduce(flag, group=group if group is not None else dist.group.WORLD,
                      op=C.ReduceOp.MAX, tag="found_inf_all_reduce")

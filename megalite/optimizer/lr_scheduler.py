@@ -13,14 +13,11 @@ only needs the step count. Iteration k (0-based) trains with ``get_lr(k)``:
       inverse-square-root   max_lr * sqrt(W) / sqrt(max(k, W)), floored at min_lr
   after   (k >= D):         min_lr (constant stays at max_lr)
 
-The position k is the number of *applied* steps (a skipped fp16 overflow does not advance the
-schedule), which only the device knows: the decision to skip is made there (optimizer.py,
-``decide_step``). So the count is a device tensor, advanced by the step's device flag, and the
-device picks its lr by index from ``table`` = [get_lr(0), get_lr(1), ...], evaluated once on the
-host at start-up by the one formula above: the lr the optimizer uses is exactly get_lr(k), and the
-host reads nothing to learn k (docs/design.md, contract 11). Past the table's end every style is
-constant (min_lr, or max_lr for constant); inverse-square-root keeps decaying, so the table runs
-to ``max_steps`` (the run's --train-iters: no run applies more steps than it has iterations).
+k counts *applied* steps (a skipped fp16 overflow does not advance the schedule), which only the
+device knows, so k is a device count that indexes ``table`` = [get_lr(0), get_lr(1), ...], built
+once at start-up (docs/performance.md, "A step with no host read"). The table runs to
+``max_steps`` (--train-iters), as inverse-square-root keeps decaying; the other styles are
+constant past its end.
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
-"""AdamW on ZeRO-3 shards (the optimizer half of megalite.distributed.zero3).
-
-The step (unscale, overflow check, norm, clipping, AdamW) is ``optimizer.ShardedAdamW``'s, shared
-with stages 0-2. Each rank updates only its 1/N slice of every unit's flat buffer (docs/theory.md,
-ZeRO stage 3: 16Ψ/N bytes): the fp32 master shard (in fp32 training the gathered shard itself), the
-fp32 gradient shard the backward reduce-scattered into, and the two Adam moments. A shard straddles
-parameter boundaries, so what depends on the parameter — weight decay only on matrices (the second,
-no-decay group holds biases and norm weights, as Megatron and GPT-2), counting in the gradient
-norm, the sequence-parallel TP all-reduce — is applied through per-element runs (``unit.segments``:
-a run-length form of a per-element mask, which costs no memory).
-
-Interface (the one training.py uses, see megalite/optimizer/optimizer.py):
-
-    opt = Zero3Optimizer(zero3_model, opt_cfg, ps)
-    opt.zero_grad(); loss = opt.scale_loss(loss); updated, grad_norm, _ = opt.step()
-    opt.get_loss_scale(); opt.param_groups (the LR scheduler writes group["lr"])
-    opt.state_dict() / load_state_dict(sd)        this DP rank's shards (same DP size to load)
-    opt.gather_full_state() / load_full_state(f)  consolidated by parameter name (any DP size)
-
-Checkpoints use ``optimizer.ShardedAdamW``'s formats, shared with stages 1-2: each unit is one
-shard, listed by its segments (``optimizer.merge_shard_state_dicts`` merges the files).
+"""AdamW on ZeRO-3 shards, the optimizer half of megalite.distributed.zero3 (docs/zero3.md,
+"Optimizer"). The step and the checkpoint formats are ``optimizer.ShardedAdamW``'s, shared with
+stages 1-2; each unit is one shard. A shard straddles parameters, so what depends on the
+parameter (weight decay, counting in the norm, SP's sum over TP) is applied through per-element runs
+(``unit.segments``: a run-length mask that costs no memory).
 """
 
 from __future__ import annotations
@@ -54,9 +38,7 @@ class Zero3Optimizer(ShardedAdamW):
         self.param_names = {n: p for u in self.units for n, p in zip(u.names, u.params)}
         self.exp_avg = [torch.zeros_like(u.main) for u in self.units]
         self.exp_avg_sq = [torch.zeros_like(u.main) for u in self.units]
-        # Per-unit runs (start, end, group) and the runs that count in the gradient norm: each
-        # element counted once over tp x dp (DP shards are disjoint; a TP-sharded parameter
-        # counts on every TP rank, a replicated one on TP rank 0 only).
+        # Per-unit runs (start, end, group) and the runs that count in the gradient norm
         self.runs = [[(s.start, s.end, DECAY if len(u.shapes[s.param_index]) > 1 else NO_DECAY)
                       for s in u.segments] for u in self.units]
         self.norm_runs = [[(s.start, s.end) for s in u.segments if not u.expert and
