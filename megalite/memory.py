@@ -1,47 +1,20 @@
-"""Per-rank model-state memory: measured from tensor storages, next to docs/theory.md's formula.
-
-"Model states" are ZeRO's term (Rajbhandari et al. 2020): parameters, gradients, fp32 master
-parameters and optimizer states — not activations. They are measured from the storages of the
-tensors that hold them (deduplicated by storage pointer, so views into one contiguous buffer count
-once and fp32 masters that *are* the params do not count twice), never from RSS, so the figure is
-exact and comparable with the formula.
-
-Theory (docs/theory.md, "ZeRO"), per rank, Ψ = this rank's parameter count, N = DP size:
-
-* ZeRO paper, 16-bit params and grads, K = 12:  stage 0 16Ψ, stage 1 4Ψ + 12Ψ/N,
-  stage 2 2Ψ + 14Ψ/N, stage 3 16Ψ/N. Pure fp32 (docs/theory.md, K = 8): 16Ψ, 8Ψ + 8Ψ/N,
-  4Ψ + 12Ψ/N, 16Ψ/N.
-* megalite's layout (what is measured): params are 16-bit or fp32, gradients are accumulated in
-  fp32 (``main_grad``), fp32 masters exist only for 16-bit params. Per parameter:
-
-  ========  =====================  ==========================  ===========================
-  stage     fp32                   bf16/fp16                   note
-  ========  =====================  ==========================  ===========================
-  0         4 + 4 + 8 = 16         2 + 4 + 4 + 8 = 18          DDP: everything replicated
-  1         4 + 4 + 8/N            2 + 4 + 12/N                Megatron's "6 + 12/N"
-  2         4 + (4 + 8)/N          2 + (4 + 12)/N              ZeRO-2 with fp32 grad shards
-  3         (4 + 4 + 8)/N = 16/N   (2 + 4 + 4 + 8)/N = 18/N    ZeRO-3 (docs/zero3.md)
-  ========  =====================  ==========================  ===========================
-
-  In fp32 this is exactly the docs/theory.md fp32 accounting; in 16 bits it is Megatron's variant
-  (fp32 gradients: +2Ψ over the paper in stages 0/1, +2Ψ/N in stage 2).
-
-Ψ counted with bucket padding (each bucket padded to a multiple of N; stage 0's per-parameter
-Adam moments unpadded) makes measured == theory exactly; the unpadded Ψ differs from it by at most 16 bytes x (N-1) x number of buckets. Stage 3
-is the same with its units in place of buckets (each unit's flat buffer padded to a multiple of
-N; ZeRO paper: 16Ψ/N, reported as ``mem_theory_zero_paper_total_bytes``). Under expert
-parallelism the expert buffers shard over the expert-data-parallel group (ddp.py): their Ψ takes
-that group's N, the rest DP x CP's (the formula is linear in Ψ, so the parts add up).
-"""
+"""Per-rank model-state memory (parameters, gradients, fp32 masters, optimizer states), measured
+from tensor storages (views counted once, never RSS) beside docs/theory.md's formula for
+megalite's layout ("ZeRO"): with bucket padding (ZeRO-3: unit padding) counted in Ψ the two agree
+exactly; under EP the expert buffers take their own group's N. Also the peak-memory probes."""
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
+import tempfile
 from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.nn as nn
 
+from megalite import torch_private as P
 from megalite.param_meta import grad_of
 
 _CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
@@ -53,26 +26,15 @@ def _storage_key(t: torch.Tensor):
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> Dict[tuple, int]:
-    out = {}
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
-            continue
-        s = t.untyped_storage()
-        out[_storage_key(t)] = s.nbytes()
-    return out
+    """key -> bytes of the distinct, non-empty storages behind ``tensors`` (Nones skipped)."""
+    return {_storage_key(t): t.untyped_storage().nbytes() for t in tensors
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0}
 
 
 def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct, non-empty storages behind ``tensors`` (views counted once; a freed
     ZeRO-3 buffer, resized to 0 bytes, counts nothing). Benchmarks and tests measure with this."""
-    seen = {}
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        if s.nbytes() > 0:
-            seen[_storage_key(t)] = s.nbytes()
-    return sum(seen.values())
+    return sum(_storages(tensors).values())
 
 
 def _chunks(model_chunks) -> List[nn.Module]:
@@ -84,7 +46,7 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
     chunks = _chunks(model_chunks)
     params = [p for c in chunks for p in c.parameters()]
     # .grad and a DDP buffer's main_grad (both, where both exist; storages are counted once)
-    grads: List[torch.Tensor] = [g for p in params for g in (p.grad, grad_of(p)) if g is not None]
+    grads: List[torch.Tensor] = [g for p in params for g in (p.grad, grad_of(p))]
     for c in chunks:
         # ZeRO-3: param.data is a size-0 placeholder; the model state is in the units: the
         # gather source (the fp32 master itself in fp32 — counted once, as params), the fp32
@@ -94,11 +56,9 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
             grads.extend((u.grad, u.full_grad))
     for c in chunks:
         for buf in getattr(c, "grad_buffers", []):
-            if buf.grad_data is not None:
-                grads.append(buf.grad_data)
+            grads.append(buf.grad_data)
             for b in buf.buckets:
-                grads.extend(t for t in (b.grad_data, b.grad_shard_acc, b.pending_out)
-                             if t is not None)
+                grads.extend((b.grad_data, b.grad_shard_acc, b.pending_out))
     masters: List[torch.Tensor] = []
     states: List[torch.Tensor] = []
     if optimizer is not None:
@@ -127,25 +87,22 @@ def theoretical_model_state_bytes(num_params: int, dp_size: int, zero_stage: int
     psi, n = float(num_params), float(dp_size)
     p16 = params_dtype in ("bfloat16", "float16")
     param_b = 2 if p16 else 4
-    shard = 1.0 / n if zero_stage >= 1 else 1.0
+
+    def sharded(stage):  # the factor of a state that ZeRO stage ``stage`` on shards
+        return 1.0 / n if zero_stage >= stage else 1.0
+
     theory = {
-        "params_bytes": param_b * psi * (1.0 / n if zero_stage >= 3 else 1.0),
-        "grads_bytes": 4 * psi * (1.0 / n if zero_stage >= 2 else 1.0),
-        "master_params_bytes": (4 * psi * shard) if p16 else 0.0,
-        "optimizer_states_bytes": 8 * psi * shard,
+        "params_bytes": param_b * psi * sharded(3),
+        "grads_bytes": 4 * psi * sharded(2),
+        "master_params_bytes": (4 * psi * sharded(1)) if p16 else 0.0,
+        "optimizer_states_bytes": 8 * psi * sharded(1),
     }
     theory["total_bytes"] = sum(theory[c + "_bytes"] for c in _CATEGORIES)
-    # The ZeRO paper's accounting (16-bit grads) for reference: K = 12 (16-bit) or 8 (fp32).
-    k = 12 if p16 else 8
-    if zero_stage == 0:
-        paper = (param_b + param_b + k) * psi
-    elif zero_stage == 1:
-        paper = (param_b + param_b) * psi + k * psi / n
-    elif zero_stage == 2:
-        paper = param_b * psi + (param_b + k) * psi / n
-    else:  # stage 3: 16Ψ/N
-        paper = (param_b + param_b + k) * psi / n
-    theory["zero_paper_total_bytes"] = paper
+    # The ZeRO paper's accounting (16-bit grads) for reference: K = 12 (16-bit) or 8 (fp32);
+    # stage s shards the first s of (optimizer states, gradients, parameters).
+    per_param = (12 if p16 else 8, param_b, param_b)
+    kept = sum(per_param[zero_stage:])
+    theory["zero_paper_total_bytes"] = kept * psi + (sum(per_param) - kept) * psi / n
     return theory
 
 
@@ -215,34 +172,19 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
         theory["total_bytes"] = sum(theory[c + "_bytes"] for c in _CATEGORIES)
     report = {"zero_stage": zero_stage, "dp_size": dp_size, "num_params_local": psi,
               "num_params_local_padded": psi_padded}
-    for k, v in measured.items():
-        report["mem_" + k] = v
-    for k, v in theory.items():
-        report["mem_theory_" + k] = v
+    report.update({"mem_" + k: v for k, v in measured.items()})
+    report.update({"mem_theory_" + k: v for k, v in theory.items()})
     report["mem_theory_unpadded_total_bytes"] = unpadded["total_bytes"]
     return report
 
 
 class CountingCPUFrees:
     """While active, c10's ``caffe2_report_cpu_memory_usage`` is on: the CPU allocator counts the
-    allocations and frees of every thread, and ``torch.profiler(profile_memory=True)`` stamps
-    that count on each memory event it records (``cpu_live_bytes``). A no-op where the library
-    does not export the switch (then a free on a thread the profiler does not run on is
-    missed, see PeakTensorMemory)."""
+    frees of every thread, and ``torch.profiler(profile_memory=True)`` stamps that count on each
+    memory event (``cpu_live_bytes``). A no-op where libc10 does not export the switch."""
 
     def __enter__(self):
-        import ctypes
-        import glob
-        import os
-
-        self.flag = None
-        for path in glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "*c10.*")):
-            try:
-                self.flag = ctypes.c_bool.in_dll(ctypes.CDLL(path),
-                                                 "FLAGS_caffe2_report_cpu_memory_usage")
-                break
-            except (OSError, ValueError):
-                continue
+        self.flag = P.c10_bool_flag("FLAGS_caffe2_report_cpu_memory_usage")
         if self.flag is not None:
             self.was, self.flag.value = self.flag.value, True
         return self
@@ -257,17 +199,12 @@ def cpu_live_bytes(prof, since: Optional[str] = None) -> List[tuple]:
     """``[(time_ns, bytes)]``: the CPU allocator's live bytes at each memory event of ``prof``
     (profiled under CountingCPUFrees), counted from just before the first event; with ``since``,
     only from the start of the first op or ``record_function`` of that name on."""
-    from torch._C._profiler import _EventType
-
-    stamps, begin, todo = [], None, list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        todo.extend(e.children)
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            stamps.append((e.start_time_ns, e.extra_fields.alloc_size,
-                           e.extra_fields.total_allocated))
-        elif since is not None and e.name == since:
-            begin = min(e.start_time_ns, begin or e.start_time_ns)
+    stamps, begin = [], None
+    for name, start, alloc in P.profiler_events(prof):
+        if alloc is not None:
+            stamps.append((start, *alloc))
+        elif since is not None and name == since:
+            begin = min(start, begin or start)
     stamps.sort()
     before = stamps[0][2] - stamps[0][1] if stamps else 0  # the first event's count less its own
     return [(t, total - before) for t, _, total in stamps if begin is None or t >= begin]
@@ -286,25 +223,12 @@ def cuda_peak_bytes(device: torch.device) -> int:
 
 
 class PeakTensorMemory:
-    """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs.
-
-    GPU: ``torch.cuda.max_memory_allocated`` since a reset at the start of the block (the run's
-    peak before it is kept for :func:`cuda_peak_bytes`). CPU (where RSS is mostly the interpreter
-    and libraries): the storages live at the start (found through the garbage collector, each once)
-    plus the highest value of the CPU allocator's count of live bytes over the block, which
-    ``torch.profiler(profile_memory=True)`` stamps on every allocation and free it records.
-    Replaying the profiler's alloc/free events instead is wrong with collectives: the profiler
-    records only on threads it runs on, so a buffer freed on a gloo worker thread (a
-    reduce-scatter's flat copy, an all-gather's output, an all-reduced gradient buffer) has no
-    free event and would count as live to the end, by an amount that depends on which thread
-    drops it last; under CountingCPUFrees the allocator's count includes frees on every thread.
-    Blocks born before the block and freed inside it are unknown to the allocator's count, so
-    they still count: an upper bound by kilobytes (last step's batches). The profiler slows the
-    block down: measure one iteration, not every one (training.py measures one). Its own C++
-    log lines on stderr are held back; everything else is passed on. Both process-level effects
-    (file descriptor 2 redirected, CountingCPUFrees' c10 flag) last only for the block and are
-    undone on exit (tests/test_layering.py).
-    """
+    """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs: on GPU the
+    allocator's high-water mark, on CPU the storages live at the start plus the highest count of
+    live bytes of the CPU allocator under CountingCPUFrees (docs/planner.md, "2. Memory of real
+    runs", says why not a replay of the profiler's events). The profiler slows the block down:
+    measure one iteration. Its C++ log lines on stderr are held back. Both process-level effects
+    (fd 2 redirected, the c10 flag) last only for the block (tests/test_layering.py)."""
 
     _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp")
 
@@ -317,17 +241,10 @@ class PeakTensorMemory:
             _CUDA_PEAK_BEFORE_RESET[self.device.index] = cuda_peak_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        import gc
-        import os
-        import sys
-        import tempfile
-
         gc.collect()
-        from torch._subclasses.fake_tensor import is_fake  # torch.compile's tracing tensors
-
         self.baseline = distinct_storage_bytes(o for o in gc.get_objects() if issubclass(
             type(o), torch.Tensor) and o.device.type == "cpu" and not o.is_meta
-            and not is_fake(o))
+            and not P.is_fake(o))
         sys.stderr.flush()
         self._err, self._saved = tempfile.TemporaryFile(), os.dup(2)
         os.dup2(self._err.fileno(), 2)
@@ -342,9 +259,6 @@ class PeakTensorMemory:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             return False
-        import os
-        import sys
-
         try:
             self._prof.__exit__(*exc)
         finally:
@@ -363,9 +277,8 @@ class PeakTensorMemory:
 
 
 # ------------------------------------------------------------------------------ host peak RSS
-# What the converter, load-time resharding and the CPU profiles are held to: a process's peak
-# resident memory over a region, from Linux's /proc (``VmHWM``, the high-water mark, which writing
-# "5" to /proc/self/clear_refs resets to the current ``VmRSS``).
+# What the converter, load-time resharding and the CPU profiles are held to: Linux's ``VmHWM``,
+# which writing "5" to /proc/self/clear_refs resets to the current ``VmRSS``.
 HOST_PEAK_RSS_SUPPORTED = os.path.exists("/proc/self/clear_refs")
 
 

@@ -83,6 +83,7 @@ def test_megalite_imports_are_acyclic():
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
     assert graph["megalite.config"] == set()  # the bottom floor
+    assert graph["megalite.torch_private"] == set()
     assert "megalite.planner" not in graph["megalite.training"]
 
 
@@ -104,3 +105,73 @@ def test_peak_memory_probe_restores_the_process():
     assert flag is None or flag.value == was
     assert probe.peak_bytes >= probe.baseline + (1 << 20)
     sys.stderr.write("")  # still writable
+
+
+def private_torch_uses(source: str) -> list:
+    """(line, what) for each private torch API or ctypes use in ``source``: an import of
+    ``ctypes`` or of an underscored torch module or name, and an underscored attribute of anything
+    bound to torch (imports, aliases, assignments: ``_aten = torch.ops.aten; _aten._x``); torch's
+    documented ``torch._foreach_*`` is allowed, and so are dunders (``torch.__version__``)."""
+    tree = ast.parse(source)
+
+    def private(name):
+        return name.startswith("_") and not name.startswith(("__", "_foreach_"))
+
+    def root(node):  # the name an attribute chain starts from, and the chain
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return (node.id if isinstance(node, ast.Name) else None), parts[::-1]
+
+    torch_names, hits = {"torch"}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "ctypes" or (a.name.split(".")[0] == "torch" and any(
+                        private(p) for p in a.name.split("."))):
+                    hits.append((node.lineno, "import " + a.name))
+                if a.name.split(".")[0] == "torch":
+                    torch_names.add(a.asname or "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            for a in node.names:
+                if any(private(p) for p in node.module.split(".") + [a.name]):
+                    hits.append((node.lineno, f"from {node.module} import {a.name}"))
+                torch_names.add(a.asname or a.name)
+        elif isinstance(node, ast.ImportFrom) and node.module == "ctypes":
+            hits.append((node.lineno, "from ctypes import"))
+    for _ in range(2):  # aliases of aliases
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and root(node.value)[0] in torch_names:
+                torch_names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    attrs = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+    inner = {id(n.value) for n in attrs}
+    for node in attrs:
+        name, parts = root(node)
+        if id(node) not in inner and name in torch_names and any(private(p) for p in parts):
+            hits.append((node.lineno, ".".join([name] + parts)))  # each whole chain once
+    return sorted(set(hits))
+
+
+def test_private_use_scan_sees_aliases():
+    assert private_torch_uses(
+        "import ctypes\nimport torch.serialization as ser\nfrom torch._utils import f\n"
+        "from torch.autograd import Variable\n_aten = torch.ops.aten\nser._save(x)\n"
+        "_aten._sdpa(q)\nVariable._execution_engine\ntorch._C._profiler.E\n"
+        "torch._foreach_mul_(xs, 2)\ntorch.__version__\nself._x.y\n") == [
+        (1, "import ctypes"), (3, "from torch._utils import f"), (6, "ser._save"),
+        (7, "_aten._sdpa"), (8, "Variable._execution_engine"), (9, "torch._C._profiler.E")]
+
+
+def test_private_torch_apis_only_in_the_shim():
+    """Private torch APIs and ctypes appear only in megalite/torch_private.py, where each says why
+    no public API serves."""
+    found = []
+    for d, _, files in os.walk(PKG):
+        for f in sorted(files):
+            path = os.path.join(d, f)
+            if f.endswith(".py") and os.path.relpath(path, PKG) != "torch_private.py":
+                with open(path, encoding="utf-8") as src:
+                    found += [f"{os.path.relpath(path, ROOT)}:{line}: {what}"
+                              for line, what in private_torch_uses(src.read())]
+    assert not found, "private torch APIs outside megalite/torch_private.py:\n" + "\n".join(found)

@@ -1,24 +1,6 @@
-"""Causal attention of a CP rank's queries against the whole sequence (docs/context_parallel.md).
-
-Three ways to bring every key to every query, each with its own backward:
-
-* ``p2p`` (ring): K/V travel around the ring in C steps, each step's transfer overlapped with
-  that step's attention; partial outputs are merged by log-sum-exp; dK/dV ride the ring back.
-* ``allgather``: all-gather K/V, attend to the prefix each local chunk needs, reduce-scatter
-  dK/dV.
-* ``a2a`` (Ulysses): all-to-all from sequence-sharded to head-sharded, plain causal attention on
-  the whole sequence for n/C heads, all-to-all back. The attention in between is any local
-  function (autograd runs its backward between the two all-to-alls), so a layer's sliding window
-  works here: the caller passes it as ``local_attention``.
-
-Every rank holds the load-balanced chunks ``sharding.chunk_ids(r, C)`` = (r, 2C-1-r), so the
-causal structure of a block is known from the ranks alone: against its own K/V a rank's block is
-causal (its two chunks are in increasing order); against an earlier rank j < r all local queries
-see only j's first chunk; against a later rank only the local second chunk sees anything, and it
-sees all of j's K/V. No step computes a fully masked block, and no block needs a mask other than
-a square causal one. Each block runs one kernel of ``blocks.py`` (an exact math path, the fused
-CPU kernel, the CUDA SDPA kernels), all with the same (out, lse) forward and backward.
-"""
+"""Causal attention of a CP rank's queries against the whole sequence: the ring (``p2p``),
+``allgather`` and Ulysses (``a2a``) paths, each its own forward and backward, and which block of
+which rank is causal: docs/context_parallel.md, "One interface, three implementations"."""
 
 from __future__ import annotations
 
@@ -49,7 +31,7 @@ def _merge(out, lse, blk_out, blk_lse):
 # ---- communication helpers (all through megalite.collectives) ----
 
 def _ring(t, group, tag: int):
-    """Post the send of ``t`` to the next CP rank and a receive of its like from the previous."""
+    """Send ``t`` to the next CP rank, receive its like from the previous."""
     rank, size = C.group_rank(group), C.group_size(group)
     peer = lambda r: dist.get_global_rank(group, r % size)  # noqa: E731
     recv = torch.empty_like(t)
@@ -65,8 +47,8 @@ def _wait(reqs):
 
 
 def _all_to_all(pieces, group):
-    """pieces[j] (1-D) goes to CP rank j; returns the pieces each rank sent here, as pairwise
-    batched sends (NCCL's all-to-all is the same grouped send/recv)."""
+    """pieces[j] (1-D) goes to CP rank j; returns the pieces each rank sent here (pairwise
+    batched sends, as NCCL's all-to-all is)."""
     rank = C.group_rank(group)
     got, ops = [torch.empty_like(p) for p in pieces], []
     got[rank] = pieces[rank]
@@ -91,7 +73,8 @@ def _natural(shards, dim):
 # ---- p2p (ring) ----
 
 def _ring_block(rank, src, half):
-    """(query rows, key rows) of this rank's block against CP rank ``src``'s K/V (module doc)."""
+    """(query rows, key rows) of this rank's block against CP rank ``src``'s K/V (the table in
+    docs/context_parallel.md, "The load-balanced chunk assignment")."""
     return (slice(half, None) if src > rank else slice(None),
             slice(None, half) if src < rank else slice(None))
 
@@ -113,8 +96,7 @@ def _ring_fwd(q, k, v, group, scale, kernel):
 
 
 def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel):
-    """K/V go round again; each rank adds its share to the travelling fp32 dK/dV, which after C
-    steps arrives back at its owner (the last hop runs from rank r-1 to r)."""
+    """K/V go round again with an fp32 dK/dV each rank adds to; after C steps it is home."""
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
     dkv, dkv_in, dreqs = None, None, []
@@ -168,8 +150,7 @@ def _allgather_fwd(q, k, v, group, scale, kernel):
 
 
 def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel):
-    """K/V are gathered again rather than kept (the memory CP saves); dK/dV of the whole sequence
-    are reduce-scattered back to the ranks that own them."""
+    """K/V gathered again, not kept (the memory CP saves); dK/dV reduce-scattered to owners."""
     size = C.group_size(group)
     kv = _gather_kv(k, v, group)
     chunk = q.shape[2] // 2
@@ -218,28 +199,18 @@ def _heads_to_seq(ts, group):
     return out
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """:func:`_seq_to_heads` forward, :func:`_heads_to_seq` backward: one all-to-all each way."""
+class _Reshard(torch.autograd.Function):
+    """:func:`_seq_to_heads` (``to_heads``) or :func:`_heads_to_seq`, the other its backward."""
 
     @staticmethod
-    def forward(ctx, group, *ts):
-        ctx.group = group
-        return tuple(_seq_to_heads(list(ts), group))
+    def forward(ctx, group, to_heads, *ts):
+        ctx.group, ctx.to_heads = group, to_heads
+        return tuple((_seq_to_heads if to_heads else _heads_to_seq)(list(ts), group))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_heads_to_seq([g.contiguous() for g in grads], ctx.group))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, t):
-        ctx.group = group
-        return _heads_to_seq([t], group)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, _seq_to_heads([grad.contiguous()], ctx.group)[0]
+        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return (None, None, *back([g.contiguous() for g in grads], ctx.group))
 
 
 # ---- one autograd function over the ring and all-gather ----
@@ -263,29 +234,22 @@ class _Attention(torch.autograd.Function):
 
 def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None,
                                local_attention=None, kernel: str = "auto"):
-    """Causal attention of this rank's queries against the whole sequence.
-    q: [b, n, s_local, d]; k, v: [b, g, s_local, d] (SDPA layout, g divides n: GQA);
-    s_local = s / C, the two chunks sharding.chunk_ids(cp_rank, C) in local order.
-    Returns [b, n, s_local, d] in q's dtype; differentiable in q, k, v.
-    cp_group None or of size 1: plain causal SDPA. comm_type: "p2p" | "allgather" | "a2a".
-    ``local_attention(q, k, v)``: a2a only, the attention of one head shard over the whole
-    sequence in natural order (default: causal SDPA; a layer with a sliding window passes its own).
-    ``kernel`` (--cp-attention-kernel): "auto" (the fused kernels, ``blocks.select``) or "math"
-    (the exact fp32 blocks under p2p and allgather, SDPA's math backend under a2a).
-    What this needs is checked once, where the caller's configuration is validated
-    (``ParallelConfig.check_context_parallel``; ``validate`` for the comm type name), not again
-    here: an even s_local, n and g divisible by C under a2a, no attention dropout."""
+    """q [b, n, s/C, d], k, v [b, g, s/C, d] (g divides n) -> [b, n, s/C, d] in q's dtype.
+    ``local_attention(q, k, v)``: a2a only, one head shard's attention over the whole sequence
+    (default causal SDPA). ``kernel``: --cp-attention-kernel. Its preconditions are checked once
+    by ``ParallelConfig.check_context_parallel``, not here."""
     size, gqa = C.group_size(cp_group), k.shape[1] != q.shape[1]
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
                                               enable_gqa=gqa)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     if comm_type == "a2a":
-        qh, kh, vh = _SeqToHeads.apply(cp_group, q.contiguous(), k.contiguous(), v.contiguous())
+        qh, kh, vh = _Reshard.apply(cp_group, True, q.contiguous(), k.contiguous(),
+                                    v.contiguous())
         attend = local_attention or partial(F.scaled_dot_product_attention, is_causal=True,
                                             scale=scale, enable_gqa=gqa)
         with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else nullcontext():
             oh = attend(qh, kh, vh)
-        return _HeadsToSeq.apply(cp_group, oh.contiguous())
+        return _Reshard.apply(cp_group, False, oh.contiguous())[0]
     return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
                             scale, blocks.select(q, k, kernel))

@@ -1,15 +1,6 @@
-"""The load-balanced split of a sequence across C context-parallel ranks.
-
-Causal attention work grows along the sequence (query i attends to i + 1 keys), so cutting the
-sequence into C contiguous pieces gives the last rank ~2C-1 times the work of the first. Instead
-the sequence is cut into 2C equal chunks and CP rank r keeps chunks r and 2C-1-r, one cheap and
-one expensive: every rank then holds the same number of (query, key) pairs.
-
-    C = 2, chunks 0 1 2 3:   rank 0 keeps [0, 3],  rank 1 keeps [1, 2]
-
-The local sequence is the two chunks concatenated in that order; ``positions`` gives the global
-position of each local token (for RoPE and learned absolute positions).
-"""
+"""The load-balanced split of a sequence across C context-parallel ranks: of 2C equal chunks,
+rank r keeps r and 2C-1-r, in that order (docs/context_parallel.md, "The load-balanced chunk
+assignment")."""
 
 from __future__ import annotations
 
