@@ -2,59 +2,12 @@
 mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 (``glm4_moe``) and
 DeepSeek-V3 (``deepseek_v3``, multi-latent attention).
 
-Two layers of API:
-
-* **Pure tensor mappings**, written per transformer layer so a streaming tool can convert one layer
-  at a time without holding the whole model: :func:`convert_layer_hf_to_megalite`,
-  :func:`convert_layer_megalite_to_hf`, :func:`convert_non_layer_hf_to_megalite`,
-  :func:`convert_non_layer_megalite_to_hf`, and the key lists :func:`hf_layer_keys`,
-  :func:`hf_non_layer_keys`, :func:`megalite_layer_keys`, :func:`megalite_non_layer_keys`.
-  :func:`hf_to_megalite_state_dict` / :func:`megalite_to_hf_state_dict` apply them to a whole
-  state dict.
-* Whole models (:func:`from_hf`, :func:`to_hf`) live with the reader of HF directories, in
-  convert/checkpoint_tools.py, which imports this module (never the other way).
-
-The families are rows of one table, :data:`FAMILIES`: each names its HF class and the options
-that tell one Llama-layout family from another (which biases, which q/k norm, how windows, partial
-RoPE and the MoE block are spelled). Import reads an HF config through its row; export writes one
-through the row; and a family *holds* a megalite model exactly when its export reads back as the
-same model (:func:`hf_architecture`), so the two directions cannot disagree. A new family is one
-more row (DeepSeek-V3 reuses GLM-4.5's MoE row, :data:`DEEPSEEK_MOE`, with ``mla``).
-
-Key naming (docs/models.md has the full table). HF names are the ``state_dict`` names of
-``GPT2LMHeadModel`` (``transformer.h.{i}.attn.c_attn.weight``, ...) and ``LlamaForCausalLM``
-(``model.layers.{i}.self_attn.q_proj.weight``, ...); megalite names are the full (tp=1) names of
-``GPTModel.state_dict()`` (``layers.{i}.self_attention.linear_qkv.weight``, ...).
-
-Layout facts the mapping encodes:
-
-* megalite's fused QKV weight is laid out per query group: for each of the g groups, its a/g query
-  heads, then its key head, then its value head, each ``kv_channels`` rows
-  (megalite/models/transformer.py). HF Llama keeps q/k/v separate, with query head j served by
-  key/value head j // (a/g) (``repeat_kv``); GPT-2 has one ``c_attn`` = [q; k; v] (MHA, g = a).
-* HF checkpoints of Llama are already in the "rotate half" RoPE convention that
-  megalite/models/rotary.py uses, so q/k rows need no permutation.
-* GPT-2's ``Conv1D`` stores weights as [in, out], the transpose of ``nn.Linear``.
-* SwiGLU's fc1 is [gate; up] stacked along dim 0; HF Llama has ``gate_proj`` and ``up_proj``.
-* Experts. Hub files hold one tensor per expert and projection
-  (``block_sparse_moe.experts.{e}.w1/w3/w2`` = gate/up/down for Mixtral,
-  ``mlp.experts.{e}.gate_proj/up_proj/down_proj`` for the others); transformers >= 5 models hold
-  them stacked in memory (``mlp.experts.gate_up_proj`` [E, 2f, h], ``mlp.experts.down_proj``
-  [E, h, f], Mixtral's router as ``mlp.gate``) and write the per-expert form on save. Both are
-  read (the stacked form is unstacked into the per-expert one, as views); the per-expert form is
-  written. megalite stacks the experts as ``mlp.weight1`` [E, h, 2f] (columns [gate, up]) and
-  ``mlp.weight2`` [E, f, h]: the transposes of HF's ``nn.Linear`` weights.
-* GLM-4.5's ``e_score_correction_bias`` (a buffer) is megalite's ``mlp.expert_bias`` (a buffer).
-* DeepSeek-V3's attention tensors map one to one onto megalite/models/mla.py's (:data:`_MLA_LAYER`),
-  except that HF stores the RoPE rows of ``q_b_proj`` (or ``q_proj``) and ``kv_a_proj_with_mqa``
-  interleaved (``rope_interleave``: pairs (x0, x1), (x2, x3), ... each turned by one frequency):
-  the import permutes them to the rotate-half order [x0, x2, ... | x1, x3, ...], which gives
-  exactly HF's rotation with megalite's RoPE, and the export permutes them back
-  (:func:`_rope_pairs`).
-* Vocab-sized tensors are padded with zero rows to ``cfg.padded_vocab_size(1)`` in a full megalite
-  state dict and stripped back to ``cfg.vocab_size`` on export.
-* Tied embeddings: megalite has no ``output_layer.weight`` on a single stage; the HF export omits
-  ``lm_head.weight`` (as ``save_pretrained`` does) and HF re-ties it on load.
+Pure tensor mappings, per transformer layer (so a streaming tool converts one layer at a time)
+and for whole state dicts; whole models (:func:`from_hf`, :func:`to_hf`) live in
+convert/hf_files.py, which imports this module (never the other way). Each family is one
+row of :data:`FAMILIES`, read by the import and written by the export. Key names, tensor layouts
+(fused QKV per group, SwiGLU's [gate; up], stacked experts, MLA's RoPE rows, vocab padding, tied
+embeddings) and what each family maps or refuses: docs/models.md.
 """
 
 from __future__ import annotations
@@ -86,15 +39,13 @@ class MoeSpec:
     block: str = "mlp"  # the MoE block's module in hub files
     expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     norm_topk_prob: Optional[str] = "norm_topk_prob"  # None: the k gates are always renormalised
-    # "softmax", or "deepseek": sigmoid scores, e_score_correction_bias for the choice, groups
-    # scored by their top-2 (n_group, topk_group), routed_scaling_factor
-    router: str = "softmax"
+    router: str = "softmax"  # or "deepseek" (sigmoid; docs/models.md, "Routing")
     shared: Optional[str] = None  # module of the shared expert
     shared_gate: Optional[str] = None  # module of its sigmoid gate (Qwen2-MoE)
     shared_size: Optional[str] = None  # config field of its width, or
     shared_count: Optional[str] = None  # of its width in expert widths (n_shared_experts)
-    # which layers are MoE: "all"; "sparse_step": layer i when (i + 1) % decoder_sparse_step == 0
-    # and i is not in mlp_only_layers; "first_k_dense": all but the first first_k_dense_replace
+    # which layers are MoE: "all", "sparse_step" (decoder_sparse_step, mlp_only_layers) or
+    # "first_k_dense" (first_k_dense_replace): docs/models.md, "The layer pattern"
     layers: str = "all"
 
 
@@ -110,18 +61,14 @@ class Family:
     qk_norm_field: Optional[str] = None  # the config field that switches it (else always on)
     window: Optional[str] = None  # how a sliding window is configured: "mistral" or "qwen"
     partial_rotary: bool = False  # its attention honours partial_rotary_factor
-    # config field counting the multi-token-prediction layers hub files carry after the last
-    # layer: HF drops them on load, and so does megalite (one warning)
+    # config field counting the multi-token-prediction layers after the last layer: dropped
     mtp_field: Optional[str] = None
     refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
     moe: Optional[MoeSpec] = None
-    # DeepSeek's multi-latent attention (models/mla.py) in place of q/k/v projections; its RoPE
-    # rows stored interleaved (rope_interleave), permuted to rotate-half on import (_rope_pairs)
-    mla: bool = False
+    mla: bool = False  # DeepSeek's multi-latent attention (models/mla.py; _rope_pairs)
 
 
-# Sigmoid routing with a correction bias and top-2 group scores, shared experts n_shared_experts
-# wide, and first_k_dense_replace dense layers of their own width: GLM-4.5's block, DeepSeek-V3's.
+# GLM-4.5's MoE block, and DeepSeek-V3's (docs/models.md, the MoE families' table)
 DEEPSEEK_MOE = MoeSpec("n_routed_experts", "moe_intermediate_size", router="deepseek",
                        shared="shared_experts", shared_count="n_shared_experts",
                        layers="first_k_dense")
@@ -161,8 +108,7 @@ SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 FAMILY_OF_MODEL_TYPE = {k: k for k in FAMILIES}  # HF model_type -> family
 _FAMILY_OF_ARCHITECTURE = {f.architecture: k for k, f in FAMILIES.items()}
 
-# HF activation names -> megalite ModelConfig.activation (GPT-2's default "gelu_new" is the tanh
-# approximation 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3))), Hendrycks & Gimpel 2016).
+# HF activation names -> ModelConfig.activation (GPT-2's "gelu_new" is gelu's tanh approximation)
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                      "relu": "relu"}
 _GPT2_ACTIVATIONS_BACK = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -178,9 +124,7 @@ def unsupported_architecture(name: str) -> ConfigError:
 
 def refused_hf_config(raw: Mapping) -> Optional[str]:
     """Why a config.json (as a dict) of a family megalite knows of but cannot hold is refused,
-    naming the field, or None. GPT-OSS's attention sinks (a learned per-head logit in every
-    softmax) and clamped SwiGLU, Llama 4's chunked attention and NoPE layers, and FP8 hub
-    weights (block-quantised, a ``weight_scale_inv`` per weight) have no megalite equivalent."""
+    naming the field, or None (docs/models.md, "Refused families")."""
     model_type = raw.get("model_type")
     if model_type == "gpt_oss":
         return (f"gpt_oss is not supported: its attention sinks (self_attn.sinks, a learned "
@@ -244,11 +188,8 @@ _LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_fr
 
 
 def _rope(hf_config, family: str) -> dict:
-    """RoPE base, scaling and partial rotation as ModelConfig fields. transformers >= 5 keeps them
-    in ``rope_parameters``; older versions in ``rope_theta``, ``rope_scaling`` and
-    ``partial_rotary_factor``. megalite computes the plain RoPE of Su et al., Llama 3.1's
-    "llama3" scaling and YaRN (models/rotary.py), over the first ``partial_rotary_factor`` of
-    each head."""
+    """RoPE base, scaling and partial rotation as ModelConfig fields (``rope_parameters`` in
+    transformers >= 5; ``rope_theta``, ``rope_scaling``, ``partial_rotary_factor`` before)."""
     params = dict(getattr(hf_config, "rope_scaling", None) or {})
     params.update(getattr(hf_config, "rope_parameters", None) or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -272,11 +213,8 @@ def _rope(hf_config, family: str) -> dict:
 
 
 def _yarn(params: dict, hf_config) -> dict:
-    """HF's yarn ``rope_parameters`` as ModelConfig fields. HF's cos/sin factor is
-    m(s, mscale) / m(s, mscale_all_dim) when both are set and m(s, 1) otherwise, where megalite's
-    (Megatron's) formula always takes the ratio: the second case is mscale 1, mscale_all_dim 0.
-    DeepSeek's softmax factor m(s, mscale_all_dim)^2 reads mscale_all_dim alone, so an
-    mscale_all_dim without mscale has no megalite spelling."""
+    """HF's yarn ``rope_parameters`` as ModelConfig fields; how HF's cos/sin factor maps onto
+    mscale and mscale_all_dim: docs/models.md, "YaRN RoPE"."""
     if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
         raise ConfigError("yarn rope_parameters attention_factor and truncate=False are not "
                           "supported: megalite derives the cos/sin factor from mscale and "
@@ -328,11 +266,8 @@ def _accepts(config_cls, name: str) -> bool:
 
 
 def _sliding_window(c, family: str) -> dict:
-    """Which layers HF gives a sliding window, as ModelConfig fields. Mistral (and Mixtral)
-    window every layer when ``sliding_window`` is set; Qwen2/Qwen3 only the layers
-    ``layer_types`` marks (derived by HF from ``use_sliding_window`` and ``max_window_layers``): a
-    ``sliding_window`` value alone, as released Qwen2 configs carry with use_sliding_window false,
-    windows nothing. Families without a window rule have none (``Family.refused`` says so)."""
+    """Which layers HF gives a sliding window, as ModelConfig fields (docs/models.md, "Sliding
+    window": never from ``sliding_window`` alone)."""
     rule = FAMILIES[family].window
     window = getattr(c, "sliding_window", None)
     if rule == "mistral":
@@ -380,9 +315,7 @@ def layer_freq_text(pattern: List[bool]) -> str:
 
 
 def _hf_moe_pattern(c, m: MoeSpec) -> List[bool]:
-    """Which HF layers are MoE. HF's ``decoder_sparse_step`` N makes layer i sparse when
-    (i + 1) % N == 0, where Megatron's integer --moe-layer-freq N means i % N == 0: the pattern is
-    spelled as a list instead, which both read the same."""
+    """Which HF layers are MoE (docs/models.md, "The layer pattern")."""
     n = c.num_hidden_layers
     if m.layers == "sparse_step":
         step, dense = c.decoder_sparse_step, set(getattr(c, "mlp_only_layers", None) or [])
@@ -516,13 +449,9 @@ def _hf_mla(cfg: ModelConfig) -> dict:
 
 
 def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
-    """A megalite :class:`ModelConfig` equivalent to the HF config of a supported family.
-
-    ``seq_length`` defaults to the HF ``max_position_embeddings``; ``overrides`` (any ModelConfig
-    field, e.g. ``seq_length``, ``make_vocab_size_divisible_by``, ``params_dtype``) win.
-    GPT-2's ``embd_pdrop`` is not separate in megalite: ``resid_pdrop`` becomes ``hidden_dropout``.
-    A config field megalite cannot hold is a ConfigError naming it.
-    """
+    """A megalite :class:`ModelConfig` equivalent to the HF config of a supported family;
+    ``overrides`` (any ModelConfig field, e.g. ``seq_length``) win. A config field megalite
+    cannot hold is a ConfigError naming it."""
     family = hf_family(hf_config)
     fam = FAMILIES[family]
     c = hf_config
@@ -560,16 +489,15 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
         if fam.linear_bias:
             mlp_bias = bool(getattr(c, "mlp_bias", False))
             if attention_bias != mlp_bias:
-                # megalite has one switch for the output projection and both MLP linears
-                # (add_bias_linear), so HF's o_proj (attention_bias) and MLP (mlp_bias) must agree.
+                # one switch (add_bias_linear) biases o_proj and both MLP linears
                 raise ConfigError(f"Llama attention_bias={attention_bias} with mlp_bias="
                                   f"{mlp_bias} is not supported: megalite needs both equal "
                                   f"(add_bias_linear)")
             qkv_bias = linear_bias = attention_bias
         else:
             if attention_bias and fam.qkv_bias != "attention_bias":
-                # Qwen3's (and OLMoE's) attention_bias also puts a bias on o_proj, which megalite
-                # ties to the MLP biases (add_bias_linear), which these families do not have.
+                # Qwen3's (OLMoE's) attention_bias biases o_proj too, which megalite ties to the
+                # MLP biases (add_bias_linear) these families do not have
                 raise ConfigError(f"{family} attention_bias=True (a bias on o_proj as well as "
                                   f"q/k/v) is not supported: megalite biases o_proj only with "
                                   f"the MLP")
@@ -730,9 +658,8 @@ def _finish(hf_config, arch: str, cfg: ModelConfig):
 
 
 def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
-    """The HF config (of the class :func:`hf_architecture` picks) for a megalite model
-    (``hf_overrides`` win), with ``architectures`` set so ``AutoModelForCausalLM`` picks the
-    LM-head class."""
+    """The HF config (of the class :func:`hf_architecture` picks; ``hf_overrides`` win), with
+    ``architectures`` set so ``AutoModelForCausalLM`` picks the LM-head class."""
     import transformers
 
     arch = hf_architecture(cfg)
@@ -835,17 +762,16 @@ def _moe_suffixes(cfg: ModelConfig) -> List[str]:
 
 
 def _mla_items(cfg: ModelConfig) -> List[Tuple[str, str]]:
-    """(megalite, HF) suffixes of an MLA layer's attention tensors in :data:`_MLA_LAYER`: the
-    plain q projection or the q latent's three."""
+    """(megalite, HF) suffixes of an MLA layer's attention tensors (q projection or q latent)."""
     drop = (("linear_q_down_proj", "q_layernorm", "linear_q_up_proj") if cfg.q_lora_rank is None
             else ("linear_q_proj",))
     return [(ml, hf) for ml, hf in _MLA_LAYER.items() if ml.split(".")[2] not in drop]
 
 
 def _rope_pairs(t: torch.Tensor, cfg: ModelConfig, name: str, back: bool = False):
-    """HF's interleaved RoPE rows -> the rotate-half order, or ``back`` (module docstring): the
-    last d_r of every q head's d_n + d_r rows, and of kv_a's [kv latent | shared key]; other
-    tensors as they are. q·k is unchanged by one permutation of q's and k's RoPE dims."""
+    """HF's interleaved RoPE rows -> the rotate-half order, or ``back`` (docs/models.md,
+    "Hugging Face" under MLA): the last d_r of every q head's d_n + d_r rows, and of kv_a's
+    [kv latent | shared key]; other tensors as they are."""
     dn, dr, rkv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
     if name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):
         width = dn + dr
@@ -890,21 +816,39 @@ def _moe_spec(cfg: ModelConfig) -> MoeSpec:
     return _moe_spec_of(tuple(sorted(cfg.to_dict().items())))
 
 
-def _swiglu_keys(prefix: str, bias: bool) -> List[str]:
-    return [f"{prefix}{n}.{kind}" for n in _SWIGLU for kind in ("weight", "bias")[:1 + bias]]
+def _linear_keys(prefix: str, bias: bool, names: Sequence[str] = _SWIGLU) -> List[str]:
+    return [f"{prefix}{n}.{kind}" for n in names for kind in ("weight", "bias")[:1 + bias]]
 
 
-def _moe_hf_keys(p: str, cfg: ModelConfig) -> List[str]:
+def _layer_pairs(layer_idx: int, cfg: ModelConfig) -> List[Tuple[str, str]]:
+    """(megalite, HF) suffixes of layer ``layer_idx``'s tensors that map one to one (GPT-2's
+    Conv1D weights transposed, MLA's RoPE rows permuted: :func:`_one_to_one`)."""
+    if model_family(cfg) == "gpt2":
+        return [(ml, hf) for ml, (hf, _) in _GPT2_LAYER.items()]
+    pairs = [(ml, hf) for ml, hf in _LLAMA_LAYER.items() if _has_bias(cfg, ml)]
+    pairs += _mla_items(cfg) if cfg.multi_latent_attention else []
+    if cfg.is_moe_layer(layer_idx):
+        m = _moe_spec(cfg)
+        pairs.append(("mlp.router", f"{m.block}.gate.weight"))
+        if cfg.moe_router_enable_expert_bias:
+            pairs.append(("mlp.expert_bias", f"{m.block}.gate.e_score_correction_bias"))
+        if cfg.moe_shared_expert_intermediate_size and cfg.moe_shared_expert_gate:
+            pairs.append(("mlp.shared_gate", f"{m.block}.{m.shared_gate}.weight"))
+    return pairs
+
+
+def _one_to_one(t: torch.Tensor, ml: str, cfg: ModelConfig, back: bool = False) -> torch.Tensor:
+    if model_family(cfg) == "gpt2":
+        return t.t().contiguous() if _GPT2_LAYER[ml][1] else t
+    return _rope_pairs(t, cfg, ml, back) if cfg.multi_latent_attention else t
+
+
+def _experts_hf_keys(p: str, cfg: ModelConfig) -> List[str]:
     m = _moe_spec(cfg)
-    keys = [f"{p}{m.block}.gate.weight"]
-    if cfg.moe_router_enable_expert_bias:
-        keys.append(f"{p}{m.block}.gate.e_score_correction_bias")
-    keys += [f"{p}{m.block}.experts.{e}.{n}.weight" for e in range(cfg.num_experts)
-             for n in m.expert_names]
+    keys = [f"{p}{m.block}.experts.{e}.{n}.weight" for e in range(cfg.num_experts)
+            for n in m.expert_names]
     if cfg.moe_shared_expert_intermediate_size:
-        keys += _swiglu_keys(f"{p}{m.block}.{m.shared}.", cfg.add_bias_linear)
-        if cfg.moe_shared_expert_gate:
-            keys.append(f"{p}{m.block}.{m.shared_gate}.weight")
+        keys += _linear_keys(f"{p}{m.block}.{m.shared}.", cfg.add_bias_linear)
     return keys
 
 
@@ -912,23 +856,14 @@ def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     """Full HF names of layer ``layer_idx``'s tensors (what a streaming reader must load)."""
     family = model_family(cfg)
     p = _hf_layer_prefix(family, layer_idx)
+    keys = [hf for _, hf in _layer_pairs(layer_idx, cfg)]
     if family == "gpt2":
-        keys = ["attn.c_attn.weight", "attn.c_attn.bias"]
-        keys += [hf for ml, (hf, _) in _GPT2_LAYER.items()]
-        return [p + k for k in keys]
-    keys = ["input_layernorm.weight", "post_attention_layernorm.weight"]
-    if cfg.qk_layernorm:
-        keys += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    mla = cfg.multi_latent_attention
-    keys += [hf for _, hf in _mla_items(cfg)] if mla else []
-    for proj in ("o_proj",) if mla else ("q_proj", "k_proj", "v_proj", "o_proj"):
-        keys.append(f"self_attn.{proj}.weight")
-        if cfg.add_qkv_bias if proj != "o_proj" else cfg.add_bias_linear:
-            keys.append(f"self_attn.{proj}.bias")
-    keys = [p + k for k in keys]
+        return [p + k for k in keys + ["attn.c_attn.weight", "attn.c_attn.bias"]]
+    if not cfg.multi_latent_attention:
+        keys += _linear_keys("self_attn.", cfg.add_qkv_bias, ("q_proj", "k_proj", "v_proj"))
     if cfg.is_moe_layer(layer_idx):
-        return keys + _moe_hf_keys(p, cfg)
-    return keys + _swiglu_keys(p + "mlp.", cfg.add_bias_linear)
+        return [p + k for k in keys] + _experts_hf_keys(p, cfg)
+    return [p + k for k in keys + _linear_keys("mlp.", cfg.add_bias_linear)]
 
 
 def megalite_non_layer_keys(cfg: ModelConfig) -> List[str]:
@@ -965,8 +900,7 @@ def hf_non_layer_keys(cfg: ModelConfig, names: Optional[Sequence[str]] = None) -
 
 
 def dropped_hf_keys(keys, cfg: ModelConfig) -> List[str]:
-    """The keys of a family's multi-token-prediction layers (``model.layers.{i}`` for i past the
-    last layer, GLM-4.5's ``num_nextn_predict_layers``): HF drops them on load, as megalite does."""
+    """The keys of a family's multi-token-prediction layers (``model.layers.{i}`` past the last)."""
     fam = FAMILIES.get(_FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture))
     if fam is None or fam.mtp_field is None:
         return []
@@ -976,10 +910,8 @@ def dropped_hf_keys(keys, cfg: ModelConfig) -> List[str]:
 
 # ===================================================================== fused QKV: group layout
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Separate q [a*d, ...], k [g*d, ...], v [g*d, ...] (weights or biases, rows = heads in order)
-    -> megalite's fused [g * (a/g + 2) * d, ...]: per group, its a/g q heads, its k head, its v
-    head.
-    """
+    """Separate q [a*d, ...], k [g*d, ...], v [g*d, ...] (rows = heads in order) -> megalite's
+    fused [g * (a/g + 2) * d, ...] (docs/models.md, "Fused QKV, per query group")."""
     g, d = cfg.num_query_groups, cfg.kv_channels
     hpg = cfg.num_attention_heads // g
     rest = tuple(q.shape[1:])
@@ -1006,12 +938,12 @@ def _get(tensors: Mapping[str, torch.Tensor], key: str, where: str) -> torch.Ten
 
 
 # ============================================================================ per-layer mappings
-def _swiglu_from_hf(t, hf_p: str, ml_p: str, bias: bool, where: str, names=_SWIGLU) -> dict:
+def _swiglu_from_hf(t, hf_p: str, ml_p: str, bias: bool, where: str) -> dict:
     """HF's gate/up/down linears under ``hf_p`` -> megalite's MLP under ``ml_p``, fc1 = [gate; up]
     (the dense MLP and the shared expert)."""
     out = {}
     for kind in ["weight"] + (["bias"] if bias else []):
-        gate, up, down = (_get(t, f"{hf_p}{n}.{kind}", where) for n in names)
+        gate, up, down = (_get(t, f"{hf_p}{n}.{kind}", where) for n in _SWIGLU)
         out[f"{ml_p}linear_fc1.{kind}"] = torch.cat([gate, up], dim=0)
         out[f"{ml_p}linear_fc2.{kind}"] = down
     return out
@@ -1028,17 +960,13 @@ def _swiglu_to_hf(t, ml_p: str, hf_p: str, bias: bool, where: str) -> dict:
     return out
 
 
-def _moe_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
-    """An HF MoE block (per-expert names) -> MoELayer's tensors: the router, the expert bias, the
-    stacked experts (weight1[e] = [gate; up]^T, weight2[e] = down^T), the shared expert and its
-    gate."""
+def _experts_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
+    """An HF MoE block's experts (per-expert names) and shared expert -> MoELayer's tensors
+    (docs/models.md, "Experts' tensors")."""
     m = _moe_spec(cfg)
     b = f"{p}{m.block}."
-    out = {out_p + "mlp.router": _get(t, b + "gate.weight", where)}
-    if cfg.moe_router_enable_expert_bias:
-        out[out_p + "mlp.expert_bias"] = _get(t, b + "gate.e_score_correction_bias", where)
-    # Written into the stacked tensors expert by expert: no per-expert [gate; up] copies beside
-    # them, so a layer of experts is held twice at most (the hub's tensors and these), not 2.3x.
+    # copied expert by expert into the stacked tensors: no [gate; up] copies beside them, so a
+    # layer of experts is held twice at most (docs/models.md, "Converter memory")
     w1 = w2 = None
     for e in range(cfg.num_experts):
         gate, up, down = (_get(t, f"{b}experts.{e}.{n}.weight", where) for n in m.expert_names)
@@ -1049,22 +977,18 @@ def _moe_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
         w1[e, :, :f].copy_(gate.t())
         w1[e, :, f:].copy_(up.t())
         w2[e].copy_(down.t())
-    out[out_p + "mlp.weight1"], out[out_p + "mlp.weight2"] = w1, w2
+    out = {out_p + "mlp.weight1": w1, out_p + "mlp.weight2": w2}
     if cfg.moe_shared_expert_intermediate_size:
         out.update(_swiglu_from_hf(t, f"{b}{m.shared}.", out_p + "mlp.shared_expert.",
                                    cfg.add_bias_linear, where))
-        if cfg.moe_shared_expert_gate:
-            out[out_p + "mlp.shared_gate"] = _get(t, f"{b}{m.shared_gate}.weight", where)
     return out
 
 
-def _moe_to_hf(t, in_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
-    """Inverse of :func:`_moe_from_hf`."""
+def _experts_to_hf(t, in_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
+    """Inverse of :func:`_experts_from_hf`."""
     m = _moe_spec(cfg)
     b = f"{p}{m.block}."
-    out = {b + "gate.weight": _get(t, in_p + "mlp.router", where)}
-    if cfg.moe_router_enable_expert_bias:
-        out[b + "gate.e_score_correction_bias"] = _get(t, in_p + "mlp.expert_bias", where)
+    out = {}
     w1, w2 = _get(t, in_p + "mlp.weight1", where), _get(t, in_p + "mlp.weight2", where)
     for e in range(cfg.num_experts):
         gate, up = w1[e].t().chunk(2, dim=0)
@@ -1073,8 +997,6 @@ def _moe_to_hf(t, in_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
     if cfg.moe_shared_expert_intermediate_size:
         out.update(_swiglu_to_hf(t, in_p + "mlp.shared_expert.", f"{b}{m.shared}.",
                                  cfg.add_bias_linear, where))
-        if cfg.moe_shared_expert_gate:
-            out[f"{b}{m.shared_gate}.weight"] = _get(t, in_p + "mlp.shared_gate", where)
     return out
 
 
@@ -1083,36 +1005,27 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
     """HF tensors of layer ``layer_idx`` (full HF names, see :func:`hf_layer_keys`; other keys are
     ignored) -> megalite tensors of that layer (full names, :func:`megalite_layer_keys`)."""
     family = model_family(cfg)
-    p = _hf_layer_prefix(family, layer_idx)
-    out_p = f"layers.{layer_idx}."
+    p, out_p = _hf_layer_prefix(family, layer_idx), f"layers.{layer_idx}."
     where = f"HF layer {layer_idx}"
-    out: Dict[str, torch.Tensor] = {}
+    out = {out_p + ml: _one_to_one(_get(hf_tensors, p + hf, where), ml, cfg)
+           for ml, hf in _layer_pairs(layer_idx, cfg)}
     if family == "gpt2":
-        h = cfg.hidden_size
-        # Conv1D stores [h, 3h]; nn.Linear's layout is [3h, h]
-        c_attn_w = _get(hf_tensors, p + "attn.c_attn.weight", where).t()
-        c_attn_b = _get(hf_tensors, p + "attn.c_attn.bias", where)
-        out[out_p + "self_attention.linear_qkv.weight"] = fuse_qkv(*c_attn_w.split(h, 0), cfg)
-        out[out_p + "self_attention.linear_qkv.bias"] = fuse_qkv(*c_attn_b.split(h, 0), cfg)
-        for ml, (hf, conv1d) in _GPT2_LAYER.items():
-            t = _get(hf_tensors, p + hf, where)
-            out[out_p + ml] = t.t().contiguous() if conv1d else t
+        for kind in ("weight", "bias"):
+            c_attn = _get(hf_tensors, f"{p}attn.c_attn.{kind}", where)
+            if kind == "weight":  # Conv1D stores [h, 3h]; nn.Linear's layout is [3h, h]
+                c_attn = c_attn.t()
+            out[f"{out_p}self_attention.linear_qkv.{kind}"] = fuse_qkv(
+                *c_attn.split(cfg.hidden_size, 0), cfg)
         return out
-    if cfg.multi_latent_attention:
-        for ml, hf in _mla_items(cfg):
-            out[out_p + ml] = _rope_pairs(_get(hf_tensors, p + hf, where), cfg, ml)
-    else:
+    if not cfg.multi_latent_attention:
         for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
             q, k, v = (_get(hf_tensors, f"{p}self_attn.{x}_proj.{kind}", where) for x in "qkv")
             out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg)
     if cfg.is_moe_layer(layer_idx):
-        out.update(_moe_from_hf(hf_tensors, p, out_p, cfg, where))
+        out.update(_experts_from_hf(hf_tensors, p, out_p, cfg, where))
     else:
         out.update(_swiglu_from_hf(hf_tensors, p + "mlp.", out_p + "mlp.", cfg.add_bias_linear,
                                    where))
-    for ml, hf in _LLAMA_LAYER.items():
-        if _has_bias(cfg, ml):
-            out[out_p + ml] = _get(hf_tensors, p + hf, where)
     return out
 
 
@@ -1121,44 +1034,34 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
     """Inverse of :func:`convert_layer_hf_to_megalite` (full megalite names in, HF names out; the
     experts in the per-expert form of hub files)."""
     family = model_family(cfg)
-    p = _hf_layer_prefix(family, layer_idx)
-    in_p = f"layers.{layer_idx}."
+    p, in_p = _hf_layer_prefix(family, layer_idx), f"layers.{layer_idx}."
     where = f"megalite layer {layer_idx}"
-    out: Dict[str, torch.Tensor] = {}
+    out = {p + hf: _one_to_one(_get(ml_tensors, in_p + ml, where), ml, cfg, back=True)
+           for ml, hf in _layer_pairs(layer_idx, cfg)}
     if family == "gpt2":
-        qkv_w = _get(ml_tensors, in_p + "self_attention.linear_qkv.weight", where)
-        qkv_b = _get(ml_tensors, in_p + "self_attention.linear_qkv.bias", where)
-        out[p + "attn.c_attn.weight"] = torch.cat(split_qkv(qkv_w, cfg), 0).t().contiguous()
-        out[p + "attn.c_attn.bias"] = torch.cat(split_qkv(qkv_b, cfg), 0)
-        for ml, (hf, conv1d) in _GPT2_LAYER.items():
-            t = _get(ml_tensors, in_p + ml, where)
-            out[p + hf] = t.t().contiguous() if conv1d else t
+        for kind in ("weight", "bias"):
+            qkv = _get(ml_tensors, f"{in_p}self_attention.linear_qkv.{kind}", where)
+            c_attn = torch.cat(split_qkv(qkv, cfg), 0)
+            out[f"{p}attn.c_attn.{kind}"] = c_attn.t().contiguous() if kind == "weight" else c_attn
         return out
-    if cfg.multi_latent_attention:
-        for ml, hf in _mla_items(cfg):
-            out[p + hf] = _rope_pairs(_get(ml_tensors, in_p + ml, where), cfg, ml, back=True)
-    else:
+    if not cfg.multi_latent_attention:
         for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
             qkv = _get(ml_tensors, in_p + f"self_attention.linear_qkv.{kind}", where)
             for name, t in zip("qkv", split_qkv(qkv, cfg)):
                 out[f"{p}self_attn.{name}_proj.{kind}"] = t
     if cfg.is_moe_layer(layer_idx):
-        out.update(_moe_to_hf(ml_tensors, in_p, p, cfg, where))
+        out.update(_experts_to_hf(ml_tensors, in_p, p, cfg, where))
     else:
         out.update(_swiglu_to_hf(ml_tensors, in_p + "mlp.", p + "mlp.", cfg.add_bias_linear,
                                  where))
-    for ml, hf in _LLAMA_LAYER.items():
-        if _has_bias(cfg, ml):
-            out[p + hf] = _get(ml_tensors, in_p + ml, where)
     return out
 
 
 def convert_non_layer_hf_to_megalite(hf_tensors: Mapping[str, torch.Tensor],
                                      cfg: ModelConfig, names: Optional[Sequence[str]] = None
                                      ) -> Dict[str, torch.Tensor]:
-    """Embeddings, final norm and (untied) output layer (or only megalite ``names`` of them: the
-    converter reads each when its stage needs it); vocab tensors zero-padded to
-    ``cfg.padded_vocab_size(1)`` rows."""
+    """Embeddings, final norm and (untied) output layer (or only megalite ``names`` of them);
+    vocab tensors zero-padded to ``cfg.padded_vocab_size(1)`` rows."""
     out = {}
     for ml, hf in _non_layer_map(cfg).items():
         if names is not None and ml not in names:
@@ -1190,11 +1093,8 @@ _STACKED = re.compile(r"(model\.layers\.\d+\.)mlp\.(experts\.gate_up_proj|expert
 
 
 def _normalize_hf_keys(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConfig):
-    """HF state dicts in the names hub files use. GPT-2 checkpoints saved from ``GPT2Model`` (e.g.
-    the original ``gpt2`` upload) have no ``transformer.`` prefix: they get the LM-head model's
-    names. The stacked experts of a transformers >= 5 model (``mlp.experts.gate_up_proj``
-    [E, 2f, h], ``mlp.experts.down_proj`` [E, h, f], and Mixtral's router as ``mlp.gate``) are
-    split into the per-expert tensors its ``save_pretrained`` writes (views, no copies)."""
+    """HF state dicts in the names hub files use: ``GPT2Model``'s get the ``transformer.`` prefix,
+    stacked experts are split into per-expert views (docs/models.md, "Experts' tensors")."""
     family = model_family(cfg)
     if family == "gpt2":
         if any(k.startswith("transformer.") for k in hf_state_dict):
@@ -1238,9 +1138,8 @@ def warn_dropped(keys: List[str], cfg: ModelConfig) -> None:
 
 def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
                               model_config: ModelConfig) -> Dict[str, torch.Tensor]:
-    """A full (tp=1) megalite state dict from an HF state dict, hub-file or in-memory names. Every
-    HF tensor must be used (apart from buffers such as causal masks, a tied ``lm_head.weight``,
-    and multi-token-prediction layers, dropped with a warning)."""
+    """A full (tp=1) megalite state dict from an HF state dict, hub-file or in-memory names. An
+    HF tensor left unused is an error (docs/models.md, "Hugging Face key mapping")."""
     cfg = model_config
     check_hf_weight_names(hf_state_dict)
     sd = _normalize_hf_keys(hf_state_dict, cfg)
