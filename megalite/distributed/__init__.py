@@ -1,9 +1,5 @@
-"""Data parallelism: gradient finalization, grad buffers and buckets, ZeRO sharding.
-
-``DistributedDataParallel`` (ddp.py) wraps a model chunk with contiguous, bucketed grad buffers
-(stages 0-2, docs/data_parallel.md); the ZeRO-1/2 optimizer over them is
-``megalite.optimizer.distrib_optimizer.DistributedOptimizer``; stage 3 is zero3.py.
-"""
+"""Data parallelism: DDP's bucketed grad buffers (stages 0-2, docs/data_parallel.md), gradient
+finalization, and ZeRO-3 (zero3.py, docs/zero3.md)."""
 
 from megalite.distributed.ddp import (  # noqa: F401
     DistributedDataParallel,

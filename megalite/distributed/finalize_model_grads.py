@@ -1,13 +1,6 @@
-"""The gradient reductions that must happen after backward and before the optimizer step.
-
-1. Parameters whose gradient is partial over TP (norms, row-parallel biases, position embeddings
-   under SP, which saw only this rank's sequence shard; qk-norms): all-reduce over the TP group.
-2. Tied embeddings split across pipeline stages: the first stage's input embedding and the last
-   stage's output layer are two copies of one weight; sum their gradients over the embedding group
-   (or on rank 0, which holds both under zb-v / dualpipev).
-3. Data parallelism (plain path): sum gradients over the DP group. The loss is already normalised by
-   the global batch's token count (docs/design.md, contract 4), so a SUM, not a mean, is right. The
-   ZeRO optimizer replaces this step with its own bucketed reduce-scatter / all-reduce.
+"""The gradient reductions due after backward and before the optimizer step: gradients partial
+over TP (``grad_partial_over_tp``) over TP, a tied embedding's two pipeline copies over the
+embedding group, and (without DDP's buckets) a SUM over DP (docs/design.md, contract 4).
 """
 
 from __future__ import annotations
@@ -16,7 +9,6 @@ from typing import Iterable, List
 
 import torch
 import torch.nn as nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalite import collectives as C
 from megalite.distributed.ddp import add_tied_copies_here
@@ -27,10 +19,10 @@ from megalite.parallel_state import ParallelState
 def _all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
     if not grads or C.group_size(group) == 1:
         return
-    flat = _flatten_dense_tensors(grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
     C.all_reduce(flat, group=group, tag=tag)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
+    for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(synced.view_as(g))
 
 
 def allreduce_sequence_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:

@@ -1,35 +1,10 @@
 """Contiguous parameter and gradient buffers, split into buckets for data-parallel reduction.
 
-Why contiguous buffers: one collective per bucket instead of one per parameter (latency), a shard of
-a bucket is a plain slice (ZeRO-1/2 shard = ``bucket[r*B/N:(r+1)*B/N]``), and the optimizer can step
-flat tensors. Every parameter's ``.data`` becomes a view into the *param buffer*, and its gradient
-accumulates into ``param.main_grad``, a view into the *grad buffer* (fp32 when the parameters are
-bf16/fp16, so accumulation over micro-batches does not lose precision — Megatron's layout,
-docs/theory.md, "6 + 12/N").
-
-Layout rules (and why):
-
-* Parameters are laid out in *reverse registration order*, which is roughly the order backward
-  produces their gradients, so the first bucket fills first and its reduction can start while
-  backward still runs (overlap_grad_reduce).
-* A parameter is never split across buckets; a bucket closes once it holds >= ``bucket_size``
-  elements.
-* Each parameter starts at a multiple of 64 elements and each bucket is padded to a multiple of
-  lcm(N, 128), N the data-parallel size (Megatron-LM's alignment for its distributed optimizer):
-  the bucket splits into N equal shards (reduce-scatter and all-gather need equal shards), and
-  every parameter, bucket and shard starts on a 256-byte boundary (fp32), which vectorised kernels
-  and NCCL's fast paths want. Padding elements hold zeros forever: their gradient is 0, so Adam
-  leaves them at 0. ZeRO-3 units (zero3.py) are packed by the same rule (:func:`packed`).
-* A ``tied_embedding`` parameter (megalite/param_meta.py: the two copies of a tied embedding on
-  the first and last pipeline stage) gets a bucket of its own. Both copies have the same shape, so
-  their buckets — and hence the DP shards of them — line up on both stages, and the
-  embedding-group all-reduce can run on the DP-reduced shard (see ddp.py, "order of reductions").
-* All TP ranks build identical layouts (TP shards have equal shapes), so the same holds for the
-  tensor-parallel all-reduce of gradients that are partial over TP.
-
-Stage 2 keeps no full-size grad buffer between micro-batches: a bucket's full gradient storage is
-allocated when its first gradient arrives, reduce-scattered as soon as the bucket is complete, added
-into a persistent fp32 shard accumulator (B/N elements) and released.
+Every parameter's ``.data`` becomes a view into the param buffer and its gradient accumulates
+into ``param.main_grad``, a view into the (fp32) grad buffer. The layout rules (reverse
+registration order, whole parameters per bucket, 64-element parameter and lcm(N, 128) bucket
+alignment, a bucket of its own for a tied embedding) and stage 2's transient bucket storage, and
+why: docs/data_parallel.md, "How a step runs". ZeRO-3 units are packed by the same rule.
 """
 
 from __future__ import annotations
@@ -81,17 +56,13 @@ class Bucket:
         self.pending_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output
         self.param_handle = None  # async all-gather of params (overlap_param_gather)
 
-    @property
-    def padding(self) -> int:
-        return self.numel - sum(s.numel for s in self.slots)
-
 
 PARAM_ALIGNMENT, BUCKET_ALIGNMENT = 64, 128  # elements
 
 
 def packed(numels: List[int], dp_size: int) -> Tuple[List[int], int]:
-    """Parameters of ``numels`` packed by the alignment rule above: each one's start, and the
-    padded total (a multiple of lcm(dp_size, 128))."""
+    """Parameters of ``numels`` packed by the alignment rule: each one's start, and the padded
+    total (a multiple of lcm(dp_size, 128))."""
     starts, end = [], 0
     for n in numels:
         starts.append(-(-end // PARAM_ALIGNMENT) * PARAM_ALIGNMENT)
@@ -102,10 +73,9 @@ def packed(numels: List[int], dp_size: int) -> Tuple[List[int], int]:
 
 def bucket_layout(params: List[Tuple[str, int, bool]], bucket_size: Optional[int], dp_size: int
                   ) -> List[Tuple[List[Tuple[str, int]], int]]:
-    """The layout rules above, as data: ``params`` are (name, numel, tied_embedding) in
-    registration order; returns each bucket's (parameter name, start in the bucket) in buffer
-    order and its padded numel. The buffer below and the checkpoint converter
-    (convert/optimizer_state.py) both lay buckets out with this function."""
+    """The layout rules, as data, for the buffer below and convert/optimizer_state.py: ``params``
+    are (name, numel, tied_embedding) in registration order; returns each bucket's (parameter
+    name, start in the bucket) in buffer order and its padded numel."""
     groups: List[List[Tuple[str, int]]] = []
     current: List[Tuple[str, int]] = []  # a bucket closes once it holds >= bucket_size
     limit = bucket_size if bucket_size is not None else math.inf

@@ -1,59 +1,8 @@
 """ZeRO stage 3: parameters, gradients and optimizer states sharded over data parallelism.
 
-docs/theory.md (ZeRO, stage 3): every rank keeps 1/N of everything, 16Ψ/N bytes with mixed-precision
-Adam, and pays 3Ψ of communication per step instead of DP's 2Ψ: the parameters are all-gathered
-once in forward, once more in backward, and the gradients are reduce-scattered.
-
-Sharding unit. Each transformer layer is one unit; so is the embedding, and so is the group
-(final norm + output layer). With tied embeddings on one stage the output layer multiplies by the
-embedding weight, so the embedding and the head are *one* unit with two forward uses (the
-embedding at the start, the head at the end): the shared weight then lives in exactly one flat
-buffer and its two gradient contributions meet before a single reduce-scatter (documented in
-docs/zero3.md). A unit's parameters are packed, in ``named_parameters`` order, into one flat
-buffer, each starting at a multiple of 64 elements, the buffer padded to a multiple of lcm(N, 128)
-(param_and_grad_buffer.packed, the grad buffers' rule); rank r owns elements [r*S, (r+1)*S) with
-S = padded/N. Outside its use a rank holds only that shard (plus, in the optimizer's view, the
-fp32 master (the shard itself in fp32), the fp32 gradient shard and the Adam moments), and each
-``param.data`` is a size-0 placeholder.
-
-The life of a unit in one micro-batch (docs/zero3.md draws it):
-
-  forward pre-hook   all-gather the flat buffer (or wait for the prefetch); params become views of
-                     it; issue the prefetch of the next ``depth`` units (async all-gather)
-  forward hook       free the gathered storage (``untyped_storage().resize_(0)``), except after
-                     the last use in forward, which backward needs at once (FSDP's choice);
-                     register the pre-backward hook on the output
-  pre-backward       (a hook on the output's gradient) re-gather (normally already prefetched),
-                     point ``param.grad`` at views of a zeroed flat gradient buffer, prefetch the
-                     previous ``depth`` units. The embedding's backward reads no weights (it
-                     scatter-adds gradient rows), so it is not re-gathered: params get their full
-                     shape as zero-stride views of one element, just for autograd's bookkeeping
-  post-backward      (post-accumulate-grad hooks: every parameter's gradient has landed)
-                     async reduce-scatter of the flat gradient — it overlaps the previous unit's
-                     backward — summed into the fp32 gradient shard (micro-batches accumulate
-                     there), then free the full gradient and the full parameters.
-
-Autograd keeps the views of the flat buffer that the forward saved; because we resize the *same*
-storage back and all-gather into it, those saved views see the parameters again in backward
-without the forward ever holding them. Activation recomputation re-runs a unit's forward inside
-backward: the pre-hook is idempotent (gathered: nothing to do; in flight: wait), and during
-backward the forward hook does not free (the unit's backward follows immediately).
-
-Expert parallelism (EP > 1, docs/moe.md): a MoE layer's expert weights differ between EP ranks
-and are the same only over the expert-data-parallel group, so they are a unit of their own
-(``layers.<k>.experts``, used by the same layer's forward) gathered and reduce-scattered over that
-group; the rest of the layer shards over DP x CP as ever.
-
-Scope: any TP/SP layout, and pipelining with 1F1B or interleaved 1F1B: each pipeline chunk is a
-Zero3Model of its own, whose units are its layers plus the embedding / head where the chunk has
-them. A micro-batch's backward may come after later micro-batches' forwards: the forward's saved
-views survive the reshard because the storage is resized, never replaced, and every backward
-re-gathers what it reads. A tied embedding split over stages is two one-parameter units (one per
-copy) whose gradient shards are summed over the embedding group in ``finalize_grads``. Gradient
-accumulation: each micro-batch's backward reduce-scatters into the fp32 shard, so ``no_sync`` is
-not needed and is a no-op; the cost is 3Ψ per micro-batch, as in FSDP. Deferred weight gradients
-(zb-h1's WeightGradStore) are refused: they would need the unit's full parameters and gradient
-alive until the W pass.
+Units (a layer, the embedding, the head; a tied embedding+head on one stage is one unit with two
+uses), their flat padded buffers, the life of a unit in a micro-batch (gather, free, re-gather,
+reduce-scatter), prefetch, pipelining and expert units: docs/zero3.md.
 """
 
 from __future__ import annotations
@@ -67,11 +16,11 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
+from megalite import torch_private as P
 from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import packed
 from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
-from megalite.tensor_parallel.layers import WeightGradStore
 
 SHARDED, GATHERING, FULL = "sharded", "gathering", "full"
 IDLE, FORWARD, BACKWARD = "idle", "forward", "backward"
@@ -98,9 +47,8 @@ class Use:
     first: nn.Module
     last: nn.Module
     owned: List[int] = field(default_factory=list)  # indices into unit.params
-    # The embedding lookup's backward is a scatter-add of the output gradient into the looked-up
-    # rows: it never reads the weights, so its backward needs no all-gather (only the gradient
-    # buffer). This saves the largest unit's backward gather (vocab x hidden).
+    # False for the embedding, whose backward reads no weights: no backward all-gather
+    # (docs/zero3.md, "The life of a unit")
     backward_reads_params: bool = True
 
 
@@ -115,14 +63,12 @@ class ShardedUnit:
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
-        # ZeRO shards over DP x CP (parallel_state.py); an expert unit over the ranks that hold
-        # the same experts, the expert-data-parallel group (the same group at EP 1)
+        # over DP x CP; an expert unit over the expert-data-parallel group (docs/zero3.md)
         self.expert = expert
         self.dp_group = ps.edp_group if expert else ps.dp_cp_group
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
-        # Padding to a multiple of N makes every shard the same size (all-gather/reduce-scatter
-        # need equal pieces); the padding is zero and stays zero under AdamW.
+        # equal shards for all-gather/reduce-scatter; the zero padding stays zero under AdamW
         self.offsets, self.padded = packed(self.numels, self.dp_size)
         self.shard_size = self.padded // self.dp_size
         self.compute_dtype = compute_dtype
@@ -139,15 +85,14 @@ class ShardedUnit:
             flat = torch.zeros(self.padded, dtype=torch.float32, device=device)
             for p, off, n in zip(self.params, self.offsets, self.numels):
                 flat[off:off + n].copy_(p.detach().reshape(-1))
-            # fp32 master shard; in fp32 it *is* the shard that forward gathers (docs/theory.md: the
-            # params are already fp32, K = 8), so no second copy exists.
+            # the fp32 master shard, which in fp32 *is* the shard forward gathers (no second copy)
             self.main = flat[lo:hi].clone()
             del flat
             self.shard = (self.main if compute_dtype == torch.float32
                           else self.main.to(compute_dtype))
         self.grad = torch.zeros(self.shard_size, dtype=torch.float32, device=device)
-        # The full buffers exist as tensor objects for the unit's whole life, with storage only
-        # while gathered: the views autograd saves in forward alias this storage.
+        # storage only while gathered: autograd's saved views alias it (docs/zero3.md, "The life
+        # of a unit")
         self.full = torch.empty(self.padded, dtype=compute_dtype, device=device)
         self.full_grad = torch.empty(self.padded, dtype=compute_dtype, device=device)
         self._free(self.full)
@@ -246,12 +191,9 @@ class ShardedUnit:
 
 def unit_plan(model: nn.Module, split_experts: bool = False
               ) -> List[Tuple[str, List[Tuple[nn.Module, nn.Module, list]]]]:
-    """The sharding units of a GPTModel chunk, in flat-buffer order (the rules of the module
-    docstring): ``(unit name, uses)`` with one ``(first module, last module, [(param name,
-    param)])`` per forward use. Zero3Model and the checkpoint converter (which runs it on a model
-    built on the meta device) both take the layout from here. ``split_experts`` (EP > 1): a
-    layer's expert weights are a unit of their own, ``layers.<k>.experts``, used by the same
-    layer, since they shard over another group (ShardedUnit)."""
+    """The sharding units of a GPTModel chunk (docs/zero3.md, "Sharding units"), for Zero3Model
+    and the checkpoint converter: ``(unit name, uses)``, one ``(first module, last module,
+    [(param name, param)])`` per forward use; ``split_experts``: experts are units of their own."""
 
     def params_of(prefix: str, module: nn.Module):
         return [(f"{prefix}.{n}", p) for n, p in module.named_parameters()]
@@ -268,10 +210,8 @@ def unit_plan(model: nn.Module, split_experts: bool = False
             units.append(("embedding+output", [(model.embedding, model.embedding, emb),
                                                (model.final_layernorm, model.output_layer, head)]))
         else:
-            # A tied embedding split over pipeline stages (pp > 1) has a copy on the last stage
-            # too: each copy is a unit of its own, so both have the same flat layout and their
-            # reduce-scattered gradient shards line up element for element for the all-reduce
-            # over the embedding group (finalize_grads).
+            # each copy of a tied embedding split over stages is a unit of its own, so that the
+            # two copies' gradient shards line up (docs/zero3.md, "With pipelining")
             own = [np_ for np_ in emb if param_meta(np_[1]).tied_embedding]
             rest = [np_ for np_ in emb if not param_meta(np_[1]).tied_embedding]
             units += [(name, [(model.embedding, model.embedding, nps)]) for name, nps in
@@ -296,12 +236,8 @@ def unit_plan(model: nn.Module, split_experts: bool = False
 
 
 class Zero3Model(nn.Module):
-    """A GPTModel whose parameters are ZeRO-3 sharded; forward/backward as the plain model.
-
-    Build it with :func:`shard_model_zero3`. Its :meth:`forward` has the wrapped model's
-    signature. After backward the gradients are in ``unit.grad`` (fp32 shards);
-    :class:`megalite.optimizer.zero3_optimizer.Zero3Optimizer` steps on them.
-    """
+    """A GPTModel whose parameters are ZeRO-3 sharded; forward/backward as the plain model. After
+    backward the gradients are in ``unit.grad`` (fp32 shards), where ``Zero3Optimizer`` steps."""
 
     def __init__(self, model: nn.Module, ps: ParallelState, opt_cfg: OptimizerConfig):
         super().__init__()
@@ -310,8 +246,7 @@ class Zero3Model(nn.Module):
         self.opt_cfg = opt_cfg
         self.zero_stage = 3
         self.dp_size = C.group_size(ps.dp_cp_group)
-        # Prefetch is stage 3's default (the `depth` next units' all-gathers in flight while one
-        # computes); --zero3-prefetch-depth 0 turns it off and makes every collective blocking.
+        # --zero3-prefetch-depth (docs/zero3.md, "Prefetching and overlap"); 0: all blocking
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)
         self.overlap = self.prefetch_depth > 0
         # the model's dtype (ModelConfig.params_dtype) is the compute dtype; masters are fp32
@@ -327,9 +262,7 @@ class Zero3Model(nn.Module):
         self._install_hooks()
         # Instrumentation for tests and benchmarks (cheap; off unless asked).
         self.record = False
-        self.trace: List[Tuple[str, str, str, float]] = []
-        self.peak_gathered_bytes = {FORWARD: 0, BACKWARD: 0}
-        self.peak_gathered_units = {FORWARD: 0, BACKWARD: 0}
+        self.reset_stats()
 
     def __getattr__(self, name: str):
         # The pipeline schedules use the chunk's config and set_input_tensor: pass them through.
@@ -390,7 +323,7 @@ class Zero3Model(nn.Module):
         self.peak_gathered_units[phase] = max(self.peak_gathered_units[phase], len(gathered))
 
     def reset_stats(self) -> None:
-        self.trace = []
+        self.trace: List[Tuple[str, str, str, float]] = []
         self.peak_gathered_bytes = {FORWARD: 0, BACKWARD: 0}
         self.peak_gathered_units = {FORWARD: 0, BACKWARD: 0}
 
@@ -412,8 +345,8 @@ class Zero3Model(nn.Module):
 
     def _ensure_full(self, use: Use, kind: str, step: int) -> None:
         unit = use.unit
-        # Own gather first, then the prefetch behind it: gloo runs a group's collectives in issue
-        # order, so the unit needed now is never queued behind one needed later.
+        # own gather first: gloo runs a group's collectives in issue order, so the unit needed
+        # now is never queued behind one needed later
         self._gather(unit, kind, async_op=self.overlap)
         if self.overlap and step != 0:
             self._prefetch(use, step)
@@ -461,14 +394,10 @@ class Zero3Model(nn.Module):
     # ------------------------------------------------------------------------------ backward
     def _on_backward_begin(self, grad):
         self.phase = BACKWARD
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        P.queue_backward_callback(self._finish_backward)
         return None
 
     def _pre_backward(self, use: Use):
-        if WeightGradStore.is_capturing():
-            raise RuntimeError("ZeRO-3 does not support deferred weight gradients (zb-h1 "
-                               "pipeline schedule): the unit's full parameters would have to live "
-                               "until the W pass; use --zero-stage 1/2 or another schedule")
         self.phase = BACKWARD
         if use.backward_reads_params:
             self._ensure_full(use, "bwd", step=-1)
@@ -487,23 +416,19 @@ class Zero3Model(nn.Module):
         if len(unit.done) == len(unit.params):
             self._reduce_scatter(unit)
         else:
-            # Tied embedding+output unit after the head's backward: the embedding's backward comes
-            # last, so free the parameters now but keep the gradient buffer (the shared weight's
-            # two contributions are summed by autograd before it lands).
+            # the tied embedding+output unit after the head's backward: the embedding's comes
+            # last, so free the parameters but keep the gradient buffer
             unit.reshard()
             self._event("reshard", unit)
 
     def _reduce_scatter(self, unit: ShardedUnit) -> None:
         self._complete_reduce_scatters()  # at most one in flight: bounded full-gradient memory
         unit.collect_stray_grads()
-        # Reduced in fp32, as stages 0-2 reduce their fp32 main_grad buffers: summing N 16-bit
-        # partial gradients in 16 bits would round at every hop of the ring, so bf16 results
-        # would depend on the ZeRO stage. The fp32 copy lives only until this reduce-scatter
-        # completes (one at a time), and the traffic is 4 bytes per element as in stages 0-2.
+        # Reduced in fp32, as stages 0-2 reduce main_grad, so that bf16 results do not depend on
+        # the ZeRO stage (docs/zero3.md, "Optimizer")
         send = unit.full_grad.float()
         out = torch.empty(unit.shard_size, dtype=torch.float32, device=unit.device)
-        # SUM, not mean: the loss is already divided by the global batch's token count
-        # (docs/design.md, contract 4), so summing over DP ranks gives the global gradient.
+        # SUM: the loss is already divided by the global token count (docs/design.md, contract 4)
         work = C.reduce_scatter_tensor(out, send, group=unit.dp_group,
                                        async_op=self.overlap, tag="zero3_reduce_scatter")
         self._event("rs_issue", unit)
@@ -526,6 +451,10 @@ class Zero3Model(nn.Module):
     def _finish_backward(self) -> None:
         """End of backward (autograd callback): flush what the hooks did not (a parameter that got
         no gradient), wait for the last reduce-scatters, free everything still gathered."""
+        if any(param_meta(p).weight_grads_queued for unit in self.units for p in unit.params):
+            raise RuntimeError("ZeRO-3 does not support deferred weight gradients (zb-h1 "
+                               "pipeline schedule): the unit's full parameters would have to live "
+                               "until the W pass; use --zero-stage 1/2 or another schedule")
         for unit in self.units:
             if unit.grad_views is not None and unit not in [p[0] for p in self._pending_rs]:
                 self._reduce_scatter(unit)
@@ -540,8 +469,7 @@ class Zero3Model(nn.Module):
     # ------------------------------------------------------------------------ optimizer side
     @contextlib.contextmanager
     def no_sync(self):
-        """Not needed: every micro-batch's gradient is reduce-scattered into the fp32 shard
-        (keeping full gradients to the last micro-batch would undo stage 3's memory saving)."""
+        """A no-op (docs/zero3.md, "Communication")."""
         yield
 
     def zero_grad_shards(self) -> None:
@@ -551,11 +479,8 @@ class Zero3Model(nn.Module):
 
     @torch.no_grad()
     def finalize_grads(self, *unused) -> None:
-        """After the last micro-batch: parameters whose gradient is partial over TP (under SP the
-        norms, row-parallel biases and position embeddings, which saw only this rank's sequence
-        shard; qk-norms) have their gradients summed over TP. The flat layouts are the same on
-        every TP rank (same local shapes), so this is an all-reduce of the same shard segments:
-        done once per step, on 1/N of the elements."""
+        """Sum the gradients partial over TP (flat layouts agree over TP) and a split tied
+        embedding's, once per step after the last micro-batch."""
         if self._grads_finalized:
             return
         self._complete_reduce_scatters()
@@ -569,11 +494,7 @@ class Zero3Model(nn.Module):
                 for piece in pieces:
                     piece.copy_(flat[k:k + piece.numel()])
                     k += piece.numel()
-        # Tied embedding over pipeline stages: the first stage's input embedding and the last
-        # stage's output layer are two copies of one weight, each a one-parameter unit with the
-        # same padded layout on the same DP rank, so their fp32 gradient *shards* can be summed
-        # over the embedding group directly (1/N of the bytes of stage 0's all-reduce). Both
-        # copies then take identical AdamW steps and stay equal.
+        # the two copies' gradient shards line up (unit_plan): summed directly, 1/N of the bytes
         if self.ps.pp_size > 1 and self.ps.embedding_group is not None:
             for u in self.units:
                 if len(u.params) == 1 and param_meta(u.params[0]).tied_embedding:
@@ -612,11 +533,8 @@ class Zero3Model(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self, keep: bool = True) -> Dict[str, torch.Tensor]:
-        """Every parameter by its megalite name, at full (this TP rank's) shape, in the model's
-        dtype, from the fp32 masters: the same keys and shapes as the plain GPTModel's
-        state_dict. Collective over DP: every DP rank must call it. ``keep=False`` takes part in
-        the gathers but keeps nothing (the checkpoint writer keeps the result on DP rank 0 only,
-        so the other ranks never hold more than one gathered unit)."""
+        """The plain GPTModel's state_dict, from the fp32 masters. Collective over DP;
+        ``keep=False`` takes part in the gathers but keeps nothing (DP ranks > 0 when saving)."""
         out = {}
         for unit in self.units:
             flat = self.gather_flat(unit, unit.main)
@@ -638,24 +556,20 @@ class Zero3Model(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        """Load full per-parameter weights (any DP size saved them) into the local shards. Local:
-        each rank slices out its own shard, no communication."""
+        """Load full per-parameter weights into the local shards (no communication)."""
         for unit in self.units:
             unit.main.copy_(self.local_shard_of(unit, state))
             if unit.shard is not unit.main:
                 unit.shard.copy_(unit.main)
 
     def state_dict(self, *args, **kwargs):
-        """The consolidated model (:meth:`full_state_dict`), as a stage-0 model's state_dict, so
-        checkpoints, ``--finetune`` and the conversion tools see one format whatever the ZeRO
-        stage. Collective over DP, as FSDP's full state dict."""
+        """:meth:`full_state_dict`: one checkpoint format whatever the ZeRO stage (collective)."""
         return self.full_state_dict()
 
     @torch.no_grad()
     def load_state_dict(self, state_dict, strict: bool = True):
-        """Load a full model state dict (a stage-3 checkpoint's consolidated model, or any other
-        stage's): each DP rank keeps its slice. A resumed run's optimizer state then overwrites
-        the fp32 masters (exact for 16-bit params, whose model file is rounded)."""
+        """Load a full model state dict (any stage's): each DP rank keeps its slice; a resumed
+        run's optimizer state then overwrites the fp32 masters."""
         buffers = set(self._buffer_names())
         names = {n for u in self.units for n in u.names}
         missing = sorted((names | buffers) - set(state_dict))
@@ -666,17 +580,14 @@ class Zero3Model(nn.Module):
         if not missing:
             self.load_full_state_dict(state_dict)
             self.module.load_state_dict({k: state_dict[k] for k in buffers}, strict=False)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return P.IncompatibleKeys(missing, unexpected)
 
     # ---------------------------------------------------------------------------- accounting
     def shard_elements(self) -> int:
         return sum(u.shard_size for u in self.units)
 
     def expected_step_bytes(self, num_microbatches: int = 1) -> Dict[str, int]:
-        """The collectives' bytes per step predicted by the schedule (docs/theory.md: 3Ψ, ring
-        factor (N−1)/N on padded sizes): each forward use gathers; each backward use that reads the
-        parameters gathers, except the first one in backward when it is the last forward use
-        (still full); one reduce-scatter per unit per micro-batch."""
+        """The collectives' bytes per step (docs/zero3.md, "Communication (3Ψ)")."""
         if all(u.dp_size == 1 for u in self.units):
             return {}
         fwd = bwd = rs = 0
@@ -699,10 +610,7 @@ def shard_model_zero3(model: nn.Module, ps: ParallelState, opt_cfg: OptimizerCon
 
 
 def wrap_chunks_zero3(model_chunks, cfg, ps: ParallelState):
-    """The training loop's data-parallel seam for --zero-stage 3 (megalite.training.
-    wrap_model_for_data_parallel): (chunks, no_sync_func, finalize_model_grads_func). Each
-    pipeline chunk (one per virtual stage) is sharded on its own: its layers, and its embedding
-    or head where it has them, are its units."""
+    """--zero-stage 3's (chunks, no_sync_func, finalize_model_grads_func), chunk by chunk."""
     models = [shard_model_zero3(chunk, ps, cfg.optimizer) for chunk in model_chunks]
 
     def finalize(chunks):
