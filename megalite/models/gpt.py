@@ -1,18 +1,11 @@
-"""GPTModel: embedding -> transformer layers -> final norm -> output layer (-> loss).
+"""GPTModel: embedding -> transformer layers -> final norm -> output layer (-> loss), every
+family through :class:`ModelConfig` (docs/models.md).
 
-One class covers both families through :class:`ModelConfig`: GPT-2 (learned absolute positions,
-LayerNorm, GeLU, biases, tied embeddings) and Llama (RoPE, RMSNorm, SwiGLU, no biases, GQA, untied
-output layer).
-
-Public forward takes ``input_ids [b, s]`` (docs/design.md, contract 2) and returns
-  * per-token losses ``[b, s]`` (fp32) when ``labels`` are given and this is the last stage;
-  * full logits ``[b, s, V]`` (real vocab, gathered over TP) when no labels are given;
-  * hidden states ``[s, b, h]`` (``[s/t, b, h]`` under SP) on a stage that is not the last.
-
-Stage-aware: ``pre_process`` (owns the embedding), ``post_process`` (owns final norm, output layer
-and loss) and ``layer_range`` (global layer numbers [start, end)) let the pipeline cut the model.
-Layers are kept in a ModuleDict keyed by their *global* number, so parameter names (and hence the
-initialization seeds and checkpoint keys) are the same in every layout.
+Forward takes ``input_ids [b, s]`` (docs/design.md, contract 2) and returns per-token losses
+``[b, s]`` (fp32) when ``labels`` are given on the last stage, full logits ``[b, s, V]`` without
+labels, and hidden states ``[s(/t), b, h]`` on any other stage. ``pre_process``,
+``post_process`` and ``layer_range`` cut the model into pipeline stages; layers are keyed by
+their global number, so names, seeds and checkpoint keys agree in every layout.
 """
 
 from __future__ import annotations
@@ -23,11 +16,11 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import ModelConfig, dtype_from_name
+from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.init import initialize_parameters
 from megalite.models.norms import build_norm
-from megalite.models.transformer import TransformerLayer
+from megalite.models.transformer import TransformerLayer, hidden_dropout
 from megalite.moe.layer import MoEGroups
 from megalite.param_meta import set_param_meta
 from megalite.parallel_state import ParallelState, get_parallel_state
@@ -39,7 +32,7 @@ from megalite.tensor_parallel.layers import (
 from megalite.tensor_parallel.mappings import (
     gather_from_tensor_model_parallel_region,
 )
-from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
+from megalite.tensor_parallel.random import checkpoint
 
 EMBEDDING_WEIGHT_NAME = "embedding.word_embeddings.weight"
 
@@ -82,24 +75,19 @@ class Embedding(nn.Module):
                 if self.sequence_parallel:
                     pos = pos.chunk(C.group_size(self.tp_group), 0)[C.group_rank(self.tp_group)]
             x = x + pos
-        if self.training and self.dropout > 0:
-            if self.sequence_parallel:
-                with get_rng_tracker().fork():
-                    x = nn.functional.dropout(x, self.dropout, True)
-            else:
-                x = nn.functional.dropout(x, self.dropout, True)
-        return x
+        return hidden_dropout(x, self.dropout, self.training, self.sequence_parallel)
 
 
 class GPTModel(nn.Module):
     def __init__(self, config: ModelConfig, parallel_state: Optional[ParallelState] = None, *,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: Optional[Tuple[int, int]] = None, seed: Optional[int] = 1234,
-                 device=None, sequence_parallel: bool = False):  # ParallelConfig's
+                 device=None, sequence_parallel: bool = False,  # ParallelConfig's
+                 execution: ExecutionConfig = ExecutionConfig()):
         super().__init__()
         ps = parallel_state or get_parallel_state()
         self.parallel_state = ps
-        self.config = config.validate(ps.tp_size)
+        self.config, self.execution = config.validate(ps.tp_size), execution
         self.tp_group = ps.tp_group
         self.tp_size = C.group_size(ps.tp_group)
         self.pre_process = pre_process
@@ -116,10 +104,11 @@ class GPTModel(nn.Module):
         start, end = self.layer_range
         self.layers = nn.ModuleDict(
             {str(i): TransformerLayer(config, i, ps.tp_group, device, self.sequence_parallel,
-                                      ps.cp_group, ps.cp_comm_type, MoEGroups.of(ps))
+                                      ps.cp_group, ps.cp_comm_type, MoEGroups.of(ps), execution)
              for i in range(start, end)})
         if post_process:
-            self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device)
+            self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device,
+                                              execution.use_apex)
             share = config.tie_embeddings and pre_process
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
@@ -130,9 +119,8 @@ class GPTModel(nn.Module):
                 set_param_meta(self.output_layer.weight,
                                init_method=("normal_vocab", config.init_method_std))
                 if config.tie_embeddings:
-                    # A separate copy of the tied embedding on the last pipeline stage: it starts
-                    # equal (same seed name) and its gradient is summed with the first stage's
-                    # over the embedding group every step (finalize_model_grads).
+                    # the last stage's copy of the tied embedding: the same seed name, and its
+                    # gradient summed with the first stage's every step (finalize_model_grads)
                     set_param_meta(self.output_layer.weight, init_seed_name=EMBEDDING_WEIGHT_NAME,
                                    tied_embedding=True)
         if pre_process and post_process is False and config.tie_embeddings:
@@ -153,7 +141,7 @@ class GPTModel(nn.Module):
         return self.embedding.word_embeddings.weight
 
     def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
+        cfg = self.execution
         layers = list(self.layers.values())
         if cfg.recompute_granularity != "full" or not self.training:
             for layer in layers:

@@ -1,18 +1,7 @@
-"""Layout-independent parameter initialization (docs/design.md, contract 3).
-
-Each *full* parameter is drawn from a generator seeded by (seed, the parameter's full name);
-every rank then keeps its TP slice. So a model built with tp=4 holds exactly the slices of the model
-built with tp=1, whatever the pipeline cut, and parity between layouts can be tested bit for bit.
-The price is that each rank materialises each full parameter once, one at a time, at start-up.
-
-The generator lives on the parameter's device. On the CPU that is the CPU generator (the values
-every CPU test pins down). On a GPU the draw runs on the GPU (Philox): no host-side sampling and no
-host-to-device copy of each full tensor, which dominated start-up of large models
-(docs/performance.md). The GPU values are a different (equally distributed) draw from the CPU's;
-they are the same on every rank of a job on one GPU model, so layout independence holds there too.
-
-Vocab-sized tensors are drawn for the real vocab and zero-padded to the padded size, because the
-padded size depends on the TP size.
+"""Layout-independent parameter initialization (docs/design.md, contract 3): each full
+parameter is drawn, on its own device, from a generator seeded by (seed, its full name), and every
+rank keeps its slice. Vocab-sized tensors are drawn for the real vocab and zero-padded, because
+the padded size depends on the TP size.
 """
 
 from __future__ import annotations

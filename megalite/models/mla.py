@@ -1,27 +1,8 @@
 """Multi-latent attention (MLA; DeepSeek-V2, arXiv:2405.04434 §2.1, and DeepSeek-V3): the q, k
 and v of every head come from two low-rank latents of the token, and one RoPE key is shared by
-all heads (formulas, parameter counts and FLOPs: docs/models.md, "Multi-latent attention").
-
-    c_q  = RMSNorm(x W_q_down)               [q_lora_rank]         (or no latent: q = x W_q)
-    q    = c_q W_q_up                        per head [qk_head_dim | qk_pos_emb_head_dim]
-    c_kv, k_pe = x W_kv_down                 [kv_lora_rank], [qk_pos_emb_head_dim]
-    k_nope, v  = RMSNorm(c_kv) W_kv_up       per head [qk_head_dim], [v_head_dim]
-    k    = [k_nope | RoPE(k_pe)]             the RoPE part is one head, broadcast to all
-    q    = [q_nope | RoPE(q_pe)]
-
-What is cached at inference is c_kv and k_pe, kv_lora_rank + qk_pos_emb_head_dim numbers per
-token and layer instead of 2·n·d. Here (training) the latents are expanded to per-head k and v
-and attention runs as usual; ``SelfAttention`` (transformer.py) does the rest: the attention core
-(with context parallelism), recomputation and the output projection.
-
-Tensor parallelism (Megatron's layout): the up projections are column-parallel, so each TP rank
-holds whole heads; the down projections and the latent norms are replicated. Without SP each
-rank sees the whole sequence, and the f operator of the column-parallel up projections (plus
-one on k_pe, which reaches the heads without an up projection) sums the latents' gradients over
-TP, so the replicated weights get whole gradients. Under SP each rank applies the down
-projections to its own tokens, s/t of them: the latents are all-gathered by the up projections
-(an r-wide all-gather where standard attention gathers h), their weights' gradients are partial
-sums, summed over TP after backward like the SP norms' (``grad_partial_over_tp``).
+all heads. Formulas, tensor-parallel layout, parameter counts and FLOPs: docs/models.md,
+"Multi-latent attention". ``SelfAttention`` (transformer.py) runs the attention core (with
+context parallelism), recomputation and the output projection.
 """
 
 from __future__ import annotations
@@ -54,7 +35,7 @@ def softmax_scale(config: ModelConfig) -> float:
 
 class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole W on every TP rank (the down projections). Under SP each rank
-    applies it to its own tokens, so its gradient is partial over TP (module docstring)."""
+    applies it to its own tokens, so its gradient is partial over TP."""
 
     def __init__(self, input_size: int, output_size: int, sequence_parallel: bool,
                  init_std: float, params_dtype, device=None):
@@ -69,12 +50,11 @@ class ReplicatedLinear(nn.Module):
 
 
 class MultiLatentQKV(nn.Module):
-    """x [s(/t), b, h] -> q, k [s, b, n/t, qk_head_dim + qk_pos_emb_head_dim] and
-    v [s, b, n/t, v_head_dim] for this TP rank's heads (module docstring). Names follow
-    megatron-core's MLA (``linear_q_down_proj``, ``linear_kv_up_proj``, ...)."""
+    """x [s(/t), b, h] -> q, k [s, b, n/t, qk_head_dim + qk_pos_emb_head_dim] and v [s, b, n/t,
+    v_head_dim] for this TP rank's heads; names as megatron-core's MLA."""
 
     def __init__(self, config: ModelConfig, tp_group=None, device=None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, use_apex: bool = False):
         super().__init__()
         c, h, sp = config, config.hidden_size, sequence_parallel
         dtype, std = dtype_from_name(c.params_dtype), c.init_method_std
@@ -90,7 +70,7 @@ class MultiLatentQKV(nn.Module):
 
         def norm(width: int) -> RMSNorm:
             return RMSNorm(width, c.norm_epsilon, grad_partial_over_tp=sp, params_dtype=dtype,
-                           device=device, use_apex=c.use_apex)
+                           device=device, use_apex=use_apex)
 
         self.linear_q_proj = self.linear_q_down_proj = self.q_layernorm = None
         if c.q_lora_rank is None:

@@ -1,14 +1,7 @@
-"""LayerNorm and RMSNorm, marked for sequence parallelism.
-
-Under SP a norm runs on this rank's sequence shard, so its weight gradient is a partial sum over
-the shard: ``finalize_model_grads`` all-reduces every parameter whose record says
-``grad_partial_over_tp`` over the TP group (forgetting this is the classic SP bug;
-tests/test_tensor_parallel.py checks it). The qk-norms set it for another reason (transformer.py).
-
-Both norms stay in the compute dtype: ``F.layer_norm`` and ``F.rms_norm`` accumulate the
-statistics in fp32 inside one kernel, so a bf16 activation is never written out in fp32
-(docs/performance.md). With ``--use-apex`` on a CUDA device, NVIDIA apex's fused kernels are used
-instead; apex is imported only then, never on the CPU.
+"""LayerNorm and RMSNorm, in the compute dtype (statistics in fp32 inside the kernel,
+docs/performance.md), or apex's fused kernels with ``--use-apex`` on CUDA (imported only then).
+Under SP a norm sees only this rank's tokens: its weight is marked ``grad_partial_over_tp`` and
+summed over TP after backward (``finalize_model_grads``).
 """
 
 from __future__ import annotations
@@ -80,14 +73,9 @@ class RMSNorm(_Norm):
 
 
 class ProjectionRMSNorm(nn.Module):
-    """RMSNorm over a token's whole q (or k) projection, every head at once (OLMoE's q/k norm;
-    Qwen3's is per head): y = w * x / sqrt(mean over all n*d values of x^2 + eps).
-
-    Under TP a rank holds the heads of its query groups, a contiguous slice of the projection, so
-    the weight is split with them (each rank owns its slice: nothing to sum after backward) and
-    the statistic is the sum of the ranks' partial sums of squares
-    (``sum_over_tensor_model_parallel_region``: all-reduced forward and backward). Input
-    [..., groups, heads, d] of this rank; statistics in fp32, as HF's OLMoE."""
+    """RMSNorm over a token's whole q (or k) projection, every head at once (OLMoE's q/k norm),
+    the weight split over TP with the heads and the statistic summed over TP (docs/models.md,
+    "OLMoE's q/k norm"). Input [..., groups, heads, d] of this rank; statistics in fp32."""
 
     def __init__(self, size: int, eps: float, tp_group=None, params_dtype=torch.float32,
                  device=None):
@@ -106,7 +94,8 @@ class ProjectionRMSNorm(nn.Module):
         return (self.weight * y.to(x.dtype)).view_as(x)
 
 
-def build_norm(config, sequence_parallel: bool, params_dtype, device=None) -> nn.Module:
+def build_norm(config, sequence_parallel: bool, params_dtype, device=None,
+               use_apex: bool = False) -> nn.Module:
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
     return cls(config.hidden_size, eps=config.norm_epsilon, grad_partial_over_tp=sequence_parallel,
-               params_dtype=params_dtype, device=device, use_apex=config.use_apex)
+               params_dtype=params_dtype, device=device, use_apex=use_apex)

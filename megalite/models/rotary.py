@@ -1,10 +1,7 @@
 """Rotary position embeddings (Su et al., arXiv:2104.09864), in the "rotate half" convention that
-Hugging Face's Llama uses, so converted checkpoints give identical logits.
-
-rotate_half(x) = [-x2, x1] for x = [x1, x2] split at d/2. Instead of building it with a negation
-and a concatenation, the sign is folded into the cached sine table (sin_signed = [-sin, sin]) and
-the halves are swapped by one ``flip`` of a [..., 2, d/2] view, so the whole rotation is
-``x * cos + swap(x) * sin_signed``: three kernels forward, no concatenation.
+Hugging Face's Llama uses, so converted checkpoints give identical logits. The sign of rotate-half
+is folded into the cached sine table (sin_signed = [-sin, sin]) and the halves are swapped by one
+``flip`` (docs/performance.md, "Fast paths").
 """
 
 from __future__ import annotations
@@ -34,9 +31,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 def yarn_inv_freq(head_dim: int, base: float, factor: float, original_max_positions: int,
                   beta_fast: float, beta_slow: float) -> torch.Tensor:
-    """YaRN's "NTK-by-parts" inverse frequencies: a dim pair that turns more than ``beta_fast``
-    times over the original context keeps its frequency, one that turns fewer than
-    ``beta_slow`` times is interpolated (f / s), a linear ramp between (docs/models.md)."""
+    """YaRN's "NTK-by-parts" inverse frequencies: kept, interpolated (f / s) or ramped between, by
+    how often each dim pair turns over the original context (docs/models.md, "YaRN RoPE")."""
     def dim_turning(turns: float) -> float:  # the pair index 2i / 2 whose wavelength fits L/turns
         return (head_dim * math.log(original_max_positions / (turns * 2 * math.pi))
                 / (2 * math.log(base)))
@@ -64,8 +60,7 @@ def rotary_embedding(config, head_dim: int) -> "RotaryEmbedding":
 
 class RotaryEmbedding(torch.nn.Module):
     # (head_dim, base, scaling, device, dtype) -> (cos, sin_signed) for the longest length asked
-    # so far, shared by every layer's instance: one copy per model, not one per layer (at 128k
-    # tokens and d = 128 a bf16 pair is 64 MiB)
+    # so far, shared by every layer's instance: one copy per model, not one per layer
     _tables_cache: dict = {}
 
     def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None, yarn=None):
@@ -87,9 +82,8 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, seq_len: int, device, dtype):
         """cos, sin_signed of shape [s, 1, 1, d] for positions 0..seq_len-1."""
         if torch.compiler.is_compiling():
-            # --torch-compile: built inside the graph (a few fused elementwise ops). Reading the
-            # cache there would guard on its contents: the layer traced with an empty cache is
-            # recompiled once the cache is filled.
+            # --torch-compile: built inside the graph, since reading the cache there would guard
+            # on its contents (a recompile once it fills; docs/performance.md)
             return self._tables(seq_len, device, dtype)
         key = (*self._key, torch.device(device), dtype)
         hit = self._tables_cache.get(key)
@@ -113,8 +107,7 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x: [s, b, n, d] -> x * cos + rotate_half(x) * sin. Tables narrower than d (partial RoPE,
-    --rotary-percent) rotate the first dims of each head; the rest pass through (as Megatron and
-    HF's GLM-4.5)."""
+    --rotary-percent) rotate the first dims of each head; the rest pass through."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat([apply_rotary(x[..., :r], cos, sin_signed), x[..., r:]], dim=-1)

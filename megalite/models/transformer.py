@@ -1,12 +1,6 @@
-"""A transformer layer that reads like the math:
-
-    x = x + dropout(attention(norm(x)))
-    x = x + dropout(mlp(norm(x)))
-
-on sequence-first activations ``[s, b, h]`` (``[s/t, b, h]`` under sequence parallelism). The
-parallel layers hide only the f/g collectives (tensor_parallel/mappings.py): attention heads and
-query groups are split across TP ranks by the column-parallel QKV projection, and the
-row-parallel output projection sums the partial results.
+"""A transformer layer that reads like the math, x = x + dropout(attention(norm(x))), then
+x = x + dropout(mlp(norm(x))), on sequence-first activations ``[s(/t), b, h]`` (docs/models.md,
+"The block"); the parallel layers hide the TP collectives (tensor_parallel/mappings.py).
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ import torch.nn.functional as F
 
 from megalite import collectives as C
 from megalite.compiled import compile_or_eager
-from megalite.config import ModelConfig, dtype_from_name
+from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.models.norms import ProjectionRMSNorm, RMSNorm, build_norm
@@ -32,9 +26,6 @@ from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megalite.tensor_parallel.utils import divide
 
-# SDPA's grouped-query mode (torch >= 2.5): query heads share K/V heads inside the kernel.
-_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
-
 
 @torch.compiler.disable  # dynamo cannot trace swapping the global RNG state (get/set_rng_state):
 def _in_tracked_rng(fn, *args, **kwargs):  # one graph break here instead of one per swap
@@ -43,17 +34,20 @@ def _in_tracked_rng(fn, *args, **kwargs):  # one graph break here instead of one
         return fn(*args, **kwargs)
 
 
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool):
+    """Dropout of the hidden states (embedding and residual branches); under SP each rank holds a
+    different sequence shard, so its mask comes from the tracked RNG stream."""
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel:
+        return _in_tracked_rng(F.dropout, x, p, True)
+    return F.dropout(x, p, True)
+
+
 def sliding_window_attention(q, k, v, window: int, **kw) -> torch.Tensor:
     """Causal SDPA in which query i sees keys i - W < j <= i (W = ``window``); q: [b, n, s, d],
-    k, v: [b, g, s, d]; ``kw`` is passed to SDPA (dropout, enable_gqa).
-
-    The queries are cut into blocks of W. Block 0 is plain causal attention over the first W
-    tokens; block c >= 1 needs only the keys [cW - W, (c+1)W), and every such block sees them
-    through the same [W, 2W] band mask, so blocks 1.. run as one batched SDPA. That computes
-    s x 2W scores with one [W, 2W] mask instead of s x s of each (Mistral's W = 4096 at s = 32768:
-    1/4 of the causal work, and no 1 GiB boolean mask per layer call). At s <= 2W blocking saves
-    nothing: one SDPA with the [s, s] band mask.
-    """
+    k, v: [b, g, s, d]; ``kw`` is passed to SDPA (dropout, enable_gqa). Query blocks of W against
+    one [W, 2W] band mask (docs/models.md, "Sliding window")."""
     b, n, s, d = q.shape
     if s <= 2 * window:
         i = torch.arange(s, device=q.device)
@@ -81,28 +75,17 @@ def sliding_window_attention(q, k, v, window: int, **kw) -> torch.Tensor:
 _cp_attention = torch.compiler.disable(context_parallel_attention)
 
 
-def _activation(name: str):
-    if name == "gelu":
-        return F.gelu
-    if name == "gelu_tanh":
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "silu":
-        return F.silu
-    if name == "relu":
-        return F.relu
-    raise ValueError(f"unknown activation {name!r}")
+_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu,
+                "relu": F.relu}
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head / grouped-query attention with heads split across TP ranks.
-
-    The fused QKV weight is laid out per query group: for each group, its q heads then its one k
-    head then its one v head. Splitting that along the output dimension gives each TP rank whole
-    groups, so no communication is needed inside attention.
-    """
+    """Causal multi-head / grouped-query attention, each TP rank holding whole query groups of
+    the fused QKV weight (docs/models.md, "Fused QKV, per query group")."""
 
     def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
-                 sequence_parallel: bool = False, cp_group=None, cp_comm_type: str = "p2p"):
+                 sequence_parallel: bool = False, cp_group=None, cp_comm_type: str = "p2p",
+                 execution: ExecutionConfig = ExecutionConfig()):
         super().__init__()
         self.config = config
         # context parallelism: this rank holds s/C tokens of a sequence (docs/context_parallel.md)
@@ -120,7 +103,7 @@ class SelfAttention(nn.Module):
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.mla = None
         if config.multi_latent_attention:  # q, k, v from low-rank latents (models/mla.py)
-            self.mla = MultiLatentQKV(config, tp_group, device, sp)
+            self.mla = MultiLatentQKV(config, tp_group, device, sp, execution.use_apex)
         else:
             self.linear_qkv = ColumnParallelLinear(
                 config.hidden_size, qkv_out, bias=config.add_qkv_bias, tp_group=tp_group,
@@ -135,7 +118,8 @@ class SelfAttention(nn.Module):
         self.rotary = (rotary_embedding(config, rope_dim)
                        if config.position_embedding_type == "rope" else None)
         self.softmax_scale = None if self.mla is None else softmax_scale(config)  # None: 1/sqrt(d)
-        self.selective_recompute = config.recompute_granularity == "selective"
+        self.selective_recompute = execution.recompute_granularity == "selective"
+        self.cp_attention_kernel = execution.cp_attention_kernel
         self.window = config.attention_window(layer_number)
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # OLMoE
@@ -143,12 +127,11 @@ class SelfAttention(nn.Module):
                 ProjectionRMSNorm(n * d, config.norm_epsilon, tp_group, dtype, device)
                 for n in (config.num_attention_heads, config.num_query_groups))
         elif config.qk_layernorm:
-            # One [d] weight shared by all heads, so replicated over TP. Each TP rank applies it
-            # to different heads, so its gradient is a partial sum: like SP's norms, it is summed
-            # over TP after backward (finalize_model_grads), with or without SP.
+            # one [d] weight replicated over TP, applied to each rank's own heads: its gradient
+            # is partial over TP, with or without SP (docs/models.md, "q/k norm")
             self.q_layernorm, self.k_layernorm = (
                 RMSNorm(d, config.norm_epsilon, grad_partial_over_tp=True, params_dtype=dtype,
-                        device=device, use_apex=config.use_apex) for _ in range(2))
+                        device=device, use_apex=execution.use_apex) for _ in range(2))
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d] (MLA: v's d
@@ -165,10 +148,8 @@ class SelfAttention(nn.Module):
                 v = F.pad(v, (0, k.shape[-1] - dv))
             return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, self.softmax_scale,
                                  local_attention=local,
-                                 kernel=self.config.cp_attention_kernel)[..., :dv]
-        gqa = self.heads_per_group > 1 and _SDPA_HAS_GQA  # the kernel maps heads to groups
-        if self.heads_per_group > 1 and not gqa:
-            k, v = (t.repeat_interleave(self.heads_per_group, dim=1) for t in (k, v))
+                                 kernel=self.cp_attention_kernel)[..., :dv]
+        gqa = self.heads_per_group > 1  # SDPA's enable_gqa maps query heads to their groups
         p = self.config.attention_dropout if self.training else 0.0
         kw = dict(dropout_p=p, scale=self.softmax_scale, **({"enable_gqa": True} if gqa else {}))
         attend = partial(F.scaled_dot_product_attention, is_causal=True)
@@ -230,20 +211,18 @@ class SelfAttention(nn.Module):
         return self._cp_positions[key]
 
 
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for h = [gate, up] along the last dim (the reference path)."""
+def swiglu(h: torch.Tensor, act=F.silu) -> torch.Tensor:
+    """act(gate) * up for h = [gate, up] along the last dim (the reference path)."""
     gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return act(gate) * up
 
 
 _compiled_swiglu = compile_or_eager(swiglu, dynamic=True)  # eager if it cannot compile here
 
 
 def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
-    """On CUDA, one inductor kernel each way instead of chunk/silu/mul and their backward (dynamic
-    shapes: no recompile per batch shape). The CPU, and a layer already being compiled
-    (--torch-compile fuses it there), run the reference; tests/test_fast_paths.py compares the two
-    where a GPU exists."""
+    """On CUDA, one inductor kernel each way (docs/performance.md, "Fast paths"); the CPU, and a
+    layer already being compiled, run the reference."""
     if h.is_cuda and not torch.compiler.is_compiling():
         return _compiled_swiglu(h)
     return swiglu(h)
@@ -252,18 +231,17 @@ def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
 def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """fc1's output -> fc2's input: the activation, or SwiGLU's act(gate) * up (the dense MLP's
     and every expert's)."""
-    act = _activation(config.activation)
+    act = _ACTIVATIONS.get(config.activation)
+    if act is None:
+        raise ValueError(f"unknown activation {config.activation!r}")
     if config.swiglu and act is F.silu:
         return swiglu_fused
-    if config.swiglu:
-        return lambda h: act(h.chunk(2, dim=-1)[0]) * h.chunk(2, dim=-1)[1]
-    return act
+    return partial(swiglu, act=act) if config.swiglu else act
 
 
 class MLP(nn.Module):
-    """h -> ffn (column-parallel) -> activation -> h (row-parallel). SwiGLU fuses gate and up into
-    one column-parallel weight with stride 2, so each rank holds matching gate/up slices.
-    ``ffn_hidden_size``: the MoE shared expert's (default the config's)."""
+    """h -> ffn (column-parallel; SwiGLU's [gate; up] with stride 2) -> activation -> h
+    (row-parallel). ``ffn_hidden_size``: the MoE shared expert's (default the config's)."""
 
     def __init__(self, config: ModelConfig, tp_group=None, device=None,
                  sequence_parallel: bool = False, ffn_hidden_size: Optional[int] = None):
@@ -291,47 +269,41 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, tp_group=None, device=None,
                  sequence_parallel: bool = False,  # ParallelConfig's, passed by GPTModel
                  cp_group=None, cp_comm_type: str = "p2p",
-                 moe_groups: Optional[MoEGroups] = None):
+                 moe_groups: Optional[MoEGroups] = None,
+                 execution: ExecutionConfig = ExecutionConfig()):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
         sp = sequence_parallel and C.group_size(tp_group) > 1
         self.layer_number = layer_number  # global, 0-based
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
-        self.input_layernorm = build_norm(config, sp, dtype, device)
+        self.input_layernorm = build_norm(config, sp, dtype, device, execution.use_apex)
         self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp, cp_group,
-                                            cp_comm_type)
-        self.pre_mlp_layernorm = build_norm(config, sp, dtype, device)
+                                            cp_comm_type, execution)
+        self.pre_mlp_layernorm = build_norm(config, sp, dtype, device, execution.use_apex)
         if config.is_moe_layer(layer_number):
             shared = (MLP(config, tp_group, device, sp, config.moe_shared_expert_intermediate_size)
                       if config.moe_shared_expert_intermediate_size else None)
             groups = moe_groups or MoEGroups(tp=tp_group, cp=cp_group)
             self.mlp = MoELayer(config, layer_number, mlp_activation(config), shared, groups,
-                                sp, device)
+                                sp, device, execution)
         else:
             self.mlp = MLP(config, tp_group, device, sp)
-        # --torch-compile: only the layer's own forward is compiled; module hooks (ZeRO gathers,
-        # recompute's checkpoint around the layer) stay eager around it. The layer is one graph,
-        # its TP collectives included; only a dropout drawn from the tracked RNG breaks it. An
-        # MoE layer compiles up to its MLP (attention and the norm after it, one graph) and
-        # runs the MoE MLP eagerly: its block sizes are data-dependent (the all-to-all's splits
-        # are read on the host, capacity drops size a select), which would break or recompile
-        # the graph, and its expert GEMMs are grouped kernels already (docs/moe.md).
+        # --torch-compile: only the layer's own forward is compiled, module hooks stay eager
+        # around it; an MoE layer up to its MLP, whose block sizes are data-dependent
+        # (docs/performance.md, "--torch-compile: one graph per layer"; docs/moe.md, "The layer")
         self._forward = self._layer_forward
         # Read by wrappers that hook modules (DDP's overlapped parameter gathers): a hook on a
         # submodule would run inside the graph, so they hook this layer as a whole.
-        self.compiled_forward = bool(config.torch_compile)
-        if config.torch_compile and isinstance(self.mlp, MoELayer):
-            self._before_mlp = torch.compile(self._before_mlp, backend=config.torch_compile)
-        elif config.torch_compile:
-            self._forward = torch.compile(self._layer_forward, backend=config.torch_compile)
+        backend = execution.torch_compile
+        self.compiled_forward = bool(backend)
+        if backend and isinstance(self.mlp, MoELayer):
+            self._before_mlp = torch.compile(self._before_mlp, backend=backend)
+        elif backend:
+            self._forward = torch.compile(self._layer_forward, backend=backend)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.hidden_dropout == 0.0:
-            return x
-        if self.sequence_parallel:  # each rank holds a different sequence shard
-            return _in_tracked_rng(F.dropout, x, self.hidden_dropout, True)
-        return F.dropout(x, self.hidden_dropout, True)
+        return hidden_dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._forward(x)
