@@ -19,10 +19,10 @@ iteration 2 x ``--save-at`` (the first allocates the snapshot buffers the later 
 
 The ratio ``async extra / sync stall`` is the figure (target <= 0.25). Host memory is the size of
 the reused snapshot buffers (``host_bytes``) beside the start-up estimate
-(``checkpointing.snapshot_share_bytes``), and the process's peak RSS.
+(``checkpoint.save.snapshot_share_bytes``), and the process's peak RSS.
 
 Then the state the sync run saved (its ``model_optim_rng.pt``) is written and read back by
-megalite's writer (``checkpointing.save_file``, ``torch.load``) and by
+megalite's writer (``checkpoint.format.save_file``, ``torch.load``) and by
 ``torch.distributed.checkpoint`` (``dcp.save`` / ``dcp.load`` into preallocated tensors, and
 ``dcp.async_save``'s stall where the installed torch offers it without a process group), for
 docs/checkpoints.md's DCP evaluation. Prints one JSON line.
@@ -87,7 +87,8 @@ def _dcp(state: dict, work: str) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megalite import checkpointing
+    from megalite.checkpoint import format as ckpt_format
+    from megalite.checkpoint import save as ckpt_save
 
     tensors = {}
 
@@ -105,7 +106,7 @@ def _dcp(state: dict, work: str) -> dict:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     out = {"state_bytes": nbytes, "tensors": len(tensors)}
     mfile = os.path.join(work, "megalite.pt")
-    out["megalite_save_s"] = _timed(lambda: checkpointing.save_file(mfile, tensors))
+    out["megalite_save_s"] = _timed(lambda: ckpt_format.save_file(mfile, tensors))
     out["megalite_load_s"] = _timed(lambda: torch.load(mfile, map_location="cpu",
                                                        weights_only=True))
     ddir = os.path.join(work, "dcp")
@@ -128,7 +129,7 @@ def _dcp(state: dict, work: str) -> dict:
 def gpu_check(args) -> int:
     import torch
 
-    from megalite.host_snapshot import HostBuffers, snapshot
+    from megalite.checkpoint.snapshot import HostBuffers, snapshot
 
     if not torch.cuda.is_available():
         print(json.dumps({"gpu_check": "not run: no CUDA device"}))
@@ -197,7 +198,8 @@ def main() -> None:
         sys.exit(gpu_check(args))
     import torch
 
-    from megalite import checkpointing
+    from megalite.checkpoint import format as ckpt_format
+    from megalite.checkpoint import save as ckpt_save
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     work = tempfile.mkdtemp(prefix="megalite_ckpt_bench_", dir=args.dir)
@@ -231,8 +233,8 @@ def main() -> None:
                                  times[i] - res["sync"]["iteration_s"][i] for i in overlapped)))
             res[mode] = r
         sync_dir = os.path.join(work, "sync", f"iter_{2 * args.save_at:07d}")
-        model_file = os.path.join(sync_dir, checkpointing.shard_dir_name(0, 0),
-                                  checkpointing.MODEL_FILE)
+        model_file = os.path.join(sync_dir, ckpt_format.shard_dir_name(0, 0),
+                                  ckpt_format.MODEL_FILE)
         res["file_bytes"] = os.path.getsize(model_file)
         for k, name in (("extra_wall_s", "ratio"), ("extra_wall_vs_sync_run_s",
                                                     "ratio_vs_sync_run")):
@@ -246,7 +248,7 @@ def main() -> None:
                           "--num-attention-heads", str(args.hidden // 64), "--seq-length",
                           str(args.seq), "--vocab-size", str(args.vocab), "--mock-data"])
         cfg = cfg.resolve(1, args.vocab)
-        res["async"]["host_bytes_estimate"] = checkpointing.snapshot_share_bytes(
+        res["async"]["host_bytes_estimate"] = ckpt_save.snapshot_share_bytes(
             cfg, ParallelState())
         res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         state = torch.load(model_file, map_location="cpu", weights_only=True)

@@ -33,8 +33,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MEASURE = r"""
 import json, os, shutil, sys, tempfile
 sys.path.insert(0, {root!r})
-from megalite.convert import checkpoint_tools as ct
-from megalite.convert.layout import Layout
+from megalite.checkpoint import convert as ct
+from megalite.checkpoint.layout import Layout
 from megalite.memory import host_rss_bytes, reset_host_peak_rss
 
 def run(op, src, dst):
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     if not os.path.exists("/proc/self/clear_refs"):
         print("needs Linux /proc (peak RSS reset)", file=sys.stderr)
         return 2
-    from megalite.convert import checkpoint_tools as ct
-    from megalite.convert.layout import Layout
+    from megalite.checkpoint import convert as ct
+    from megalite.checkpoint.layout import Layout
 
     with tempfile.TemporaryDirectory() as d:
         src, tiny = os.path.join(d, "hf"), os.path.join(d, "tiny")

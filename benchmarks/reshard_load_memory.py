@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
 
     from dist_utils import run_distributed
     from megalite.arguments import parse_args
-    from megalite.convert.checkpoint_tools import reshard
-    from megalite.convert.layout import Layout
+    from megalite.checkpoint.convert import reshard
+    from megalite.checkpoint.layout import Layout
     from megalite.training import pretrain
 
     dp = a.world // (a.tp * a.pp)

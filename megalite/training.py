@@ -31,7 +31,10 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from megalite import checkpointing
+from megalite.checkpoint import save as checkpoint_save
+from megalite.checkpoint.format import with_checkpoint_args
+from megalite.checkpoint.load import load_checkpoint
+from megalite.checkpoint.snapshot import HostBuffers
 from megalite import collectives as C
 from megalite.config import V_SCHEDULES, MegaliteConfig
 from megalite.context_parallel.sharding import shard as cp_shard
@@ -210,11 +213,11 @@ class Trainer:
         self.history: Dict[int, Tuple[float, float, bool, float]] = {}  # (loss, norm, applied, lr)
         self.loss_scale = 1.0  # as of the last _drain
         self.saved_at = None
-        self.pending_save: Optional[checkpointing.PendingSave] = None  # --async-save in flight
+        self.pending_save: Optional[checkpoint_save.PendingSave] = None  # --async-save in flight
         self.host_buffers = None
         if cfg.checkpoint.async_save:  # refused here, before anything is built, if it cannot fit
-            checkpointing.check_async_save_memory(cfg, ps)
-            self.host_buffers = checkpointing.HostBuffers(pinned=ps.device.type == "cuda")
+            checkpoint_save.check_async_save_memory(cfg, ps)
+            self.host_buffers = HostBuffers(pinned=ps.device.type == "cuda")
         self.times: List[float] = []
         self.host_queue_s = 0.0  # the last step's (train_step)
         self._build_data()
@@ -261,12 +264,8 @@ class Trainer:
         cfg, ps, ck = self.cfg, self.ps, self.cfg.checkpoint
         self.iteration, self.consumed, self.rng_state = 0, 0, None
         if ck.load:
-            # another layout is assembled by the converter's code, a layer above checkpointing
-            from megalite.convert.checkpoint_tools import load_resharded
-
-            self.iteration, self.consumed, self.rng_state = checkpointing.load_checkpoint(
-                cfg, self.chunks, self.optimizer, self.scheduler, ps, reshard=load_resharded,
-                log=self.logger.print)
+            self.iteration, self.consumed, self.rng_state = load_checkpoint(
+                cfg, self.chunks, self.optimizer, self.scheduler, ps, log=self.logger.print)
             if self.iteration or ck.finetune:
                 what = ("weights only" if ck.finetune else
                         "weights, data position" + ("" if ck.no_load_optim else ", optimizer")
@@ -274,10 +273,10 @@ class Trainer:
                 self.logger.print(f" loaded checkpoint {ck.load} at iteration {self.iteration} "
                                   f"({what})")
         self.summary["iteration"] = self.iteration
-        self.run_id = checkpointing.new_run_id(ps)
+        self.run_id = checkpoint_save.new_run_id(ps)
         if ck.save and ps.rank == 0:
             os.makedirs(ck.save, exist_ok=True)
-            checkpointing.save_tokenizer(ck.save, self.tokenizer, ps)
+            checkpoint_save.save_tokenizer(ck.save, self.tokenizer, ps)
 
     def _log_start(self) -> None:
         cfg, ps, tr, log = self.cfg, self.ps, self.cfg.training, self.logger
@@ -576,13 +575,13 @@ class Trainer:
         start = time.perf_counter()
         self.saved_at = self.iteration
         if self.host_buffers is None:
-            path = checkpointing.save_checkpoint(*args)
+            path = checkpoint_save.save_checkpoint(*args)
             stall = time.perf_counter() - start
             self.logger.print(f" saved checkpoint {path} ({stall:.2f} s)")
             self.logger.log({"stall_s": stall, "published_iteration": self.iteration},
                             self.iteration, split="checkpoint")
             return
-        self.pending_save = checkpointing.start_async_save(*args, buffers=self.host_buffers)
+        self.pending_save = checkpoint_save.start_async_save(*args, buffers=self.host_buffers)
         synchronize(self.ps.device)  # (the stall includes the snapshot's device-to-host copies)
         self.save_stall_s = time.perf_counter() - start
         self.logger.print(f" saving checkpoint {self.pending_save.plan.final} in the background "
@@ -731,7 +730,7 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
             timeout_minutes=par.distributed_timeout_minutes)
     t_start = time.time()
     if cfg.checkpoint.load and cfg.checkpoint.use_checkpoint_args:
-        cfg = checkpointing.with_checkpoint_args(cfg)
+        cfg = with_checkpoint_args(cfg)
     from megalite.data import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.data, cache_dir=cfg.data.data_cache_path)

@@ -4,7 +4,7 @@
 Real pretrain.py runs on DP 2 with ZeRO 1 (both ranks write a file). Not in strict mode: its GPU
 emulation marks host tensors with an attribute, which torch.save would write into the files
 compared here (the SIGKILLed run, whose files are only loaded, runs under it). Faults
-come through ``checkpointing.fault_hook``, called by the background writer before each file
+come through ``megalite.checkpoint.save.fault_hook``, called by the background writer before each file
 (``write_file``) and after a rank's files (``shard_written``), and by rank 0 before publishing
 (``before_rename``). One process group runs the runs that leave it intact; a rank SIGKILLed in
 the middle of a background write takes its own group down with it.
@@ -15,6 +15,7 @@ import errno
 import io
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -22,8 +23,10 @@ import torch
 from dist_utils import run_distributed
 from pretrain_utils import flags, read_metrics, run_main, train_losses
 
-from megalite import checkpointing
-from megalite.host_snapshot import HostBuffers, snapshot
+from megalite.checkpoint import format as ckpt_format
+from megalite.checkpoint import save as ckpt_save
+from megalite.checkpoint.snapshot import HostBuffers, snapshot
+from megalite.exit_conditions import ExitConditions
 
 COMMON = ["--use-distributed-optimizer", "--distributed-timeout-minutes", "1"]
 ITERS = 4
@@ -51,13 +54,13 @@ def _argv(ck, metrics, *extra, **kw):
 def _main(argv, hook=None):
     import pretrain
 
-    checkpointing.fault_hook = hook
+    ckpt_save.fault_hook = hook
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
             rc = pretrain.main(argv)
     finally:
-        checkpointing.fault_hook = None
+        ckpt_save.fault_hook = None
     return rc, err.getvalue()
 
 
@@ -111,21 +114,34 @@ def _session(rank, world, root):
     # rank 1's disk is full as it writes its ZeRO shard of iteration 2
     def full_disk(stage, path):
         if stage == "write_file" and rank == 1 and "iter_0000002" in path \
-                and path.endswith(checkpointing.distrib_optim_name(1)):
+                and path.endswith(ckpt_format.distrib_optim_name(1)):
             raise OSError(errno.ENOSPC, "No space left on device")
 
     run("full_disk", _argv(f"{root}/full", f"{root}/full.jsonl", "--async-save",
                            save_interval=1), full_disk)
 
-    # SIGTERM while iteration 2 is being written in the background; then resume
+    # SIGTERM while iteration 2 is being written in the background; then resume. The writer
+    # holds its write until the training thread has run the signal handler (an event set by the
+    # handler, wrapped here), so the signal is seen while the write is going on.
+    handled = threading.Event()
+    on_signal = ExitConditions._on_signal
+
+    def on_signal_seen(self, signum, frame):
+        on_signal(self, signum, frame)
+        handled.set()
+
     def sigterm(stage, path):
         if stage == "write_file" and rank == 0 and "iter_0000002" in path:
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.2)  # the training thread sees the signal while this write is going on
+            assert handled.wait(timeout=120), "the training thread never ran the handler"
 
-    run("sigterm", _argv(f"{root}/term", f"{root}/term.jsonl", "--async-save",
-                         "--exit-signal-handler", save_interval=2), sigterm)
-    out["term_tracker"] = open(f"{root}/term/{checkpointing.TRACKER_FILE}").read()
+    ExitConditions._on_signal = on_signal_seen
+    try:
+        run("sigterm", _argv(f"{root}/term", f"{root}/term.jsonl", "--async-save",
+                             "--exit-signal-handler", save_interval=2), sigterm)
+    finally:
+        ExitConditions._on_signal = on_signal
+    out["term_tracker"] = open(f"{root}/term/{ckpt_format.TRACKER_FILE}").read()
     dist.barrier()
     run("after_term", _argv(f"{root}/term", f"{root}/after_term.jsonl", "--async-save",
                             save_interval=2, load=f"{root}/term"))
@@ -137,7 +153,7 @@ def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("async_save"))
     with pytest.raises((AssertionError, RuntimeError)):  # a rank died: its peer cannot go on
         run_distributed(_killed_while_writing, 2, root, timeout=240)
-    killed = {"tracker": open(f"{root}/killed/{checkpointing.TRACKER_FILE}").read(),
+    killed = {"tracker": open(f"{root}/killed/{ckpt_format.TRACKER_FILE}").read(),
               "dirs": sorted(os.listdir(f"{root}/killed"))}
     return root, killed, run_distributed(_session, 2, root, timeout=300)
 
@@ -175,7 +191,7 @@ def test_back_to_back_saves_never_overlap(runs):
         assert start <= written <= published, (k, spans[k])
         if k < ITERS:
             assert published <= spans[k + 1][0], (k, spans)
-    assert open(f"{root}/b2b/{checkpointing.TRACKER_FILE}").read() == str(ITERS)
+    assert open(f"{root}/b2b/{ckpt_format.TRACKER_FILE}").read() == str(ITERS)
     checkpoints = [r for r in read_metrics(f"{root}/b2b.jsonl", "checkpoint")]
     assert [r["iteration"] for r in checkpoints] == list(range(1, ITERS + 1))
     assert all(r["published_iteration"] >= r["iteration"] for r in checkpoints)
@@ -204,7 +220,7 @@ def test_write_failure_on_one_rank_stops_every_rank_at_the_next_log_line(runs):
         assert "No space left" in lines[0], lines
     # the log line of iteration 3 agreed on it: no iteration after 2 was logged, none saved
     assert sorted(train_losses(f"{root}/full.jsonl")) == [1, 2]
-    assert open(f"{root}/full/{checkpointing.TRACKER_FILE}").read() == "1"
+    assert open(f"{root}/full/{ckpt_format.TRACKER_FILE}").read() == "1"
     assert [n for n in os.listdir(f"{root}/full") if n.startswith("iter_")] == ["iter_0000001"]
 
 

@@ -8,7 +8,7 @@ import torch
 from dist_utils import worker_context
 from pretrain_utils import flags, read_metrics, run_main, train_losses
 
-from megalite import checkpointing
+from megalite.checkpoint import format as ckpt_format
 
 
 def test_resume_is_bit_exact(tmp_path):
@@ -21,7 +21,7 @@ def test_resume_is_bit_exact(tmp_path):
     assert run_main(flags(*common, metrics_file=full)) == 0
     assert run_main(flags(*common, "--exit-interval", "5", save=ck, save_interval=5,
                           metrics_file=part)) == 0
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "5"
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "5"
     assert run_main(flags(*common, save=ck, load=ck, save_interval=5, metrics_file=part)) == 0
     ref, got = train_losses(full), train_losses(part)
     assert sorted(got) == list(range(1, 11))
@@ -31,7 +31,7 @@ def test_resume_is_bit_exact(tmp_path):
     gref = {r["iteration"]: (r["grad_norm"], r["lr"]) for r in read_metrics(full)}
     ggot = {r["iteration"]: (r["grad_norm"], r["lr"]) for r in read_metrics(part)}
     assert all(ggot[i] == gref[i] for i in range(6, 11))
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "10"
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "10"
 
 
 def test_checkpoint_layout_and_weights_only(tmp_path):
@@ -49,14 +49,14 @@ def test_checkpoint_layout_and_weights_only(tmp_path):
 def _killed_during_save(argv, stage, iteration):
     import sys
 
-    from megalite import checkpointing as ckpt
+    from megalite.checkpoint import save as ckpt_save
 
     def hook(where, path):
         if where == stage and f"iter_{iteration:07d}" in path:
             sys.stdout.flush()
             os._exit(17)  # no cleanup, as if the node died
 
-    ckpt.fault_hook = hook
+    ckpt_save.fault_hook = hook
     import pretrain
 
     pretrain.main(argv)
@@ -71,14 +71,14 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
         p.start()
         p.join(120)
         assert p.exitcode == 17, stage
-        assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "2", stage
+        assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "2", stage
         assert not (ck / "iter_0000004").exists(), stage
         assert [n for n in os.listdir(ck) if n.startswith("iter_0000004.tmp-")], stage
     # the previous checkpoint loads, and training continues from it
     out = tmp_path / "resumed.jsonl"
     assert run_main(flags(train_iters=4, save=ck, load=ck, metrics_file=out)) == 0
     assert sorted(train_losses(out)) == [3, 4]
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "4"
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "4"
 
 
 def _error_line(capsys, rc):
@@ -123,9 +123,9 @@ def test_unusable_checkpoints_fail_in_one_line(tmp_path, capsys, monkeypatch):
     assert "corrupt or truncated" in line and "model_optim_rng.pt" in line
 
     # corrupt tracker file, and a directory that is not a checkpoint
-    (ck / checkpointing.TRACKER_FILE).write_text("garbage")
+    (ck / ckpt_format.TRACKER_FILE).write_text("garbage")
     line = _error_line(capsys, run_main(flags(train_iters=3, load=ck)))
-    assert checkpointing.TRACKER_FILE in line
+    assert ckpt_format.TRACKER_FILE in line
     empty = tmp_path / "empty"
     empty.mkdir()
     line = _error_line(capsys, run_main(flags(train_iters=3, load=empty)))

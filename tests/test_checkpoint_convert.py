@@ -1,4 +1,4 @@
-"""tools/checkpoint/convert.py and megalite/convert/checkpoint_tools.py.
+"""tools/checkpoint/convert.py and megalite/checkpoint/convert.py.
 
 HF models are built locally at random (tests/test_convert_hf.make_hf: large-std weights, so a
 misplaced tensor moves the logits far beyond any tolerance); nothing is downloaded.
@@ -17,10 +17,10 @@ from dist_utils import run_distributed
 from pretrain_utils import ROOT, TINY
 from test_convert_hf import SEQ, VOCAB, make_hf
 
-from megalite import checkpointing as ckpt
+from megalite.checkpoint import format as ckpt
 from megalite.memory import HOST_PEAK_RSS_SUPPORTED
-from megalite.convert import checkpoint_tools as ct
-from megalite.convert.layout import Layout
+from megalite.checkpoint import convert as ct
+from megalite.checkpoint.layout import Layout
 
 sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
 import convert as cli  # noqa: E402  (tools/checkpoint/convert.py)
@@ -422,8 +422,8 @@ def test_help_shows_an_example_for_each_command(capsys):
 _MEASURE = r"""
 import json, os, shutil, sys, tempfile
 sys.path.insert(0, {root!r})
-from megalite.convert import checkpoint_tools as ct
-from megalite.convert.layout import Layout
+from megalite.checkpoint import convert as ct
+from megalite.checkpoint.layout import Layout
 from megalite.memory import host_rss_bytes, reset_host_peak_rss
 
 def run(src, dst, pp):
@@ -490,25 +490,12 @@ def test_streaming_peak_memory_is_one_stage_not_the_model(tmp_path):
     assert growth < 0.2 * size, (growth, size)  # one 2 MB output shard + one layer + slack
 
 
-def test_streamed_stage_file_is_byte_identical_to_torch_save(tmp_path):
-    """The converter's streamed writer (tensors parked on disk, replayed into torch's own
-    serializer) writes what torch.save of the real tensors writes, for every kind of tensor a
-    stage file holds: large and small, fp32 / bf16 / int64, 0-dim, empty, shared, non-tensor."""
-    g = torch.Generator().manual_seed(0)
-    big = torch.randn(300, 257, generator=g)
-    real = {"model": {"w": big, "b": torch.randn(7, generator=g),
-                      "bf": torch.randn(128, 300, generator=g).bfloat16(),
-                      "ids": torch.arange(20000), "scalar": torch.tensor(3.5),
-                      "empty": torch.empty(0, 4)},
-            "iteration": 5, "nested": [{"x": torch.ones(2, 2)}]}
-    spool = ct._Spool(str(tmp_path / "s.spool"), min_bytes=1 << 12)
-    parked = {"model": {k: spool.stash(v) for k, v in real["model"].items()},
-              "iteration": 5, "nested": [{"x": torch.ones(2, 2)}]}
-    assert parked["model"]["w"].data_ptr() != big.data_ptr()  # the big ones really are parked
-    streamed, ref = io.BytesIO(), io.BytesIO()
-    spool.save(parked, streamed)
-    spool.close()
-    torch.save(real, ref)
-    assert streamed.getvalue() == ref.getvalue()
-    back = torch.load(io.BytesIO(streamed.getvalue()), weights_only=True)
-    assert torch.equal(back["model"]["w"], big) and back["model"]["bf"].dtype == torch.bfloat16
+def test_stage_files_hold_only_their_own_tensors(tmp_path, imported):
+    """The converter writes each stage file with torch.save of tensors that own exactly their
+    bytes: a TP slice is never saved with the whole tensor's storage behind it, so the files of
+    tp=2 hold the weights once between them, as a trainer's own save does."""
+    ct.reshard(str(imported / "ml"), str(tmp_path / "tp2"), Layout(2, 1), no_optim=True)
+    for path in sorted((tmp_path / "tp2" / "iter_0000000").glob("mp_rank_*/*.pt")):
+        sd = torch.load(path, weights_only=True)
+        for k, t in sd["model"].items():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (path, k)

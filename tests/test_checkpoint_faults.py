@@ -19,7 +19,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from pretrain_utils import flags
 
-from megalite import checkpointing
+from megalite.checkpoint import format as ckpt_format
+from megalite.checkpoint import save as ckpt_save
 
 LAYOUTS = {"dp2": (2, []), "tp2dp2": (4, ["--tensor-model-parallel-size", "2"]),
            "pp2dp2": (4, ["--pipeline-model-parallel-size", "2"])}
@@ -64,8 +65,8 @@ def test_damaged_or_missing_file_stops_every_rank_promptly(tmp_path, layout, zer
     common = par + ZERO[zero] + ["--distributed-timeout-minutes", "30"]
     save = flags(*common, train_iters=1, save=ck, save_interval=1)
     load = flags(*common, train_iters=2, load=ck)
-    last = checkpointing.shard_dir_name(1 if "tp2" in layout else 0, 1 if "pp2" in layout else 0)
-    name = checkpointing.MODEL_FILE if zero == 0 else checkpointing.distrib_optim_name(1)
+    last = ckpt_format.shard_dir_name(1 if "tp2" in layout else 0, 1 if "pp2" in layout else 0)
+    name = ckpt_format.MODEL_FILE if zero == 0 else ckpt_format.distrib_optim_name(1)
     victim = str(ck / "iter_0000001" / last / name)
     results = run_distributed(_resume_twice, nproc, save, load, victim, timeout=240)
     for damage in ("truncated", "missing"):
@@ -87,7 +88,7 @@ def _save_out_of_memory_on_rank1(rank, world, argv):
 
     import pretrain
 
-    real_empty, real_save = torch.empty, checkpointing.save_checkpoint
+    real_empty, real_save = torch.empty, ckpt_save.save_checkpoint
     saving = {}
 
     def empty(*args, **kwargs):
@@ -103,14 +104,14 @@ def _save_out_of_memory_on_rank1(rank, world, argv):
         finally:
             saving.clear()
 
-    torch.empty, checkpointing.save_checkpoint = empty, save
+    torch.empty, ckpt_save.save_checkpoint = empty, save
     err = io.StringIO()
     t0 = time.time()
     try:
         with contextlib.redirect_stderr(err):
             rc = pretrain.main(argv)
     finally:
-        torch.empty, checkpointing.save_checkpoint = real_empty, real_save
+        torch.empty, ckpt_save.save_checkpoint = real_empty, real_save
     return rc, err.getvalue(), time.time() - t0
 
 
@@ -124,4 +125,4 @@ def test_zero3_gather_out_of_memory_on_one_rank_stops_every_rank(tmp_path):
         assert rc != 0 and t < PROMPT_S, (rc, t, err)
     lines = [ln for _, err, _ in out for ln in err.splitlines()]
     assert any("failed on rank 1" in ln and "out of memory" in ln for ln in lines), lines
-    assert not os.path.exists(tmp_path / "ck" / checkpointing.TRACKER_FILE)
+    assert not os.path.exists(tmp_path / "ck" / ckpt_format.TRACKER_FILE)

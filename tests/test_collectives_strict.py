@@ -71,14 +71,15 @@ def test_emulated_device_tracks_where_tensors_would_live(monkeypatch):
 def _host_sites(rank, world):
     """The control messages of a run pass strict mode; a host tensor on a device group fails."""
     S.enable()
-    from megalite import checkpointing
+    from megalite.checkpoint import save as ckpt_save
+    from megalite.checkpoint import load as ckpt_load
     from megalite.optimizer.grad_scaler import found_inf_flag
     from megalite.parallel_state import initialize_model_parallel
 
     ps = initialize_model_parallel(1, 1, timeout_minutes=1)
     assert ps.device == S.COMPUTE
-    run_id = checkpointing.new_run_id(ps)
-    checkpointing._agree_on_errors(ps, None)
+    run_id = ckpt_save.new_run_id(ps)
+    ckpt_load.agree_on_errors(ps, None)
     # a rank with no local gradients still contributes a device flag
     assert found_inf_flag([], ps.device).item() == 0
     assert found_inf_flag([torch.full((2,), float("inf"), device=ps.device)] if rank else [],

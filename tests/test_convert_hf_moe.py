@@ -199,8 +199,8 @@ def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(case, tmp_path):
     one), the same tensors bit for bit."""
     from safetensors.torch import load_file
 
-    from megalite.convert import checkpoint_tools as ct
-    from megalite.convert.layout import Layout
+    from megalite.checkpoint import convert as ct
+    from megalite.checkpoint.layout import Layout
 
     hf = make_hf(case)
     hf.save_pretrained(tmp_path / "hf")
@@ -238,7 +238,7 @@ def test_mtp_layers_are_dropped_with_one_warning(tmp_path, case):
     state dict and from a directory; none is exported."""
     from safetensors.torch import load_file, save_file
 
-    from megalite.convert import checkpoint_tools as ct
+    from megalite.checkpoint import convert as ct
 
     hf = make_hf(case)
     hf.config.num_nextn_predict_layers = 1
@@ -384,7 +384,7 @@ def test_families_megalite_cannot_hold_are_refused_by_the_field(tmp_path):
     tensors alone."""
     from safetensors.torch import save_file
 
-    from megalite.convert import checkpoint_tools as ct
+    from megalite.checkpoint import convert as ct
 
     for i, (config, match) in enumerate(_refused_configs()):
         with pytest.raises(ConfigError, match=match) as e:
@@ -432,8 +432,8 @@ def test_new_flags_reach_the_model_config():
 
 # -------------------------------------------------------- training in parallel = one process
 def _checkpoint(case, tmp_path, tp: int):
-    from megalite.convert import checkpoint_tools as ct
-    from megalite.convert.layout import Layout
+    from megalite.checkpoint import convert as ct
+    from megalite.checkpoint.layout import Layout
 
     hf = make_hf(case, vocab=300)  # pretrain_utils.TINY's vocabulary: NullTokenizer's ids
     hf.save_pretrained(tmp_path / f"{case}_hf")
@@ -449,7 +449,7 @@ def test_use_checkpoint_args_needs_no_moe_flag_for_an_ep_run(tmp_path):
     layout parses with no --num-experts, and args.json's model is checked against it once read,
     a bad one in one line."""
     from megalite.arguments import parse_args
-    from megalite.checkpointing import with_checkpoint_args
+    from megalite.checkpoint.format import with_checkpoint_args
 
     ckpt = _checkpoint("mixtral", tmp_path, 2)
     base = ["--load", str(ckpt), "--use-checkpoint-args", "--tensor-model-parallel-size", "2",
@@ -480,7 +480,7 @@ def test_imported_moe_models_train_at_ep2_and_export_to_hf(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from dist_utils import run_distributed
-    from megalite.convert import checkpoint_tools as ct
+    from megalite.checkpoint import convert as ct
     from pretrain_utils import flags, pretrain_cases, read_metrics, run_main
 
     def argv(ckpt, name, *layout):

@@ -13,7 +13,8 @@ import time
 from dist_utils import free_port, run_distributed
 from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_main, train_losses
 
-from megalite import checkpointing
+from megalite.checkpoint import format as ckpt_format
+from megalite.checkpoint import save as ckpt_save
 
 
 def _main_on_rank(rank, world, argv):
@@ -33,7 +34,7 @@ def _save_fails_on_rank(rank, world, argv, bad_rank, iteration):
             fired["t"] = time.time()
             raise OSError(errno.ENOSPC, "No space left on device", path)
 
-    checkpointing.fault_hook = hook
+    ckpt_save.fault_hook = hook
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         rc = pretrain.main(argv)
@@ -53,11 +54,11 @@ def test_save_failing_on_one_rank_stops_every_rank(tmp_path):
         assert "iteration 4 failed on rank 1" in lines[0] and "No space left" in lines[0], lines
     assert abs(out[0][2] - out[1][2]) < 20  # together, not rank 0 at the 60 s timeout
     assert not [n for n in os.listdir(ck) if n.startswith("iter_0000004")], os.listdir(ck)
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "2"
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "2"
     resumed = tmp_path / "resumed.jsonl"  # (the data-parallel size may change on a resume)
     assert run_main(flags(train_iters=4, save=ck, load=ck, metrics_file=resumed)) == 0
     assert sorted(train_losses(resumed)) == [3, 4]
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "4"
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "4"
 
 
 def test_saves_are_durable_and_resaves_never_unloadable(tmp_path, monkeypatch):
@@ -71,7 +72,7 @@ def test_saves_are_durable_and_resaves_never_unloadable(tmp_path, monkeypatch):
     def rename(a, b):
         real_rename(a, b)
         if "iter_0000002" in str(a):  # after each step of the swap some copy of it loads
-            seen.append(checkpointing.read_checkpoint_config(str(ck)).training.eval_iters)
+            seen.append(ckpt_format.read_checkpoint_config(str(ck)).training.eval_iters)
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -98,7 +99,7 @@ def test_saves_are_durable_and_resaves_never_unloadable(tmp_path, monkeypatch):
     assert not [n for n in os.listdir(ck) if ".old-" in n or ".tmp-" in n]
 
 
-TRACKER = checkpointing.TRACKER_FILE
+TRACKER = ckpt_format.TRACKER_FILE
 
 
 # ------------------------------------------------------------------ signals, SIGKILL, NaN, time
@@ -175,7 +176,7 @@ def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
     a.procs[1].send_signal(signal.SIGTERM)
     a.procs[0].send_signal(signal.SIGINT)
     assert a.finish() == [0, 0], a.err[0].read_text()[-2000:] + a.err[1].read_text()[-2000:]
-    k = int((ck / checkpointing.TRACKER_FILE).read_text())
+    k = int((ck / ckpt_format.TRACKER_FILE).read_text())
     # the two signals may land on either side of an iteration's agreement: whichever the ranks
     # agreed on first is named
     out = a.out[0].read_text()
@@ -193,7 +194,7 @@ def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
     err = _lines(b.err[0])
     assert len(err) == 1 and "another rank died or stopped responding" in err[0], err
     assert not b.alive() and not a.alive()
-    j = int((ck / checkpointing.TRACKER_FILE).read_text())
+    j = int((ck / ckpt_format.TRACKER_FILE).read_text())
     assert j >= k + 2 and (ck / f"iter_{j:07d}" / "args.json").exists()
 
     c = Job(tmp_path, "c", flags(*FAULT_FLAGS, save=ck, load=ck, metrics_file=tmp_path / "c.jsonl"))
@@ -207,7 +208,7 @@ def test_sigterm_then_sigkill_then_resume_is_bit_identical(tmp_path):
 def test_exit_duration_saves_and_exits_zero(tmp_path):
     ck = tmp_path / "ck"
     assert run_main(flags("--exit-duration-in-mins", "0.0001", train_iters=50, save=ck)) == 0
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == "1"
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == "1"
 
 
 def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
@@ -225,7 +226,7 @@ def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
     assert all(rc == 1 for rc in rcs) and all(len(e) == 1 for e in errs), errs
     bad = int(errs[0][0].split("at iteration ")[1].split()[0])
     assert "optimizer step skipped" in errs[0][0] and errs[0] == errs[1]
-    assert (ck / checkpointing.TRACKER_FILE).read_text().strip() == str(bad - 1)
+    assert (ck / ckpt_format.TRACKER_FILE).read_text().strip() == str(bad - 1)
     assert not [n for n in os.listdir(ck) if n.startswith(f"iter_{bad:07d}")]
     # bf16, one process: iteration 2 is the first NaN; 3 still runs (its memory line, printed
     # during the step), its log line reads the records and stops; the save at 4 never comes
@@ -237,7 +238,7 @@ def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
     assert "loss nan at iteration 2 in bfloat16, its optimizer step skipped" in err, err
     assert "memory at iteration 3" in out and "iteration        3/" not in out, out
     assert not [n for n in os.listdir(ck16) if n.startswith("iter_")]
-    assert not (ck16 / checkpointing.TRACKER_FILE).exists()
+    assert not (ck16 / ckpt_format.TRACKER_FILE).exists()
     # --async-save, the save (iteration 3) before any log line: the pending NaN of iteration 2 is
     # read before the snapshot is taken, so nothing is snapshotted, written or published
     cka = tmp_path / "ck_async"
@@ -246,7 +247,7 @@ def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "loss nan at iteration 2 in bfloat16, its optimizer step skipped" in err, err
     assert not [n for n in os.listdir(cka) if n.startswith("iter_")]
-    assert not (cka / checkpointing.TRACKER_FILE).exists()
+    assert not (cka / ckpt_format.TRACKER_FILE).exists()
     # fp16 (one process: the overflow flag's agreement over ranks is the fp32 path's reduction)
     assert run_main(flags(*boom, "--fp16", metrics_file=tmp_path / "fp16.jsonl")) == 0
     recs = read_metrics(tmp_path / "fp16.jsonl")

@@ -37,7 +37,7 @@ def _runs_worker(rank, world_size, runs, fail=None):
 
     import strict_collectives
 
-    from megalite import checkpointing
+    from megalite.checkpoint import save as ckpt_save
     from megalite import collectives as C
     from megalite.arguments import parse_args
     from megalite.training import pretrain
@@ -57,7 +57,7 @@ def _runs_worker(rank, world_size, runs, fail=None):
         if stage == "before_expert_gather" and rank == 1:
             raise RuntimeError("out of memory allocating the expert gather")
 
-    checkpointing.fault_hook, err = hook, io.StringIO()
+    ckpt_save.fault_hook, err = hook, io.StringIO()
     with contextlib.redirect_stderr(err):
         rc = run_main(fail)
     return rc, err.getvalue()
@@ -85,8 +85,8 @@ class _Reshard:
         self.args, self.kw = (str(src), str(dst), tp, pp, it), kw
 
     def __call__(self):
-        from megalite.convert import checkpoint_tools as ct
-        from megalite.convert.layout import Layout
+        from megalite.checkpoint import convert as ct
+        from megalite.checkpoint.layout import Layout
 
         src, dst, tp, pp, it = self.args
         ct.reshard(src, dst, Layout(tp, pp), iteration=it, **self.kw)
@@ -244,7 +244,7 @@ def test_zero_checkpoint_at_ep2_resumes_at_another_layout(runs, name):
 def _final_state(ck):
     """Iteration 6 of a TP 1 x PP 1 checkpoint: its model file and the optimizer state merged
     by name (experts by global index)."""
-    from megalite.optimizer.optimizer import merge_shard_state_dicts
+    from megalite.checkpoint.optim_state import merge_shard_state_dicts
 
     shard = ck / f"iter_{ITERS:07d}" / "mp_rank_00_000"
     files = sorted(shard.glob("distrib_optim_dp*.pt"))
@@ -300,7 +300,7 @@ def test_merge_joins_expert_shards_by_their_grid_position():
     would write them: every (ETP, EP) rank's EDP pieces merge, EP ranks stack by expert index,
     ETP slices join along the parameter's own partition dim (SwiGLU's stride 2); the dense
     parameter comes from this TP rank's files alone. A missing file is named, not guessed."""
-    from megalite.optimizer.optimizer import merge_shard_state_dicts
+    from megalite.checkpoint.optim_state import merge_shard_state_dicts
     from megalite.optimizer.optimizer import SHARD_FORMAT
     from megalite.param_meta import ParamMeta
     from megalite.tensor_parallel.utils import shard_tensor

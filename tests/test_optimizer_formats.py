@@ -16,7 +16,7 @@ import pytest
 import torch
 from pretrain_utils import read_metrics, run_main
 
-from megalite.optimizer.optimizer import merge_shard_state_dicts
+from megalite.checkpoint.optim_state import merge_shard_state_dicts
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "optimizer_v1")
 V1_KINDS = {"zero1": ("master", "exp_avg", "exp_avg_sq"),

@@ -10,7 +10,7 @@ from model_utils import tiny_config
 from pretrain_utils import ROOT
 
 from megalite.config import OptimizerConfig
-from megalite.convert.layout import Chunk, chunk_specs
+from megalite.checkpoint.layout import Chunk, chunk_specs
 from megalite.distributed.zero3 import shard_model_zero3
 from megalite.models import GPTModel
 from megalite.models.gpt import EMBEDDING_WEIGHT_NAME

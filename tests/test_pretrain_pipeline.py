@@ -22,7 +22,7 @@ import torch
 from dist_utils import free_port
 from pretrain_utils import PRETRAIN, ROOT, flags, read_metrics, run_cli, run_main, train_losses
 
-from megalite.checkpointing import TRACKER_FILE
+from megalite.checkpoint.format import TRACKER_FILE
 
 sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
 import convert as convert_cli  # noqa: E402  (tools/checkpoint/convert.py)

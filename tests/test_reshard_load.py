@@ -16,7 +16,7 @@ import pytest
 from dist_utils import run_distributed
 from pretrain_utils import flags
 
-from megalite.convert.layout import Layout
+from megalite.checkpoint.layout import Layout
 
 ITERS, SAVE_AT = 5, 3
 BASE = flags("--num-layers", 4, train_iters=ITERS)
@@ -59,7 +59,7 @@ def _cases(rank, world, root, cases):
 
     from megalite import collectives as C
     from megalite.arguments import parse_args
-    from megalite.convert import checkpoint_tools as ct
+    from megalite.checkpoint import convert as ct
     from megalite.training import pretrain
 
     strict_collectives.enable()
@@ -83,7 +83,7 @@ def _cases(rank, world, root, cases):
         if name == "moe_ep2":
             # a ZeRO optimizer whose expert shards sit apart (EP 2) at another TP: refused on
             # every rank in one line, before any state is touched
-            from megalite.checkpointing import CheckpointError
+            from megalite.checkpoint.format import CheckpointError
 
             refused = BASE + MOE + [TP, 2, "--sequence-parallel", "--expert-model-parallel-size",
                                     2, "--expert-tensor-parallel-size", 1, "--zero-stage", 1]

@@ -28,7 +28,7 @@ import torch
 
 from pretrain_utils import ROOT, flags, read_metrics, run_cli, run_main, train_losses
 
-from megalite import checkpointing as ckpt
+from megalite.checkpoint import format as ckpt
 
 sys.path.insert(0, os.path.join(ROOT, "tools", "checkpoint"))
 import convert as convert_cli  # noqa: E402  (tools/checkpoint/convert.py)

@@ -16,7 +16,7 @@ import torch
 
 from pretrain_utils import flags, read_metrics, run_cli, run_main
 
-from megalite import checkpointing as ckpt
+from megalite.checkpoint import format as ckpt
 
 ITERS = 6
 
@@ -63,11 +63,11 @@ def test_zero3_pp2_dp2_matches_single_device(tmp_path, layers, extra):
 
     # The offline converter rebuilds each stage's unit layout (shared-embedding units included):
     # its files list the same segments (parameter, position, shape) as the saving run's.
-    from megalite.convert.layout import chunks_of, layout_of_config
-    from megalite.convert.optimizer_state import OptimCommon, zero3_units, zero_target
+    from megalite.checkpoint.layout import Layout, chunks_of
+    from megalite.checkpoint.optim_state import OptimCommon, zero3_units, zero_target
 
     cfg = ckpt.read_checkpoint_config(str(ck))
-    layout = layout_of_config(cfg)
+    layout = Layout.of_config(cfg)
     for r, chunks in enumerate(chunks_of(layout, cfg.model.num_layers)):
         rebuilt = zero_target("zero3", cfg.model, chunks, layout.pp, layout.tp, 2,
                               cfg.optimizer).files(OptimCommon(), cfg.optimizer)

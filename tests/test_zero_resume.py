@@ -2,7 +2,7 @@
 
 5 iterations at dp=2 with --zero-stage 1 save one optimizer shard per DP rank; resuming at dp=1
 (stage 1) and at dp=4 (stage 2) merges the shards into the unsharded state and re-splits it
-(checkpointing._load_dp_sharded_optimizer_state -> optimizer.merge_shard_state_dicts), so
+(checkpoint.load._load_dp_sharded_optimizer_state -> optim_state.merge_shard_state_dicts), so
 iterations 6-10 match the uninterrupted dp=2 run.
 """
 

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(load_dir: str, iteration=None, device="cpu"):
     """(GPTModel in eval mode, its ModelConfig) from a tp=1, pp=1 checkpoint."""
 
-    from megalite import checkpointing as ck
+    from megalite.checkpoint import format as ck
     from megalite.models import GPTModel
     from megalite.parallel_state import ParallelState, resolve_device
 
@@ -69,7 +69,7 @@ def load_model(load_dir: str, iteration=None, device="cpu"):
     model = GPTModel(m, ParallelState(device=dev), seed=None, device=dev)
     path = os.path.join(ck.iteration_dir(load_dir, iteration), ck.shard_dir_name(0, 0),
                         ck.MODEL_FILE)
-    state = ck._load_file(path, f"--load {load_dir}")
+    state = ck.load_file(path, f"--load {load_dir}")
     model.load_state_dict(state["model"] if "model" in state else state["model0"])
     model.eval()
     return model, m

@@ -1,5 +1,5 @@
-"""Checkpoint conversion: Hugging Face <-> megalite (GPT-2 and Llama families) and loading a
-full state dict into a tensor-parallel model. See docs/models.md for the key mapping."""
+"""Hugging Face <-> megalite conversion (the families of docs/models.md) and loading a full state
+dict into a tensor-parallel model. See docs/models.md for the key mapping."""
 
 from megalite.convert.hf import (  # noqa: F401
     SUPPORTED_ARCHITECTURES,
@@ -17,9 +17,9 @@ from megalite.convert.hf import (  # noqa: F401
     model_config_to_hf_config,
     model_family,
 )
+from megalite.convert.hf_files import from_hf, to_hf  # noqa: F401
 from megalite.convert.sharding import (  # noqa: F401
     full_state_dict,
     load_full_state_dict_into,
     pad_vocab,
 )
-from megalite.convert.checkpoint_tools import from_hf, to_hf  # noqa: F401,E402

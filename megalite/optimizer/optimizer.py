@@ -37,14 +37,13 @@ only when the training loop reads its records (docs/performance.md, "A step with
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from megalite.optimizer.clip_grads import clip_grads_by_norm, grad_norm_squared, split_counted
 from megalite.optimizer.grad_scaler import build_grad_scaler, found_inf_flag
-from megalite.param_meta import ParamMeta, grad_of
-from megalite.tensor_parallel.utils import unshard_tensors
+from megalite.param_meta import grad_of
 
 # The ZeRO step's piece size (elements): what it holds aside to mask an update is five pieces
 # (ShardedAdamW._adamw), 160 MiB in fp32, however large a shard is.
@@ -486,157 +485,3 @@ class ShardedAdamW(_LossScaling):
         return {"master_params": list(self.masters),
                 "optimizer_states": list(self.exp_avg) + list(self.exp_avg_sq)}
 
-
-def merge_pieces(pieces: Iterable[Tuple[str, Sequence[int], int, Dict[str, torch.Tensor]]],
-                 names: Optional[Iterable[str]] = None) -> Dict[str, Dict[str, torch.Tensor]]:
-    """Every DP rank's pieces of each parameter's state, put back together: ``{name: {kind: fp32
-    tensor of the parameter's shape}}``. The one merge of ZeRO shard files, used to resume at
-    another DP size (checkpointing.py) and by the checkpoint converter.
-
-    A piece ``(name, shape, start, {kind: 1-D tensor})`` holds elements ``[start, start + len)``
-    of the flattened parameter (:func:`shard_pieces` lists a file's). ``names`` restricts the
-    merge to those parameters (streaming). Raises ValueError if a parameter is not covered
-    exactly (a missing rank's file).
-    """
-    wanted = set(names) if names is not None else None
-    out: Dict[str, Dict[str, torch.Tensor]] = {}
-    covered: Dict[str, int] = {}
-    for name, shape, start, tensors in pieces:
-        if wanted is not None and name not in wanted:
-            continue
-        if name not in out:
-            out[name] = {k: torch.zeros(shape, dtype=torch.float32) for k in tensors}
-            covered[name] = 0
-        for k, t in tensors.items():
-            out[name][k].view(-1)[start:start + t.numel()].copy_(t)
-        covered[name] += next(iter(tensors.values())).numel()
-    for name, entry in out.items():
-        numel = next(iter(entry.values())).numel()
-        if covered[name] != numel:
-            raise ValueError(f"optimizer shards cover {covered[name]} of {numel} elements of "
-                             f"{name} (missing or mixed files?)")
-    if wanted is not None and wanted - set(out):
-        raise ValueError(f"optimizer shards hold no state for {sorted(wanted - set(out))[:3]}")
-    return out
-
-
-def shard_pieces(sds: List[dict]):
-    """The per-parameter pieces (:func:`merge_pieces`) of per-DP-rank files (SHARD_FORMAT)."""
-    for sd in sds:
-        for shard in sd["shards"]:
-            for name, lo, hi, plo, shape in shard["segments"]:
-                yield name, shape, plo, {k: shard[k][lo:hi] for k in ADAM_KINDS}
-
-
-def upgrade_shard(sd: dict) -> dict:
-    """A per-DP-rank file in SHARD_FORMAT. The v1 files of older megalite (ZeRO-1/2:
-    ``megalite.zero.shard/v1``, segments with an extra end; ZeRO-3: ``megalite-zero3-shard/1``,
-    per-unit flats whose parameters lie end to end, DP rank r holding ``[r*S, (r+1)*S)``) hold the
-    same tensors under other keys: they are translated, never copied."""
-    fmt = sd.get("format")
-    if fmt == "megalite.zero.shard/v1":
-        shards = [{**{k: s[k] for k in ADAM_KINDS},
-                   "segments": [[n, lo, hi, plo, shape] for n, lo, hi, plo, _, shape in
-                                s["segments"]]} for s in sd["shards"]]
-    elif fmt == "megalite-zero3-shard/1":
-        shards = []
-        for unit in sd["units"].values():
-            if "names" not in unit:
-                raise ValueError("ZeRO-3 optimizer shards without parameter names (saved by an "
-                                 "older megalite) cannot be read; pass --no-load-optim")
-            size, off, segs = unit["main"].numel(), 0, []
-            base = int(sd["dp_rank"]) * size
-            for name, shape in zip(unit["names"], unit["shapes"]):
-                a, b = max(off, base), min(off + math.prod(shape), base + size)
-                if a < b:
-                    segs.append([name, a - base, b - base, a - off, list(shape)])
-                off += math.prod(shape)
-            shards.append({"master": unit["main"], "exp_avg": unit["exp_avg"],
-                           "exp_avg_sq": unit["exp_avg_sq"], "segments": segs})
-    else:
-        return sd
-    return {"format": SHARD_FORMAT, "zero_stage": sd.get("zero_stage", 3),
-            **{k: sd.get(k) for k in ("dp_size", "dp_rank", "step", "param_groups",
-                                      "grad_scaler")}, "shards": shards}
-
-
-def check_shard_set(sds: List[dict]) -> List[dict]:
-    """Every DP rank's file exactly once, in rank order, in SHARD_FORMAT."""
-    if not sds:
-        raise ValueError("no optimizer shards to merge")
-    sds = sorted((upgrade_shard(sd) for sd in sds), key=lambda sd: int(sd["dp_rank"]))
-    bad = [sd.get("format") for sd in sds if sd.get("format") != SHARD_FORMAT]
-    if bad:
-        raise ValueError(f"not a per-DP-rank optimizer state (format {bad[0]!r})")
-    n = int(sds[0]["dp_size"])
-    if [int(sd["dp_rank"]) for sd in sds] != list(range(n)) or any(
-            int(sd["dp_size"]) != n for sd in sds):
-        raise ValueError(f"optimizer shards of DP ranks {[sd['dp_rank'] for sd in sds]} do not "
-                         f"make up one DP group of {n} (missing or mixed files?)")
-    return sds
-
-
-def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
-                            meta_of: Callable[[str], ParamMeta] = lambda name: ParamMeta(),
-                            names: Optional[Sequence[str]] = None) -> dict:
-    """The unsharded state (FULL_FORMAT, as ``gather_full_state`` returns) of one (TP, PP) rank
-    from *all* its DP ranks' files ``own``, any ZeRO stage and format version, experts by global
-    index: how a checkpoint resumes at another DP size, ZeRO stage or EP size
-    (``load_full_state`` re-splits it) and how the converter reads the files. No communication.
-
-    Dense parameters merge by name from ``own``. A file that records an expert grid
-    (``_expert_layout``: its expert shards lie apart, EP > 1) holds in each ``expert`` shard its
-    part over EDP of one (ETP rank, EP rank)'s ``[E_local, ...]`` experts, and those groups can
-    span the stage's TP ranks: ``stage`` is then every file of the pipeline stage, all TP ranks'
-    directories. Per (ETP, EP) rank the EDP pieces merge; the EP ranks' are concatenated in
-    expert order into ``[E, ...]``; ETP slices are joined along the parameter's own partition dim
-    (``meta_of(name)``, its ParamMeta, as TP shards are). ``names`` restricts the merge to those
-    parameters (streaming). Raises ValueError for a missing or mixed-in file."""
-    own = check_shard_set(own)
-    first = own[0]
-
-    def pieces(sds, expert: bool):  # shard_pieces of the expert shards, or of the others
-        return shard_pieces([{**sd, "shards": [s for s in sd["shards"]
-                                               if bool(s.get("expert")) == expert]} for sd in sds])
-
-    apart = "edp_size" in first
-    stage = list(stage) or own
-    expert_names = {g[0] for sd in stage for s in sd["shards"] if s.get("expert")
-                    for g in s["segments"]} if apart else set()
-    wanted = None if names is None else [n for n in names if n not in expert_names]
-    params = merge_pieces(pieces(own, False), wanted)
-    if apart and (names is None or len(wanted) < len(names)):
-        grid = {}
-        for sd in stage:
-            if "edp_size" not in sd:
-                raise ValueError(f"optimizer shard of DP rank {sd.get('dp_rank')} records no "
-                                 f"expert grid, the others do (mixed files?)")
-            grid.setdefault((int(sd.get("etp_rank", 0)), int(sd["ep_rank"])), []).append(sd)
-        etp, ep, edp = (int(first.get("etp_size", 1)), int(first["ep_size"]),
-                        int(first["edp_size"]))
-        for (t, e), sds in sorted(grid.items()):
-            got = sorted(int(sd["edp_rank"]) for sd in sds)
-            if got != list(range(edp)):
-                raise ValueError(f"expert optimizer shards of ETP rank {t}, EP rank {e} come from "
-                                 f"expert-data-parallel ranks {got}, expected 0..{edp - 1} "
-                                 f"(missing or mixed files?)")
-        if sorted(grid) != [(t, e) for t in range(etp) for e in range(ep)]:
-            raise ValueError(f"expert optimizer shards cover (ETP, EP) ranks {sorted(grid)}, "
-                             f"expected {etp} x {ep} (missing files?)")
-        want = None if names is None else [n for n in names if n in expert_names]
-        parts = {te: merge_pieces(pieces(sds, True), want) for te, sds in grid.items()}
-        for name in parts[(0, 0)]:
-            m = meta_of(name)
-            # (the partition dim, not tp_split: this run may hold the expert whole, ETP 1)
-            if etp > 1 and m.partition_dim == 0:
-                raise ValueError(f"the optimizer state of {name} is split over {etp} expert-"
-                                 f"tensor-parallel ranks, but the parameter declares no "
-                                 f"partition dim for its slices")
-            params[name] = {}
-            for k in ADAM_KINDS:
-                slices = [torch.cat([parts[(t, e)][name][k] for e in range(ep)])
-                          for t in range(etp)]
-                params[name][k] = (unshard_tensors(slices, m.partition_dim, m.partition_stride)
-                                   if etp > 1 else slices[0])
-    return {"format": FULL_FORMAT, "step": first["step"], "param_groups": first["param_groups"],
-            "grad_scaler": first.get("grad_scaler"), "params": params}

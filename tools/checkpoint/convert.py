@@ -53,7 +53,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 
 def _layout_flags(p: argparse.ArgumentParser, required: bool) -> None:
-    # --target-* are the spellings checkpointing.RESHARD_HINT (and Megatron's tool) use.
+    # --target-* are the spellings checkpoint.format.RESHARD_HINT (and Megatron's tool) use.
     p.add_argument("--tensor-model-parallel-size", "--target-tensor-model-parallel-size",
                    dest="tp", type=int, required=required, help="target TP size")
     p.add_argument("--pipeline-model-parallel-size", "--target-pipeline-model-parallel-size",
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _layout(a, default_tp: int = 1, default_pp: int = 1):
-    from megalite.convert.layout import Layout
+    from megalite.checkpoint.layout import Layout
 
     return Layout(a.tp if a.tp is not None else default_tp,
                   a.pp if a.pp is not None else default_pp, a.vpp_layers,
@@ -132,7 +132,7 @@ def _layout(a, default_tp: int = 1, default_pp: int = 1):
 
 
 def run(a) -> str:
-    from megalite.convert import checkpoint_tools as ct
+    from megalite.checkpoint import convert as ct
 
     log = print
     if a.command == "hf-to-megalite":
@@ -142,7 +142,7 @@ def run(a) -> str:
                                  log=log)
     if a.command == "megalite-to-hf":
         if a.max_shard_size_mb < 1:
-            raise ct.ConversionError("--max-shard-size-mb must be >= 1")
+            raise ct.CheckpointError("--max-shard-size-mb must be >= 1")
         return ct.megalite_to_hf(a.load, a.save, iteration=a.iteration,
                                  max_shard_bytes=a.max_shard_size_mb << 20, log=log)
     return ct.reshard(a.load, a.save, _layout(a), data_parallel_size=a.data_parallel_size,

@@ -1,22 +1,5 @@
-"""Host copies of what a checkpoint writes, byte for byte (docs/checkpoints.md, "Asynchronous
-saves").
-
-``snapshot(obj, buffers)`` returns ``obj`` with every tensor replaced by a CPU copy, so a writer
-can ``torch.save`` it later while training changes the originals. The copy keeps everything
-``torch.save`` records, so the file is the file of ``obj`` itself: one copied storage per source
-storage (views of one flat buffer stay views of one copy, at the same offsets and strides, and
-``torch.save`` writes the whole storage behind a view), the container types and their attributes
-(a module ``state_dict``'s ``_metadata``), shared objects shared once (pickle's memo), and
-``nn.Parameter`` with its ``requires_grad`` and attributes.
-
-``HostBuffers`` is the seam between the CPU and CUDA paths: it hands out the host storage each
-source storage is copied into, the i-th storage of a save reusing the i-th of the last save when
-the sizes match (a model's checkpoint has the same storages at every save), so a run allocates
-its snapshot memory once. ``pinned=True`` (CUDA) allocates page-locked memory and copies without
-blocking the host; the copies are queued on the current stream, behind the step that produced
-the tensors and before any later step that changes them, and ``ready()`` is the event the writer
-waits on. On CPU the copies are plain ``copy_`` calls, done when ``snapshot`` returns.
-"""
+"""Host copies of what a checkpoint writes, byte for byte, into buffers reused across saves
+(docs/checkpoints.md, "Asynchronous saves": what the copy keeps, pinned memory on CUDA)."""
 
 from __future__ import annotations
 
@@ -71,12 +54,9 @@ class HostBuffers:
 
 
 def snapshot(obj, buffers: Optional[HostBuffers] = None, copy_host: bool = True):
-    """``obj`` with every tensor copied to the host (see the module docstring).
-
-    ``buffers`` None: fresh plain host memory (a synchronous save's device tensors, one file at a
-    time). ``copy_host`` False: CPU tensors are kept as they are (nothing will change them before
-    the caller writes them), only device tensors are copied.
-    """
+    """``obj`` with every tensor copied to the host: one copied storage per source storage (views
+    stay views), containers with their attributes, parameters with theirs. ``buffers`` None:
+    fresh host memory; ``copy_host`` False: CPU tensors are kept as they are."""
     storages: Dict[tuple, torch.UntypedStorage] = {}
     memo: Dict[int, object] = {}
     non_blocking = buffers is not None and buffers.pinned

@@ -1,39 +1,16 @@
-"""What a checkpoint of a given TP/PP/VPP layout holds, computed without building a real model.
-
-A megalite checkpoint stores, per (tp rank, pp rank), the ``state_dict`` of each model chunk and
-the state of the optimizer that stepped those chunks. To read or write one offline the converter
-needs, for every chunk: which parameters it has (in registration order: the optimizers key their
-state by that order), each parameter's record (megalite/param_meta.py: its TP split, and whether
-it is a ``tied_embedding`` copy, the tied embedding on the first and last pipeline stage, which
-gets a ZeRO bucket of its own), whether it is a vocab tensor (padded to ``padded_vocab_size(t)``)
-and its dtype.
-
-All of that is read off a ``GPTModel`` built on the ``meta`` device at tp=1 (no memory, no process
-group): the stage cuts come from ``pipeline_parallel.partition.virtual_layer_ranges``, the same
-function training uses, so the converter and the trainer cannot disagree on which layer is where.
-
-Mixture-of-experts layers are built at EP 1, as their checkpoints store them at any EP: every
-expert by its global index, ``[E, ...]``. Their TP split, like every parameter's, is the one its
-record declares (``tp_split``, ``partition_dim``, ``partition_stride``), never a rule of the
-converter's own. The state dict also holds persistent buffers (the MoE expert bias, ``[E]``),
-which no optimizer steps: they are listed apart (``chunk_state_specs``) and copied as they are
-to every TP rank (``ParamSpec.buffer``).
-"""
+"""The file cut of a checkpoint (TP x PP x virtual stages) and what each shard holds, read off a
+model built on the meta device (docs/checkpoints.md, "Conversion and resharding")."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional, Tuple
 
 import torch
 
-from megalite.config import (
-    V_SCHEDULES,
-    MegaliteConfig,
-    ModelConfig,
-    layers_per_virtual_stage,
-)
+from megalite.config import V_SCHEDULES, MegaliteConfig, ModelConfig, layers_per_virtual_stage
 from megalite.convert.sharding import EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, pad_vocab
 from megalite.param_meta import ParamMeta, param_meta, set_param_meta
 from megalite.pipeline_parallel.partition import virtual_layer_ranges, virtual_stage
@@ -42,7 +19,8 @@ from megalite.tensor_parallel.utils import shard_tensor, unshard_tensors
 
 @dataclass(frozen=True)
 class Layout:
-    """A TP x PP (x virtual stages) cut of a model; DP does not change what a shard holds."""
+    """A TP x PP (x virtual stages) cut of a model: which rank's files hold which tensors (DP, CP
+    and EP do not change it: their ranks' model files are identical or whole)."""
 
     tp: int
     pp: int
@@ -51,6 +29,16 @@ class Layout:
     decoder_last: Optional[int] = None
     v_schedule: Optional[str] = None  # zb-v / dualpipev: two chunks per rank in a V
     virtual_stages: Optional[int] = None  # V instead of K (layers_per_virtual_stage): L = PP V K
+
+    @classmethod
+    def of_config(cls, cfg: MegaliteConfig) -> "Layout":
+        """The layout a run (or a checkpoint's args.json) uses."""
+        par, tr = cfg.parallel, cfg.training
+        v_schedule = tr.pipeline_schedule if tr.pipeline_schedule in V_SCHEDULES else None
+        return cls(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
+                   None if v_schedule else cfg.layers_per_virtual_stage(),
+                   tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers,
+                   v_schedule)
 
     def ranges(self, num_layers: int) -> List[List[Tuple[int, int]]]:
         """``ranges[pp_rank][chunk]`` = global layer range; raises ConfigError if impossible."""
@@ -63,20 +51,14 @@ class Layout:
     def num_chunks(self, num_layers: int) -> int:
         return len(self.ranges(num_layers)[0])
 
+    def same_files(self, other: "Layout", num_layers: int) -> bool:
+        """Whether both cut the model's files alike (the same TP size and layer ranges)."""
+        return self.tp == other.tp and self.ranges(num_layers) == other.ranges(num_layers)
+
     def describe(self) -> str:
         v = f" vpp-layers={self.layers_per_virtual_stage}" if self.layers_per_virtual_stage else ""
         vee = f" {self.v_schedule}" if self.v_schedule else ""
         return f"tp={self.tp} pp={self.pp}{v}{vee}"
-
-
-def layout_of_config(cfg: MegaliteConfig) -> Layout:
-    """The layout a checkpoint's args.json says it was saved with."""
-    par, tr = cfg.parallel, cfg.training
-    per = cfg.layers_per_virtual_stage()
-    v_schedule = tr.pipeline_schedule if tr.pipeline_schedule in V_SCHEDULES else None
-    return Layout(par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
-                  None if v_schedule else per, tr.decoder_first_pipeline_num_layers,
-                  tr.decoder_last_pipeline_num_layers, v_schedule)
 
 
 @dataclass(frozen=True)
@@ -86,11 +68,6 @@ class Chunk:
     layer_range: Tuple[int, int]
     pre: bool  # owns the embedding
     post: bool  # owns the final norm and output layer
-
-
-def chunk_key(index: int, num_chunks: int) -> str:
-    """The key of a chunk's state dict in model_optim_rng.pt (checkpointing._chunk_key)."""
-    return "model" if num_chunks == 1 else f"model{index}"
 
 
 def chunks_of(layout: Layout, num_layers: int) -> List[List[Chunk]]:
@@ -103,7 +80,7 @@ def chunks_of(layout: Layout, num_layers: int) -> List[List[Chunk]]:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One parameter of a chunk, independent of the TP size (shapes are per TP size, below)."""
+    """One state-dict entry of a chunk, independent of the TP size."""
 
     name: str
     shape: Tuple[int, ...]  # at tp=1; vocab tensors at padded_vocab_size(1) rows
@@ -132,12 +109,8 @@ class ParamSpec:
         return tuple(shape)
 
     def numel(self, cfg: ModelConfig, tp: int) -> int:
-        n = 1
-        for s in self.local_shape(cfg, tp):
-            n *= s
-        return n
+        return math.prod(self.local_shape(cfg, tp))
 
-    # -------------------------------------------------------------------- full <-> TP shards
     def unshard(self, shards: List[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
         """TP shards (rank order) -> the canonical full tensor (a fresh tensor, vocab unpadded)."""
         m = self.meta
@@ -163,7 +136,7 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
                 shared: bool) -> Tuple[tuple, tuple, tuple]:
     """A chunk's parameters, its state dict entries (parameters and persistent buffers, in
     state_dict order) and its ZeRO-3 units (name, parameter names), read off a GPTModel built on
-    the meta device; the units come from distributed/zero3.py's own ``unit_plan``."""
+    the meta device at TP 1 and EP 1; the units are distributed/zero3.py's own ``unit_plan``."""
     from megalite.distributed.zero3 import unit_plan
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
@@ -186,26 +159,25 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
     return tuple(specs.values()), state, units
 
 
-def _chunk_key(cfg: ModelConfig, chunk: Chunk, pp: int) -> tuple:
-    return (tuple(sorted(cfg.to_dict().items())), chunk.pre, chunk.post, tuple(chunk.layer_range),
-            cfg.tie_embeddings and pp > 1)
+def _meta_chunk_of(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[tuple, tuple, tuple]:
+    return _meta_chunk(tuple(sorted(cfg.to_dict().items())), chunk.pre, chunk.post,
+                       tuple(chunk.layer_range), cfg.tie_embeddings and pp > 1)
 
 
 def chunk_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
     """The parameters of ``chunk`` in registration order (the optimizers' order)."""
-    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[0]
+    return _meta_chunk_of(cfg, chunk, pp)[0]
 
 
 def chunk_state_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
-    """Every entry of ``chunk``'s state dict, in its order: the parameters and the persistent
-    buffers (``buffer``), which a checkpoint's model file holds too."""
-    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[1]
+    """Every entry of ``chunk``'s state dict, in its order: parameters and persistent buffers."""
+    return _meta_chunk_of(cfg, chunk, pp)[1]
 
 
 def chunk_zero3_units(cfg: ModelConfig, chunk: Chunk, pp: int
                       ) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
     """``chunk``'s ZeRO-3 sharding units: (unit name, its parameter names in flat order)."""
-    return _meta_chunk(*_chunk_key(cfg, chunk, pp))[2]
+    return _meta_chunk_of(cfg, chunk, pp)[2]
 
 
 def layer_of(name: str) -> Optional[int]:

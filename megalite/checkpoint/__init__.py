@@ -1,0 +1,1 @@
+"""Checkpoints: format, save, load and the offline converter (docs/checkpoints.md)."""
