@@ -9,7 +9,7 @@ with it and the experts' deferred weight gradients (W), one step of each in turn
 load from other jobs hits all alike. Each step records the executor's op timeline
 (``timing_log_level`` 1): F and B spans, and "A" events, the intervals the computing side spent
 blocked on an all-to-all (the whole call without the overlap; its issue and its final wait with
-it, "I" and "A", ``collectives.all_to_all_overlapped``), and "W" events, the deferred weight
+it, "I" and "A", ``overlap.exchange``), and "W" events, the deferred weight
 gradients' runs (compute, not exposed time). Exposed all-to-all time is the sum of a step's A and
 I (issue) events; per step, the slower rank's; medians over the timed rounds. The gradients of
 the three variants are checked equal (bit for bit) after the first round.

@@ -1,23 +1,15 @@
 """Thin wrappers over torch.distributed collectives that count bytes and check devices.
 
 Every megalite collective goes through here (tests/test_collectives_strict.py greps for raw
-``dist.`` calls) so that communication volume can be measured and held against the formulas in
-docs/theory.md: all-reduce 2(n-1)/n*S, reduce-scatter and all-gather (n-1)/n*S, where S is the
-full array size; all-to-all sum over j != r of split_j * row bytes, the input rows rank r sends
-to the other ranks (its own split stays local). A group of ``None`` or size 1 means "no peers":
-the call is a local no-op (a copy where there is an output), which is how single-process runs
-skip communication (docs/design.md, contract 7).
-
-Two paths (docs/clusters.md, "Which collectives run where"): the *device path* (default) carries
-compute-device tensors (NCCL on GPUs); the *host path* (``host=True``) carries CPU control
-messages over the world group's gloo. The test harness's strict mode (tests/strict_collectives.py,
-installed through ``install_strict_checks``) rejects a tensor on another device than its path
-serves, and on CPU emulates a GPU.
+``dist.`` calls), so the bytes each rank sends can be held against docs/theory.md's formulas
+("Collectives"). A group of ``None`` or size 1 means "no peers": a local no-op (a copy where
+there is an output; docs/design.md, contract 7). The device path (default) carries compute-device
+tensors, the host path (``host=True``) CPU control messages over the world's gloo
+(docs/clusters.md, "Which collectives run where"; "Strict mode" for ``install_strict_checks``).
 """
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from typing import Dict, Optional
 
@@ -194,44 +186,3 @@ def one_line(e: BaseException, limit: int = 300) -> str:
 
 def count_p2p(num_bytes: int, tag: str = "p2p") -> None:
     _BYTES_SENT[tag] += int(num_bytes)
-
-
-# ----------------------------------------------------------------------------- paired all-to-alls
-# The combined 1F1B (--overlap-moe-expert-parallel-comm, docs/moe.md "Hiding the all-to-alls")
-# runs one micro-batch's forward and another's backward as two sides of a ``Pair``; while it does,
-# ``_PAIR`` is that pair and every ``all_to_all_overlapped`` is issued asynchronously, the other
-# side computing until the exchange is waited for. ``_A2A_OBSERVER`` (the executor's, when it
-# records a timeline) sees each interval the calling side spends blocked on an all-to-all.
-_PAIR = None
-_A2A_OBSERVER = None
-
-
-def set_overlap(pair, observer=None) -> None:
-    """Install (or, with None, remove) the running pair and the all-to-all wait observer."""
-    global _PAIR, _A2A_OBSERVER
-    _PAIR, _A2A_OBSERVER = pair, observer
-
-
-def all_to_all_overlapped(output: torch.Tensor, input: torch.Tensor, output_split_sizes,
-                          input_split_sizes, group, tag: str) -> None:
-    """``all_to_all_single``, blocking for its caller. Inside a pair it is issued async and the
-    other side runs until it reaches an all-to-all of its own (or ends); then the pair's queued
-    weight gradients may run (``Pair.fill_while``), and only then is this one waited for, so its
-    transfer hides behind that compute. The observer gets the intervals the
-    caller was blocked, ``observe(start, end, kind)``: the whole call ("A") without a pair; with
-    one, the issue ("I") and the final wait ("A")."""
-    pair, observe = _PAIR, _A2A_OBSERVER
-    start = time.perf_counter()
-    work = all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, tag,
-                             async_op=pair is not None)
-    if work is not None and pair is not None:
-        issued = time.perf_counter()
-        pair.switch()
-        pair.fill_while(work)  # deferred weight gradients, where nothing else would run
-        resumed = time.perf_counter()
-        work.wait()
-        if observe is not None:
-            observe(start, issued, "I")
-            observe(resumed, time.perf_counter(), "A")
-    elif observe is not None:
-        observe(start, time.perf_counter(), "A")

@@ -1,19 +1,7 @@
-"""Console lines, metrics.jsonl, W&B and TensorBoard; throughput, TFLOP/s, MFU and memory.
-
-One :class:`MetricsLogger` per run. Only the writer rank (global rank 0) writes anything; the
-training loop all-reduces the loss first so that rank 0 has it even though only the last pipeline
-stage computes it. Other parts of megalite log through the module-level :func:`log_metrics`
-(pipeline bubble statistics, memory accounting, ...), which is a no-op on non-writer ranks and
-before a run starts.
-
-Record shapes in ``metrics.jsonl`` (one JSON object per line, docs/logging.md):
-  * training  ``{"split": "train", "iteration", "lm_loss", "lr", "grad_norm", "loss_scale",
-    "tokens_per_sec", "tflops_per_device", "mfu", "peak_memory_bytes", "consumed_samples", ...}``
-  * validation ``{"split": "valid", "iteration", "lm_loss", "ppl"}``
-  * anything passed to :func:`log_metrics` ``{"iteration": step, **metrics}``
-
-W&B works on its own (no TensorBoard needed), honours ``WANDB_MODE=offline`` through wandb itself,
-and receives the config as the run config; megalite never reads or prints the API key.
+"""Console lines, metrics.jsonl, W&B and TensorBoard; throughput, TFLOP/s, MFU and memory
+(docs/logging.md, which gives the record shapes). One :class:`MetricsLogger` per run, owned by
+the training loop and handed to what logs besides it (the pipeline timeline); only the writer
+rank (global rank 0) writes, and megalite never reads or prints the W&B API key.
 """
 
 from __future__ import annotations
@@ -30,26 +18,11 @@ import torch
 
 from megalite.config import MegaliteConfig, ModelConfig
 
-# ------------------------------------------------------------------------------------------------
-# FLOPs and MFU (docs/theory.md, "FLOPs and MFU")
-# ------------------------------------------------------------------------------------------------
-
-
+# ------------------------------------------------------------------ FLOPs and MFU (docs/theory.md)
 def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
-    """Model FLOPs (forward + backward, no recompute) for one sequence of ``cfg.seq_length``.
-
-    docs/theory.md: 72·B·L·s·h²·(1 + s/(6h) + V/(12·h·L)) for GPT-2 shapes (per token
-    6·(12Lh² + Vh) + 12·L·s·h). We count the matmuls from the actual shapes, which reduces to that
-    formula for MHA + 4h GeLU MLP and is right for GQA (smaller K/V projections) and SwiGLU (three
-    h x f matrices): per token per layer, forward = 2·(h·(q + 2·kv) + q·h + h·f·(2 if SwiGLU else
-    1) + f·h) + 4·s·q (scores and values, full s as in the formula; :func:`attention_flops`);
-    multi-latent attention counts its own projections (``ModelConfig.attention_weights``) and
-    2·s·(q·k width + v width) in the core (docs/theory.md, "Multi-latent attention");
-    backward = 2 x forward; plus the logits 6·h·V. The q/k norms of --qk-layernorm are O(s·q),
-    not matmuls, and not counted. A mixture-of-experts layer counts its active FLOPs: the router
-    2·h·E, the k routed experts and the shared expert (each an MLP of its own f), and the shared
-    expert's gate 2·h (docs/theory.md, "Mixture of experts").
-    """
+    """Model FLOPs (forward + backward, no recompute) for one sequence of ``cfg.seq_length``,
+    counted from the actual matmul shapes (GQA, SwiGLU, MLA, MoE's active experts, the logits)
+    plus :func:`attention_flops`: docs/theory.md, "FLOPs and MFU"."""
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     V = vocab_size if vocab_size is not None else cfg.vocab_size
 
@@ -69,10 +42,8 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
 
 def attention_flops(cfg: ModelConfig) -> float:
     """The attention core's FLOPs (q·k^T and scores·v, forward + backward) for one sequence:
-    3·2·s·(q·k width + v width) per token and layer (3·4·s·q when q, k and v heads are d wide;
-    MLA's are not: ``ModelConfig.attention_widths``), where a layer with a sliding window of W
-    keys sees min(W, s) keys per query instead of s (both counted without halving for
-    causality)."""
+    3·2·s·(q·k width + v width) per token and layer, min(W, s) keys per query under a sliding
+    window of W, no halving for causality (docs/theory.md, "FLOPs and MFU")."""
     s, (qk, v) = cfg.seq_length, cfg.attention_widths()
     keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers))
     return float(3 * 2 * (qk + v) * keys * s)
@@ -86,59 +57,58 @@ _GPU_PEAK_BF16 = {
     "L4": 121e12, "V100": 125e12, "T4": 65e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
     "B200": 2250e12, "B100": 1750e12, "MI300X": 1307e12, "MI250X": 383e12,
 }
-_CPU_PEAK: Dict[int, float] = {}  # threads -> best fp32 matmul FLOP/s seen in this process
 
 
-def measure_cpu_matmul_flops(n: int = 1024, tries: int = 5) -> float:
-    """Achievable fp32 matmul FLOP/s on this CPU at torch's current thread count.
+class CpuPeak:
+    """Achievable fp32 matmul FLOP/s on this CPU per torch thread count, owned by its caller (the
+    training loop): CPUs have no datasheet figure torch reaches (docs/logging.md, CPU MFU)."""
 
-    CPUs have no datasheet number that torch reaches, so CPU MFU is relative to what an n x n fp32
-    matmul achieves here, run in the training process itself (so at the thread count the training
-    step uses). The fastest of ``tries`` matmuls counts, and the result only ever rises over the
-    process's life: other processes competing for the cores deflate a measurement, never inflate
-    it, and a deflated peak would inflate MFU.
-    """
-    threads = torch.get_num_threads()
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
-    torch.mm(a, b)  # warm-up
-    best = float("inf")
-    for _ in range(tries):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - t0)
-    _CPU_PEAK[threads] = max(_CPU_PEAK.get(threads, 0.0), 2.0 * n ** 3 / best)
-    return _CPU_PEAK[threads]
+    def __init__(self):
+        self.best: Dict[int, float] = {}  # threads -> best fp32 matmul FLOP/s seen
+
+    def measure(self, n: int = 1024, tries: int = 5) -> float:
+        """The fastest of ``tries`` n x n matmuls at the current thread count, kept only if it
+        beats what was seen: competing processes deflate a measurement, never inflate it."""
+        threads = torch.get_num_threads()
+        g = torch.Generator().manual_seed(0)
+        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+        torch.mm(a, b)  # warm-up
+        best = float("inf")
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+        self.best[threads] = max(self.best.get(threads, 0.0), 2.0 * n ** 3 / best)
+        return self.best[threads]
+
+    def current(self) -> float:
+        return self.best.get(torch.get_num_threads()) or self.measure()
+
+    def at_least(self, achieved: float) -> float:
+        """The peak once a step ran at ``achieved`` FLOP/s: measured again when the step beat it,
+        and the step's own rate if it still does, so CPU MFU never exceeds 100%."""
+        threads = torch.get_num_threads()
+        if achieved > self.best.get(threads, 0.0):
+            self.measure()
+            self.best[threads] = max(self.best[threads], achieved)
+        return self.best[threads]
 
 
-def peak_flops_per_device(device: torch.device, params_dtype: str = "bfloat16") -> float:
+def peak_flops_per_device(device: torch.device, params_dtype: str = "bfloat16",
+                          cpu: Optional[CpuPeak] = None) -> float:
+    """The datasheet dense peak of a GPU (NaN for an unknown one, rather than a guess), or the
+    CPU's measured one (``cpu``, else a fresh measurement)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key in sorted(_GPU_PEAK_BF16, key=len, reverse=True):
             if key in name:
                 peak = _GPU_PEAK_BF16[key]
                 return peak / 2 if params_dtype == "float32" else peak
-        return float("nan")  # unknown GPU: MFU is reported as NaN rather than guessed
-    return _CPU_PEAK.get(torch.get_num_threads()) or measure_cpu_matmul_flops()
+        return float("nan")
+    return (cpu or CpuPeak()).current()
 
 
-def cpu_peak_at_least(achieved: float) -> float:
-    """The CPU peak once a training step ran at ``achieved`` FLOP/s (docs/logging.md).
-
-    A step faster than the measured peak means the measurement was deflated (a busy moment): the
-    peak is measured again, and if the step still beats it, the step's own rate is the best this
-    CPU has shown and becomes the peak. So CPU MFU never exceeds 100%.
-    """
-    threads = torch.get_num_threads()
-    if achieved > _CPU_PEAK.get(threads, 0.0):
-        measure_cpu_matmul_flops()
-        _CPU_PEAK[threads] = max(_CPU_PEAK[threads], achieved)
-    return _CPU_PEAK[threads]
-
-
-# ------------------------------------------------------------------------------------------------
-# Writers
-# ------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------- writers
 class _JsonlWriter:
     """Appends JSON lines; the file is created on the first record (a run that fails at start-up
     leaves no empty metrics file behind). Line-buffered so readers see each record at once."""
@@ -231,23 +201,7 @@ class MetricsLogger:
             self.tb = None
 
 
-_ACTIVE: Optional[MetricsLogger] = None
-
-
-def set_active_logger(logger: Optional[MetricsLogger]) -> None:
-    global _ACTIVE
-    _ACTIVE = logger
-
-
-def log_metrics(metrics: dict, step: int, split: Optional[str] = None) -> None:
-    """Log arbitrary scalars at ``step`` from anywhere in megalite (no-op off the writer rank)."""
-    if _ACTIVE is not None:
-        _ACTIVE.log(metrics, step, split)
-
-
-# ------------------------------------------------------------------------------------------------
-# The Megatron-style console line
-# ------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------- the Megatron-style console line
 def format_eta(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"

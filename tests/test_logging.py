@@ -147,32 +147,38 @@ def test_model_flops_match_theory_for_gpt2_shapes():
     assert model_flops_per_sequence(swiglu) > per_token_mlp * L * s
 
 
-def test_log_metrics_seam_writes_for_other_components(tmp_path):
+def test_other_components_log_through_the_logger_they_are_handed(tmp_path):
+    """No module-level logger: the pipeline timeline's record goes to the MetricsLogger its
+    caller hands it, and without one it is only returned."""
     from megalite.config import MegaliteConfig
-    from megalite.logging import MetricsLogger, log_metrics, set_active_logger
+    from megalite.logging import MetricsLogger
+    from megalite.parallel_state import ParallelState
+    from megalite.pipeline_parallel.timeline import StageTimeline, log_pipeline_step
 
     cfg = MegaliteConfig()
     cfg.logging.metrics_file = str(tmp_path / "m.jsonl")
+    tl = StageTimeline("1f1b", 0, 1, 2)
+    tl.record("F", 0, 0, 0.0, 1.0)
     logger = MetricsLogger(cfg, is_writer=True)
-    set_active_logger(logger)
     try:
-        log_metrics({"bubble_fraction": 0.25}, step=7, split="pipeline")
+        rec = log_pipeline_step(tl, ParallelState(), 7, None, logger)
     finally:
-        set_active_logger(None)
         logger.close()
-    log_metrics({"ignored": 1.0}, step=8)  # no active logger: a no-op, not an error
-    (rec,) = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
-    assert rec == {"split": "pipeline", "iteration": 7, "bubble_fraction": 0.25}
+    assert log_pipeline_step(tl, ParallelState(), 8, None) is not None  # returned, not written
+    (line,) = [json.loads(x) for x in open(tmp_path / "m.jsonl")]
+    assert line["split"] == "pipeline" and line["iteration"] == 7
+    assert line["bubble_fraction"] == rec["bubble_fraction"] == 0.0
 
 
-def test_cpu_peak_rises_to_a_faster_step(monkeypatch):
+def test_cpu_peak_rises_to_a_faster_step():
     """A deflated CPU peak (a busy moment) is re-measured, then raised to the step's own rate."""
     import torch
 
-    monkeypatch.setattr(mlog, "_CPU_PEAK", {torch.get_num_threads(): 1.0})
-    peak = mlog.peak_flops_per_device(torch.device("cpu"), "float32")
+    cpu = mlog.CpuPeak()  # owned by its caller: no process-wide cache
+    cpu.best[torch.get_num_threads()] = 1.0
+    peak = mlog.peak_flops_per_device(torch.device("cpu"), "float32", cpu)
     assert peak == 1.0  # the cached, deflated measurement
-    measured = mlog.measure_cpu_matmul_flops(n=64, tries=1)
+    measured = cpu.measure(n=64, tries=1)
     assert measured > 1.0  # a new measurement raises the peak...
-    assert mlog.cpu_peak_at_least(measured / 2) == measured  # ...a slower step leaves it alone
-    assert mlog.cpu_peak_at_least(1e18) == 1e18  # a step beyond any measurement sets it
+    assert cpu.at_least(measured / 2) == measured  # ...a slower step leaves it alone
+    assert cpu.at_least(1e18) == 1e18  # a step beyond any measurement sets it

@@ -6,12 +6,14 @@ does not depend on how the experts are split."""
 import pytest
 import torch
 
+from megalite.config import ExecutionConfig
 from megalite.models import GPTModel
 from megalite.models.transformer import TransformerLayer, mlp_activation
 from megalite.moe import router as R
 from megalite.moe.layer import (MoELayer, begin_step, enable_expert_weight_grad_deferral,
                                 moe_layers)
-from megalite.tensor_parallel.layers import WeightGradStore
+from megalite.overlap import WeightGradStore
+from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
 
 from model_utils import tiny_config
@@ -23,9 +25,10 @@ def _moe_config(**kw):
     return tiny_config("llama", **base)
 
 
-def _layer(cfg, seed=0):
+def _layer(cfg, seed=0, grouped=True):
     torch.manual_seed(seed)
-    layer = MoELayer(cfg, 0, mlp_activation(cfg))
+    layer = MoELayer(cfg, 0, mlp_activation(cfg),
+                     execution=ExecutionConfig(moe_grouped_gemm=grouped))
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return layer
@@ -52,8 +55,8 @@ def test_matches_hf_mixtral_block():
 @pytest.mark.parametrize("kw", [dict(), dict(swiglu=False, activation="gelu",
                                              add_bias_linear=True)])
 def test_grouped_gemm_equals_the_expert_loop(kw):
-    cfg = _moe_config(moe_grouped_gemm=False, **kw)
-    loop, grouped = _layer(cfg), _layer(_moe_config(moe_grouped_gemm=True, **kw))
+    cfg = _moe_config(**kw)
+    loop, grouped = _layer(cfg, grouped=False), _layer(cfg)
     grouped.load_state_dict(loop.state_dict())
     x = torch.randn(9, 2, 32, requires_grad=True)
     outs = []
@@ -72,12 +75,13 @@ def test_grouped_gemm_equals_the_expert_loop(kw):
 @pytest.mark.parametrize("grouped", [True, False])
 def test_deferred_expert_weight_grads_are_the_inline_ones(grouped):
     """--delay-wgrad-compute's expert W (docs/moe.md): a marked layer's backward inside
-    ``WeightGradStore.capture()`` leaves the expert weights' gradients to two queued closures;
+    ``store.capture()`` leaves the expert weights' gradients to two queued closures;
     run, then followed by an inline micro-batch, every gradient is bit for bit the unmarked
     layer's (both paths: grouped GEMM and the per-expert loop)."""
-    cfg = _moe_config(moe_grouped_gemm=grouped)
-    plain, marked = _layer(cfg), _layer(cfg)
-    enable_expert_weight_grad_deferral([marked])
+    cfg = _moe_config()
+    plain, marked = _layer(cfg, grouped=grouped), _layer(cfg, grouped=grouped)
+    store = WeightGradStore()
+    enable_expert_weight_grad_deferral([marked], store)
     xs = [torch.randn(9, 2, 32) for _ in range(2)]
     grads = []
     for layer in (plain, marked):
@@ -87,7 +91,7 @@ def test_deferred_expert_weight_grads_are_the_inline_ones(grouped):
             y = layer(x)
             loss = (y * torch.arange(y.numel()).view_as(y).sin()).sum()
             if layer is marked and j == 0:
-                with WeightGradStore.capture() as queue:
+                with store.capture() as queue:
                     loss.backward()
                 assert len(queue) == 2 and layer.weight1.grad is None
                 assert layer.weight2.grad is None and layer.router.grad is not None
@@ -97,7 +101,8 @@ def test_deferred_expert_weight_grads_are_the_inline_ones(grouped):
                 loss.backward()
             dx.append(x.grad)
         grads.append(dx + [p.grad for p in layer.parameters()])
-    assert marked.weight1.weight_grads_queued == marked.weight2.weight_grads_queued == 0
+    assert param_meta(marked.weight1).weight_grads_queued == 0
+    assert param_meta(marked.weight2).weight_grads_queued == 0
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 

@@ -1,37 +1,14 @@
-"""DistributedDataParallel: contiguous grad buffers, bucketed and overlapped DP reduction.
-
-Wrap each model chunk: ``ddp = DistributedDataParallel(chunk, opt_cfg, ps)``. The forward passes
-through. During backward a hook on every parameter's gradient accumulator moves ``.grad`` into
-``param.main_grad`` (a view of the contiguous grad buffer, fp32 for 16-bit params), frees ``.grad``
-and marks the parameter ready; when every parameter of a bucket is ready the bucket's collective
-can be issued asynchronously while backward continues (``overlap_grad_reduce``):
-
-* stage 0: all-reduce the bucket (every rank keeps the full reduced gradient);
-* stage 1: reduce-scatter it in place (rank r keeps shard r; docs/theory.md: all-reduce =
-  reduce-scatter + all-gather, and ZeRO-1 only needs the first half for the gradients);
-* stage 2: reduce-scatter it on *every* micro-batch, add the shard into a persistent accumulator and
-  release the full-size storage, so only 1/N of the gradients lives between micro-batches.
-
-Stages 0/1 reduce only on the last micro-batch: inside ``no_sync()`` the buckets just accumulate.
-Without overlap, every bucket is reduced in :meth:`finish_grad_sync`. The loss is already divided by
-the global batch's token count (docs/design.md, contract 4), so the reduction is a SUM.
-
-Deferred weight gradients (zero-bubble "W", tensor_parallel/layers.py): the backward of a linear
-layer marked by ``enable_weight_grad_deferral`` returns no weight gradient while
-``WeightGradStore`` captures (an unmarked one computes it inline); the gradient arrives later
-through ``accumulate_weight_grad``, which adds into ``main_grad`` and calls
-``param.deferred_grad_hook`` — that is when the parameter is marked ready. The tied embedding weight gets one contribution in B
-(the lookup) and one in W (the output layer): while a W of a parameter is queued (its
-``weight_grads_queued`` count, kept by layers.py) only that W marks it ready.
-
-Order of reductions (finalize, :func:`finalize_model_grads_ddp`). Sequence-parallel gradients need
-a TP all-reduce and split tied embeddings an embedding-group all-reduce, besides the DP reduction.
-All three are sums, and sums commute, so megalite does DP *first* — it has to, because with overlap
-the DP reduction starts in the middle of backward — and then the TP / embedding all-reduces on the
-DP-reduced values this rank holds: the full gradient in stage 0, only this rank's shard in stages
-1/2. That is correct because the shards line up across the ranks of those groups (identical layouts
-on all TP ranks; the shared embedding has a bucket of its own on both stages, see
-param_and_grad_buffer.py), and it moves 1/N of the bytes a pre-DP all-reduce would.
+"""DistributedDataParallel: contiguous grad buffers, bucketed and overlapped DP reduction
+(docs/data_parallel.md, "How a step runs"). A hook on every parameter's gradient accumulator
+moves ``.grad`` into ``param.main_grad`` (a view of the bucket's buffer) and marks it ready; a
+ready bucket is all-reduced (stage 0) or reduce-scattered (stages 1 and 2; stage 2 on every
+micro-batch, keeping only the shard), async with ``overlap_grad_reduce``. Deferred weight
+gradients (megalite/overlap.py) arrive later through ``accumulate_weight_grad``, which calls the
+parameter's ``ParamMeta.deferred_grad_hook``; while a W of a parameter is queued
+(``ParamMeta.weight_grads_queued``) only that W marks it ready (the tied embedding gets one
+contribution in B, the lookup, and one in W, the output layer). After backward the DP
+reduction comes first, then the TP and embedding-group sums on the DP-reduced values this rank
+holds (sums commute; :func:`finalize_model_grads_ddp`).
 """
 
 from __future__ import annotations
@@ -46,7 +23,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite.config import OptimizerConfig
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
-from megalite.param_meta import param_meta
+from megalite.param_meta import param_meta, set_param_meta
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.random import queue_at_end_of_backward
 
@@ -105,14 +82,11 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for p in self.param_to_buffer:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
-            p.deferred_grad_hook = self._deferred_grad_hook
-        # Parameter all-gathers issued at the end of a step are waited on by the first module
-        # that uses the bucket's params in the next forward (overlap_param_gather). Only then,
-        # and never inside compiled code: traced, the hook's parameter lookups guard on each
-        # parameter's identity, so every layer would compile its own graph until dynamo's
-        # recompile limit sends the rest back to eager. A module whose forward runs compiled
-        # code (``compiled_forward``, set by the transformer layer under --torch-compile) gets
-        # one hook, outside its graph, for all of its parameters.
+            set_param_meta(p, deferred_grad_hook=self._deferred_grad_hook)
+        # overlap_param_gather: the first module using a bucket's params in the next forward
+        # waits for its all-gather. Never inside compiled code, where the hook's parameter
+        # lookups would guard on each parameter's identity and recompile every layer: a
+        # ``compiled_forward`` module gets one hook, outside its graph, for all its parameters.
         for m in _gather_hook_sites(module) if self.overlap_param_gather else ():
             self._hook_handles.append(m.register_forward_pre_hook(self._param_gather_pre_hook))
 
@@ -146,34 +120,28 @@ class DistributedDataParallel(nn.Module):
         if self.record_events:
             self.events.append((kind, what, time.perf_counter()))
 
-    def _grad_hook(self, p: nn.Parameter) -> None:
-        if p.grad is None:
+    def _grad_hook(self, p: nn.Parameter, deferred: bool = False) -> None:
+        """After backward accumulated ``p``'s gradient, or (``deferred``) after a W added it: a
+        W adds into ``main_grad`` itself, except under stage 2 with the storage released."""
+        if p.grad is None and not deferred:
             return  # deferred weight gradient: it arrives through _deferred_grad_hook
         buf = self.param_to_buffer[p]
         bucket = buf.param_to_bucket[p]
-        if buf.zero_stage == 2:
-            self._complete_stage2(bucket)  # fold an in-flight reduction before reusing storage
-            buf.ensure_grad_storage(bucket)
-        if p.grad.data_ptr() != p.main_grad.data_ptr():  # (.grad may alias main_grad already)
-            p.main_grad.add_(p.grad.view_as(p.main_grad))
-        p.grad = None
+        if p.grad is not None:
+            if buf.zero_stage == 2:
+                self._complete_stage2(bucket)  # fold an in-flight reduction before reusing storage
+                buf.ensure_grad_storage(bucket)
+            if p.grad.data_ptr() != p.main_grad.data_ptr():  # (.grad may alias main_grad already)
+                p.main_grad.add_(p.grad.view_as(p.main_grad))
+            p.grad = None
         self._synced = False
         self._record("hook", self.param_names[p])
-        if getattr(p, "weight_grads_queued", 0):
+        if not deferred and param_meta(p).weight_grads_queued:
             return  # more of this gradient comes with a queued W pass (a tied output layer's)
         self._mark_ready(buf, bucket, p)
 
     def _deferred_grad_hook(self, p: nn.Parameter) -> None:
-        buf = self.param_to_buffer[p]
-        bucket = buf.param_to_bucket[p]
-        if p.grad is not None:  # stage 2 with the storage released: the grad went to .grad
-            self._complete_stage2(bucket)
-            buf.ensure_grad_storage(bucket)
-            p.main_grad.add_(p.grad.view_as(p.main_grad))
-            p.grad = None
-        self._synced = False
-        self._record("hook", self.param_names[p])
-        self._mark_ready(buf, bucket, p)
+        self._grad_hook(p, deferred=True)
 
     def _mark_ready(self, buf: ParamAndGradBuffer, bucket: Bucket, p: nn.Parameter) -> None:
         bucket.ready.add(p)
@@ -236,11 +204,8 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: stages 0/1 skip the DP reduction until the last micro-batch.
-
-        Stage 2 reduces every micro-batch regardless — keeping only the shard between micro-batches
-        is what ZeRO-2 trades the extra communication for.
-        """
+        """Gradient accumulation: stages 0/1 skip the DP reduction until the last micro-batch
+        (stage 2 reduces every micro-batch regardless: it keeps only the shard between them)."""
         previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -288,10 +253,8 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------------ param all-gather
     def start_param_sync(self, overlap: Optional[bool] = None) -> None:
-        """All-gather every bucket's params from their owners' shards (stages 1/2).
-
-        With overlap the gathers stay in flight and the forward pre-hooks wait for them.
-        """
+        """All-gather every bucket's params from their owners' shards (stages 1/2); with overlap
+        they stay in flight and the forward pre-hooks wait for them."""
         overlap = self.overlap_param_gather if overlap is None else overlap
         for buf in self.grad_buffers:
             for b in buf.buckets:

@@ -1,3 +1,3 @@
-"""Mixture of Experts (docs/moe.md). For now the pure pieces: routing, balancing losses, capacity
-(``router.py``) and local token permutation (``dispatch.py``); the layer, expert parallelism and
-the flags come later."""
+"""Mixture of Experts (docs/moe.md): routing, balancing losses and capacity (``router.py``), local
+token permutation (``dispatch.py``), expert parallelism's exchange (``alltoall.py``) and the MoE
+layer with its per-step hooks (``layer.py``)."""

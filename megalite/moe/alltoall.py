@@ -1,27 +1,11 @@
-"""Expert parallelism's token exchange (docs/moe.md, "Token dispatch: the all-to-all").
+"""Expert parallelism's token exchange (docs/moe.md, "Token dispatch: the all-to-all"): rows
+sorted by global expert go to their experts' EP rank, are regrouped there by local expert, and
+(ETP > 1) all-gathered over the ETP group; ``combine`` undoes each step. Dropless routing reads
+the split sizes on the host once per layer and micro-batch; capacity padding reads nothing.
 
-The experts of EP rank r are the global experts r·E_local .. (r+1)·E_local − 1, so a sender
-whose tokens are sorted by global expert (``dispatch.permute``) already holds one contiguous block
-per destination rank. After the all-to-all a receiver holds, per source rank in rank order, that
-source's tokens for its local experts in local-expert order; ``dispatch`` regroups them by local
-expert (one block per expert for the expert matmuls) and ``combine`` undoes both steps.
-
-Expert tensor parallelism (ETP > 1) adds a second exchange inside each ETP group, whose ranks hold
-the same experts, each a slice of every expert's weights, and different tokens: the rows each one
-received are all-gathered over the group (an all-to-all of ETP copies), so every slice sees every
-row, and the partial outputs are summed back onto the rank that brought the row (an all-to-all,
-then a sum over the ETP pieces: a reduce-scatter with uneven blocks). The same regrouping follows
-each exchange.
-
-Dropless routing makes the block sizes data-dependent, and the collectives need them on the host:
-one read per MoE layer and micro-batch, of the counts both exchanges need, brought in on the device
-first. Everything else stays on the tokens' device. Capacity padding fixes every block at C rows
-per expert: then nothing is exchanged or read.
-
-Every exchange here goes through ``collectives.all_to_all_overlapped``: blocking as seen from the
-layer, but inside the combined 1F1B's pair (--overlap-moe-expert-parallel-comm) the paired
-micro-batch computes while it is in flight, the count exchange included, so the split sizes
-have arrived by the time they are read (docs/moe.md, "Hiding the all-to-alls").
+Every exchange calls the overlap hook (``overlap.exchange``) explicitly: blocking as seen from
+the layer, but inside the combined 1F1B's pair the paired micro-batch computes while it is in
+flight (docs/moe.md, "Hiding the all-to-alls").
 """
 
 from __future__ import annotations
@@ -32,6 +16,7 @@ import torch
 
 from megalite import collectives as C
 from megalite.config import ConfigError
+from megalite.overlap import exchange
 
 
 def exchange_counts(tokens_per_expert_local: torch.Tensor, ep_group) -> torch.Tensor:
@@ -39,7 +24,7 @@ def exchange_counts(tokens_per_expert_local: torch.Tensor, ep_group) -> torch.Te
     rank s sends here for each local expert (one equal-split all-to-all of E ints)."""
     ep = C.group_size(ep_group)
     counts = torch.empty_like(tokens_per_expert_local)
-    C.all_to_all_overlapped(counts, tokens_per_expert_local, None, None, ep_group, "moe_counts")
+    exchange(counts, tokens_per_expert_local, None, None, ep_group, "moe_counts")
     return counts.view(ep, -1)
 
 
@@ -60,14 +45,14 @@ class AllToAll(torch.autograd.Function):
                 tag: str = "moe_all_to_all"):
         ctx.splits, ctx.group, ctx.tag = (output_splits, input_splits), group, tag
         out = x.new_empty(sum(output_splits), *x.shape[1:])
-        C.all_to_all_overlapped(out, x, output_splits, input_splits, group, ctx.tag)
+        exchange(out, x, output_splits, input_splits, group, ctx.tag)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         out = grad.new_empty(sum(input_splits), *grad.shape[1:])
-        C.all_to_all_overlapped(out, grad, input_splits, output_splits, ctx.group, ctx.tag)
+        exchange(out, grad, input_splits, output_splits, ctx.group, ctx.tag)
         return out, None, None, None, None
 
 
@@ -129,12 +114,10 @@ def _exchange(rows: torch.Tensor, counts: torch.Tensor, input_splits: List[int],
 def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: torch.Tensor,
              ep_group, num_local_experts: int, etp_group=None,
              padded_to: Optional[int] = None):
-    """Send each token to the EP rank of its expert, then (ETP > 1) share the rows over the ETP
-    group -> (rows grouped by local expert, expert 0 first, source ranks in order inside each;
-    rows per local expert [E_local]; handle for ``combine``). ``tokens_per_expert_local`` [E]
-    counts this rank's rows per global expert (the block sizes of the sorted input).
-    ``padded_to`` C: every rank sends exactly C rows to every expert (capacity padding), so
-    every size is known on the host: no count exchange and no host read."""
+    """Each row to its expert's EP rank, then (ETP > 1) shared over the ETP group -> (rows grouped
+    by local expert, source ranks in order inside each; rows per local expert [E_local]; handle
+    for ``combine``). ``padded_to`` C (capacity padding): C rows to every expert, so no count
+    exchange and no host read."""
     ep, etp = C.group_size(ep_group), C.group_size(etp_group)
     num_experts = tokens_per_expert_local.numel()
     if num_experts != ep * num_local_experts:

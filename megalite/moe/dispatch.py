@@ -9,24 +9,17 @@ import torch
 
 
 def assignment_order(routing_map: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The positions in the flattened [E, T] map of its ``num_rows`` True entries, in row-major
-    order (experts in order, tokens in order within each), when the host already knows how many
-    there are: dropless routing has exactly k per token, capacity padding C per expert. A stable
-    sort of (not chosen, position) keys, a fixed shape: no host read (a masked_select would need
-    one to size its output)."""
+    """The positions of the flattened [E, T] map's ``num_rows`` True entries, row-major, when the
+    host knows their number (dropless: k per token; padding: C per expert): a stable sort of
+    (not chosen, position), a fixed shape, so no host read, which a masked_select needs."""
     flat = routing_map.t().reshape(-1)
     return torch.argsort((~flat).to(torch.int8), stable=True)[:num_rows]
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, num_rows: int | None = None):
     """tokens [T, h], routing_map bool [T, E] -> (permuted [N, h], sorted_indices [N],
-    tokens_per_expert [E]), N the number of (token, expert) assignments.
-
-    Rows are grouped by expert, expert 0 first; within an expert tokens keep their order (what a
-    stable sort by expert would give), so the layout is deterministic and position-based dropping
-    upstream stays meaningful. ``sorted_indices[j]`` is the token that row j came from.
-    ``num_rows``: N when the host knows it (``assignment_order``): the same result, no host read.
-    """
+    tokens_per_expert [E]): rows grouped by expert, tokens in order within each (a stable sort),
+    ``sorted_indices[j]`` the token of row j. ``num_rows``: N when the host knows it."""
     num_tokens, num_experts = routing_map.shape
     if num_rows is not None:
         sorted_indices = assignment_order(routing_map, num_rows) % num_tokens
@@ -39,12 +32,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, num_rows: int | Non
 
 def unpermute(expert_out: torch.Tensor, sorted_indices: torch.Tensor, probs: torch.Tensor | None,
               routing_map: torch.Tensor, num_rows: int | None = None):
-    """Inverse of :func:`permute`: out[t] = Σ over t's rows of probs[t, e] · expert_out[row].
-
-    ``probs`` [T, E] dense (None: unweighted sum); its weights are read through the same
-    ``routing_map`` walk as the permutation, so each row meets its own gate. The result has
-    ``expert_out``'s dtype.
-    """
+    """Inverse of :func:`permute`: out[t] = Σ over t's rows of probs[t, e] · expert_out[row]
+    (``probs`` [T, E] read through the same walk, None: unweighted), in ``expert_out``'s dtype."""
     num_tokens = routing_map.shape[0]
     rows = expert_out
     if probs is not None:

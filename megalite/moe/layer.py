@@ -1,13 +1,6 @@
 """The MoE MLP (docs/moe.md): router -> permute -> [all-to-all over EP] -> experts -> back ->
-combine, plus the always-on shared expert. It replaces the dense MLP on the layers
-``ModelConfig.is_moe_layer`` selects.
-
-Tokens: the layer sees this rank's tokens, [s_local, b, h]. Under TP the model requires sequence
-parallelism, so every rank of TP x CP x DP holds different tokens and the expert grid (ETP x EP x
-EDP, megalite/parallel_state.py) can fold over all of them.
-
-The balancing losses reach the backward through ``AuxLossScaler`` on the layer's output: nothing
-crosses a pipeline boundary and no schedule changes.
+combine, plus the always-on shared expert, on this rank's tokens [s_local, b, h]; the balancing
+losses reach the backward through ``AuxLossScaler`` on the layer's output.
 """
 
 from __future__ import annotations
@@ -20,12 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite import collectives as C
-from megalite.config import ModelConfig, dtype_from_name
+from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.moe import router as R
 from megalite.moe.alltoall import combine, dispatch
 from megalite.moe.dispatch import permute, unpermute
 from megalite.param_meta import set_param_meta
-from megalite.tensor_parallel.layers import WeightGradStore
+from megalite.overlap import WeightGradStore
 from megalite.tensor_parallel.mappings import (
     gather_first_dim,
     gather_from_sequence_parallel_region,
@@ -34,11 +27,9 @@ from megalite.tensor_parallel.mappings import (
 
 
 class AuxLossScaler(torch.autograd.Function):
-    """Identity on ``output``; in backward, ``aux_loss`` gets the gradient ``scale``. The loss
-    that trains the model is then main + scale x aux without aux ever being added to it (so the
-    pipeline carries nothing new): ``scale`` is the main loss's own multiplier for one
-    micro-batch (1 / the micro-batches of the global batch, times the fp16 loss scale: then a
-    0-dim device tensor, which the host never reads)."""
+    """Identity on ``output``; in backward, ``aux_loss`` gets the gradient ``scale`` (the main
+    loss's own multiplier for one micro-batch, a 0-dim device tensor under fp16), so the model
+    trains on main + scale x aux without the pipeline carrying aux (docs/moe.md)."""
 
     @staticmethod
     def forward(ctx, output, aux_loss, scale):
@@ -53,16 +44,17 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
-                      grouped: bool, defer: bool = False) -> torch.Tensor:
+                      grouped: bool, store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts`` [E_local] rows each) times ``weight[e]``
     ([E_local, in, out]). ``grouped``: one grouped GEMM; else a loop over the experts (the
-    reference the grouped path is tested against). ``defer`` (a layer marked by
+    reference the grouped path is tested against). ``store`` (a layer marked by
     :func:`enable_expert_weight_grad_deferral`): the weight's gradient is its own step, queued
-    while ``WeightGradStore`` captures; x's gradient is autograd's, as unmarked."""
+    while the store captures; x's gradient is autograd's, as unmarked."""
+    defer = store is not None
     w = weight.detach() if defer else weight
     if grouped:
         split = counts.cumsum(0).to(torch.int32)
-        y = torch._grouped_mm(x, w, offs=split)
+        y = F.grouped_mm(x, w, offs=split)
     else:
         # unbind once: indexing weight[e] per expert would give each expert a zero-filled
         # gradient of the whole stack in backward (E full passes per projection); unbind's
@@ -74,7 +66,7 @@ def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tenso
             start += n
         y = torch.cat(out) if out else x.new_zeros(0, weight.shape[-1])
     if defer:
-        y = _ExpertWeightGrad.apply(y, x.detach(), weight, split, grouped)
+        y = _ExpertWeightGrad.apply(y, x.detach(), weight, split, grouped, store)
     return y
 
 
@@ -83,39 +75,39 @@ def _expert_weight_grad(x: torch.Tensor, grad: torch.Tensor, split, grouped: boo
     """dW[e] = x_eᵀ dy_e over each expert's rows, in the form autograd's own backward of the
     unmarked product computes it (checked bit for bit in tests/test_moe_layer.py)."""
     if grouped:
-        return torch._grouped_mm(x.t(), grad, offs=split)
+        return F.grouped_mm(x.t(), grad, offs=split)
     return torch.stack([a.t().mm(g) for a, g in zip(x.split(split), grad.split(split))])
 
 
 class _ExpertWeightGrad(torch.autograd.Function):
     """Identity on y = the product with a detached weight (whose graph gives x its gradient);
-    backward adds the weight's: inline, or queued for a W pass while ``WeightGradStore``
-    captures (the combined 1F1B's --delay-wgrad-compute, docs/moe.md)."""
+    backward adds the weight's: inline, or queued for a W pass while the store captures (the
+    combined 1F1B's --delay-wgrad-compute, docs/moe.md)."""
 
     @staticmethod
-    def forward(ctx, y, x, weight, split, grouped):
+    def forward(ctx, y, x, weight, split, grouped, store):
         ctx.save_for_backward(x)
-        ctx.weight, ctx.split, ctx.grouped = weight, split, grouped
+        ctx.weight, ctx.split, ctx.grouped, ctx.store = weight, split, grouped, store
         return y
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         split, grouped = ctx.split, ctx.grouped
-        if WeightGradStore.is_capturing():
-            WeightGradStore.put(ctx.weight, lambda: _expert_weight_grad(x, grad, split, grouped))
-            return grad, None, None, None, None
-        return grad, None, _expert_weight_grad(x, grad, split, grouped), None, None
+        if ctx.store.capturing:
+            ctx.store.put(ctx.weight, lambda: _expert_weight_grad(x, grad, split, grouped))
+            return grad, None, None, None, None, None
+        return grad, None, _expert_weight_grad(x, grad, split, grouped), None, None, None
 
 
-def enable_expert_weight_grad_deferral(modules) -> None:
-    """Mark the MoE layers under ``modules``: a backward inside ``WeightGradStore.capture()``
-    then queues their experts' weight gradients (only theirs: each expert weight is used once
-    per micro-batch, so one deferred gradient replaces one inline one, bit for bit)."""
+def enable_expert_weight_grad_deferral(modules, store: WeightGradStore) -> None:
+    """Mark the MoE layers under ``modules``: a backward inside ``store.capture()`` then queues
+    their experts' weight gradients (only theirs: each expert weight is used once per
+    micro-batch, so one deferred gradient replaces one inline one, bit for bit)."""
     for module in modules:
         for m in module.modules():
             if isinstance(m, MoELayer):
-                m.defer_weight_grad = True
+                m.weight_grad_store = store
 
 
 class MoEGroups(NamedTuple):
@@ -134,15 +126,18 @@ class MoEGroups(NamedTuple):
 
 
 class MoELayer(nn.Module):
-    defer_weight_grad = False  # set by enable_expert_weight_grad_deferral
+    weight_grad_store = None  # set by enable_expert_weight_grad_deferral
 
     def __init__(self, config: ModelConfig, layer_number: int, activation: Callable,
                  shared_expert: Optional[nn.Module] = None, groups: MoEGroups = MoEGroups(),
-                 sequence_parallel: bool = False, device=None):
+                 sequence_parallel: bool = False, device=None,
+                 execution: ExecutionConfig = ExecutionConfig()):
         super().__init__()
         c = config
         dtype = dtype_from_name(c.params_dtype)
         self.config, self.layer_number, self.act = c, layer_number, activation
+        self.grouped_gemm = execution.moe_grouped_gemm
+        self.dispatcher = execution.moe_token_dispatcher_type
         self.num_experts, self.topk = c.num_experts, c.moe_router_topk
         self.groups = groups
         self.ep_group, self.tp_group, self.cp_group = groups.ep, groups.tp, groups.cp
@@ -261,13 +256,10 @@ class MoELayer(nn.Module):
         return loss
 
     def _global_aux_loss(self, scores: torch.Tensor, top: torch.Tensor, split: int):
-        """global_aux_loss (Megatron's): the token fractions of the micro-batches the step has
-        routed so far, all DP ranks' together, their running mean; this micro-batch's scores.
-        The DP ranks' micro-batches of one round form one batch of DP times the tokens, so each
-        rank's share is DP x its part of that batch's loss: the shares of a round sum to
-        DP x the round's loss, and the trainer's 1 / (m x DP) scale leaves the round's loss
-        averaged over the step. A layout with DP ranks therefore equals one process whose
-        micro-batches are DP times larger (where Megatron's gradient is 1/DP of that)."""
+        """global_aux_loss (Megatron's): the running mean of the token fractions the step has
+        routed so far over all DP ranks, with this micro-batch's scores; each rank's share is DP
+        x its part of the round's loss, so a layout equals one process with DP times larger
+        micro-batches (docs/moe.md, where the scaling against Megatron's is derived)."""
         c, g = self.config, self.groups
         counts = top.sum(0).float()
         C.all_reduce(counts, group=g.tp, tag="moe_aux")  # TP x DP x CP: the whole round
@@ -282,20 +274,19 @@ class MoELayer(nn.Module):
                                                  c.moe_aux_loss_coeff)
 
     def _experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        grouped, defer = self.config.moe_grouped_gemm, self.defer_weight_grad
-        h = grouped_expert_mm(x, self.weight1, counts, grouped, defer)
+        grouped, store = self.grouped_gemm, self.weight_grad_store
+        h = grouped_expert_mm(x, self.weight1, counts, grouped, store)
         if self.bias1 is not None:
             h = h + self.bias1.repeat_interleave(counts, dim=0, output_size=x.shape[0])
-        h = grouped_expert_mm(self.act(h), self.weight2, counts, grouped, defer)
+        h = grouped_expert_mm(self.act(h), self.weight2, counts, grouped, store)
         if self.bias2 is not None:
             h = h + self.bias2.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return h
 
     def _allgather_experts(self, tokens, probs, routing_map, rows):
-        """The allgather dispatcher: every rank of the ETP x EP group gathers the group's tokens
-        and their routing, runs its own experts (its slice of them) on the rows chosen for them,
-        and a reduce-scatter sums the experts' and slices' contributions back onto the tokens'
-        ranks. Equal blocks: at EP 1 every row is local and known in number, so no host read."""
+        """The allgather dispatcher (docs/moe.md): the ETP x EP group's tokens gathered, this
+        rank's experts (or slices) run on their rows, a reduce-scatter sums the contributions
+        back onto the tokens' ranks."""
         group = self.etp_ep_group
         n = C.group_size(group)
         local = slice(self.local_expert_offset, self.local_expert_offset + self.num_local_experts)
@@ -324,7 +315,7 @@ class MoELayer(nn.Module):
         cap = self._capacity(tokens.shape[0])
         rows = (tokens.shape[0] * self.topk if cap is None else
                 self.num_experts * cap if self.config.moe_pad_expert_input_to_capacity else None)
-        if self.config.moe_token_dispatcher_type == "allgather":
+        if self.dispatcher == "allgather":
             y = self._allgather_experts(tokens, probs, routing_map, rows)
         else:
             permuted, sorted_indices, _ = permute(tokens, routing_map, rows)

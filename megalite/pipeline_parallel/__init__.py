@@ -8,7 +8,6 @@ from megalite.pipeline_parallel.partition import build_model_chunks  # noqa: F40
 from megalite.pipeline_parallel.executor import get_forward_backward_func  # noqa: F401
 from megalite.pipeline_parallel.timeline import (  # noqa: F401
     bubble_stats,
-    last_timeline,
     gather_timelines,
     log_pipeline_step,
     write_chrome_trace,

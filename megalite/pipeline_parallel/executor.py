@@ -1,46 +1,35 @@
-"""The pipeline executor: runs one rank's op list with the p2p program that suits its backend.
-
-``schedules.schedule_order`` says what to compute (F, B, W ops), ``schedules.p2p_program`` where
-the sends and receives go ("post", "wait" and "run" steps); this module only carries them out:
-
-    for step in program:  post a batch | wait for one | run ops[i]  (F, B or W)
-
-The program is "eager" where every send and receive completes on its own (gloo) and "batched"
-elsewhere (NCCL); both run the same ops in the same order. Data between two chunks of the same
-rank (where the V of zb-v / dualpipev turns, on rank p-1) is handed over in memory.
+"""The pipeline executor: runs one rank's op list (``schedules.schedule_order``) with the p2p
+program that suits its backend (``schedules.p2p_program``: "post", "wait", "run" and "pair"
+steps), at every PP; PP 1 is the 1F1B program of one stage. Data between two chunks of one rank
+(where the V turns) is handed over in memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.autograd.variable import Variable
 
 from megalite import collectives as C
+from megalite import torch_private as P
+from megalite.config import V_SCHEDULES, ConfigError, check_pipeline_args
+from megalite.moe.layer import enable_expert_weight_grad_deferral
+from megalite.overlap import Clock, Pair, WeightGradStore, set_overlap
 from megalite.parallel_state import synchronize
 from megalite.pipeline_parallel.p2p import (
     TAG_ACTIVATION, TAG_GRADIENT, PipelineP2P, tensor_shape)
-from megalite.config import V_SCHEDULES, ConfigError, check_pipeline_args
-from megalite.moe.layer import enable_expert_weight_grad_deferral
 from megalite.pipeline_parallel.partition import virtual_stage
 from megalite.pipeline_parallel.schedules import Op, op_peers, p2p_program, schedule_order
-from megalite.pipeline_parallel.timeline import StageTimeline, last_timeline, set_last_timeline
-from megalite.tensor_parallel.layers import WeightGradStore, enable_weight_grad_deferral
+from megalite.pipeline_parallel.timeline import StageTimeline
+from megalite.tensor_parallel.layers import enable_weight_grad_deferral
 
 
 def _free_output_data(t: torch.Tensor) -> None:
-    """Drop the storage of a stage output once it has been sent, keeping its autograd node.
-
-    The next stage has its own copy (the p2p batch holds the sent data until it completes); this
-    stage only needs the graph for backward, so holding the [s, b, h] tensor too would cost one
-    activation per in-flight micro-batch for nothing (Megatron's deallocate_output_tensor idea).
-    Views are left alone: their storage belongs to another tensor.
-    """
-    if t._base is None:
+    """Drop the storage of a stage output once it has been sent, keeping its autograd node: the
+    next stage has its own copy, and holding it here would cost one activation per in-flight
+    micro-batch (Megatron's deallocate_output_tensor). Views own no storage: left alone."""
+    if not P.is_view(t):
         t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
 
@@ -50,24 +39,21 @@ def _backward(output: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
     if grad is None:
         torch.autograd.backward(output)
         return
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True)
+    P.backward_unchecked(output, grad)
 
 
 class PipelineExecutor:
-    """One rank's part of one pipelined step. Ops are indices into ``self.ops``; ``inbox[i]`` is
-    op i's input (activation for F, output gradient for B) and ``outbox[i]`` its output until sent.
-    """
+    """One rank's part of one step, at every PP (PP 1 runs the 1F1B program of one stage). Ops are
+    indices into ``self.ops``; ``inbox[i]`` is op i's input (activation for F, output gradient for
+    B) and ``outbox[i]`` its output until sent. ``clock``: record a timeline with it."""
 
-    def __init__(self, schedule: str, chunks: list, parallel_state, m: int, forward_only: bool,
+    def __init__(self, schedule: str, chunks: list, p: int, r: int, m: int, forward_only: bool,
                  forward_step_func: Callable, data_iterator, grad_scale_func, no_sync_func,
-                 p2p: PipelineP2P, timing: bool, paired: bool = False,
+                 p2p: Optional[PipelineP2P], clock: Optional[Clock], paired: bool = False,
                  delay_wgrad: bool = False):
-        ps = parallel_state
         self.chunks, self.p2p, self.forward_only = chunks, p2p, forward_only
         self.forward_step_func, self.grad_scale_func = forward_step_func, grad_scale_func
-        p, r, v = ps.pp_size, ps.pp_rank, len(chunks)
+        v = len(chunks)
         self.r = r
         self.ops = schedule_order(schedule, p, r, m, v, forward_only, paired)
         self.peers = [op_peers(op, schedule, p, r, v) for op in self.ops]
@@ -75,8 +61,6 @@ class PipelineExecutor:
         vs = [virtual_stage(p, r, c, v, schedule in V_SCHEDULES) for c in range(v)]
         self.first = [s == 0 for s in vs]  # chunk c takes the input ids
         self.last = [s == p * v - 1 for s in vs]  # chunk c computes the loss
-        self.deferred_w = {(op.chunk, op.microbatch) for op in self.ops if op.kind == "W"}
-        enable_weight_grad_deferral(chunks if self.deferred_w else [])  # linears B can defer
         self.data = _Feeder(data_iterator, v, m)
         self.no_sync = _NoSync(None if forward_only else no_sync_func, self.ops)
         self.inbox: Dict[int, Optional[torch.Tensor]] = {}
@@ -85,15 +69,23 @@ class PipelineExecutor:
         self.weight_grads: Dict[tuple, list] = {}  # (chunk, mb) -> W closures awaiting W
         self.batches: Dict[int, object] = {}
         self.stats: List[dict] = []
-        self.timeline = StageTimeline(schedule, r, p, m, v) if timing else None
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.timeline = None
+        if clock is not None:
+            self.timeline = StageTimeline(schedule if p > 1 else "none", r, p, m, v)
+            self.timeline.clock = clock
         self.running: Optional[Op] = None  # the op an all-to-all wait is charged to
-        # --delay-wgrad-compute: a pair's backward queues its experts' W's, run first in first
-        # out in all-to-all waits (Pair.fill_while), the rest before the next op outside a pair
-        # that computes gradients, so every gradient still accumulates in micro-batch order
-        self.wgrads = WeightGradQueue(self._record_w) if paired and delay_wgrad else None
-        if self.wgrads is not None:
-            enable_expert_weight_grad_deferral(chunks)
+        # the step's deferred weight gradients: zero-bubble W ops, and with --delay-wgrad-compute
+        # a pair's backward's expert W's, run first in first out in all-to-all waits
+        # (Pair.fill_while), the rest before the next op outside a pair that computes
+        # gradients, so every gradient still accumulates in micro-batch order
+        self.store = WeightGradStore(self._record_w, clock)
+        self.deferred_w = {(op.chunk, op.microbatch) for op in self.ops if op.kind == "W"}
+        if self.deferred_w:
+            enable_weight_grad_deferral(chunks, self.store)  # linears B can defer
+        self.delay = paired and delay_wgrad
+        if self.delay:
+            enable_expert_weight_grad_deferral(chunks, self.store)  # only the experts' (moe.md)
 
     # ---------------------------------------------------------------- the program's three steps
     def post(self, b: int, sends, recvs) -> None:
@@ -114,11 +106,13 @@ class PipelineExecutor:
         self.inbox.update(zip(recvs, batch.wait() if batch is not None else []))
 
     def run(self, i: int) -> None:
-        if self.wgrads is not None and self.ops[i].kind != "F":
-            self.wgrads.flush()
+        if self.delay and self.ops[i].kind != "F":
+            self.store.flush()
         self.no_sync.before(i)
-        start = self._clock()
-        self._deliver(i, self._compute(i), start)
+        start = self._mark()
+        out = self._compute(i)
+        self._record(i, start)
+        self._deliver(i, out)
 
     def pair(self, i: int, k: int) -> None:
         """An F&B pair (schedules.paired_units): the forward ops[i] and the backward ops[k] as
@@ -126,79 +120,75 @@ class PipelineExecutor:
         "F&B pairs"); each side's output leaves once both have ended."""
         for j in (i, k):
             self.no_sync.before(j)
-        start, outs, sides = self._clock(), {}, (i, k)
+        outs, sides = {}, (i, k)
 
         def side(j: int) -> None:
-            began = time.perf_counter() - self.t0
+            start = self._mark()
             key = (self.ops[j].chunk, self.ops[j].microbatch)
-            queued = self.wgrads is not None and self.ops[j].kind == "B" \
+            queued = self.delay and self.ops[j].kind == "B" \
                 and key not in self.deferred_w  # (a B with a W op of its own defers into it)
-            with self.wgrads.capture(j) if queued else contextlib.nullcontext():
+            with self.store.capture(j) if queued else contextlib.nullcontext():
                 outs[j] = self._compute(j)
-            if self.timeline is not None:
-                op = self.ops[j]
-                self.timeline.record(op.kind, op.chunk, op.microbatch, began,
-                                     time.perf_counter() - self.t0)
+            self._record(j, start)
 
-        pair = Pair(on_resume=lambda s: setattr(self, "running", self.ops[sides[s]]),
-                    fill=self.wgrads)
-        C.set_overlap(pair, self._a2a_observer())
+        pair = Pair([str(self.ops[j]) for j in sides],
+                    on_resume=lambda s: setattr(self, "running", self.ops[sides[s]]),
+                    fill=self.store if self.delay else None)
+        set_overlap(pair, self.clock, self._a2a_recorder())
         try:
             pair.run(lambda: side(i), lambda: side(k))
         finally:
-            C.set_overlap(None, self._a2a_observer())
-        if self.wgrads is not None:  # older backwards' W's now: at most two backwards' held
-            self.wgrads.flush(before=k)
+            set_overlap(None, self.clock, self._a2a_recorder())
+        if self.delay:  # older backwards' W's now: at most two backwards' held
+            self.store.flush(before=k)
         for j in sides:
-            self._deliver(j, outs[j], None)
+            self._deliver(j, outs[j])
+
+    def _mark(self):
+        return self.clock.mark() if self.timeline is not None else None
+
+    def _record(self, i: int, start, kind: Optional[str] = None) -> None:
+        """Op i's span from ``start`` (a clock mark) to now, or an interval inside it (``kind``:
+        a queued W, an all-to-all's A or I)."""
         if self.timeline is not None:
-            synchronize(self.p2p.device)
-            self.timeline.end = max(self.timeline.end, time.perf_counter() - self.t0)
+            op = self.ops[i]
+            self.timeline.record(kind or op.kind, op.chunk, op.microbatch, start,
+                                 self.clock.mark())
 
-    def _record_interval(self, kind: str, op: Op, start: float, end: float) -> None:
-        """An interval inside an op (perf_counter times): a queued W, an all-to-all's A or I."""
+    def _record_w(self, i: int, start, end) -> None:
         if self.timeline is not None:
-            self.timeline.record(kind, op.chunk, op.microbatch, start - self.t0, end - self.t0)
+            op = self.ops[i]
+            self.timeline.record("W", op.chunk, op.microbatch, start, end)
 
-    def _record_w(self, i: int, start: float, end: float) -> None:
-        self._record_interval("W", self.ops[i], start, end)
-
-    def _clock(self) -> Optional[float]:
+    def _a2a_recorder(self) -> Optional[Callable]:
+        """Records the intervals the running op was blocked in an MoE all-to-all: "A" waiting,
+        "I" issuing one (overlap.exchange)."""
         if self.timeline is None:
             return None
-        synchronize(self.p2p.device)
-        return time.perf_counter() - self.t0
+        return lambda kind, start, end: self.timeline.record(
+            kind, self.running.chunk, self.running.microbatch, start, end)
 
     def _compute(self, i: int):
         op = self.running = self.ops[i]
         compute = {"F": self.forward, "B": self.backward, "W": self.weight}[op.kind]
         return compute(op, self.inbox.pop(i, None))
 
-    def _deliver(self, i: int, out, start: Optional[float]) -> None:
-        """Hand op i's output to its consumer; record its span (``start``: not already
-        recorded)."""
+    def _deliver(self, i: int, out) -> None:
+        """Hand op i's output to its consumer."""
         op, dst = self.ops[i], self.peers[i][1]
         if dst == self.r:  # the V turns inside this rank: hand the output to its consumer
             nxt = Op(op.kind, 1 - op.chunk, op.microbatch)
             self.inbox[self.index[nxt.kind, nxt.chunk, nxt.microbatch]] = out.detach()
         elif dst is not None:
             self.outbox[i] = out
-        if self.timeline is not None and start is not None:
-            synchronize(self.p2p.device)
-            self.timeline.record(op.kind, op.chunk, op.microbatch, start,
-                                 time.perf_counter() - self.t0)
-
-    def _a2a_observer(self) -> Optional[Callable]:
-        """Records the intervals the running op was blocked in an MoE all-to-all: "A" waiting,
-        "I" issuing one (collectives.all_to_all_overlapped)."""
-        if self.timeline is None:
-            return None
-        return lambda start, end, kind: self._record_interval(kind, self.running, start, end)
 
     # ---------------------------------------------------------------- F, B and W
     def forward(self, op: Op, inp: Optional[torch.Tensor]) -> torch.Tensor:
         if inp is not None:
             inp.requires_grad_(not self.forward_only)
+        if self.timeline is not None and not self.forward_only:
+            # in flight from its start: a pair's backward may end before its forward does
+            self.timeline.peak_in_flight = max(self.timeline.peak_in_flight, len(self.saved) + 1)
         chunk = self.chunks[op.chunk]
         chunk.set_input_tensor(inp)
         with torch.set_grad_enabled(not self.forward_only):
@@ -211,15 +201,13 @@ class PipelineExecutor:
         chunk.set_input_tensor(None)
         if not self.forward_only:
             self.saved[op.chunk, op.microbatch] = (inp, out)
-            if self.timeline is not None:
-                self.timeline.peak_in_flight = max(self.timeline.peak_in_flight, len(self.saved))
         return out
 
     def backward(self, op: Op, grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         key = (op.chunk, op.microbatch)
         inp, out = self.saved.pop(key)
         if key in self.deferred_w:  # B computes the input gradient; a W op the weights' later
-            with WeightGradStore.capture() as queue:
+            with self.store.capture() as queue:
                 _backward(out, grad)
             self.weight_grads[key] = list(queue)
         else:
@@ -230,45 +218,62 @@ class PipelineExecutor:
         for fn in self.weight_grads.pop((op.chunk, op.microbatch)):
             fn()
 
-    def execute(self, program: List[tuple]) -> List[dict]:
-        C.set_overlap(None, self._a2a_observer())
+    def execute(self, program) -> List[dict]:
+        set_overlap(None, self.clock, self._a2a_recorder())
         try:
             for step, *args in program:
                 getattr(self, step)(*args)
-            if self.wgrads is not None:
-                self.wgrads.flush()
+            self.store.flush()
             for recvs, batch in self.batches.values():
                 if batch is not None:
                     batch.wait()
         finally:
-            C.set_overlap(None, None)
+            set_overlap(None)
             self.no_sync.close()
         assert self.forward_only or not (self.saved or self.weight_grads), "work left undone"
         return self.stats
 
 
-def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, model,
-                                num_microbatches: int, seq_length: int, micro_batch_size: int,
-                                parallel_state, forward_only: bool = False,
-                                grad_scale_func: Optional[Callable] = None,
-                                no_sync_func=None,
-                                finalize_model_grads_func: Optional[Callable] = None,
-                                schedule: Optional[str] = None, timing_log_level: int = 0,
-                                p2p_mode: Optional[str] = None,
-                                overlap_moe_expert_parallel_comm: bool = False,
-                                delay_wgrad_compute: bool = False,
-                                **unused) -> List[dict]:
-    """Run this rank's part of a pipelined step (schedules' contract).
+def _chunks_of(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
-    ``p2p_mode``: "eager" or "batched" (schedules.p2p_program); None picks eager where the
-    backend's p2p ops complete independently (gloo) and batched elsewhere (NCCL).
-    ``overlap_moe_expert_parallel_comm``: run the schedule's F&B pairs (schedules.paired_units,
-    docs/pipeline_parallel.md "F&B pairs"); the same ops on the same inputs, so the same losses
-    and gradients bit for bit. ``delay_wgrad_compute`` (with it): a paired backward's expert
-    weight gradients fill the pair's all-to-all waits (``Pair.fill_while``).
-    """
+
+def _run(schedule: str, chunks: list, p: int, r: int, mode: str, p2p, device, *,
+         forward_step_func: Callable, data_iterator, num_microbatches: int,
+         forward_only: bool = False, grad_scale_func: Optional[Callable] = None,
+         no_sync_func=None, finalize_model_grads_func: Optional[Callable] = None,
+         timing_log_level: int = 0, overlap_moe_expert_parallel_comm: bool = False,
+         delay_wgrad_compute: bool = False, on_timeline: Optional[Callable] = None,
+         **unused) -> List[dict]:
+    """The one runner of a step's program, at every PP. ``overlap_moe_expert_parallel_comm``:
+    the combined 1F1B's F&B pairs (docs/pipeline_parallel.md "F&B pairs"), the same ops on the
+    same inputs, so the same losses and gradients bit for bit; ``delay_wgrad_compute`` (with
+    it): a paired backward's expert W's fill the pair's all-to-all waits (``Pair.fill_while``).
+    ``on_timeline`` receives the step's timeline (``timing_log_level`` >= 1)."""
+    m = num_microbatches
+    paired = overlap_moe_expert_parallel_comm and not forward_only
+    clock = Clock(device) if timing_log_level >= 1 else None
+    ex = PipelineExecutor(schedule, chunks, p, r, m, forward_only, forward_step_func,
+                          data_iterator, grad_scale_func, no_sync_func, p2p, clock, paired,
+                          delay_wgrad_compute)
+    stats = ex.execute(p2p_program(mode, schedule, p, r, m, len(chunks), forward_only, paired))
+    if ex.timeline is not None and on_timeline is not None:
+        on_timeline(ex.timeline)
+    if not forward_only and finalize_model_grads_func is not None:
+        finalize_model_grads_func(chunks)
+    return stats
+
+
+def forward_backward_pipelining(*, model, parallel_state, num_microbatches: int,
+                                seq_length: int, micro_batch_size: int,
+                                schedule: Optional[str] = None, timing_log_level: int = 0,
+                                p2p_mode: Optional[str] = None, **kwargs) -> List[dict]:
+    """Run this rank's part of a pipelined step (docs/pipeline_parallel.md, "API for the
+    training loop"; the rest of the keywords: ``_run``). ``p2p_mode``: "eager" or "batched"
+    (schedules.p2p_program); None picks eager where the backend's p2p ops complete
+    independently (gloo), batched elsewhere (NCCL)."""
     ps = parallel_state
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks = _chunks_of(model)
     schedule = check_pipeline_args(ps.pp_size, num_microbatches, len(chunks), schedule)
     cfg, param = chunks[0].config, next(chunks[0].parameters())
     p2p = PipelineP2P(ps, tensor_shape(seq_length, micro_batch_size, cfg.hidden_size, ps.tp_size,
@@ -277,22 +282,60 @@ def forward_backward_pipelining(*, forward_step_func: Callable, data_iterator, m
     if mode == "eager" and not p2p.independent_ops:
         raise ValueError("p2p_mode='eager' needs a backend whose p2p ops complete "
                          "independently (gloo)")
-    timing = timing_log_level >= 1
-    if timing:
+    if timing_log_level >= 1:
         synchronize(param.device)
         if ps.pp_group is not None:
             C.barrier(group=ps.pp_group)  # a common step start for all stages
-    paired = overlap_moe_expert_parallel_comm and not forward_only
-    ex = PipelineExecutor(schedule, chunks, ps, num_microbatches, forward_only, forward_step_func,
-                          data_iterator, grad_scale_func, no_sync_func, p2p, timing, paired,
-                          delay_wgrad_compute)
-    stats = ex.execute(p2p_program(mode, schedule, ps.pp_size, ps.pp_rank, num_microbatches,
-                                   len(chunks), forward_only, paired))
-    if timing:
-        set_last_timeline(ex.timeline)
-    if not forward_only and finalize_model_grads_func is not None:
-        finalize_model_grads_func(chunks)
-    return stats
+    return _run(schedule, chunks, ps.pp_size, ps.pp_rank, mode, p2p, param.device,
+                num_microbatches=num_microbatches, timing_log_level=timing_log_level, **kwargs)
+
+
+def forward_backward_no_pipelining(*, model, **kwargs) -> List[dict]:
+    """Gradient accumulation: m micro-batches on one stage, DP sync only after the last; the
+    1F1B program of one stage (with --overlap-moe-expert-parallel-comm the combined 1F1B: F1,
+    the pairs (F(j+1), B(j)), B(m); docs/moe.md "Hiding the all-to-alls")."""
+    chunks = _chunks_of(model)
+    if len(chunks) != 1:
+        raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
+    device = next(chunks[0].parameters()).device
+    return _run("1f1b", chunks, 1, 0, "eager", None, device, **kwargs)
+
+
+class ForwardBackwardFunc:
+    """A schedule bound to its name; callable with the contract's kwargs. It keeps the timeline
+    of its last call that recorded one (``timing_log_level`` >= 1)."""
+
+    def __init__(self, fn: Callable, schedule: Optional[str]):
+        self.fn = fn
+        self.schedule = schedule
+        self.__name__ = f"forward_backward_{(schedule or 'no_pipelining').replace('-', '_')}"
+        self._timeline: Optional[StageTimeline] = None
+
+    def __call__(self, **kwargs) -> List[dict]:
+        if self.schedule is not None:
+            kwargs.setdefault("schedule", self.schedule)
+        self._timeline = None
+        return self.fn(on_timeline=lambda t: setattr(self, "_timeline", t), **kwargs)
+
+    def last_timeline(self) -> Optional[StageTimeline]:
+        """The last recorded timeline, its clock marks resolved now (once)."""
+        return None if self._timeline is None else self._timeline.resolve()
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}>"
+
+
+def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None,
+                              schedule: Optional[str] = None) -> ForwardBackwardFunc:
+    """``--pipeline-schedule`` (SCHEDULES); interleaved is implied when vpp > 1."""
+    p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
+    if p == 1:
+        if v > 1:
+            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+        return ForwardBackwardFunc(forward_backward_no_pipelining, None)
+    schedule = check_pipeline_args(p, 2 * p, v, schedule)  # the name, default and v; m per call
+    return ForwardBackwardFunc(forward_backward_pipelining, schedule)
 
 
 class _Feeder:
@@ -350,247 +393,3 @@ class _NoSync:
         for cm in self.open:
             cm.__exit__(None, None, None)
         self.open = []
-
-
-# ----------------------------------------------------------------------------- entry points
-class WeightGradQueue:
-    """The deferred weight gradients (W) of successive backwards, run first in, first out: each
-    parameter's W's then accumulate in the order of their backwards, as inline gradients would.
-    ``capture(label)`` is the context of one backward (its W's are appended as it reaches them,
-    and may be run meanwhile); ``on_run(label, start, end)`` sees each W run."""
-
-    def __init__(self, on_run: Optional[Callable[[int, float, float], None]] = None):
-        self.groups: List[tuple] = []  # (label, the backward's W's still to run)
-        self.on_run = on_run
-
-    @contextlib.contextmanager
-    def capture(self, label: int):
-        with WeightGradStore.capture(queue=[]) as queue:
-            self.groups.append((label, queue))
-            yield
-
-    def run_one(self, before: Optional[int] = None) -> bool:
-        """Run the oldest queued W (``before``: if its backward's label is lower); False when
-        there is none to run."""
-        while len(self.groups) > 1 and not self.groups[0][1]:
-            self.groups.pop(0)  # (the last group's backward may still be appending)
-        if not self.groups or not self.groups[0][1]:
-            return False
-        label, queue = self.groups[0]
-        if before is not None and label >= before:
-            return False
-        start = time.perf_counter()
-        queue.pop(0)()
-        if self.on_run is not None:
-            self.on_run(label, start, time.perf_counter())
-        return True
-
-    def flush(self, before: Optional[int] = None) -> None:
-        """Run the queued W's (``before``: those of backwards labelled lower)."""
-        while self.run_one(before):
-            pass
-
-
-class Pair:
-    """Two sides (callables) run as coroutines on two threads: exactly one runs at a time, side 0
-    first, and the running side hands over only inside ``switch`` (called by
-    ``collectives.all_to_all_overlapped`` once its exchange is issued) or by ending. Both ranks
-    of the EP group therefore issue their all-to-alls in one order, the same on every rank: the
-    order the two sides reach them, alternating. The side that switches is always the one
-    running, whichever thread it is on (on CUDA, autograd runs the backward's nodes on its
-    device thread), so the pair needs no thread identities.
-
-    ``fill`` (--delay-wgrad-compute): the deferred weight gradients (W) that ``fill_while`` runs
-    where the running side would otherwise block on an exchange."""
-
-    def __init__(self, on_resume: Optional[Callable[[int], None]] = None,
-                 fill: Optional["WeightGradQueue"] = None):
-        self.cond = threading.Condition()
-        self.turn, self.done = 0, [False, False]
-        self.on_resume = on_resume  # called with the side that runs again after a hand-over
-        self.fill = fill
-
-    def fill_while(self, work) -> None:
-        """Run queued W's, first in first out, while ``work`` (an issued exchange of the running
-        side, which has handed over and resumed) is still in flight: in the pair's tail, where
-        no other side is left to compute, and wherever the other side's compute was shorter
-        than the exchange. Only until it completes: a W run past that delays this rank's next
-        exchange, which the peer ranks wait for (benchmarks/moe_overlap.py: running them all at
-        the first wait of the tail exposes more than it hides)."""
-        while self.fill is not None and not work.is_completed() and self.fill.run_one():
-            pass
-
-    def switch(self) -> None:
-        with self.cond:
-            me = self.turn
-            if self.done[1 - me]:
-                return  # the other side has ended: nothing to hand over to
-            self.turn = 1 - me
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: self.turn == me)
-        if self.on_resume is not None:
-            self.on_resume(me)
-
-    def run(self, side0: Callable, side1: Callable) -> None:
-        errors: List[BaseException] = []
-
-        def side(k: int, fn: Callable) -> None:
-            with self.cond:
-                self.cond.wait_for(lambda: self.turn == k)
-            try:
-                fn()
-            except BaseException as e:  # re-raised on the caller's thread below
-                errors.append(e)
-            finally:
-                with self.cond:
-                    self.done[k], self.turn = True, 1 - k
-                    self.cond.notify_all()
-
-        other = threading.Thread(target=side, args=(1, side1), daemon=True)
-        other.start()
-        side(0, side0)
-        other.join()
-        if errors:
-            raise errors[0]
-
-
-def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator, model,
-                                   num_microbatches: int, seq_length: int = 0,
-                                   micro_batch_size: int = 0, parallel_state=None,
-                                   forward_only: bool = False,
-                                   grad_scale_func: Optional[Callable] = None,
-                                   no_sync_func: Optional[Callable] = None,
-                                   finalize_model_grads_func: Optional[Callable] = None,
-                                   timing_log_level: int = 0,
-                                   overlap_moe_expert_parallel_comm: bool = False,
-                                   delay_wgrad_compute: bool = False,
-                                   **unused) -> List[dict]:
-    """Gradient accumulation: run m micro-batches on one stage; DP sync only after the last.
-
-    ``overlap_moe_expert_parallel_comm``: the combined 1F1B (docs/moe.md, "Hiding the
-    all-to-alls"): F1, then the pairs (F(j+1), B(j)), then B(m); each pair's all-to-alls are in
-    flight while the other micro-batch computes. The same ops on the same inputs in the same
-    forward and backward orders: losses and gradients are bit for bit those without it.
-
-    ``delay_wgrad_compute`` (with it): a pair's backward defers its experts' weight gradients
-    (W) into a first-in-first-out queue; they run where a side would wait on an all-to-all
-    (``Pair.fill_while``), in this pair or the next, and the rest before B(m), so every
-    gradient accumulates in micro-batch order."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-    if len(chunks) != 1:
-        raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
-    module = chunks[0]
-    no_sync = no_sync_func or contextlib.nullcontext
-    m = num_microbatches
-    stats_list: List[dict] = []
-    timeline = StageTimeline("none", 0, 1, m) if timing_log_level >= 1 else None
-    t0 = time.perf_counter()
-    losses: Dict[int, torch.Tensor] = {}
-    running = [0]  # the micro-batch whose side runs (what an all-to-all wait is charged to)
-
-    def forward(j: int) -> None:
-        running[0] = j
-        start = time.perf_counter() - t0
-        with torch.set_grad_enabled(not forward_only):
-            output, loss_func = forward_step_func(data_iterator, module)
-            loss, stats = loss_func(output)
-            if grad_scale_func is not None and not forward_only:
-                loss = grad_scale_func(loss)
-        stats_list.append(stats)
-        losses[j] = loss
-        if timeline is not None:
-            timeline.record("F", 0, j, start, time.perf_counter() - t0)
-
-    def backward(j: int, deferred: bool = False) -> None:
-        running[0] = j
-        start = time.perf_counter() - t0
-        with torch.set_grad_enabled(True), (
-                wgrads.capture(j) if deferred else contextlib.nullcontext()):
-            losses.pop(j).backward()
-        if timeline is not None:
-            timeline.record("B", 0, j, start, time.perf_counter() - t0)
-
-    def a2a_wait(start: float, end: float, kind: str) -> None:
-        # "A": blocked waiting for an all-to-all, "I": issuing one (collectives)
-        timeline.record(kind, 0, running[0], start - t0, end - t0)
-
-    def pair(j: int) -> None:  # F(j+1) and B(j), interleaved at their all-to-alls
-        sides = (j + 1, j)  # side 0 the forward's micro-batch, side 1 the backward's
-        # the running side is charged for the waits: track it at every hand-over
-        p = Pair(on_resume=lambda side: running.__setitem__(0, sides[side]),
-                 fill=wgrads if delay_wgrad_compute else None)
-        C.set_overlap(p, a2a_wait if timeline is not None else None)
-        try:
-            p.run(lambda: forward(sides[0]), lambda: backward(sides[1], delay_wgrad_compute))
-        finally:
-            C.set_overlap(None, a2a_wait if timeline is not None else None)
-
-    C.set_overlap(None, a2a_wait if timeline is not None else None)
-    paired = overlap_moe_expert_parallel_comm and not forward_only and m > 1
-    delay_wgrad_compute = delay_wgrad_compute and paired
-    if delay_wgrad_compute:
-        enable_expert_weight_grad_deferral(chunks)  # only the experts' (docs/moe.md)
-    wgrads = WeightGradQueue(None if timeline is None else lambda j, start, end: timeline.record(
-        "W", 0, j, start - t0, end - t0))
-    try:
-        with no_sync():
-            if paired:
-                forward(0)
-                for j in range(m - 1):
-                    pair(j)  # B(j)'s W's left over run in the next pair's waits,
-                    wgrads.flush(before=j)  # older ones now: at most two backwards' W's held
-                # before B(m) computes its experts' gradients inline, and the DP reduction
-                # (outside no_sync) may start
-                wgrads.flush()
-            else:
-                for j in range(m - 1):
-                    forward(j)
-                    if not forward_only:
-                        backward(j)
-        # outside no_sync: the DP reduction (or its hooks) may fire now
-        if not paired:
-            forward(m - 1)
-        if not forward_only:
-            backward(m - 1)
-    finally:
-        C.set_overlap(None, None)
-    if timeline is not None:
-        timeline.peak_in_flight = 2 if paired else 1
-        set_last_timeline(timeline)
-    if not forward_only and finalize_model_grads_func is not None:
-        finalize_model_grads_func(chunks)
-    return stats_list
-
-
-class ForwardBackwardFunc:
-    """A schedule bound to its name; callable with the contract's kwargs."""
-
-    def __init__(self, fn: Callable, schedule: Optional[str]):
-        self.fn = fn
-        self.schedule = schedule
-        self.__name__ = f"forward_backward_{(schedule or 'no_pipelining').replace('-', '_')}"
-
-    def __call__(self, **kwargs) -> List[dict]:
-        if self.schedule is not None:
-            kwargs.setdefault("schedule", self.schedule)
-        return self.fn(**kwargs)
-
-    @staticmethod
-    def last_timeline() -> Optional[StageTimeline]:
-        return last_timeline()
-
-    def __repr__(self) -> str:
-        return f"<{self.__name__}>"
-
-
-def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
-                              virtual_pipeline_model_parallel_size: Optional[int] = None,
-                              schedule: Optional[str] = None) -> ForwardBackwardFunc:
-    """``--pipeline-schedule`` (SCHEDULES); interleaved is implied when vpp > 1."""
-    p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
-    if p == 1:
-        if v > 1:
-            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        return ForwardBackwardFunc(forward_backward_no_pipelining, None)
-    schedule = check_pipeline_args(p, 2 * p, v, schedule)  # the name, default and v; m per call
-    return ForwardBackwardFunc(forward_backward_pipelining, schedule)

@@ -1,12 +1,8 @@
-"""Point-to-point communication between pipeline ranks.
-
-Shapes are known before the first message (``[s, b, h]``, or ``[s/t, b, h]`` under sequence
-parallelism), so the receiver allocates its buffer and posts the receive without a handshake.
-``post`` sends and receives one batch (``batch_isend_irecv``); which messages travel together is
-the p2p program's choice (schedules.p2p_program). Within a batch the ops are posted in a fixed
-order on every rank, activations before gradients and sends before receives, so two ranks that
-exchange several messages post them in the same order; activations and gradients have different
-tags, which is how gloo tells apart messages between the same pair.
+"""Point-to-point communication between pipeline ranks (docs/pipeline_parallel.md,
+"Point-to-point"). Shapes are known before the first message (``[s(/t), b, h]``), so a receive
+needs no handshake. ``post`` sends and receives one batch, its ops in a fixed order on every rank
+(activations before gradients, sends before receives); gloo tells apart the messages between one
+pair by their tags.
 """
 
 from __future__ import annotations
@@ -53,9 +49,7 @@ class P2PBatch:
 
 
 class PipelineP2P:
-    """Sends and receives between this rank and other pipeline ranks, named by pipeline rank (the
-    interleaved ring sends rank p-1's chunk-c output to rank 0; the V placement sends chunk 1's
-    activations from rank r+1 down to rank r)."""
+    """Sends and receives between this rank and other pipeline ranks, named by pipeline rank."""
 
     def __init__(self, parallel_state, shape: Sequence[int], dtype: torch.dtype,
                  device: torch.device):
@@ -69,10 +63,7 @@ class PipelineP2P:
     @property
     def independent_ops(self) -> bool:
         """Whether each send and receive completes on its own, matched by (peer, tag) in posting
-        order, so that a rank may post early and wait only for what it needs (gloo). Under NCCL
-        the ops of a batch and successive batches run in order on one stream: a posted receive
-        that is not matched yet holds up every later send, so the executor keeps the batched
-        program there (schedules.lockstep_program)."""
+        order (gloo: the eager program); NCCL runs batches in order on one stream."""
         return self.group is not None and dist.get_backend(self.group) == "gloo"
 
     def _empty(self) -> torch.Tensor:

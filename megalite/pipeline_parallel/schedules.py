@@ -1,27 +1,8 @@
-"""What each pipeline rank computes, in which order, and when it talks to its neighbours.
-
-A pipelined schedule is nothing but the per-rank list of ops (``schedule_order``): ``F`` (forward
-of one chunk on one micro-batch), ``B`` (its backward; input gradient only when a ``W`` op for the
-same chunk and micro-batch follows) and ``W`` (the deferred weight gradients). The executor
-(pipeline_parallel/executor.py) runs the list; a p2p program (``p2p_program``) says where in it
-the sends and receives go. The orders follow docs/theory.md "Pipeline bubbles":
-
-  * 1F1B: p-r-1 warm-up forwards on rank r, then one-forward-one-backward, then the cool-down
-    backwards; at most p micro-batches in flight on stage 0 (GPipe would hold m).
-  * interleaved 1F1B (v chunks per rank): 2(p-r-1)+(v-1)p warm-up forwards; micro-batches go
-    through the chunks in groups of p, so m must be a multiple of p; bubble shrinks by v.
-  * ZB-H1: 1F1B order of F and B, where B computes only input gradients (sent upstream at once)
-    and weight gradients are deferred into W ops: W_j right after B_{j+g} on stage g, the last g
-    after the final B. Same peak activations as 1F1B, bubble (p-1)(T_F+T_B-T_W).
-  * ZB-V and DualPipeV: two chunks per rank in a V (rank r holds virtual stages r and 2p-1-r,
-    partition.virtual_stage), so rank 0 both starts and ends a micro-batch; W ops fill the
-    bubbles left (docs/pipeline_parallel.md).
-
-The contract the training loop relies on (``executor.get_forward_backward_func``'s callable, its
-keyword arguments, the data and ``loss_func`` conventions) is docs/pipeline_parallel.md "API for the
-training loop": one iterator per rank (``next()`` exactly m times per step on every rank, each
-chunk running micro-batch j gets ``iter([batch_j])``) or one per chunk; ``loss_func(output) ->
-(loss, stats)``; the ``stats`` of the loss stage's micro-batches are returned in order, [] elsewhere.
+"""What each pipeline rank computes, in which order, and when it talks to its neighbours
+(docs/pipeline_parallel.md, "The schedules" and "Point-to-point"): ``schedule_order`` is the
+per-rank list of ``F``, ``B`` and ``W`` ops (docs/theory.md, "Pipeline bubbles", for the orders'
+bubbles), ``p2p_program`` where the sends and receives go; the executor runs both. The training
+loop's contract is docs/pipeline_parallel.md, "API for the training loop".
 """
 
 from __future__ import annotations
@@ -175,18 +156,11 @@ RECV_LOOKAHEAD = 2  # eager: receives posted this many input-needing ops ahead
 def eager_program(needs_recv: Sequence[bool], sends: Sequence[bool],
                   lookahead: int = RECV_LOOKAHEAD,
                   units: Optional[Sequence[tuple]] = None) -> List[tuple]:
-    """Every send and receive its own batch (gloo, whose p2p ops complete independently).
-
-    The receives of the next ``lookahead`` ops that need one are posted before an op runs, so a
-    neighbour's output moves while this rank is busy; the op waits only for its own input; its
-    output leaves the moment it exists and is never waited for. Cannot deadlock: a rank blocks
-    only on its own next input, whose send is posted as soon as the neighbour computes it, and
-    no rank blocks on a send, so a rank waits only for ops the (dataflow-consistent) orders put
-    before its own. Receives are posted in op order, so on each (peer, tag) channel they meet the
-    sends in the same order. ``units`` (``paired_units``): an F&B pair waits for both inputs,
-    runs as one step, then sends both outputs; the pairing is one the lockstep run completes, so
-    the argument holds for pairs as for ops.
-    """
+    """Every send and receive its own batch (gloo): the receives of the next ``lookahead`` ops
+    that need one are posted before an op runs, which waits only for its own input; its output
+    leaves at once and is never waited for. ``units`` (``paired_units``): an F&B pair waits for
+    both inputs, runs as one step, then sends both outputs. Why it cannot deadlock:
+    docs/pipeline_parallel.md, "Point-to-point"."""
     need = [i for i, n in enumerate(needs_recv) if n]
     prog: List[tuple] = []
     batch_of = {}
@@ -211,10 +185,10 @@ def _source(schedule: str, p: int, q: int, v: int, op: Op):
 
 
 def _lockstep(schedule: str, p: int, v: int, orders, units):
-    """Every rank's units (tuples of op indices run as one step) run together in lockstep: at
-    each step a rank runs its next unit if every input of it was produced at an earlier step
-    (unit times) -> (ran_at: (kind, virtual stage, micro-batch) -> step, steps: per rank the step
-    each unit ran at), or (None, the (rank, unit) pairs still waiting) when none can run."""
+    """Every rank's units (tuples of op indices run as one step) run together in lockstep, a
+    unit once every input of it was produced at an earlier step -> (ran_at: (kind, virtual
+    stage, micro-batch) -> step, steps: per rank the step each unit ran at), or (None, the
+    (rank, unit) pairs still waiting) when none can run."""
     v_shape = schedule in V_SCHEDULES
     ran_at: Dict[tuple, int] = {}
     steps: List[List[int]] = [[] for _ in range(p)]
@@ -238,18 +212,10 @@ def _lockstep(schedule: str, p: int, v: int, orders, units):
 @functools.lru_cache(maxsize=64)
 def paired_units(schedule: str, p: int, m: int, v: int = 1) -> Tuple[Tuple[tuple, ...], ...]:
     """The combined 1F1B's steps (--overlap-moe-expert-parallel-comm, docs/pipeline_parallel.md
-    "F&B pairs"): per rank, tuples of indices into ``schedule_order(..., paired=True)``: ``(i,)``
-    an op alone, ``(i, i+1)`` a forward and the backward right after it, run together.
-
-    A forward and a backward pair up where they are adjacent and of different micro-batches (a
-    backward needs every forward of its own micro-batch). A pair runs once both its inputs have
-    arrived, so pairing can tie ranks in a knot: rank q's pair may wait for a backward that its
-    neighbour pairs with a forward waiting for q's. The lockstep run (``_lockstep``) finds such
-    knots; the pairs caught in one are split and the run retried, until every rank finishes
-    (splitting every pair gives back the schedule's own order, which runs). In the steady phase
-    every rank keeps its pairs: 1F1B's F(j+p-r) with B(j) (one more warm-up forward than 1F1B,
-    as Megatron's combined 1F1B), DualPipeV's (F0, B1) and (F1, B0), ZB-V's (F0, I0) and (F1, I1).
-    """
+    "MoE: F&B pairs"): per rank, tuples of indices into ``schedule_order(..., paired=True)``:
+    ``(i,)`` an op alone, ``(i, i+1)`` a forward and the backward right after it (of another
+    micro-batch), run together. Pairs that the lockstep run finds tied in a knot (each waiting on
+    the other's neighbour) are split and the run retried until every rank finishes."""
     orders = [schedule_order(schedule, p, q, m, v, paired=True) for q in range(p)]
     units = []
     for ops in orders:
@@ -273,23 +239,12 @@ def paired_units(schedule: str, p: int, m: int, v: int = 1) -> Tuple[Tuple[tuple
 
 def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
                      forward_only: bool = False, paired: bool = False) -> List[tuple]:
-    """The batched program (NCCL), built by running every rank's order together in lockstep
-    (``_lockstep``). Batch t of a rank carries exactly the messages of step t: the outputs of
-    the op (or F&B pair) it ran at step t and the inputs its neighbours produced at step t; it is
-    posted after the rank's step-t op and waited before the first op that needs one of its
-    receives.
-
-    So each batch's sends and receives meet their counterparts in the peers' batch t, and
-    batch t of every rank can be posted once its batches before t completed: by induction on t
-    no rank waits forever even under NCCL, whose batches complete in order on one stream. A
-    rank's step sends at most one activation and one gradient, and p2p.post orders a batch's
-    activations before its gradients on every rank, so matching never depends on tags (a pair
-    of the V sends both to the same neighbour). The argument uses nothing of the schedule but
-    that its orders can run at all (asserted below), so it covers every schedule: 1F1B,
-    interleaved, ZB-H1 and the V's, where a rank exchanges with both neighbours both ways, with
-    or without pairs. A pair's all-to-alls stay inside the step, between its waits and its
-    posts: tests/test_pipeline.py replays the programs with them.
-    """
+    """The batched program (NCCL), from every rank's order run together in lockstep
+    (``_lockstep``): batch t of a rank carries exactly the messages of step t (the outputs of
+    the op or F&B pair it ran then and the inputs its neighbours produced then), posted after its
+    step-t op and waited before the first op that needs one of its receives. Why no rank waits
+    forever, for every schedule, with or without pairs: docs/pipeline_parallel.md,
+    "Point-to-point"."""
     paired = paired and not forward_only
     orders = [schedule_order(schedule, p, q, m, v, forward_only, paired) for q in range(p)]
     units = (paired_units(schedule, p, m, v) if paired
@@ -328,12 +283,9 @@ def _run_step(unit: tuple) -> tuple:
 @functools.lru_cache(maxsize=64)  # a step asks for the same (schedule, p, r, m, v) each time
 def p2p_program(mode: str, schedule: str, p: int, r: int, m: int, v: int = 1,
                 forward_only: bool = False, paired: bool = False) -> Tuple[tuple, ...]:
-    """Rank ``r``'s ``mode`` program for ``schedule_order``'s ops (cached: every step asks for
-    the same one). "batched" (``lockstep_program``) is correct on any backend and the only one
-    NCCL can run (one in-order stream). "eager" (``eager_program``) remains for gloo, whose p2p
-    ops complete independently: there each op waits only for its own input and each output
-    leaves at once, instead of batch by batch, and it needs no lockstep simulation. ``paired``:
-    the F&B pairs' program (``paired_units``; ("pair", i, k) steps)."""
+    """Rank ``r``'s ``mode`` program for ``schedule_order``'s ops: "batched"
+    (``lockstep_program``), correct on any backend and the only one NCCL can run, or "eager"
+    (``eager_program``, gloo). ``paired``: the F&B pairs' program (("pair", i, k) steps)."""
     paired = paired and not forward_only
     if mode == "eager":
         ops = schedule_order(schedule, p, r, m, v, forward_only, paired)

@@ -1,15 +1,10 @@
-"""What each pipeline stage actually did during one step: F, B and W ops with start/end times.
+"""What each pipeline stage did during one step: F, B and W ops (and MoE all-to-all waits) with
+start/end times, from which the bubble is measured: stage g idles 1 - busy_g / T_step
+(docs/design.md, contract 10; docs/theory.md's textbook values in ``theory_bubble``).
 
-The bubble is *measured* here (docs/design.md, contract 10): for stage g the idle fraction is
-1 - busy_g / T_step, where busy_g is the time spent inside its F, B and W ops and T_step the span
-from the (barrier-aligned) step start to the last op's end on any stage. docs/theory.md gives the
-textbook values it is compared with: (p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) for interleaved
-(the (p-1)/(v*m)-of-ideal formula written as a fraction of the step), and an idle time of
-(p-1)(T_F+T_B-T_W) for ZB-H1.
-
-Timestamps are ``time.perf_counter()`` seconds relative to the step start of each rank. The start
-is taken right after a barrier over the pipeline group, and perf_counter is CLOCK_MONOTONIC on
-Linux, so stages on one host share a time base; across hosts the barrier alignment is what holds.
+Times are seconds from each rank's step start, taken right after a barrier over the pipeline
+group: CUDA-event intervals on a GPU, host ``perf_counter`` on CPU (``overlap.Clock``; recorded as
+marks and resolved only when the timeline is read, docs/pipeline_parallel.md "Measured bubble").
 """
 
 from __future__ import annotations
@@ -21,19 +16,6 @@ from typing import Dict, List, Optional, Sequence
 
 from megalite import collectives as C
 from megalite.config import V_SCHEDULES
-
-
-_LAST_TIMELINE: Optional["StageTimeline"] = None
-
-
-def last_timeline() -> Optional["StageTimeline"]:
-    """The timeline recorded by the most recent schedule call in this process (or None)."""
-    return _LAST_TIMELINE
-
-
-def set_last_timeline(timeline: Optional["StageTimeline"]) -> None:
-    global _LAST_TIMELINE
-    _LAST_TIMELINE = timeline
 
 
 @dataclass
@@ -59,9 +41,23 @@ class StageTimeline:
     end: float = 0.0  # this stage's last op end
     peak_in_flight: int = 0  # max micro-batches with forward done and backward pending
 
-    def record(self, kind: str, chunk: int, mb: int, start: float, end: float) -> None:
+    def __post_init__(self):
+        self.clock = None  # an overlap.Clock: record() then takes its marks until resolve()
+        self.pending: List[tuple] = []
+
+    def record(self, kind: str, chunk: int, mb: int, start, end) -> None:
+        if self.clock is not None:
+            self.pending.append((kind, chunk, mb, start, end))
+            return
         self.events.append(OpEvent(kind, chunk, mb, start, end))
         self.end = max(self.end, end)
+
+    def resolve(self) -> "StageTimeline":
+        """The recorded marks as seconds (on CUDA this waits for the step's events)."""
+        clock, pending, self.clock, self.pending = self.clock, self.pending, None, []
+        for kind, chunk, mb, start, end in pending:
+            self.record(kind, chunk, mb, clock.seconds(start), clock.seconds(end))
+        return self
 
     @property
     def busy(self) -> float:
@@ -216,16 +212,11 @@ def write_chrome_trace(timelines: Sequence[StageTimeline], path: str) -> None:
 
 
 def log_pipeline_step(timeline: Optional[StageTimeline], parallel_state, iteration: int,
-                      trace_dir: Optional[str]) -> Optional[dict]:
-    """Measured bubble of the last step -> metrics.jsonl / W&B, plus a Chrome trace.
-
-    A collective over the pipeline group (``gather_timelines``): every rank of the group must call
-    it at the same iterations. Only global rank 0 writes the trace; the record goes through
-    ``megalite.logging.log_metrics`` (a no-op off the writer rank). Returns the record (every rank),
-    or None when there is no timeline (``--timing-log-level 0``).
-    """
-    from megalite.logging import log_metrics
-
+                      trace_dir: Optional[str], logger=None) -> Optional[dict]:
+    """Measured bubble of the last step -> ``logger`` (a ``logging.MetricsLogger``, which writes
+    on the writer rank only), plus a Chrome trace from global rank 0. A collective over the
+    pipeline group: every rank of it calls this at the same iterations. Returns the record (every
+    rank), or None when there is no timeline (``--timing-log-level 0``)."""
     if timeline is None:
         return None
     timelines = gather_timelines(timeline, parallel_state)
@@ -254,5 +245,6 @@ def log_pipeline_step(timeline: Optional[StageTimeline], parallel_state, iterati
         write_chrome_trace(timelines, path)
         rec["trace_file"] = path
     rec["pipeline_timeline"] = [t.to_dict() for t in timelines]  # tools/plot_pipeline.py
-    log_metrics(rec, iteration, split="pipeline")
+    if logger is not None:
+        logger.log(rec, iteration, split="pipeline")
     return rec

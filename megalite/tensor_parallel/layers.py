@@ -1,27 +1,14 @@
-"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
-
-Shapes are sequence-first ``[s, b, h]`` (docs/design.md, contract 2). With sequence parallelism (SP)
-the activations between blocks are sharded along ``s``; the column-parallel layer all-gathers them
-on the way in and the row-parallel layer reduce-scatters on the way out (Korthikanti et al.,
-arXiv:2205.05198 §4.2.2), so the total volume equals the two all-reduces of plain TP.
-
-The layers call the mapping operators of mappings.py (f and g; under SP the paper's g and ḡ) for
-every collective. The local matmul is native autograd (``F.linear``) except in two cases that need
-the autograd function below: SP's column-parallel layer, which saves only its input shard, and
-layers marked by :func:`enable_weight_grad_deferral`, whose weight gradient is its own step —
-queued inside :meth:`WeightGradStore.capture` (for marked layers only: SP's unmarked ones compute
-it inline), so a zero-bubble pipeline schedule can run the input-gradient half ("B") now and the
-weight-gradient half ("W") later (Qi et al., arXiv:2401.10241).
-
-Parameters are created empty and filled by :func:`megalite.models.init.initialize_parameters`
-from a generator seeded by the parameter's full name, so the full model does not depend on the
-layout (docs/design.md, contract 3). Each parameter's record (megalite/param_meta.py) says how.
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding
+(docs/tensor_parallel.md). Shapes are sequence-first ``[s, b, h]``; under sequence parallelism
+the column-parallel layer all-gathers on the way in and the row-parallel one reduce-scatters on
+the way out. The local matmul is native ``F.linear`` except under SP's column-parallel layer
+(which saves only its input shard) and in layers marked with a ``WeightGradStore``
+(``enable_weight_grad_deferral``), whose weight gradient is queued while the store captures.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, List, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -37,56 +24,9 @@ from megalite.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from megalite.param_meta import grad_of, set_param_meta
+from megalite.overlap import WeightGradStore
+from megalite.param_meta import set_param_meta
 from megalite.tensor_parallel.utils import divide
-
-
-# ------------------------------------------------------------------------- deferred weight grads
-class WeightGradStore:
-    """Queue of deferred weight-gradient computations (the "W" of zero-bubble pipelining).
-
-    ``with WeightGradStore.capture() as queue:`` runs a backward whose linear layers append a
-    closure per weight to ``queue`` instead of computing the weight gradient; calling each closure
-    later computes that gradient and accumulates it where the gradient lives (``main_grad`` when a
-    gradient buffer owns the parameter, else ``.grad``).
-    """
-
-    _queue: Optional[List[Callable[[], None]]] = None
-
-    @classmethod
-    @contextlib.contextmanager
-    def capture(cls, queue: Optional[List[Callable[[], None]]] = None):
-        """``queue``: append to this list (which others may be emptying meanwhile)."""
-        previous, cls._queue = cls._queue, [] if queue is None else queue
-        try:
-            yield cls._queue
-        finally:
-            cls._queue = previous
-
-    @classmethod
-    def is_capturing(cls) -> bool:
-        return cls._queue is not None
-
-    @classmethod
-    def put(cls, param: torch.Tensor, compute: Callable[[], torch.Tensor]) -> None:
-        """Queue ``param``'s weight gradient, ``compute()``, for the W pass (capturing only)."""
-        # a gradient buffer waits for this part (ddp.py); accumulate_weight_grad counts it off
-        param.weight_grads_queued = getattr(param, "weight_grads_queued", 0) + 1
-        cls._queue.append(lambda: accumulate_weight_grad(param, compute()))
-
-
-@torch.no_grad()  # the W closure runs outside backward; accumulation must not be recorded
-def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add a deferred weight gradient to the parameter's gradient storage."""
-    param.weight_grads_queued -= 1
-    target = grad_of(param)
-    if target is not None:
-        target.add_(grad.to(target.dtype))
-    else:
-        param.grad = grad.to(param.dtype)
-    hook = getattr(param, "deferred_grad_hook", None)
-    if hook is not None:  # lets a gradient buffer learn that this parameter is ready
-        hook(param)
 
 
 @torch.no_grad()  # a deferred W runs outside backward: its matmul must not record a graph
@@ -97,18 +37,14 @@ def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.
 
 
 class LinearWithDeferrableWeightGrad(torch.autograd.Function):
-    """y = x W^T + b on this rank's weight: the matmuls only, with the weight gradient as its own
-    step. The TP/SP collectives are the mapping operators the layers put around it (f, or SP's g, in
-    front of a column-parallel layer, g or its SP form after a row-parallel one).
-
-    ``local_x`` (sequence parallelism): x is g(local_x), SP's all-gather of this rank's sequence
-    shard. Only the shard is saved and x is re-gathered for ``dW = dyᵀ x`` in backward: one extra
-    all-gather buys s/t activation memory (Korthikanti et al. §4.2.2).
-    """
+    """y = x W^T + b on this rank's weight, the weight gradient as its own step (the layers put
+    the TP/SP mapping operators around it). ``local_x`` (SP): x is the all-gather of this shard,
+    which alone is saved; x is re-gathered for ``dW = dyᵀ x`` in backward, one extra all-gather
+    for s/t activation memory (Korthikanti et al. §4.2.2)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_x, group, defer):
-        ctx.group, ctx.defer = group, defer
+    def forward(ctx, x, weight, bias, local_x, group, store):
+        ctx.group, ctx.store = group, store
         ctx.gathered = local_x is not None
         ctx.has_bias = bias is not None
         ctx.weight = weight
@@ -123,29 +59,31 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
         grad_bias = None
         if ctx.has_bias:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
-        if ctx.defer and WeightGradStore.is_capturing():  # marked, and this backward is a B
-            WeightGradStore.put(ctx.weight, lambda: _weight_grad(grad_output, total_input))
+        if ctx.store is not None and ctx.store.capturing:  # marked, and this backward is a B
+            ctx.store.put(ctx.weight, lambda: _weight_grad(grad_output, total_input))
             grad_weight = None
         else:
             grad_weight = _weight_grad(grad_output, total_input)
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-def linear(x, weight, bias=None, local_x=None, group=None, defer=False):
-    if local_x is None and not defer:  # native autograd: the function costs ~20 µs of Python
+def linear(x, weight, bias=None, local_x=None, group=None, store=None):
+    if local_x is None and store is None:  # native autograd: the function costs ~20 µs of Python
         return F.linear(x, weight, bias)
-    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, local_x, group, defer)
+    return LinearWithDeferrableWeightGrad.apply(x, weight, bias, local_x, group, store)
 
 
-def enable_weight_grad_deferral(modules) -> None:
+def enable_weight_grad_deferral(modules, store: WeightGradStore) -> None:
     """Route the linear layers under ``modules`` through the function, so that a backward inside
-    ``WeightGradStore.capture()`` queues their weight gradients (a forward cannot know whether its
-    backward will be captured; unmarked layers' gradients are computed inline, not deferred)."""
-    for module in (m for m in modules if not getattr(m, "_weight_grad_deferral", False)):
+    ``store.capture()`` queues their weight gradients (a forward cannot know whether its backward
+    will be captured; unmarked layers' gradients are computed inline, not deferred)."""
+    for module in modules:
+        if getattr(module, "_linears_store", None) is store:
+            continue  # marked with this store already: skip the walk
         for m in module.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
-                m.defer_weight_grad = True
-        module._weight_grad_deferral = True  # later calls skip the walk
+                m.weight_grad_store = store
+        module._linears_store = store
 
 
 # ----------------------------------------------------------------------------------- the layers
@@ -156,7 +94,7 @@ class ColumnParallelLinear(nn.Module):
     full ``[s, b, o]`` with ``gather_output``. ``stride`` > 1 keeps fused blocks (SwiGLU's gate and
     up) split consistently (see tensor_parallel/utils.py).
     """
-    defer_weight_grad = False  # set by enable_weight_grad_deferral
+    weight_grad_store = None  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  gather_output: bool = False, tp_group=None, sequence_parallel: bool = False,
@@ -190,10 +128,10 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:  # SP's g: all-gather along s, reduce-scatter dX in backward
             total = gather_from_sequence_parallel_region(x, self.tp_group)
             out = linear(total, weight, self.bias, local_x=x, group=self.tp_group,
-                         defer=self.defer_weight_grad)
+                         store=self.weight_grad_store)
         else:  # f: identity, all-reduce dX in backward
             out = linear(copy_to_tensor_model_parallel_region(x, self.tp_group), weight, self.bias,
-                         defer=self.defer_weight_grad)
+                         store=self.weight_grad_store)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, self.tp_group)
         return out
@@ -206,7 +144,7 @@ class RowParallelLinear(nn.Module):
     The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s``
     under SP (the paper's ḡ); the bias is added after the sum, once.
     """
-    defer_weight_grad = False  # set by enable_weight_grad_deferral
+    weight_grad_store = None  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  input_is_parallel: bool = True, tp_group=None, sequence_parallel: bool = False,
@@ -235,7 +173,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.tp_group)
-        partial = linear(x, self.weight, defer=self.defer_weight_grad)
+        partial = linear(x, self.weight, store=self.weight_grad_store)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:
