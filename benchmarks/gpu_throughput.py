@@ -5,8 +5,8 @@ that run's own), and prints one table plus a JSON document:
 
     python benchmarks/gpu_throughput.py --json out.json       # on a GPU: the default plan, < 8 min
     python benchmarks/gpu_throughput.py --rows llama-1.5b --systems megalite,megalite-compile,hf
-    python benchmarks/gpu_throughput.py --rows gpt2-350m,gpt2-1.3b,gpt2-1.3b-mbs8,llama-1.5b \
-        --time-budget 1500 --json all.json                    # every system on every row
+    python benchmarks/gpu_throughput.py --time-budget 1800 --json all.json \
+        --rows gpt2-350m,gpt2-1.3b,gpt2-1.3b-mbs8,llama-1.5b,mixtral-1.9b  # every row x system
 
 Without CUDA it runs the tiny rows (fp32, a few steps) so the script stays working on any machine;
 those CPU figures are not comparable with the GPU rows.
@@ -24,8 +24,9 @@ benchmark (Ctrl-C, SIGTERM, a lost session) still leaves every finished run's fi
 
 Systems. ``megalite``: ``pretrain.py`` with ``--mock-data`` and the row's flags (``--bf16`` on a
 GPU), throughput from its metrics records after ``--warmup`` iterations. ``megalite-compile``: the
-same with ``--torch-compile``. ``hf`` / ``hf-compile``: ``GPT2LMHeadModel`` or
-``LlamaForCausalLM`` built from the same ModelConfig (``attn_implementation="sdpa"``), fp32 weights
+same with ``--torch-compile``. ``hf`` / ``hf-compile``: ``GPT2LMHeadModel``, ``LlamaForCausalLM``
+or ``MixtralForCausalLM`` (``experts_implementation="grouped_mm"``) built from the same
+ModelConfig (``attn_implementation="sdpa"``), fp32 weights
 under bf16 autocast on a GPU, fused AdamW, gradient clipping at 1.0, the same micro/global batch
 and tokens per step; ``hf-compile`` wraps the model in ``torch.compile``. Dropout is 0 everywhere.
 
@@ -57,6 +58,14 @@ _LLAMA = _GPT2 + ["--position-embedding-type", "rope", "--normalization", "RMSNo
                   "--group-query-attention"]
 
 
+def _mixtral(groups, experts, width, topk=2):
+    """Llama's flags, every MLP ``experts`` SwiGLU experts ``width`` wide: dropless, one grouped
+    GEMM, no balancing loss (HF's MixtralForCausalLM trains without router logits)."""
+    return _LLAMA + ["--num-query-groups", groups, "--ffn-hidden-size", width, "--num-experts",
+                     experts, "--moe-ffn-hidden-size", width, "--moe-router-topk", topk,
+                     "--moe-router-load-balancing-type", "none"]
+
+
 def _shape(L, h, heads, s, mbs, gbs, V, extra=()):
     return ["--num-layers", L, "--hidden-size", h, "--num-attention-heads", heads,
             "--seq-length", s, "--max-position-embeddings", s, "--micro-batch-size", mbs,
@@ -75,19 +84,26 @@ ROWS = {  # name -> (description, megalite flags); the GPU rows are docs/perform
                    "s 2048, mbs 4, gbs 8",
                    _shape(16, 2048, 32, 2048, 4, 8, 128256,
                           _LLAMA + ["--num-query-groups", "8", "--ffn-hidden-size", "8192"])),
+    "mixtral-1.9b": ("Mixtral-shaped 1.9B (0.7B active): 12 layers, h 2048, 16 heads / 8 KV "
+                     "groups, 8 experts of width 2816, top-2, V 32000, s 2048, mbs 4, gbs 8",
+                     _shape(12, 2048, 16, 2048, 4, 8, 32000, _mixtral(8, 8, 2816))),
     "tiny-gpt2": ("tiny GPT-2 (CPU): 2 layers, h 64, 4 heads, s 64, mbs 2, gbs 4, V 512",
                   _shape(2, 64, 4, 64, 2, 4, 512, _GPT2)),
     "tiny-llama": ("tiny Llama (CPU): 2 layers, h 64, ffn 128, 4 heads / 2 KV groups, s 64, "
                    "mbs 2, gbs 4, V 512",
                    _shape(2, 64, 4, 64, 2, 4, 512,
                           _LLAMA + ["--num-query-groups", "2", "--ffn-hidden-size", "128"])),
+    "tiny-mixtral": ("tiny Mixtral (CPU): 2 layers, h 64, 4 heads / 2 KV groups, 4 experts of "
+                     "width 96, top-2, s 64, mbs 2, gbs 4, V 512",
+                     _shape(2, 64, 4, 64, 2, 4, 512, _mixtral(2, 4, 96))),
 }
-GPU_ROWS = ["gpt2-350m", "gpt2-1.3b", "gpt2-1.3b-mbs8", "llama-1.5b"]
-CPU_ROWS = ["tiny-gpt2", "tiny-llama"]
+GPU_ROWS = ["gpt2-350m", "gpt2-1.3b", "gpt2-1.3b-mbs8", "llama-1.5b", "mixtral-1.9b"]
+CPU_ROWS = ["tiny-gpt2", "tiny-llama", "tiny-mixtral"]
 SYSTEMS = ["megalite", "megalite-compile", "hf", "hf-compile"]
 DEFAULT_GPU_PLAN = [
     ("llama-1.5b", "megalite"), ("llama-1.5b", "hf"), ("gpt2-1.3b", "megalite"),
     ("gpt2-1.3b", "hf"), ("gpt2-350m", "megalite"), ("gpt2-350m", "hf"),
+    ("mixtral-1.9b", "megalite"), ("mixtral-1.9b", "hf"),
     ("llama-1.5b", "megalite-compile"), ("llama-1.5b", "hf-compile"),
     ("gpt2-1.3b", "hf-compile"), ("gpt2-350m", "hf-compile"),
 ]
@@ -230,7 +246,10 @@ def run_hf_worker(row, args, compile_model, out_path):
     a = _flags(row)
     mbs = int(a[a.index("--micro-batch-size") + 1])
     gbs = int(a[a.index("--global-batch-size") + 1])
-    hf_config = model_config_to_hf_config(cfg, attn_implementation="sdpa")
+    # MoE rows: HF's grouped_mm experts, asked for by name so that a machine which cannot run
+    # them fails the run instead of timing HF's per-expert loop
+    moe = {"experts_implementation": "grouped_mm"} if cfg.num_experts else {}
+    hf_config = model_config_to_hf_config(cfg, attn_implementation="sdpa", **moe)
     import transformers
 
     cls = getattr(transformers, hf_config.architectures[0])

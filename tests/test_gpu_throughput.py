@@ -47,18 +47,21 @@ def _run(env, *argv):
                           text=True, timeout=300)
 
 
-def test_tiny_row_on_cpu_prints_table_and_json(tmp_path, env):
+def test_tiny_rows_on_cpu_print_table_and_json(tmp_path, env):
+    """The dense Llama row and the Mixtral row (HF's MixtralForCausalLM, grouped_mm experts)."""
     out = tmp_path / "result.json"
-    proc = _run(env, "--rows", "tiny-llama", "--systems", "megalite,hf", "--iters", "2",
-                "--warmup", "1", "--json", str(out))
+    proc = _run(env, "--rows", "tiny-llama,tiny-mixtral", "--systems", "megalite,hf", "--iters",
+                "2", "--warmup", "1", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert doc["complete"] and doc["plan"] == ["tiny-llama/megalite", "tiny-llama/hf"]
-    res = doc["rows"]["tiny-llama"]["results"]
-    for system in ("megalite", "hf"):
-        assert res[system]["tokens_per_sec"] > 0 and res[system]["peak_memory_bytes"] > 0
-        assert 0 < res[system]["mfu"] <= 1 and res[system]["timed_iterations"] == 2
-    assert "| tiny-llama | megalite |" in proc.stdout
+    assert doc["complete"] and doc["plan"] == ["tiny-llama/megalite", "tiny-llama/hf",
+                                               "tiny-mixtral/megalite", "tiny-mixtral/hf"]
+    for row in ("tiny-llama", "tiny-mixtral"):
+        res = doc["rows"][row]["results"]
+        for system in ("megalite", "hf"):
+            assert res[system]["tokens_per_sec"] > 0 and res[system]["peak_memory_bytes"] > 0
+            assert 0 < res[system]["mfu"] <= 1 and res[system]["timed_iterations"] == 2
+        assert f"| {row} | megalite |" in proc.stdout
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == doc
 
 
@@ -109,11 +112,35 @@ def test_a_run_cut_short_keeps_its_timed_iterations(tmp_path):
     assert gpu_throughput.summarize(got, 4) is None  # nothing after warm-up: no figure at all
 
 
+def test_mixtral_row_builds_the_same_model_in_both_systems():
+    """The HF side of an MoE row is MixtralForCausalLM with grouped_mm experts, of the shape
+    megalite trains: the same parameters, so tokens/s compare like for like."""
+    import transformers
+
+    from megalite.convert.hf import model_config_to_hf_config
+    from megalite.models.gpt import GPTModel
+
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    for row, params, active in (("tiny-mixtral", 238_400, 164_672),
+                                ("mixtral-1.9b", 1_943_259_136, 697_550_848)):
+        cfg = gpu_throughput._model_config(row)
+        hf_config = model_config_to_hf_config(cfg, attn_implementation="sdpa",
+                                              experts_implementation="grouped_mm")
+        assert hf_config.architectures == ["MixtralForCausalLM"]
+        with torch.device("meta"):
+            hf = transformers.MixtralForCausalLM(hf_config)
+        assert hf.config._experts_implementation == "grouped_mm"
+        assert count(hf) == cfg.num_parameters() == params
+        assert cfg.num_active_parameters() == active
+    assert count(GPTModel(gpu_throughput._model_config("tiny-mixtral"))) == 238_400
+
+
 def test_default_gpu_plan_has_the_target_comparisons():
     plan = gpu_throughput.DEFAULT_GPU_PLAN
     assert len(set(plan)) == len(plan)
     need = [("llama-1.5b", s) for s in gpu_throughput.SYSTEMS] + [
-        (r, s) for r in ("gpt2-1.3b", "gpt2-350m") for s in ("megalite", "hf", "hf-compile")]
+        (r, s) for r in ("gpt2-1.3b", "gpt2-350m") for s in ("megalite", "hf", "hf-compile")] + [
+        ("mixtral-1.9b", "megalite"), ("mixtral-1.9b", "hf")]
     assert sorted(need) == sorted(plan)
     # eager runs first: a slow compile can only cost the figures planned after it
     first_compile = min(i for i, (_, s) in enumerate(plan) if s.endswith("compile"))
