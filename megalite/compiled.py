@@ -1,12 +1,6 @@
-"""``torch.compile`` for the per-op fast paths (SwiGLU, the cross entropy's blocks) with the eager
-function behind it.
-
-Compiling needs a working inductor toolchain on the machine (on CUDA, triton and a C compiler for
-its launchers), and a torch release whose compiler accepts the function; neither can be checked
-on the CPU that runs the tests. The compiled and the eager function compute the same thing (tests
-compare them), so failing to compile must cost speed, not the run: the first call that raises is
-repeated eagerly; if that succeeds, one line on stderr says what failed and the eager function is
-used from then on. An error the eager function raises as well is a real one and propagates.
+"""``torch.compile`` for the per-op fast paths with the eager function behind it: failing to
+compile costs speed, not the run (docs/performance.md, after the fast-path table). An error the
+eager function raises as well is a real one and propagates.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Stopping a run cleanly, and saying why it stopped (docs/clusters.md, "Faults").
-
-``--exit-signal-handler`` (SIGTERM/SIGINT only set a flag) and ``--exit-duration-in-mins``: the
-loop finishes the iteration, saves and exits 0. The flags are agreed over all ranks after each
-iteration (host-path MAX all-reduce): a rank that stopped alone would leave its peers waiting.
-"""
+"""Stopping a run cleanly, and saying why it stopped (docs/clusters.md, "Faults"). The stop flags
+are agreed over all ranks: a rank that stopped alone would leave its peers waiting."""
 
 from __future__ import annotations
 

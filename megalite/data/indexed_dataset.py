@@ -54,12 +54,11 @@ def index_file_path(prefix: str) -> str:
 
 
 def exists(prefix: str) -> bool:
-    """True when ``prefix`` names an indexed dataset (both PREFIX.bin and PREFIX.idx exist)."""
+    """Both PREFIX.bin and PREFIX.idx exist."""
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
 
 
-# ---------------------------------------------------------------------------------------------
-# writer
+# ------------------------------------------------------------------------------------------ writer
 
 
 class IndexedDatasetBuilder:
@@ -77,10 +76,7 @@ class IndexedDatasetBuilder:
 
     def add_item(self, tokens: Iterable[int]) -> None:
         """Append one sequence (not closing the document)."""
-        arr = np.asarray(tokens)
-        if hasattr(tokens, "numpy") and not isinstance(tokens, np.ndarray):  # torch tensor
-            arr = tokens.numpy()
-        arr = np.ascontiguousarray(arr, dtype=self.dtype).reshape(-1)
+        arr = np.ascontiguousarray(np.asarray(tokens), dtype=self.dtype).reshape(-1)
         self._bin.write(arr.tobytes(order="C"))
         self.sequence_lengths.append(int(arr.size))
 
@@ -150,8 +146,7 @@ class IndexedDatasetBuilder:
             self.abort()
 
 
-# ---------------------------------------------------------------------------------------------
-# reader
+# ------------------------------------------------------------------------------------------ reader
 
 
 def _corrupt(path: str, what: str) -> ConfigError:

@@ -43,8 +43,7 @@ def _fingerprint(*parts) -> str:
     return h.hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------
-# classification
+# ---------------------------------------------------------------------------------- classification
 
 
 def _builder_for(path: str) -> Optional[str]:
@@ -79,8 +78,7 @@ def classify_data_path(path: str) -> str:
     return "hub"
 
 
-# ---------------------------------------------------------------------------------------------
-# loading text
+# ------------------------------------------------------------------------------------ loading text
 
 
 def _local_files(path: str) -> Tuple[str, List[str]]:
@@ -168,8 +166,7 @@ def text_column(ds, text_field: str, where: str) -> str:
     return text_field
 
 
-# ---------------------------------------------------------------------------------------------
-# the built-in corpus: the running interpreter's standard library sources
+# ------------------------- the built-in corpus: the running interpreter's standard library sources
 
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -254,8 +251,7 @@ def iter_texts(ds, text_field: str, max_chars: int) -> Iterator[str]:
                     return
 
 
-# ---------------------------------------------------------------------------------------------
-# tokenization on the fly
+# ------------------------------------------------------------------------- tokenization on the fly
 
 
 def _tokenize_batch(batch, tokenizer, text_field, append_eod):

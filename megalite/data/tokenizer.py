@@ -63,8 +63,7 @@ def _wrap_fast(tokenizer_object, kind: str) -> Tokenizer:
     return Tokenizer(hf, hf.convert_tokens_to_ids(EOD_TOKEN), kind)
 
 
-# ---------------------------------------------------------------------------------------------
-# kinds
+# ------------------------------------------------------------------------------------------- kinds
 
 
 def null_tokenizer(vocab_size: int) -> Tokenizer:
@@ -131,8 +130,7 @@ def load_hf_tokenizer(name_or_dir: Optional[str], cache_dir: Optional[str] = Non
     return Tokenizer(hf, eod, "HuggingFaceTokenizer")
 
 
-# ---------------------------------------------------------------------------------------------
-# the trained BPE, cached
+# ------------------------------------------------------------------------- the trained BPE, cached
 
 
 def _bpe_cache_key(data_cfg: DataConfig, sets) -> str:

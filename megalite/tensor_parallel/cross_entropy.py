@@ -1,25 +1,9 @@
-"""Cross entropy on logits sharded over the vocab (docs/theory.md, "Vocab-parallel cross entropy").
+"""Cross entropy on logits sharded over the vocab: the formula is docs/theory.md's "Vocab-parallel
+embedding and cross entropy", the fast path docs/performance.md's.
 
-Forward reads the logits once. For each row (token) a rank computes, over its real columns, the
-local max m_r, s_r = sum exp(x - m_r), the target's raw logit (0 where another rank owns the
-target) and, for label smoothing, sum x. Then two scalar-per-token all-reduces:
-  1. MAX of m_r gives the global max m;
-  2. SUM of [s_r * exp(m_r - m), target logit, sum x] (one stacked buffer)
-and log-sum-exp = m + log(sum), loss = log-sum-exp - target logit. A rank with no real column has
-m_r = -inf and s_r = 0, so its rescaled share is 0 * exp(-inf) = 0, never NaN.
-Backward needs no communication: grad = softmax - onehot(target) on the local shard, with
-softmax = exp(x - log-sum-exp).
-
-Memory. The logits ``[s, b, V/t]`` are the largest activation of a large-vocab model (V = 128k:
-gigabytes per micro-batch), so they are never copied whole: both directions walk blocks of rows,
-upcasting one block at a time to fp32, and backward keeps only the logits (their own dtype) and
-per-token fp32 log-sum-exp, writing the gradient straight into one buffer of the logits' dtype.
-On CUDA each block's math is one torch.compile'd function (the same Python the CPU runs eagerly,
-on blocks that fit in L2), so the upcast, exp and sums fuse into a kernel reading the block once.
-
-Padded vocab entries (ids >= the tokenizer's vocab size) never count: only the real columns are
-read, so their probability (and gradient) is exactly 0. Optional label smoothing mixes in the mean
-negative log-probability over the real vocab (as torch.nn.functional.cross_entropy does).
+The logits ``[s, b, V/t]`` are the largest activation of a large-vocab model (V = 128k: gigabytes
+per micro-batch), so they are never copied whole: both directions walk blocks of rows, upcasting
+one block at a time to fp32, and backward keeps only the logits and a per-token fp32 log-sum-exp.
 """
 
 from __future__ import annotations
@@ -143,10 +127,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
                                  vocab_size: Optional[int] = None,
                                  label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-token loss (same shape as ``target``) from logits whose last dim is this rank's shard.
-
-    ``vocab_size`` is the real (unpadded) vocab; entries at or beyond it are ignored.
-    """
+    """Per-token loss (``target``'s shape) from logits whose last dim is this rank's shard;
+    columns at or beyond the real ``vocab_size`` are ignored."""
     if vocab_size is None:
         vocab_size = logits.shape[-1] * C.group_size(group)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, label_smoothing)

@@ -1,19 +1,6 @@
-"""Collectives as autograd functions: the conjugate operator pairs of Megatron-LM.
-
-Shoeybi et al. (arXiv:1909.08053, Fig. 3) name two operators:
-
-* ``f`` = :func:`copy_to_tensor_model_parallel_region`: identity forward, all-reduce backward.
-  It sits in front of a column-parallel layer whose input is replicated.
-* ``g`` = :func:`reduce_from_tensor_model_parallel_region`: all-reduce forward, identity backward.
-  It sits after a row-parallel layer whose outputs are partial sums.
-
-Sequence parallelism (Korthikanti et al., arXiv:2205.05198 §4.2.2, Fig. 5) replaces ``f`` and
-``g`` by its own conjugate pair, which the paper names ``g`` and ``g-bar`` (ḡ): ``g`` is an
-all-gather along the sequence (dim 0 of ``[s, b, h]``) whose backward is a reduce-scatter, and
-``ḡ`` is a reduce-scatter whose backward is an all-gather. (The SP ``g`` takes the place of
-Megatron-LM's ``f``; the letters are the paper's.)
-
-Every function takes the TP group explicitly; ``None`` or a group of one makes it the identity.
+"""Collectives as autograd functions: the conjugate operator pairs f, g of Megatron-LM and SP's
+g, ḡ (docs/tensor_parallel.md, "The f and g operators"). Every function takes the TP group
+explicitly; ``None`` or a group of one makes it the identity.
 """
 
 from __future__ import annotations
@@ -91,9 +78,8 @@ def _identity(x: torch.Tensor, group) -> torch.Tensor:
 
 
 class _ReduceFromRegion(torch.autograd.Function):
-    """g: the all-reduce runs in place on the partial sums (no copy of ``[s, b, h]`` per layer).
-    Nothing saves the partial of a linear or an embedding; should anything ever save it,
-    mark_dirty bumps its version and that backward raises instead of reading the sums."""
+    """g, in place on the partial sums; marked dirty, so a backward that saved them raises
+    (docs/tensor_parallel.md)."""
 
     @staticmethod
     def forward(ctx, x, group):

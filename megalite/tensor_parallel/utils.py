@@ -1,11 +1,7 @@
-"""Slicing full tensors into tensor-parallel shards and back.
-
-A parameter that is split across TP ranks says so in its record (megalite/param_meta.py):
-``tp_split``, ``partition_dim`` (the split dimension) and ``partition_stride``. A stride k > 1
-means the full tensor is k blocks stacked along ``partition_dim`` (e.g. SwiGLU's fused
-[gate; up] weight) and each rank keeps its chunk of *every* block, so the local tensor is again
-[gate_r; up_r]. Initialization, tests, checkpoints and conversion all use these two functions,
-so there is exactly one definition of "rank r's slice".
+"""Slicing full tensors into tensor-parallel shards and back: the one definition of "rank r's
+slice", used by initialization, tests, checkpoints and conversion. A stride k > 1 means the full
+tensor is k blocks stacked along ``dim`` (SwiGLU's fused [gate; up]) and each rank keeps its chunk
+of every block (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
