@@ -51,7 +51,7 @@ def saved_bytes(layer, x, full_recompute: bool) -> int:
 
 
 def measure(rank, world, port, a, results):
-    from megalite.config import ModelConfig
+    from megalite.config import ExecutionConfig, ModelConfig
     from megalite.models.transformer import TransformerLayer
     from megalite.parallel_state import initialize_model_parallel
 
@@ -67,8 +67,9 @@ def measure(rank, world, port, a, results):
             cfg = ModelConfig(num_layers=1, hidden_size=a.hidden_size,
                               num_attention_heads=a.heads, seq_length=a.seq_length,
                               hidden_dropout=a.dropout, attention_dropout=a.attention_dropout,
-                              recompute_granularity=rc, params_dtype=dtype)
-            layer = TransformerLayer(cfg, 0, ps.tp_group, sequence_parallel=sp)
+                              params_dtype=dtype)
+            layer = TransformerLayer(cfg, 0, ps.tp_group, sequence_parallel=sp,
+                                     execution=ExecutionConfig(recompute_granularity=rc))
             with torch.no_grad():
                 for p in layer.parameters():
                     p.normal_(0, 0.02)

@@ -38,7 +38,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(os.path.dirname(HERE),
 
 from single_device import make_step, timed_rounds  # noqa: E402
 
-from megalite.config import ModelConfig  # noqa: E402
+from megalite.config import ExecutionConfig, ModelConfig  # noqa: E402
 
 HF_EXPERTS = ("grouped_mm", "batched_mm", "eager")
 
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     return args
 
 
-def model_config(args, grouped: bool = True) -> ModelConfig:
+def model_config(args) -> ModelConfig:
     return ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
@@ -85,7 +85,7 @@ def model_config(args, grouped: bool = True) -> ModelConfig:
         normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
         add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
         attention_dropout=0.0, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_grouped_gemm=grouped)
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size)
 
 
 def hf_model(args, cfg: ModelConfig, experts: str, weights_dir: str):
@@ -125,9 +125,10 @@ def throughput(args) -> dict:
     tokens, labels = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     models, steps = {}, {}
     for grouped in (True, False):
-        cfg = model_config(args, grouped)
+        cfg = model_config(args)
         name = f"megalite {'grouped' if grouped else 'loop'}"
-        models[name] = GPTModel(cfg, ParallelState(), seed=args.seed).train()
+        models[name] = GPTModel(cfg, ParallelState(), seed=args.seed,
+                                execution=ExecutionConfig(moe_grouped_gemm=grouped)).train()
         steps[name] = make_step("megalite", models[name], tokens, labels)
     weights = tempfile.mkdtemp(prefix="moe_hf_")
     export_to_hf(models["megalite grouped"], cfg, weights)

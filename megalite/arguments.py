@@ -1,18 +1,6 @@
-"""Command-line flags -> :class:`MegaliteConfig` (flag spellings follow Megatron-LM).
-
-The parser is derived from the declarations in ``megalite.config`` (docs/design.md, "Adding a
-setting"): each field declared with ``setting`` is one flag, in its ``--help`` group, with its
-default, choices and help. Megatron's compound flags, which set a field another way than one flag
--> one field, are the short table ``COMPOUND_FLAGS`` with its one translation, ``_translate``.
-``parse_args`` then runs ``MegaliteConfig.validate`` (every check that does not depend on the
-world size); ``training.pretrain`` builds the run's read-only configuration with
-``MegaliteConfig.resolve`` once the process group and the tokenizer exist, which checks the rest.
-
-Any problem is a :class:`ConfigError` whose message names the flag; ``pretrain.py`` prints it as one
-line and exits with code 2 (docs/design.md, contract 8). Unknown flags go through the same path.
-
-The defaults are the dataclasses' own: they train a ~14M-parameter GPT-2-style model on the
-built-in corpus on one CPU in a few minutes (README).
+"""Command-line flags -> :class:`MegaliteConfig`, the parser derived from megalite.config's
+declarations plus Megatron's compound flags (docs/design.md, "Adding a setting"). Any problem is a
+one-line :class:`ConfigError` naming the flag (docs/design.md, contract 8).
 """
 
 from __future__ import annotations
@@ -26,6 +14,7 @@ from megalite.config import (
     SECTIONS,
     ConfigError,
     MegaliteConfig,
+    check_compound_flags,
     flag_name,
     virtual_stages,
 )
@@ -56,29 +45,17 @@ _COMPOUND_LAYOUT = {"--use-distributed-optimizer": "zero_stage",
 def _translate(a: argparse.Namespace, v: Dict[str, dict]) -> None:
     """The compound flags of ``a`` into the section keyword dicts ``v`` (the one place)."""
     m, par, opt = v["model"], v["parallel"], v["optimizer"]
-    if a.num_query_groups is not None and not a.group_query_attention:
-        raise ConfigError("--num-query-groups needs --group-query-attention")
-    if a.group_query_attention and a.num_query_groups is None:
-        raise ConfigError("--group-query-attention needs --num-query-groups N")
+    check_compound_flags(a)
     m["add_bias_linear"] = not a.disable_bias_linear
     m["add_qkv_bias"] = True if a.add_qkv_bias else None
-    if a.bf16 and a.fp16:
-        raise ConfigError("--bf16 and --fp16 are mutually exclusive: choose one")
     m["params_dtype"] = "bfloat16" if a.bf16 else "float16" if a.fp16 else "float32"
     vpp, per = par["virtual_pipeline_model_parallel_size"], a.num_layers_per_virtual_pipeline_stage
-    if per is not None and vpp is not None:
-        raise ConfigError("give --num-layers-per-virtual-pipeline-stage or "
-                          "--num-virtual-stages-per-pipeline-rank, not both")
     if per is not None:
         vpp = virtual_stages(m["num_layers"], par["pipeline_model_parallel_size"], per)
     par["virtual_pipeline_model_parallel_size"] = None if vpp == 1 else vpp
     if a.use_distributed_optimizer and opt["zero_stage"] == 0:
         opt["zero_stage"] = 1
     v["data"]["vocab_size"] = m["vocab_size"]  # the BPE trained on the corpus has this size
-    if a.data_path is not None and len(a.data_path) == 0:
-        raise ConfigError("--data-path was given without a value: name at least one file, "
-                          "directory, HF dataset or .bin/.idx prefix (or drop the flag to use "
-                          "the built-in corpus)")
 
 
 class _OneLineParser(argparse.ArgumentParser):

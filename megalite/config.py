@@ -1,23 +1,14 @@
-"""Typed configuration for megalite: every setting declared once.
+"""Typed configuration for megalite: every setting declared once, every check in a validate.
 
-Config flows one way (docs/design.md, "Conventions"): command-line flags -> these dataclasses
-(validated once, with errors that name the flag) -> the objects built from them. No module reads
-flags or environment variables on its own.
-
-A setting is one dataclass field declared with :func:`setting`: its type (the annotation), its
-default, its ``--help`` text and group, its flag spelling where that is not ``--field-name``, its
-choices and its role (model shape, taken by ``--use-checkpoint-args``, a layout the planner
-searches). ``megalite.arguments`` derives pretrain.py's (and tools/plan.py's) parser from these
-declarations, so ``MegaliteConfig()`` is exactly the run ``python pretrain.py`` makes.
-
-Every check lives in a ``validate`` method here; ``MegaliteConfig.validate`` runs them all (and
-the checks that span sections). ``MegaliteConfig.resolve`` is the one place values are derived
-(global batch size, vocab size from the tokenizer, ...): it returns a new, validated
-config that is read-only from then on, so no part of a run can change what another part reads.
+docs/design.md, "Conventions" and "Adding a setting": flags -> these dataclasses (validated once,
+errors naming the flag) -> the objects built from them; ``MegaliteConfig.resolve`` derives values
+and returns a read-only config. A ConfigError raised elsewhere needs a run-time fact (a file, a
+tokenizer, a checkpoint, the hardware).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -46,8 +37,22 @@ GROUPS = ("model", "multi-latent attention", "mixture of experts", "parallelism"
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 # Roles of model fields: SHAPE changes parameter shapes (a checkpoint and the run resuming it must
 # agree); CHECKPOINT_ARG defines the model too, and --use-checkpoint-args takes both from args.json;
-# RUN is each run's own choice (dropout, recomputation, compilation).
+# RUN is each run's own choice about the model's math (dropout, the balancing losses).
 SHAPE, CHECKPOINT_ARG, RUN = "shape", "checkpoint-arg", "run"
+# Features a setting can need (``setting(feature=...)``): changed from its default, it is refused
+# unless the model has the feature. feature -> (whether the model has it, what the error asks for).
+MOE, MLA, YARN = "moe", "mla", "yarn"
+_FEATURES = {
+    MOE: (lambda m: m.num_experts is not None,
+          "--num-experts N: without it every layer is a dense MLP"),
+    MLA: (lambda m: m.multi_latent_attention, "--multi-latent-attention"),
+    YARN: (lambda m: m.rope_type == "yarn", "--rope-type yarn"),
+}
+
+
+# Declared bounds (``setting(bound=...)``), checked with the choices: "{flag} must be {bound}".
+POSITIVE, POSITIVE_INT, NON_NEGATIVE = "positive", "a positive integer", ">= 0"
+_BOUNDS = {POSITIVE: lambda v: v > 0, POSITIVE_INT: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0}
 
 
 class ConfigError(ValueError):
@@ -57,18 +62,26 @@ class ConfigError(ValueError):
 def setting(default, help: Optional[str] = None, *, group: Optional[str] = None,
             flag: Optional[str] = None, choices: Optional[Sequence] = None,
             role: Optional[str] = None, layout: bool = False, no_flag: Optional[str] = None,
-            shown: Optional[str] = None, **cli):
-    """Declare one setting (docs/design.md, "Adding a setting").
-
-    ``group``: its --help group (default: the section's); ``flag``: its spelling when not
-    ``--field-name``; ``choices``: the valid values (None stays valid when it is the default);
-    ``role``: SHAPE / CHECKPOINT_ARG / RUN for model fields; ``layout``: tools/plan.py searches it
-    unless the flag is given; ``no_flag``: why the field has no flag of its own (derived, written
-    by a converter, or set by a compound flag of megalite.arguments); ``shown``: how error messages
-    name it; ``cli``: extra argparse keywords (nargs, const)."""
+            shown: Optional[str] = None, feature: Optional[str] = None,
+            bound: Optional[str] = None, **cli):
+    """Declare one setting; each keyword is described in docs/design.md, "Adding a setting"
+    (``cli``: extra argparse keywords such as nargs and const)."""
     return field(default=default, metadata=dict(
         help=help, group=group, flag=flag, choices=choices, role=role, layout=layout,
-        no_flag=no_flag, shown=shown, cli=cli))
+        no_flag=no_flag, shown=shown, feature=feature, bound=bound, cli=cli))
+
+
+def moe_setting(default, help: Optional[str] = None, **kw):
+    """A mixture-of-experts setting: in that --help group, and needing --num-experts."""
+    return setting(default, help, group="mixture of experts", feature=MOE, **kw)
+
+
+def check_features(section, model: "ModelConfig") -> None:
+    """Refuse a setting of ``section`` changed from its default whose feature ``model`` lacks."""
+    for f in fields(section):
+        feature = f.metadata.get("feature")
+        if feature and getattr(section, f.name) != f.default and not _FEATURES[feature][0](model):
+            raise ConfigError(f"{flag_name(f)} needs {_FEATURES[feature][1]}")
 
 
 def flag_name(f) -> Optional[str]:
@@ -90,8 +103,7 @@ def dtype_from_name(name: str):
 
 
 def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
-    """The data-parallel size of a world of ``world_size`` ranks at TP x CP x PP, or a
-    ConfigError naming the three flags (the one home of this check)."""
+    """The data-parallel size of ``world_size`` ranks at TP x CP x PP."""
     if world_size % (tp * cp * pp) != 0:
         raise ConfigError(
             f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
@@ -101,9 +113,7 @@ def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
 
 
 def check_expert_grid_divisible(world_size: int, etp: int, ep: int, pp: int) -> int:
-    """The expert-data-parallel size of the folded expert grid, or a ConfigError naming the
-    flags (the one home of this check): each stage's TP x CP x DP ranks, world / PP, are cut into
-    ETP x EP x EDP instead."""
+    """The expert-data-parallel size of the folded expert grid (docs/moe.md)."""
     if etp < 1 or ep < 1 or pp < 1 or world_size % (etp * ep * pp):
         raise ConfigError(
             f"world size ({world_size}) / --pipeline-model-parallel-size ({pp}) must be divisible "
@@ -119,53 +129,30 @@ _LAYER_FREQ_HELP = ("an integer N (layer i, from 0, is MoE when N divides i) or 
 def parse_moe_layer_freq(text: str) -> Union[int, List[int]]:
     """--moe-layer-freq as Megatron reads it, without eval: an integer N, or a list built from
     integer lists, ``[x]*n`` repeats and ``+`` concatenation, optionally in parentheses."""
-    tokens, pos = re.findall(r"\d+|\S", str(text)), 0
     bad = ConfigError(f"--moe-layer-freq must be {_LAYER_FREQ_HELP}, got {text!r}")
-    if len(tokens) == 1 and tokens[0].isdigit():
-        return int(tokens[0])
+    if str(text).strip().isdigit():
+        return int(text)
+    if not re.fullmatch(r"[\d\[\]()+*,\s]+", str(text)):
+        raise bad
 
-    def take(want: Optional[str] = None) -> str:  # the next token: ``want``, or a number
-        nonlocal pos
-        tok = tokens[pos] if pos < len(tokens) else ""
-        if tok != want if want else not tok.isdigit():
-            raise bad
-        pos += 1
-        return tok
+    def value(node):  # walks the parsed expression; any other node is refused
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List) and all(isinstance(x, ast.Constant) and type(x.value) is int
+                                              for x in node.elts):
+            return [x.value for x in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(left, list) and type(right) is (list if isinstance(node.op, ast.Add)
+                                                          else int):
+                return left + right if isinstance(node.op, ast.Add) else left * right
+        raise bad
 
-    def peek() -> str:
-        return tokens[pos] if pos < len(tokens) else ""
-
-    def expr() -> list:  # term ('+' term)*
-        out = term()
-        while peek() == "+":
-            take("+")
-            out = out + term()
-        return out
-
-    def term() -> list:  # atom ('*' n)*
-        out = atom()
-        while peek() == "*":
-            take("*")
-            out = out * int(take())
-        return out
-
-    def atom() -> list:  # '(' expr ')' | '[' n, ... ']'
-        if peek() == "(":
-            take("(")
-            out = expr()
-            take(")")
-            return out
-        take("[")
-        out = []
-        while peek() != "]":
-            out.append(int(take()))
-            if peek() != "]":
-                take(",")
-        take("]")
-        return out
-
-    out = expr()
-    if pos != len(tokens):
+    try:
+        out = value(ast.parse(str(text).strip(), mode="eval").body)
+    except SyntaxError:
+        raise bad from None
+    if not isinstance(out, list):
         raise bad
     return out
 
@@ -212,41 +199,31 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_GROUP_SCORES = ("topk_sum", "top2_sum")  # Megatron's rule; HF DeepSeek-V3 / GLM-4-MoE's
 
 
-def check_routing(num_experts: int, topk: int, score_function: str = "softmax",
-                  pre_softmax: bool = False, num_groups: Optional[int] = None,
-                  group_topk: Optional[int] = None, group_score: str = "topk_sum",
-                  expert_bias: bool = False, normalize: bool = True) -> None:
-    """The router's rules, one home: ModelConfig.validate runs them before any work, and
-    megalite/moe/router.route on the options it is given."""
-    e, k = num_experts, topk
-    if score_function not in MOE_SCORE_FUNCTIONS:
-        raise ConfigError(f"--moe-router-score-function must be one of "
-                          f"{', '.join(MOE_SCORE_FUNCTIONS)}, got {score_function!r}")
+def check_routing(m: "ModelConfig") -> None:
+    """The router's rules (megalite/moe/router.py), checked once by ModelConfig.validate; the
+    choices of --moe-router-score-function / --moe-router-group-score by its _check_choices."""
+    e, k, g, gk = m.num_experts, m.moe_router_topk, m.moe_router_num_groups, m.moe_router_group_topk
     if not 1 <= k <= e:
         raise ConfigError(f"--moe-router-topk ({k}) must be between 1 and --num-experts ({e})")
-    softmax = score_function == "softmax"
-    if k == 1 and softmax and not pre_softmax:
+    softmax = m.moe_router_score_function == "softmax"
+    if k == 1 and softmax and not m.moe_router_pre_softmax:
         # a softmax over one logit is constant 1: the router would get no gradient at all
         raise ConfigError("--moe-router-topk 1 with softmax scores needs "
                           "--moe-router-pre-softmax (or --moe-router-score-function sigmoid)")
-    if expert_bias and softmax:
+    if m.moe_router_enable_expert_bias and softmax:
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
                           "sigmoid (as Megatron)")
-    if not normalize and softmax:
+    if not m.moe_router_norm_topk_prob and softmax:
         # softmax gates over the k are normalised by construction; unnormalised ones are the
         # top-k of a softmax over all experts
         raise ConfigError("--no-moe-router-norm-topk-prob needs --moe-router-score-function "
                           "sigmoid; for softmax gates that are not renormalised use "
                           "--moe-router-pre-softmax")
-    g, gk = num_groups, group_topk
     if (g is None) != (gk is None):
         raise ConfigError(f"group-limited routing needs both --moe-router-num-groups and "
                           f"--moe-router-group-topk, got {g} and {gk}")
     if g is None:
         return
-    if group_score not in MOE_GROUP_SCORES:
-        raise ConfigError(f"--moe-router-group-score must be one of "
-                          f"{', '.join(MOE_GROUP_SCORES)}, got {group_score!r}")
     if g < 1 or e % g:
         raise ConfigError(f"--moe-router-num-groups ({g}) must divide --num-experts ({e})")
     if not 1 <= gk <= g:
@@ -255,18 +232,13 @@ def check_routing(num_experts: int, topk: int, score_function: str = "softmax",
     if k > gk * (e // g):
         raise ConfigError(f"--moe-router-topk ({k}) exceeds the {gk * (e // g)} experts "
                           f"of the --moe-router-group-topk ({gk}) groups a token picks")
-    if group_score == "topk_sum" and k < gk:
+    if m.moe_router_group_score == "topk_sum" and k < gk:
         raise ConfigError(f"--moe-router-topk ({k}) must be >= --moe-router-group-topk "
                           f"({gk}) with topk_sum group scores (the top k/group_topk)")
-    if group_score == "top2_sum" and e // g < 2:
+    if m.moe_router_group_score == "top2_sum" and e // g < 2:
         raise ConfigError(f"--moe-router-group-score top2_sum needs at least 2 experts "
                           f"per group, --num-experts ({e}) / --moe-router-num-groups "
                           f"({g}) gives {e // g}")
-
-
-# The settings that mean something only with --rope-type yarn / --multi-latent-attention.
-_YARN_FIELDS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
-_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
 
 class _Section:
@@ -285,51 +257,54 @@ class _Section:
         return asdict(self)
 
     def _check_choices(self) -> None:
-        """Every declared ``choices`` (the parser checks them too; this covers library users)."""
+        """Every declared ``choices`` and ``bound`` (the parser checks choices too; this covers
+        library users)."""
         for f in fields(self):
-            ok, value = f.metadata.get("choices"), getattr(self, f.name)
+            ok, bound = f.metadata.get("choices"), f.metadata.get("bound")
+            value, name = getattr(self, f.name), flag_name(f) or f"{type(self).__name__}.{f.name}"
             if ok is not None and value not in ok and not (value is None and f.default is None):
-                name = flag_name(f) or f"{type(self).__name__}.{f.name}"
                 raise ConfigError(f"{name} must be one of {', '.join(map(str, ok))}, got {value!r}")
+            if bound and value is not None and not _BOUNDS[bound](value):
+                raise ConfigError(f"{name} must be {bound}, got {value}")
+
+    def validate(self):
+        self._check_choices()
+        return self
 
 
 @dataclass
 class ModelConfig(_Section):
-    """Shape and numerics of a GPT model (GPT-2 and Llama families).
-
-    Field names follow Megatron-LM's flags (``num_layers`` is ``--num-layers``).
-    """
+    """What the model computes: its shape and numerics (names as Megatron-LM's flags)."""
 
     GROUP = "model"
-    num_layers: int = setting(6, role=SHAPE)
-    hidden_size: int = setting(384, role=SHAPE)
-    num_attention_heads: int = setting(6, role=SHAPE)
-    ffn_hidden_size: Optional[int] = setting(None, "default 4 x hidden size", role=SHAPE)
+    num_layers: int = setting(6, role=SHAPE, bound=POSITIVE_INT)
+    hidden_size: int = setting(384, role=SHAPE, bound=POSITIVE_INT)
+    num_attention_heads: int = setting(6, role=SHAPE, bound=POSITIVE_INT)
+    ffn_hidden_size: Optional[int] = setting(None, "default 4 x hidden size", role=SHAPE,
+                                             bound=POSITIVE_INT)
     num_query_groups: Optional[int] = setting(
         None, "KV heads, with --group-query-attention (default: one per attention head)",
-        role=SHAPE)
-    kv_channels: Optional[int] = setting(None, "head dim; default h / heads", role=SHAPE)
-    seq_length: int = setting(256, role=CHECKPOINT_ARG)
+        role=SHAPE, bound=POSITIVE_INT)
+    kv_channels: Optional[int] = setting(None, "head dim; default h / heads", role=SHAPE,
+                                         bound=POSITIVE_INT)
+    seq_length: int = setting(256, role=CHECKPOINT_ARG, bound=POSITIVE_INT)
     max_position_embeddings: Optional[int] = setting(None, "default seq length", role=SHAPE)
     # Embedding rows before padding (see padded_vocab_size): the trained tokenizer's size, or
     # the tokenizer's own once resolve has seen it.
     vocab_size: int = setting(8192, "the byte-level BPE's size (a given tokenizer's own wins)",
-                              group="data", role=SHAPE,
+                              group="data", role=SHAPE, bound=POSITIVE_INT,
                               shown="--vocab-size (or the tokenizer: --tokenizer-type/"
                                     "--tokenizer-model)")
     # Ids the tokenizer produces when it has fewer than vocab_size (None: vocab_size). Rows at or
     # beyond it are treated like the padding: never predicted, masked out of the softmax and loss.
     tokenizer_vocab_size: Optional[int] = setting(None, role=RUN, no_flag="derived by resolve")
-    make_vocab_size_divisible_by: int = setting(128, role=SHAPE)
+    make_vocab_size_divisible_by: int = setting(128, role=SHAPE, bound=POSITIVE_INT)
     position_embedding_type: str = setting("learned_absolute", choices=("learned_absolute", "rope"),
                                            role=SHAPE)
     rotary_base: float = setting(10000.0, role=CHECKPOINT_ARG)
-    # Partial RoPE (GLM-4.5; Megatron's --rotary-percent): the first rotary_dim dims of each head
-    # are rotated, the rest pass through unchanged.
     rotary_percent: float = setting(
         1.0, "share of each q/k head that RoPE rotates (GLM-4.5: 0.5); the rest is not rotated",
         role=CHECKPOINT_ARG)
-    # Llama 3.1's "llama3" RoPE scaling (docs/models.md); None: unscaled rotary embedding.
     rope_scaling_factor: Optional[float] = setting(
         None, "llama3 RoPE scaling (Llama 3.1+); default none", role=CHECKPOINT_ARG)
     rope_low_freq_factor: float = setting(1.0, role=CHECKPOINT_ARG)
@@ -340,45 +315,40 @@ class ModelConfig(_Section):
         "head", "with --qk-layernorm: head (one [d] weight shared by the heads: Qwen3, Megatron) "
         "or projection (over each token's whole q and k projections: OLMoE)",
         choices=("head", "projection"), role=SHAPE)
-    # Sliding-window attention (HF's convention): query q sees keys q - W < k <= q in layers
-    # numbered >= max_window_layers (0-based); the first max_window_layers keep full attention.
     sliding_window: Optional[int] = setting(
         None, "W: query q attends keys q-W < k <= q (Megatron --window-size W-1 0)",
         role=CHECKPOINT_ARG)
     max_window_layers: int = setting(
-        0, "with --sliding-window: the first N layers keep full attention", role=CHECKPOINT_ARG)
-    # YaRN RoPE scaling (Peng et al., arXiv:2309.00071; DeepSeek-V3, Qwen3 long context) with
-    # Megatron's names; the original context is --rope-original-max-position-embeddings, the
-    # same fact llama3 scaling reads (docs/models.md, "Multi-latent attention").
+        0, "with --sliding-window: the first N layers keep full attention", role=CHECKPOINT_ARG,
+        bound=NON_NEGATIVE)
+    # YaRN RoPE scaling with Megatron's names (docs/models.md, "Multi-latent attention")
     rope_type: str = setting(
         "rope", "rope, or yarn (Megatron's default for MLA; at --rotary-scaling-factor 1 the two "
         "are the same)", choices=("rope", "yarn"), role=CHECKPOINT_ARG)
     rotary_scaling_factor: float = setting(1.0, "yarn: context extension factor s",
-                                           role=CHECKPOINT_ARG)
+                                           role=CHECKPOINT_ARG, feature=YARN)
     beta_fast: float = setting(32.0, "yarn: dims turning more often than this over the original "
-                               "context keep their frequency", role=CHECKPOINT_ARG)
+                               "context keep their frequency", role=CHECKPOINT_ARG, feature=YARN)
     beta_slow: float = setting(1.0, "yarn: dims turning less often than this are interpolated",
-                               role=CHECKPOINT_ARG)
+                               role=CHECKPOINT_ARG, feature=YARN)
     mscale: float = setting(1.0, "yarn: m of the cos/sin factor (0.1 m ln s + 1) / "
-                            "(0.1 m_all ln s + 1)", role=CHECKPOINT_ARG)
+                            "(0.1 m_all ln s + 1)", role=CHECKPOINT_ARG, feature=YARN)
     mscale_all_dim: float = setting(0.0, "yarn: m_all; MLA also scales its softmax by "
-                                    "(0.1 m_all ln s + 1)^2", role=CHECKPOINT_ARG)
+                                    "(0.1 m_all ln s + 1)^2", role=CHECKPOINT_ARG, feature=YARN)
     # Multi-latent attention (DeepSeek-V2/V3; models/mla.py, docs/models.md).
     multi_latent_attention: bool = setting(
         False, "MLA: q and k/v from low-rank latents, one RoPE key shared by the heads",
         group="multi-latent attention", role=SHAPE)
     q_lora_rank: Optional[int] = setting(
         None, "rank of the q latent (default none: a plain q projection)",
-        group="multi-latent attention", role=SHAPE)
+        group="multi-latent attention", role=SHAPE, feature=MLA)
     kv_lora_rank: int = setting(32, "rank of the compressed k/v latent",
-                                group="multi-latent attention", role=SHAPE)
+                                group="multi-latent attention", role=SHAPE, feature=MLA)
     qk_head_dim: int = setting(128, "q/k head dim without RoPE", group="multi-latent attention",
-                               role=SHAPE)
+                               role=SHAPE, feature=MLA)
     qk_pos_emb_head_dim: int = setting(64, "the RoPE part of each q/k head (its k is shared)",
-                                       group="multi-latent attention", role=SHAPE)
-    v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE)
-    # Megatron's multi-token prediction (DeepSeek-V3's extra next-next-token layers): refused by
-    # name; an HF import drops a checkpoint's MTP layers (convert/hf.py).
+                                       group="multi-latent attention", role=SHAPE, feature=MLA)
+    v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE, feature=MLA)
     mtp_num_layers: Optional[int] = setting(
         None, "multi-token prediction layers: not implemented (refused)", role=SHAPE)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
@@ -397,118 +367,72 @@ class ModelConfig(_Section):
     hidden_dropout: float = setting(0.0, role=RUN)
     attention_dropout: float = setting(0.0, role=RUN)
     init_method_std: float = setting(0.02, role=CHECKPOINT_ARG)
-    # Mixture of experts (docs/moe.md): every moe_* setting needs num_experts.
+    # Mixture of experts (docs/moe.md): every moe_setting needs num_experts.
     num_experts: Optional[int] = setting(
         None, "E experts in each MoE layer (default: a dense MLP in every layer)",
         group="mixture of experts", role=SHAPE)
-    moe_router_topk: int = setting(2, "k experts each token is routed to",
-                                   group="mixture of experts", role=CHECKPOINT_ARG)
-    moe_ffn_hidden_size: Optional[int] = setting(
-        None, "each expert's MLP width (default --ffn-hidden-size)", group="mixture of experts",
-        role=SHAPE)
-    moe_layer_freq: str = setting("1", f"which layers are MoE: {_LAYER_FREQ_HELP}",
-                                  group="mixture of experts", role=SHAPE)
-    moe_grouped_gemm: bool = setting(  # the loop needs each expert's row count on the host
-        True, "all local experts in one grouped GEMM; --no-moe-grouped-gemm: a loop over them, "
-        "which reads the row counts on the host every layer (Megatron's default is the loop)",
-        group="mixture of experts", role=RUN)
-    moe_router_score_function: str = setting(
+    moe_router_topk: int = moe_setting(2, "k experts each token is routed to",
+                                       role=CHECKPOINT_ARG)
+    moe_ffn_hidden_size: Optional[int] = moe_setting(
+        None, "each expert's MLP width (default --ffn-hidden-size)", role=SHAPE)
+    moe_layer_freq: str = moe_setting("1", f"which layers are MoE: {_LAYER_FREQ_HELP}",
+                                      role=SHAPE)
+    moe_router_score_function: str = moe_setting(
         "softmax", "how router logits become scores", choices=MOE_SCORE_FUNCTIONS,
-        group="mixture of experts", role=CHECKPOINT_ARG)
-    moe_router_pre_softmax: bool = setting(
+        role=CHECKPOINT_ARG)
+    moe_router_pre_softmax: bool = moe_setting(
         False, "softmax over all experts before the top-k (Switch, Qwen2-MoE)",
-        group="mixture of experts", role=CHECKPOINT_ARG)
-    moe_router_topk_scaling_factor: Optional[float] = setting(
-        None, "multiply the gates by this (DeepSeek-V3: 2.5)", group="mixture of experts",
         role=CHECKPOINT_ARG)
-    moe_router_num_groups: Optional[int] = setting(
-        None, "group-limited routing: G groups of experts", group="mixture of experts",
-        role=CHECKPOINT_ARG)
-    moe_router_group_topk: Optional[int] = setting(
+    moe_router_topk_scaling_factor: Optional[float] = moe_setting(
+        None, "multiply the gates by this (DeepSeek-V3: 2.5)", role=CHECKPOINT_ARG)
+    moe_router_num_groups: Optional[int] = moe_setting(
+        None, "group-limited routing: G groups of experts", role=CHECKPOINT_ARG)
+    moe_router_group_topk: Optional[int] = moe_setting(
         None, "group-limited routing: each token picks its k experts from this many groups",
-        group="mixture of experts", role=CHECKPOINT_ARG)
-    moe_router_group_score: str = setting(
+        role=CHECKPOINT_ARG)
+    moe_router_group_score: str = moe_setting(
         "topk_sum", "how a group is scored: topk_sum (Megatron's rule) or top2_sum (HF "
         "DeepSeek-V3 / GLM-4-MoE); megalite's flag, not Megatron's",
-        choices=MOE_GROUP_SCORES, group="mixture of experts", role=CHECKPOINT_ARG)
-    moe_router_norm_topk_prob: bool = setting(
+        choices=MOE_GROUP_SCORES, role=CHECKPOINT_ARG)
+    moe_router_norm_topk_prob: bool = moe_setting(
         True, "sigmoid scores: renormalise the k gates to sum to 1 (Megatron always does); "
         "--no-moe-router-norm-topk-prob keeps the raw sigmoid gates (HF's norm_topk_prob=False; "
-        "megalite's flag, not Megatron's)", group="mixture of experts", role=CHECKPOINT_ARG)
-    moe_router_dtype: str = setting(
+        "megalite's flag, not Megatron's)", role=CHECKPOINT_ARG)
+    moe_router_dtype: str = moe_setting(
         "fp32", "dtype of the router logits; Megatron's default is no cast, megalite computes "
         "them in fp32 by default as Megatron's README recommends", choices=("fp32", "fp64"),
-        group="mixture of experts", role=RUN)
-    moe_router_enable_expert_bias: bool = setting(  # SHAPE: the bias is a buffer it adds
+        role=RUN)
+    moe_router_enable_expert_bias: bool = moe_setting(  # SHAPE: the bias is a buffer it adds
         False, "loss-free balancing: a per-expert bias for the choice only (sigmoid scores)",
-        group="mixture of experts", role=SHAPE)
-    moe_router_bias_update_rate: float = setting(
-        1e-3, "step of the expert-bias update", group="mixture of experts", role=RUN)
-    moe_router_load_balancing_type: str = setting(
+        role=SHAPE)
+    moe_router_bias_update_rate: float = moe_setting(
+        1e-3, "step of the expert-bias update", role=RUN)
+    moe_router_load_balancing_type: str = moe_setting(
         "aux_loss", f"balancing loss: {', '.join(MOE_LOAD_BALANCING_TYPES)} (Megatron's sinkhorn "
         "is not implemented; global_aux_loss's gradient is DP times Megatron's at the same "
         "coefficient, so that DP ranks equal one process: docs/moe.md)",
-        group="mixture of experts", role=RUN,
-        metavar="{" + ",".join(MOE_LOAD_BALANCING_TYPES) + "}")
-    moe_aux_loss_coeff: float = setting(0.0, "alpha of the balancing loss",
-                                        group="mixture of experts", role=RUN)
-    moe_z_loss_coeff: Optional[float] = setting(None, "beta of the router z-loss (ST-MoE)",
-                                                group="mixture of experts", role=RUN)
-    moe_expert_capacity_factor: Optional[float] = setting(
+        role=RUN, metavar="{" + ",".join(MOE_LOAD_BALANCING_TYPES) + "}")
+    moe_aux_loss_coeff: float = moe_setting(0.0, "alpha of the balancing loss", role=RUN)
+    moe_z_loss_coeff: Optional[float] = moe_setting(None, "beta of the router z-loss (ST-MoE)",
+                                                    role=RUN)
+    moe_expert_capacity_factor: Optional[float] = moe_setting(
         None, "cap each expert at this times a balanced load, dropping the rest (default "
-        "dropless)", group="mixture of experts", role=RUN)
-    moe_token_drop_policy: str = setting(
+        "dropless)", role=RUN)
+    moe_token_drop_policy: str = moe_setting(
         "probs", "over capacity keep the highest gates (probs) or the earliest tokens (position)",
-        choices=("probs", "position"), group="mixture of experts", role=RUN)
-    moe_pad_expert_input_to_capacity: bool = setting(
-        False, "pad every expert's input to the capacity (fixed shapes)",
-        group="mixture of experts", role=RUN)
-    moe_shared_expert_intermediate_size: Optional[int] = setting(
+        choices=("probs", "position"), role=RUN)
+    moe_pad_expert_input_to_capacity: bool = moe_setting(
+        False, "pad every expert's input to the capacity (fixed shapes)", role=RUN)
+    moe_shared_expert_intermediate_size: Optional[int] = moe_setting(
         None, "width of the shared expert every token also passes through (default none)",
-        group="mixture of experts", role=SHAPE)
-    moe_shared_expert_gate: bool = setting(
+        role=SHAPE)
+    moe_shared_expert_gate: bool = moe_setting(
         False, "Qwen2-MoE's sigmoid gate on the shared expert's output (megatron-core's "
-        "moe_shared_expert_gate)", group="mixture of experts", role=SHAPE)
-    moe_router_force_load_balancing: bool = setting(
-        False, "route tokens evenly whatever the router says (benchmarks only)",
-        group="mixture of experts", role=RUN)
-    moe_token_dispatcher_type: str = setting(
-        "alltoall", "how tokens reach the experts' ranks; Megatron's default is allgather, "
-        "megalite's alltoall", choices=("alltoall", "allgather"), group="mixture of experts",
-        role=RUN)
-    overlap_moe_expert_parallel_comm: bool = setting(
-        False, "MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's compute "
-        "(Megatron's flag): the combined 1F1B at PP 1, every pipeline schedule's F&B pairs at "
-        "PP > 1; alltoall dispatcher, no recompute", group="mixture of experts",
-        role=RUN)
-    delay_wgrad_compute: bool = setting(
-        False, "with --overlap-moe-expert-parallel-comm: the experts' weight gradients of a "
-        "paired backward are deferred and run while an all-to-all would otherwise be waited for "
-        "(Megatron's flag; docs/moe.md)", group="mixture of experts", role=RUN)
-    recompute_granularity: Optional[str] = setting(
-        None, choices=("full", "selective"), group="activation recomputation", role=RUN,
-        layout=True)
-    recompute_method: Optional[str] = setting(  # full only
-        None, choices=("uniform", "block"), group="activation recomputation", role=RUN,
-        layout=True)
-    recompute_num_layers: Optional[int] = setting(None, group="activation recomputation",
-                                                  role=RUN, layout=True)
+        "moe_shared_expert_gate)", role=SHAPE)
+    moe_router_force_load_balancing: bool = moe_setting(
+        False, "route tokens evenly whatever the router says (benchmarks only)", role=RUN)
     params_dtype: str = setting("float32", choices=("float32", "bfloat16", "float16"), role=RUN,
                                 no_flag="--bf16 / --fp16")
-    # Speed only (docs/performance.md): compile each transformer layer with this torch.compile
-    # backend (None: eager); use NVIDIA apex's fused norms (CUDA only).
-    torch_compile: Optional[str] = setting(
-        None, "compile each transformer layer with torch.compile (backend, default inductor)",
-        choices=("inductor", "aot_eager", "eager"), group="speed (docs/performance.md)",
-        role=RUN, nargs="?", const="inductor")
-    use_apex: bool = setting(
-        False, "NVIDIA apex's fused LayerNorm/RMSNorm (needs apex built with its CUDA extensions "
-        "and a CUDA device)", group="speed (docs/performance.md)", role=RUN)
-    # A model field so that each attention layer reads it from its config
-    cp_attention_kernel: str = setting(
-        "auto", "context-parallel attention blocks: auto (fused: the CPU flash kernel; on CUDA "
-        "flash, cuDNN or memory-efficient SDPA, self-checked) or math (exact fp32)",
-        choices=CP_ATTENTION_KERNELS, group="parallelism", role=RUN)
 
     def __post_init__(self) -> None:
         if self.ffn_hidden_size is None:
@@ -580,11 +504,6 @@ class ModelConfig(_Section):
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         t = tensor_model_parallel_size
         self._check_choices()
-        positive = ["num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-                    "seq_length", "vocab_size", "num_query_groups", "make_vocab_size_divisible_by"]
-        for name in positive:
-            if getattr(self, name) is None or getattr(self, name) <= 0:
-                raise ConfigError(f"{_flag(name)} must be a positive integer, got {getattr(self, name)}")
         if self.tokenizer_vocab_size is not None and self.tokenizer_vocab_size > self.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {self.tokenizer_vocab_size} ids but the model's vocabulary "
@@ -594,8 +513,6 @@ class ModelConfig(_Section):
             raise ConfigError(
                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                 f"({self.num_attention_heads}), or give the head dim with --kv-channels")
-        if self.kv_channels <= 0:
-            raise ConfigError(f"--kv-channels must be a positive integer, got {self.kv_channels}")
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ConfigError(
                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
@@ -627,8 +544,6 @@ class ModelConfig(_Section):
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"--sliding-window must be a positive integer (keys per query), "
                               f"got {self.sliding_window}")
-        if not 0 <= self.max_window_layers:
-            raise ConfigError(f"--max-window-layers must be >= 0, got {self.max_window_layers}")
         if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
             raise ConfigError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
@@ -636,23 +551,18 @@ class ModelConfig(_Section):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
-        if self.recompute_method is not None and self.recompute_granularity != "full":
-            raise ConfigError("--recompute-method only applies to --recompute-granularity full")
-        k = self.recompute_num_layers  # layers per checkpoint (uniform) or recomputed (block)
-        if k is not None and not (k >= 1 and self.recompute_granularity == "full"):
-            raise ConfigError(f"--recompute-num-layers ({k}) must be >= 1 and needs "
-                              f"--recompute-granularity full")
+        if self.mtp_num_layers is not None:
+            raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction is "
+                              f"not implemented; megalite trains the next-token loss only (an HF "
+                              f"import drops a checkpoint's MTP layers)")
+        check_features(self, self)
         self._validate_moe()
         self._validate_yarn()
         self._validate_mla()
         return self
 
     def _validate_yarn(self) -> None:
-        yarn = [f for f in fields(self) if f.name in _YARN_FIELDS and getattr(self, f.name)
-                != f.default]
         if self.rope_type != "yarn":
-            if yarn:
-                raise ConfigError(f"{flag_name(yarn[0])} needs --rope-type yarn")
             return
         if self.position_embedding_type != "rope" or self.rope_scaling_factor is not None:
             raise ConfigError("--rope-type yarn needs --position-embedding-type rope and no "
@@ -666,17 +576,8 @@ class ModelConfig(_Section):
                 f"--rope-original-max-position-embeddings")
 
     def _validate_mla(self) -> None:
-        """Multi-latent attention's settings (models/mla.py); what it does not combine with is
-        refused by name, one line each."""
-        if self.mtp_num_layers is not None:
-            raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction is "
-                              f"not implemented; megalite trains the next-token loss only (an HF "
-                              f"import drops a checkpoint's MTP layers)")
-        changed = [f for f in fields(self) if f.name in _MLA_FIELDS and getattr(self, f.name)
-                   != f.default]
+        """What multi-latent attention does not combine with is refused by name, one line each."""
         if not self.multi_latent_attention:
-            if changed:
-                raise ConfigError(f"{flag_name(changed[0])} needs --multi-latent-attention")
             return
         mla = "--multi-latent-attention"
         if self.position_embedding_type != "rope":
@@ -704,22 +605,13 @@ class ModelConfig(_Section):
                               f"pairs of dims), got {self.qk_pos_emb_head_dim}")
 
     def _validate_moe(self) -> None:
-        """The MoE settings on their own (those that need the layout: MegaliteConfig.validate);
-        the router's rules (megalite/moe/router.py) are checked here too, before any work."""
-        e, k = self.num_experts, self.moe_router_topk
+        """The MoE settings on their own (those that need the layout: MegaliteConfig.validate)."""
+        e = self.num_experts
         if e is None:
-            changed = [f for f in fields(self) if f.metadata.get("group") == "mixture of experts"
-                       and f.name != "num_experts" and getattr(self, f.name) != f.default]
-            if changed:
-                raise ConfigError(f"{flag_name(changed[0])} needs --num-experts N: without it "
-                                  f"every layer is a dense MLP")
             return
         if e < 1:
             raise ConfigError(f"--num-experts must be >= 1 (omit it for a dense model), got {e}")
-        check_routing(e, k, self.moe_router_score_function, self.moe_router_pre_softmax,
-                      self.moe_router_num_groups, self.moe_router_group_topk,
-                      self.moe_router_group_score, self.moe_router_enable_expert_bias,
-                      self.moe_router_norm_topk_prob)
+        check_routing(self)
         for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{_flag(name)} must be a positive integer, got "
@@ -875,9 +767,8 @@ class ParallelConfig(_Section):
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def expert_data_parallel_size(self, world_size: int) -> int:
-        return check_expert_grid_divisible(world_size, self.expert_tp_size,
-                                           self.expert_model_parallel_size,
-                                           self.pipeline_model_parallel_size)
+        return world_size // (self.expert_tp_size * self.expert_model_parallel_size
+                              * self.pipeline_model_parallel_size)
 
     def check_context_parallel(self, model: ModelConfig) -> None:
         """What the sequence split needs of the model (docs/context_parallel.md, "Using it")."""
@@ -931,13 +822,13 @@ class OptimizerConfig(_Section):
     min_lr: float = setting(1e-4)
     lr_decay_style: str = setting("cosine", choices=("constant", "linear", "cosine", "WSD",
                                                      "inverse-square-root"))
-    lr_warmup_iters: int = setting(30)
+    lr_warmup_iters: int = setting(30, bound=NON_NEGATIVE)
     lr_warmup_fraction: Optional[float] = setting(None)
     lr_decay_iters: Optional[int] = setting(None, "default --train-iters")
     lr_wsd_decay_iters: Optional[int] = setting(None)  # WSD: length of the final decay phase
     lr_wsd_decay_style: str = setting("linear", choices=("linear", "cosine", "exponential",
                                                          "minus_sqrt"))
-    weight_decay: float = setting(0.1)
+    weight_decay: float = setting(0.1, bound=NON_NEGATIVE)
     clip_grad: float = setting(1.0)  # 0 disables clipping
     adam_beta1: float = setting(0.9)
     adam_beta2: float = setting(0.95)
@@ -955,7 +846,7 @@ class OptimizerConfig(_Section):
     overlap_param_gather: bool = setting(False, group="data parallelism and ZeRO")
     ddp_bucket_size: Optional[int] = setting(  # elements; None = one bucket per ~40M elements
         None, group="data parallelism and ZeRO")
-    zero3_prefetch_depth: int = setting(1, group="data parallelism and ZeRO")
+    zero3_prefetch_depth: int = setting(1, group="data parallelism and ZeRO", bound=NON_NEGATIVE)
 
     def validate(self) -> "OptimizerConfig":
         self._check_choices()
@@ -963,10 +854,6 @@ class OptimizerConfig(_Section):
             raise ConfigError(f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be >= 0")
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
-        if self.lr_warmup_iters < 0:
-            raise ConfigError(f"--lr-warmup-iters must be >= 0, got {self.lr_warmup_iters}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad < 0:
             raise ConfigError(f"--clip-grad must be >= 0 (0 disables), got {self.clip_grad}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
@@ -981,8 +868,6 @@ class OptimizerConfig(_Section):
         if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
             raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got "
                               f"{self.ddp_bucket_size}")
-        if self.zero3_prefetch_depth < 0:
-            raise ConfigError(f"--zero3-prefetch-depth must be >= 0, got {self.zero3_prefetch_depth}")
         if self.loss_scale is not None and self.loss_scale <= 0:
             raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
         if self.loss_scale_window <= 0 or self.hysteresis <= 0:
@@ -1012,12 +897,17 @@ class DataConfig(_Section):
     # too (the model's is the tokenizer's once resolved, this one stays the BPE's target)
     vocab_size: int = setting(8192, no_flag="--vocab-size")
     dataset_text_field: str = setting("text")
-    num_workers: int = setting(0)
+    num_workers: int = setting(0, bound=NON_NEGATIVE)
     eod_mask_loss: bool = setting(False)
     mock_data: bool = setting(False, "random tokens (for smoke tests)")
     data_cache_path: Optional[str] = setting(None)
 
     def validate(self) -> "DataConfig":
+        self._check_choices()
+        if self.data_path is not None and len(self.data_path) == 0:
+            raise ConfigError("--data-path was given without a value: name at least one file, "
+                              "directory, HF dataset or .bin/.idx prefix (or drop the flag to use "
+                              "the built-in corpus)")
         parts = self.split.replace("/", ",").split(",")
         try:
             weights = [float(x) for x in parts if x.strip() != ""]
@@ -1026,8 +916,6 @@ class DataConfig(_Section):
         if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split must be up to three non-negative numbers with a positive "
                               f"sum, like 969,30,1; got {self.split!r}")
-        if self.num_workers < 0:
-            raise ConfigError(f"--num-workers must be >= 0, got {self.num_workers}")
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are mutually exclusive")
         if self.vocab_size is not None and self.vocab_size < 260:
@@ -1039,10 +927,10 @@ class DataConfig(_Section):
 @dataclass
 class TrainingConfig(_Section):
     GROUP = "misc"
-    micro_batch_size: int = setting(4, group="batch", layout=True)
+    micro_batch_size: int = setting(4, group="batch", layout=True, bound=POSITIVE)
     global_batch_size: Optional[int] = setting(
-        None, "default micro-batch size x data-parallel size", group="batch")
-    train_iters: int = setting(300, group="optimizer and learning rate")
+        None, "default micro-batch size x data-parallel size", group="batch", bound=POSITIVE)
+    train_iters: int = setting(300, group="optimizer and learning rate", bound=NON_NEGATIVE)
     eval_interval: int = setting(100, group="logging and evaluation")
     eval_iters: int = setting(10, group="logging and evaluation")
     skip_train: bool = setting(False, group="logging and evaluation")
@@ -1056,23 +944,25 @@ class TrainingConfig(_Section):
     timing_log_level: int = setting(0, choices=(0, 1, 2), group="parallelism")
     exit_interval: Optional[int] = setting(None)
     exit_duration_in_mins: Optional[float] = setting(
-        None, "save a checkpoint and exit 0 once the run has lasted this long")
+        None, "save a checkpoint and exit 0 once the run has lasted this long", bound=POSITIVE)
     exit_signal_handler: bool = setting(
         False, "on SIGTERM/SIGINT finish the iteration, save a checkpoint, exit 0")
     check_for_nan_in_loss_and_grad: bool = setting(
         True, "bf16/fp32: a step with a NaN/Inf loss or grad norm is skipped, and the run stops "
         "at the next log line or save, naming it")
+    # The MoE schedule switches (docs/moe.md, "Hiding the all-to-alls"); the executor receives them
+    overlap_moe_expert_parallel_comm: bool = moe_setting(
+        False, "MoE at EP > 1: the all-to-alls hidden behind the paired micro-batch's compute "
+        "(Megatron's flag): the combined 1F1B at PP 1, every pipeline schedule's F&B pairs at "
+        "PP > 1; alltoall dispatcher, no recompute")
+    delay_wgrad_compute: bool = moe_setting(
+        False, "with --overlap-moe-expert-parallel-comm: the experts' weight gradients of a "
+        "paired backward are deferred and run while an all-to-all would otherwise be waited for "
+        "(Megatron's flag; docs/moe.md)")
 
     def validate(self, data_parallel_size: Optional[int] = None) -> "TrainingConfig":
         """``data_parallel_size`` None: the checks that do not depend on it."""
         self._check_choices()
-        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
-            raise ConfigError(f"--exit-duration-in-mins must be positive, got "
-                              f"{self.exit_duration_in_mins}")
-        if self.micro_batch_size <= 0:
-            raise ConfigError(f"--micro-batch-size must be positive, got {self.micro_batch_size}")
-        if self.global_batch_size is not None and self.global_batch_size <= 0:
-            raise ConfigError(f"--global-batch-size must be positive, got {self.global_batch_size}")
         dp = data_parallel_size or 1
         if self.global_batch_size is not None and self.global_batch_size % (
                 self.micro_batch_size * dp) != 0:
@@ -1080,11 +970,14 @@ class TrainingConfig(_Section):
                 f"--global-batch-size ({self.global_batch_size}) must be a positive multiple of "
                 f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size "
                 f"({dp}) = {self.micro_batch_size * dp}")
-        if self.train_iters < 0:
-            raise ConfigError(f"--train-iters must be >= 0, got {self.train_iters}")
         if self.eval_interval <= 0 or self.eval_iters < 0:
             raise ConfigError(f"--eval-interval must be > 0 and --eval-iters >= 0, got "
                               f"{self.eval_interval}, {self.eval_iters}")
+        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
+            # the deferred weight gradients fill the paired schedule's all-to-all waits: without
+            # the pairs there is nothing for them to fill
+            raise ConfigError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm "
+                              "(it fills the paired micro-batches' all-to-all waits)")
         return self
 
     def num_micro_batches(self, data_parallel_size: int) -> int:
@@ -1125,12 +1018,117 @@ def check_pipeline_args(pp_size: int, num_microbatches: int, vpp_size: Optional[
     return schedule
 
 
+def check_layer_split(num_layers: int, pp_size: int, per_vstage: Optional[int] = None,
+                      first: Optional[int] = None, last: Optional[int] = None,
+                      v_shape: bool = False) -> None:
+    """Whether pipeline_parallel.partition can cut the layers so: ``per_vstage`` layers per
+    virtual stage, an uneven ``first``/``last`` stage, or the V's two chunks per rank."""
+    L, p = num_layers, pp_size
+    if v_shape:  # two chunks of L/(2p) layers per rank, in a V (V_SCHEDULES)
+        if per_vstage is not None or first is not None or last is not None or L % (2 * p) != 0:
+            raise ConfigError(f"--pipeline-schedule zb-v/dualpipev cut --num-layers ({L}) into "
+                              f"2 x --pipeline-model-parallel-size ({p}) equal chunks: it must be "
+                              f"divisible by {2 * p}, without virtual-stage or uneven-split flags")
+        return
+    if per_vstage is not None:
+        if first is not None or last is not None:
+            raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
+                              "--num-layers-per-virtual-pipeline-stage")
+        if p == 1:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
+                              "--pipeline-model-parallel-size > 1")
+        if per_vstage < 1 or L % (per_vstage * p) != 0:
+            raise ConfigError(f"--num-layers ({L}) must be divisible by "
+                              f"--num-layers-per-virtual-pipeline-stage ({per_vstage}) x "
+                              f"--pipeline-model-parallel-size ({p}) = {per_vstage * p}")
+        return
+    if p > L:
+        raise ConfigError(f"--pipeline-model-parallel-size ({p}) exceeds --num-layers ({L}): every "
+                          f"stage needs at least one layer")
+    for flag, val in (("--decoder-first-pipeline-num-layers", first),
+                      ("--decoder-last-pipeline-num-layers", last)):
+        if val is not None and (val < 1 or p == 1):
+            raise ConfigError(f"{flag} ({val}) must be >= 1 and needs "
+                              f"--pipeline-model-parallel-size > 1")
+    if first is None and last is None:
+        if L % p != 0:
+            raise ConfigError(f"--num-layers ({L}) must be divisible by "
+                              f"--pipeline-model-parallel-size ({p}); or set "
+                              f"--decoder-first/last-pipeline-num-layers for an uneven split")
+        return
+    rest, n_rest = L - (first or 0) - (last or 0), p - (first is not None) - (last is not None)
+    if n_rest == 0 and rest != 0:
+        raise ConfigError(f"--decoder-first-pipeline-num-layers ({first}) + "
+                          f"--decoder-last-pipeline-num-layers ({last}) must equal "
+                          f"--num-layers ({L}) with --pipeline-model-parallel-size 2")
+    if n_rest and (rest < n_rest or rest % n_rest != 0):
+        raise ConfigError(f"after --decoder-first/last-pipeline-num-layers ({first}, {last}), the "
+                          f"remaining {rest} of --num-layers ({L}) layers must split evenly (>= 1 "
+                          f"each) over the other {n_rest} pipeline stages")
+
+
+def check_compound_flags(a) -> None:
+    """The checks of Megatron's compound flags (megalite.arguments.COMPOUND_FLAGS), which only
+    the parsed command line ``a`` holds."""
+    if a.num_query_groups is not None and not a.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention")
+    if a.group_query_attention and a.num_query_groups is None:
+        raise ConfigError("--group-query-attention needs --num-query-groups N")
+    if a.bf16 and a.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive: choose one")
+    if a.num_layers_per_virtual_pipeline_stage is not None and (
+            a.virtual_pipeline_model_parallel_size is not None):
+        raise ConfigError("give --num-layers-per-virtual-pipeline-stage or "
+                          "--num-virtual-stages-per-pipeline-rank, not both")
+
+
+@dataclass
+class ExecutionConfig(_Section):
+    """How the model runs, never what it computes: recomputation, kernels, compilation and the
+    MoE dispatch (docs/performance.md). The model objects receive it as an argument."""
+
+    GROUP = "speed (docs/performance.md)"
+    recompute_granularity: Optional[str] = setting(
+        None, choices=("full", "selective"), group="activation recomputation", layout=True)
+    recompute_method: Optional[str] = setting(  # full only
+        None, choices=("uniform", "block"), group="activation recomputation", layout=True)
+    recompute_num_layers: Optional[int] = setting(None, group="activation recomputation",
+                                                  layout=True)
+    torch_compile: Optional[str] = setting(
+        None, "compile each transformer layer with torch.compile (backend, default inductor)",
+        choices=("inductor", "aot_eager", "eager"), nargs="?", const="inductor")
+    use_apex: bool = setting(
+        False, "NVIDIA apex's fused LayerNorm/RMSNorm (needs apex built with its CUDA extensions "
+        "and a CUDA device)")
+    cp_attention_kernel: str = setting(
+        "auto", "context-parallel attention blocks: auto (fused: the CPU flash kernel; on CUDA "
+        "flash, cuDNN or memory-efficient SDPA, self-checked) or math (exact fp32)",
+        choices=CP_ATTENTION_KERNELS, group="parallelism")
+    moe_grouped_gemm: bool = moe_setting(  # the loop needs each expert's row count on the host
+        True, "all local experts in one grouped GEMM; --no-moe-grouped-gemm: a loop over them, "
+        "which reads the row counts on the host every layer (Megatron's default is the loop)")
+    moe_token_dispatcher_type: str = moe_setting(
+        "alltoall", "how tokens reach the experts' ranks; Megatron's default is allgather, "
+        "megalite's alltoall", choices=("alltoall", "allgather"))
+
+    def validate(self) -> "ExecutionConfig":
+        self._check_choices()
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            raise ConfigError("--recompute-method only applies to --recompute-granularity full")
+        k = self.recompute_num_layers  # layers per checkpoint (uniform) or recomputed (block)
+        if k is not None and not (k >= 1 and self.recompute_granularity == "full"):
+            raise ConfigError(f"--recompute-num-layers ({k}) must be >= 1 and needs "
+                              f"--recompute-granularity full")
+        return self
+
+
 @dataclass
 class CheckpointConfig(_Section):
     GROUP = "checkpoints"
     save: Optional[str] = setting(None)
     load: Optional[str] = setting(None)
-    save_interval: Optional[int] = setting(None, "default: save only at the end of training")
+    save_interval: Optional[int] = setting(None, "default: save only at the end of training",
+                                           bound=POSITIVE)
     no_save_optim: bool = setting(False)
     async_save: bool = setting(
         False, "snapshot the checkpoint into host memory and write it in the background while "
@@ -1143,8 +1141,7 @@ class CheckpointConfig(_Section):
         False, "take the model-shape flags from the checkpoint's args.json")
 
     def validate(self) -> "CheckpointConfig":
-        if self.save_interval is not None and self.save_interval <= 0:
-            raise ConfigError(f"--save-interval must be positive, got {self.save_interval}")
+        self._check_choices()
         if self.use_checkpoint_args and not self.load:
             raise ConfigError("--use-checkpoint-args needs --load DIR")
         if self.finetune and not self.load:
@@ -1157,24 +1154,21 @@ class CheckpointConfig(_Section):
 @dataclass
 class LoggingConfig(_Section):
     GROUP = "logging and evaluation"
-    log_interval: int = setting(10)
+    log_interval: int = setting(10, bound=POSITIVE)
     wandb_project: Optional[str] = setting(None)
     wandb_exp_name: Optional[str] = setting(None)
     wandb_save_dir: Optional[str] = setting(None)
     tensorboard_dir: Optional[str] = setting(None)
     log_throughput: bool = setting(True)
+    log_planner_estimate: bool = setting(
+        True, "print the planner's memory estimate beside the measured peak (docs/planner.md)")
     metrics_file: Optional[str] = setting(
         None, "default: metrics.jsonl in --save, else in the working directory")
 
-    def validate(self) -> "LoggingConfig":
-        if self.log_interval <= 0:
-            raise ConfigError(f"--log-interval must be positive, got {self.log_interval}")
-        return self
-
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "optimizer": OptimizerConfig,
-            "data": DataConfig, "training": TrainingConfig, "checkpoint": CheckpointConfig,
-            "logging": LoggingConfig}
+            "data": DataConfig, "training": TrainingConfig, "execution": ExecutionConfig,
+            "checkpoint": CheckpointConfig, "logging": LoggingConfig}
 
 
 @dataclass
@@ -1186,6 +1180,7 @@ class MegaliteConfig(_Section):
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -1200,17 +1195,22 @@ class MegaliteConfig(_Section):
         if model_known:
             self.model.validate(par.tensor_model_parallel_size)
         par.validate(world_size, self.model.seq_length)
-        if model_known:
-            par.check_context_parallel(self.model)
-            self._check_experts()
         self.optimizer.validate()
         self.data.validate()
         tr.validate(None if world_size is None else par.data_parallel_size(world_size))
+        self.execution.validate()
         self.checkpoint.validate()
         self.logging.validate()
         p, v = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
         if model_known:
-            layers_per_virtual_stage(self.model.num_layers, p, v)
+            par.check_context_parallel(self.model)
+            for section in (tr, self.execution):
+                check_features(section, self.model)
+            self._check_experts()
+            check_layer_split(self.model.num_layers, p, self.layers_per_virtual_stage(),
+                              tr.decoder_first_pipeline_num_layers,
+                              tr.decoder_last_pipeline_num_layers,
+                              p > 1 and tr.pipeline_schedule in V_SCHEDULES)
         check_zero3_schedule(self.optimizer.zero_stage, tr.pipeline_schedule)
         if world_size is not None and p > 1 and tr.global_batch_size is not None:
             # m, p, v and the schedule must fit together, before any model is built
@@ -1222,11 +1222,6 @@ class MegaliteConfig(_Section):
         """What the MoE settings need of the expert layout (the world size: ParallelConfig)."""
         m, par = self.model, self.parallel
         e, ep, etp = m.num_experts, par.expert_model_parallel_size, par.expert_tp_size
-        if m.delay_wgrad_compute and not m.overlap_moe_expert_parallel_comm:
-            # the deferred weight gradients fill the paired schedule's all-to-all waits: without
-            # the pairs there is nothing for them to fill
-            raise ConfigError("--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm "
-                              "(it fills the paired micro-batches' all-to-all waits)")
         if e is None:
             if ep != 1 or par.expert_tensor_parallel_size is not None:
                 raise ConfigError("--expert-model-parallel-size / --expert-tensor-parallel-size "
@@ -1235,7 +1230,7 @@ class MegaliteConfig(_Section):
         if e % ep:
             raise ConfigError(f"--num-experts ({e}) must be divisible by "
                               f"--expert-model-parallel-size ({ep})")
-        if m.overlap_moe_expert_parallel_comm:
+        if self.training.overlap_moe_expert_parallel_comm:
             self._check_moe_overlap()
         if m.moe_ffn_hidden_size % etp:
             raise ConfigError(f"--moe-ffn-hidden-size ({m.moe_ffn_hidden_size}) must be divisible "
@@ -1256,19 +1251,19 @@ class MegaliteConfig(_Section):
 
     def _check_moe_overlap(self) -> None:
         """What the combined 1F1B (docs/moe.md, "Hiding the all-to-alls") composes with."""
-        m, par, flag = self.model, self.parallel, "--overlap-moe-expert-parallel-comm"
+        ex, par, flag = self.execution, self.parallel, "--overlap-moe-expert-parallel-comm"
         if par.expert_model_parallel_size == 1:
             raise ConfigError(f"{flag} needs --expert-model-parallel-size > 1 (at EP 1 no "
                               f"all-to-all runs, so there is nothing to hide)")
-        if m.moe_token_dispatcher_type != "alltoall":
+        if ex.moe_token_dispatcher_type != "alltoall":
             raise ConfigError(f"{flag} needs --moe-token-dispatcher-type alltoall (the "
                               f"allgather dispatcher's exchanges are not paired), got "
-                              f"{m.moe_token_dispatcher_type}")
-        if m.recompute_granularity is not None:
+                              f"{ex.moe_token_dispatcher_type}")
+        if ex.recompute_granularity is not None:
             # a recomputed forward would replay its all-to-alls inside the paired backward, out
             # of step with the other rank's pair (Megatron refuses it too)
             raise ConfigError(f"{flag} cannot be combined with --recompute-granularity "
-                              f"{m.recompute_granularity}: drop one of them")
+                              f"{ex.recompute_granularity}: drop one of them")
         if self.optimizer.zero_stage == 3:
             # ZeRO-3's forward hooks gather the parameters the paired backward releases
             raise ConfigError(f"{flag} cannot be combined with --zero-stage 3: use ZeRO 0-2")
@@ -1293,12 +1288,10 @@ class MegaliteConfig(_Section):
             tokenizer_vocab_size if tokenizer_vocab_size != vocab else None))
         training = replace(tr, global_batch_size=(
             tr.global_batch_size or tr.micro_batch_size * par.data_parallel_size(world_size)))
-        out = replace(self, model=model, optimizer=replace(self.optimizer), training=training,
-                      parallel=replace(par), data=replace(self.data),
-                      checkpoint=replace(self.checkpoint), logging=replace(self.logging))
+        sections = {key: replace(getattr(self, key)) for key in SECTIONS}
+        out = replace(self, **{**sections, "model": model, "training": training})
         out.validate(world_size)
-        for section in (out, out.model, out.parallel, out.optimizer, out.data, out.training,
-                        out.checkpoint, out.logging):
+        for section in [out] + [getattr(out, key) for key in SECTIONS]:
             object.__setattr__(section, "_frozen", True)
         return out
 
@@ -1340,10 +1333,11 @@ def config_to_json(cfg: MegaliteConfig) -> str:
 def config_from_dict(d: dict) -> MegaliteConfig:
     """Rebuild a MegaliteConfig from args.json. Unknown keys are ignored (older/newer files);
     a missing key takes LEGACY_DEFAULTS' value where there is one, else today's default."""
-    kwargs = {}
+    kwargs, old_model = {}, d.get("model", {}) or {}
     for key, cls in SECTIONS.items():
-        sub = d.get(key, {}) or {}
         names = {f.name for f in fields(cls)}
+        # older files kept the run switches (training, execution) in "model"
+        sub = {**(old_model if key != "model" else {}), **(d.get(key, {}) or {})}
         # (files with use_distributed_optimizer always recorded its zero_stage 1 beside it)
         values = {**LEGACY_DEFAULTS.get(key, {}), **{k: v for k, v in sub.items() if k in names}}
         kwargs[key] = cls(**values)

@@ -1,23 +1,15 @@
 """Process groups for tensor, context, pipeline, data, model and expert parallelism.
 
-Ranks are laid out tp (fastest-varying) -> cp -> dp -> pp, as Megatron-LM's default order
-(docs/design.md, contract 6), so the ranks of one TP group, and of one TP x CP block, are
-neighbours and land on one node:
+Ranks are laid out tp (fastest-varying) -> cp -> dp -> pp, Megatron-LM's default order
+(docs/design.md, contract 6):
 
     global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
-CP ranks hold the same parameters and different tokens, so gradients are reduced, and ZeRO
-shards, over the DP x CP group; the DP group alone says which samples a rank reads.
-
-MoE layers fold a second grid over the same ranks (docs/moe.md, "The folded expert grid"): each
-stage's TP x CP x DP ranks are cut into expert-tensor (ETP) x expert (EP) x expert-data (EDP)
-groups. Expert weights are split over ETP x EP and their gradients reduced over EDP; with the
-defaults (EP 1, ETP = TP) the EDP group is the DP x CP group and a dense run is unchanged.
-
-A :class:`ParallelState` is an object you pass (docs/design.md, "Conventions");
-:func:`get_parallel_state` returns the module-level default that :func:`initialize_model_parallel`
-sets, for convenience. Without ``torch.distributed`` every size is 1 and every group is ``None``
-(docs/design.md, contract 7), and the parallel code paths reduce to plain local computation.
+Gradients are reduced, and ZeRO shards, over DP x CP; the DP group alone says which samples a
+rank reads. MoE layers fold the expert grid ETP x EP x EDP over each stage's ranks (docs/moe.md,
+"The folded expert grid"). Without ``torch.distributed`` every size is 1 and every group is
+``None`` (docs/design.md, contract 7). The sizes given here are those ``ParallelConfig.validate``
+accepted for the world size.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import collectives as C
-from megalite.config import ConfigError, check_expert_grid_divisible, check_world_divisible
+from megalite.config import ConfigError
 from megalite.memory import cuda_peak_bytes
 
 
@@ -55,9 +47,7 @@ def resolve_device(device_type: Optional[str], local_rank: int = 0) -> torch.dev
             raise ConfigError("--device cuda was given but no CUDA device is available; use --device cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
-    if device_type != "cpu":
-        raise ConfigError(f"--device must be cpu or cuda, got {device_type!r}")
-    return torch.device("cpu")
+    return torch.device("cpu")  # (ParallelConfig's choices: cpu or cuda)
 
 
 def synchronize(device: torch.device) -> None:
@@ -199,30 +189,24 @@ def grid_groups(grid: torch.Tensor, axes: str, of: str) -> List[List[int]]:
 def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1):
     """The rank lists of every TP, DP, PP, model-parallel (TP x PP), CP and DP x CP group, in the
     tp -> cp -> dp -> pp order (pure function)."""
-    if tp < 1 or pp < 1 or cp < 1:
-        raise ConfigError(f"--tensor-model-parallel-size ({tp}), --context-parallel-size ({cp}) "
-                          f"and --pipeline-model-parallel-size ({pp}) must be >= 1")
-    dp = check_world_divisible(world_size, tp, cp, pp)
+    dp = world_size // (tp * cp * pp)
     # axes slowest first, so rank = ((p * dp + d) * cp + c) * tp + t (the module docstring)
     groups = partial(grid_groups, torch.arange(world_size).view(pp, dp, cp, tp), "pdct")
     return dp, groups("t"), groups("d"), groups("p"), groups("pt"), groups("c"), groups("dc")
 
 
 def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
-    """The expert grid of the folded MoE layout over the same ranks (pure function): expert-tensor
-    (ETP, fastest) -> expert (EP) -> expert-data (EDP) -> pp, EDP = world / (PP x ETP x EP).
-    Returns (edp, etp_groups, ep_groups, edp_groups, pp_groups); the pipeline groups are the dense
-    grid's, since both grids cut each stage's ranks the same way. ``initialize_model_parallel``
-    builds the expert process groups from it."""
-    edp = check_expert_grid_divisible(world_size, etp, ep, pp)
+    """The expert grid over the same ranks (pure function): expert-tensor (ETP, fastest) ->
+    expert (EP) -> expert-data (EDP) -> pp. Returns (edp, etp_groups, ep_groups, edp_groups,
+    pp_groups); the pipeline groups are the dense grid's."""
+    edp = world_size // (etp * ep * pp)
     groups = partial(grid_groups, torch.arange(world_size).view(pp, edp, ep, etp), "pdet")
     return edp, groups("t"), groups("e"), groups("d"), groups("p")
 
 
 def expert_tp_ep_groups(world_size: int, etp: int, ep: int, pp: int) -> List[List[int]]:
-    """The ETP x EP groups of the expert grid (pure function): the ranks that hold all of a
-    layer's experts between them, over which the allgather dispatcher gathers tokens."""
-    edp = check_expert_grid_divisible(world_size, etp, ep, pp)
+    """The ETP x EP groups: all of a layer's experts, the allgather dispatcher's tokens."""
+    edp = world_size // (etp * ep * pp)
     return grid_groups(torch.arange(world_size).view(pp, edp, ep, etp), "pdet", "et")
 
 
@@ -242,13 +226,9 @@ def initialize_model_parallel(
     init_method: Optional[str] = None,
     set_default: bool = True,
 ) -> ParallelState:
-    """Initialise torch.distributed (if needed) and build every process group.
-
-    Rank and world size come from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT) unless given explicitly (tests). With world size 1 and no
-    process group already initialised, no ``torch.distributed`` is needed at all.
-    ``expert_tensor_parallel_size`` None means the TP size (as Megatron).
-    """
+    """Initialise torch.distributed (if needed) and build every process group. Rank and world
+    size come from torchrun's environment unless given (tests); world size 1 needs no
+    ``torch.distributed``. ``expert_tensor_parallel_size`` None means the TP size (as Megatron)."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
@@ -324,13 +304,8 @@ def initialize_model_parallel(
     make(expert_tp_ep_groups(world_size, etp, ep, pp), "etp_ep_group", "etp_ep_ranks",
          expert=True)
 
-    state.tp_rank = state.tp_ranks.index(rank)
-    state.dp_rank = state.dp_ranks.index(rank)
-    state.pp_rank = state.pp_ranks.index(rank)
-    state.cp_rank = state.cp_ranks.index(rank)
-    state.etp_rank = state.etp_ranks.index(rank)
-    state.ep_rank = state.ep_ranks.index(rank)
-    state.edp_rank = state.edp_ranks.index(rank)
+    for dim in ("tp", "dp", "pp", "cp", "etp", "ep", "edp"):
+        setattr(state, f"{dim}_rank", getattr(state, f"{dim}_ranks").index(rank))
     if set_default:
         set_parallel_state(state)
     return state

@@ -250,7 +250,7 @@ class Trainer:
             decoder_first_pipeline_num_layers=tr.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=tr.decoder_last_pipeline_num_layers,
             device=ps.device, v_shape=tr.pipeline_schedule in V_SCHEDULES,
-            sequence_parallel=cfg.parallel.sequence_parallel)
+            sequence_parallel=cfg.parallel.sequence_parallel, execution=cfg.execution)
         self.chunks, self.no_sync_func, self.finalize_fn = wrap_model_for_data_parallel(
             chunks, cfg, ps)
         self.optimizer = build_optimizer(self.chunks, cfg.optimizer, ps)
@@ -671,8 +671,8 @@ class Trainer:
             grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
             finalize_model_grads_func=self.finalize_fn,
             # the combined 1F1B / F&B pairs: docs/moe.md, docs/pipeline_parallel.md
-            overlap_moe_expert_parallel_comm=self.cfg.model.overlap_moe_expert_parallel_comm,
-            delay_wgrad_compute=self.cfg.model.delay_wgrad_compute,
+            overlap_moe_expert_parallel_comm=self.cfg.training.overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=self.cfg.training.delay_wgrad_compute,
             # the timeline synchronises around every op: only on the steps whose bubble is logged
             timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)
         return self.forward_backward(

@@ -34,7 +34,7 @@ def test_flags_reach_the_dataclasses():
     assert not m.add_bias_linear and m.untie_embeddings_and_output_weights
     assert cfg.parallel.sequence_parallel and not hasattr(m, "sequence_parallel")
     assert m.params_dtype == "bfloat16" and not hasattr(cfg.optimizer, "bf16")  # one fact
-    assert m.recompute_granularity == "full" and m.recompute_num_layers == 1
+    assert cfg.execution.recompute_granularity == "full" and cfg.execution.recompute_num_layers == 1
     assert cfg.optimizer.zero_stage == 2 and cfg.optimizer.overlap_grad_reduce
     assert cfg.parallel.virtual_pipeline_model_parallel_size == 2
     assert cfg.checkpoint.no_save_optim and cfg.data.data_path == ["0.3", "a", "0.7", "b"]
@@ -161,12 +161,12 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
 
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     from megalite.arguments import build_parser
-    from megalite.config import ModelConfig, ParallelConfig, flag_name
+    from megalite.config import SECTIONS, ModelConfig, ParallelConfig, flag_name
     from plan import PLANNER_ONLY_FLAGS, build_plan_parser
 
     with open(os.path.join(ROOT, "tests", "fixtures", "cli", "flags_before.json")) as f:
         before = json.load(f)
-    moe = {flag_name(f) for f in fields(ModelConfig)
+    moe = {flag_name(f) for cls in SECTIONS.values() for f in fields(cls)
            if f.metadata["group"] == "mixture of experts"}
     mla = {flag_name(f) for f in fields(ModelConfig)
            if f.metadata["group"] == "multi-latent attention"}
@@ -178,6 +178,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     added |= {"--rotary-percent", "--qk-layernorm-scope"}  # the HF MoE families' (models.md)
     added |= {"--cp-attention-kernel"}  # docs/context_parallel.md, "Kernels"
     added |= {"--async-save"}  # docs/checkpoints.md, "Asynchronous saves"
+    added |= {"--log-planner-estimate"}  # docs/planner.md, "Memory of real runs"
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

@@ -39,7 +39,7 @@ def test_world_size_not_divisible_by_tp_times_pp():
                                           r"--pipeline-model-parallel-size \(2\)"):
         ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).validate(6)
     with pytest.raises(ConfigError, match="world size"):
-        rank_grid(6, 4, 1)
+        ParallelConfig(tensor_model_parallel_size=4).validate(6)
 
 
 def test_sequence_parallel_without_tp_is_an_error():

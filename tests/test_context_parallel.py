@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megalite.arguments import parse_args
-from megalite.config import ConfigError
+from megalite.config import ConfigError, ParallelConfig
 from megalite.parallel_state import initialize_model_parallel, rank_grid
 
 _BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -45,7 +45,7 @@ def test_world_size_must_be_divisible_by_tp_cp_pp():
     with pytest.raises(ConfigError, match=r"world size \(6\).*--context-parallel-size \(2\)"):
         cfg.parallel.validate(6)
     with pytest.raises(ConfigError, match=r"world size \(6\).*= 4"):
-        rank_grid(6, 2, 1, 2)
+        ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2).validate(6)
     assert cfg.parallel.data_parallel_size(8) == 2
 
 

@@ -130,12 +130,13 @@ def test_blocked_cross_entropy_matches_torch_and_keeps_only_the_logits(dtype, mo
 def test_use_apex_needs_cuda_and_is_never_imported_on_cpu():
     import sys
 
-    from megalite.config import ConfigError
+    from megalite.config import ConfigError, ExecutionConfig
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
 
     with pytest.raises(ConfigError, match="^--use-apex needs a CUDA device"):
-        GPTModel(tiny_config("llama", use_apex=True), ParallelState(device=torch.device("cpu")))
+        GPTModel(tiny_config("llama"), ParallelState(device=torch.device("cpu")),
+                 execution=ExecutionConfig(use_apex=True))
     assert "apex" not in sys.modules
 
 
@@ -144,6 +145,7 @@ def test_compiled_layers_match_eager(family, backend):
     """--torch-compile: the same model with each layer compiled gives the eager losses and
     gradients. aot_eager runs the traced graphs op by op (same kernels as eager, so tight
     agreement); inductor generates fused kernels (fp32 rounding differs slightly)."""
+    from megalite.config import ExecutionConfig
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
 
@@ -151,8 +153,8 @@ def test_compiled_layers_match_eager(family, backend):
     ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(4))
     out = []
     for compile_backend in (None, backend):
-        model = GPTModel(tiny_config(family, num_layers=1, torch_compile=compile_backend), ps,
-                         seed=7)
+        model = GPTModel(tiny_config(family, num_layers=1), ps, seed=7,
+                         execution=ExecutionConfig(torch_compile=compile_backend))
         for _ in range(2):  # the second call runs the cached graph
             model.zero_grad()
             loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()

@@ -15,7 +15,7 @@ from test_zero import (
     ITERS, assert_losses_close, assert_params_close, opt_config, reference_run, train)
 
 from megalite.arguments import parse_args
-from megalite.config import ConfigError, ModelConfig
+from megalite.config import ConfigError, ExecutionConfig, ModelConfig
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.parallel_state import ParallelState, initialize_model_parallel
 from megalite.planner import Model
@@ -78,8 +78,8 @@ def test_recompute_and_torch_compile_match_eager(variant):
     tokens, labels = (torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(s))
                       for s in (1, 2))
     ref_loss, ref_grads = _run(tiny_config(QWEN3[0], **QWEN3[1]), ParallelState(), tokens, labels)
-    loss, grads = _run(tiny_config(QWEN3[0], **QWEN3[1], **variant), ParallelState(), tokens,
-                       labels)
+    loss, grads = _run(tiny_config(QWEN3[0], **QWEN3[1]), ParallelState(), tokens, labels,
+                       ex=ExecutionConfig(**variant))
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss)
     assert_grads_close(grads, ref_grads, 1e-5, str(variant))
     assert grads["layers.1.self_attention.q_layernorm.weight"].abs().sum() > 0

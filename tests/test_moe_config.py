@@ -10,7 +10,6 @@ from megalite.config import (
     CHECKPOINT_ARGS_FIELDS, MODEL_SHAPE_FIELDS, ConfigError, MegaliteConfig, ModelConfig,
     ParallelConfig, check_expert_grid_divisible, config_from_dict, flag_name,
     parse_moe_layer_freq)
-from megalite.parallel_state import expert_rank_grid
 
 MOE_FIELDS = [f for f in fields(ModelConfig) if f.metadata["group"] == "mixture of experts"]
 
@@ -54,7 +53,7 @@ def test_defaults_are_dense_and_megalites_own():
     assert m.num_experts is None and m.moe_ffn_hidden_size is None
     assert m.moe_layer_pattern() == [False] * m.num_layers
     assert m.num_active_parameters() == m.num_parameters()
-    assert (m.moe_router_dtype, m.moe_token_dispatcher_type) == ("fp32", "alltoall")
+    assert (m.moe_router_dtype, cfg.execution.moe_token_dispatcher_type) == ("fp32", "alltoall")
     assert (par.expert_model_parallel_size, par.expert_tensor_parallel_size) == (1, None)
     assert par.expert_tp_size == 1 and par.expert_data_parallel_size(8) == 8
     assert _moe(ffn_hidden_size=96).moe_ffn_hidden_size == 96  # default: --ffn-hidden-size
@@ -188,7 +187,7 @@ def test_expert_grid_must_fit_each_stage_one_home():
                               f"divisible by --expert-tensor-parallel-size (1) x "
                               f"--expert-model-parallel-size (4)")
         with pytest.raises(ConfigError) as grid:
-            expert_rank_grid(world, 1, 4, 2)
+            check_expert_grid_divisible(world, 1, 4, 2)
         assert str(grid.value) == msg
     with pytest.raises(ConfigError, match=r"--expert-tensor-parallel-size \(2\)"):  # ETP = TP
         ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=4).validate(12)
@@ -283,10 +282,11 @@ OVERLAP = ["--num-experts", "4", "--expert-model-parallel-size", "2",
 def test_moe_overlap_refuses_what_it_does_not_compose_with(argv, needle):
     """The combined 1F1B's one-line refusals (docs/moe.md, "Hiding the all-to-alls"); the flag
     itself passes at EP 2, PP 1 and under every pipeline schedule (the last flag given wins)."""
-    assert parse_args(OVERLAP).model.overlap_moe_expert_parallel_comm
+    assert parse_args(OVERLAP).training.overlap_moe_expert_parallel_comm
     for schedule in ("1f1b", "dualpipev", "zb-v", "zb-h1"):
         assert parse_args(OVERLAP + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                     schedule]).model.overlap_moe_expert_parallel_comm
+                                     schedule, "--num-layers", "4"]
+                          ).training.overlap_moe_expert_parallel_comm
     with pytest.raises(ConfigError, match=needle) as e:
         parse_args(OVERLAP + argv)
     assert str(e.value).startswith("--overlap-moe-expert-parallel-comm") and "\n" not in str(
@@ -296,7 +296,7 @@ def test_moe_overlap_refuses_what_it_does_not_compose_with(argv, needle):
 def test_delay_wgrad_compute_needs_the_overlap():
     """--delay-wgrad-compute fills the combined 1F1B's all-to-all waits: alone it is refused in
     one line; with the overlap it passes."""
-    assert parse_args(OVERLAP + ["--delay-wgrad-compute"]).model.delay_wgrad_compute
+    assert parse_args(OVERLAP + ["--delay-wgrad-compute"]).training.delay_wgrad_compute
     with pytest.raises(ConfigError, match="needs --overlap-moe-expert-parallel-comm") as e:
         parse_args(OVERLAP[:4] + ["--delay-wgrad-compute"])
     assert str(e.value).startswith("--delay-wgrad-compute") and "\n" not in str(e.value)

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from dist_utils import free_port
-from megalite.config import ConfigError
+from megalite.config import ConfigError, ModelConfig
 from megalite.moe.dispatch import permute, unpermute
 from megalite.moe.router import (drop_over_capacity, expert_bias_update, expert_capacity, route,
                                  scores_for_aux_loss, seq_load_balancing_loss,
@@ -168,14 +168,15 @@ def test_sigmoid_without_renormalisation_keeps_raw_scores():
     (dict(topk=1), "--moe-router-pre-softmax"),
     (dict(topk=17), "--moe-router-topk"),
     (dict(topk=2, score_function="tanh"), "--moe-router-score-function"),
-    (dict(topk=2, expert_bias=torch.zeros(E)), "--moe-router-enable-expert-bias"),
+    (dict(topk=2, enable_expert_bias=True), "--moe-router-enable-expert-bias"),
     (dict(topk=2, num_groups=3, group_topk=1), "--moe-router-num-groups"),
     (dict(topk=2, num_groups=4, group_topk=5), "--moe-router-group-topk"),
     (dict(topk=1, pre_softmax=True, num_groups=4, group_topk=2), "--moe-router-group-topk"),
 ])
 def test_inconsistent_router_options_are_config_errors(kw, flag):
+    """The router's rules are checked once, by the configuration, never per forward."""
     with pytest.raises(ConfigError, match=flag):
-        route(_logits(), **kw)
+        ModelConfig(num_experts=E, **{f"moe_router_{k}": v for k, v in kw.items()}).validate()
 
 
 @pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
@@ -316,8 +317,8 @@ def test_drop_by_position_keeps_the_earliest_tokens():
     _, padded = drop_over_capacity(probs, routing_map, 3, "position", pad_to_capacity=True)
     assert padded[:, 1].nonzero().flatten().tolist() == [0, 1, 5]  # routed 0, 5, then token 1
     assert padded[:, 2].nonzero().flatten().tolist() == [0, 1, 2]
-    with pytest.raises(ConfigError, match="--moe-token-drop-policy"):
-        drop_over_capacity(probs, routing_map, 3, "random")
+    with pytest.raises(ConfigError, match="--moe-token-drop-policy"):  # checked by the config
+        ModelConfig(num_experts=E, moe_token_drop_policy="random").validate()
 
 
 def test_permute_and_unpermute_match_megatron(mu):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megalite import collectives as C
-from megalite.config import ConfigError
+from megalite.config import ConfigError, ParallelConfig
 from megalite.parallel_state import (
     expert_rank_grid,
     get_parallel_state,
@@ -38,7 +38,8 @@ def test_rank_grid_is_the_tp_cp_dp_pp_layout_group_by_group():
     got = rank_grid(tp * cp * dp * pp, tp, pp, cp)
     assert got == (dp, want("t"), want("d"), want("p"), want("pt"), want("c"), want("dc"))
     with pytest.raises(ConfigError, match=r"world size \(18\).*--context-parallel-size \(3\)"):
-        rank_grid(18, 2, 2, 3)
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                       context_parallel_size=3).validate(18)
 
 
 def test_expert_grid_folds_onto_the_same_ranks():
@@ -61,7 +62,7 @@ def test_expert_grid_folds_onto_the_same_ranks():
     edp, etp_g, ep_g, edp_g, _ = expert_rank_grid(16, 2, 4, 2)
     assert (edp, etp_g, ep_g, edp_g) == (1, tp_g, dp_cp_g, [[r] for r in range(16)])
     with pytest.raises(ConfigError, match=r"--expert-model-parallel-size \(3\)"):
-        expert_rank_grid(8, 1, 3, 1)
+        ParallelConfig(expert_model_parallel_size=3).validate(8)
 
 
 def test_expert_grid_is_megatrons_expert_rank_generator():

@@ -30,7 +30,7 @@ from megalite.parallel_state import ParallelState, initialize_model_parallel
 from megalite.pipeline_parallel.executor import PipelineExecutor
 from megalite.pipeline_parallel.partition import (
     build_model_chunks, stage_layer_counts, virtual_layer_ranges)
-from megalite.config import SCHEDULES, V_SCHEDULES, check_pipeline_args
+from megalite.config import SCHEDULES, V_SCHEDULES, check_layer_split, check_pipeline_args
 from megalite.pipeline_parallel.executor import get_forward_backward_func
 from megalite.pipeline_parallel.partition import virtual_stage
 from megalite.pipeline_parallel.schedules import (
@@ -374,11 +374,11 @@ def test_layer_partition():
 
 
 @pytest.mark.parametrize("call, flag", [
-    (lambda: stage_layer_counts(6, 4), "--num-layers (6) must be divisible"),
-    (lambda: stage_layer_counts(2, 4), "exceeds --num-layers"),
+    (lambda: check_layer_split(6, 4), "--num-layers (6) must be divisible"),
+    (lambda: check_layer_split(2, 4), "exceeds --num-layers"),
     (lambda: virtual_layer_ranges(8, 2, 3), "--num-layers-per-virtual-pipeline-stage (3)"),
-    (lambda: stage_layer_counts(8, 4, 1, 2), "must split evenly"),
-    (lambda: stage_layer_counts(8, 2, 3, 4), "must equal --num-layers"),
+    (lambda: check_layer_split(8, 4, None, 1, 2), "must split evenly"),
+    (lambda: check_layer_split(8, 2, None, 3, 4), "must equal --num-layers"),
     (lambda: check_pipeline_args(4, 6, 2, "interleaved"), "multiple of"),
     (lambda: check_pipeline_args(4, 2, None, "1f1b"), "fewer than"),
     (lambda: check_pipeline_args(2, 4, 2, "zb-h1"), "does not support virtual stages"),

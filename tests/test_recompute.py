@@ -6,6 +6,7 @@ import torch
 
 from dist_utils import run_distributed
 from model_utils import VOCAB, assert_grads_close, full_grads, tiny_config
+from megalite.config import ExecutionConfig
 from megalite.distributed.finalize_model_grads import finalize_model_grads
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
@@ -14,9 +15,9 @@ from megalite.tensor_parallel.random import model_parallel_seed
 RECOMPUTE = [("full", "uniform", 1), ("full", "uniform", 2), ("full", "block", 1), ("selective", None, None)]
 
 
-def _run(cfg, ps, tokens, labels, seed=11, sp=False):
+def _run(cfg, ps, tokens, labels, seed=11, sp=False, ex=ExecutionConfig()):
     model_parallel_seed(seed, ps.tp_rank)
-    model = GPTModel(cfg, ps, seed=5, sequence_parallel=sp)
+    model = GPTModel(cfg, ps, seed=5, sequence_parallel=sp, execution=ex)
     model.train()
     loss = model(tokens, labels=labels).mean()
     loss.backward()
@@ -31,9 +32,9 @@ def test_recompute_matches_no_recompute_with_dropout(family, granularity, method
     labels = torch.randint(0, VOCAB, (2, 16))
     kw = dict(hidden_dropout=0.1, attention_dropout=0.1)
     ref_loss, ref_grads = _run(tiny_config(family, **kw), ParallelState(), tokens, labels)
-    cfg = tiny_config(family, recompute_granularity=granularity, recompute_method=method,
-                      recompute_num_layers=n, **kw)
-    loss, grads = _run(cfg, ParallelState(), tokens, labels)
+    ex = ExecutionConfig(recompute_granularity=granularity, recompute_method=method,
+                         recompute_num_layers=n)
+    loss, grads = _run(tiny_config(family, **kw), ParallelState(), tokens, labels, ex=ex)
     assert loss == ref_loss
     assert_grads_close(grads, ref_grads, 1e-6, f"{granularity}/{method}/{n}")
 
@@ -46,9 +47,9 @@ def _tp_recompute_worker(rank, world_size):
     kw = dict(hidden_dropout=0.1, attention_dropout=0.1)
     ref_loss, ref_grads = _run(tiny_config("llama", **kw), ps, tokens, labels, sp=True)
     for granularity, method, n in RECOMPUTE:
-        cfg = tiny_config("llama", recompute_granularity=granularity, recompute_method=method,
-                          recompute_num_layers=n, **kw)
-        loss, grads = _run(cfg, ps, tokens, labels, sp=True)
+        ex = ExecutionConfig(recompute_granularity=granularity, recompute_method=method,
+                             recompute_num_layers=n)
+        loss, grads = _run(tiny_config("llama", **kw), ps, tokens, labels, sp=True, ex=ex)
         assert loss == ref_loss, (granularity, method, n)
         assert_grads_close(grads, ref_grads, 1e-6, f"tp2 sp {granularity}/{method}/{n}")
     return True
@@ -84,11 +85,11 @@ def _masks_worker(rank, world_size):
     ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
     for sp in (False, True):
         log.clear()
-        cfg = tiny_config("gpt2", hidden_dropout=0.2,
-                          attention_dropout=0.2, recompute_granularity="full",
-                          recompute_method="uniform", recompute_num_layers=1)
+        cfg = tiny_config("gpt2", hidden_dropout=0.2, attention_dropout=0.2)
+        ex = ExecutionConfig(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1)
         model_parallel_seed(11, ps.tp_rank)
-        model = GPTModel(cfg, ps, seed=5, sequence_parallel=sp)
+        model = GPTModel(cfg, ps, seed=5, sequence_parallel=sp, execution=ex)
         model.train()
         model(tokens, labels=labels).mean().backward()
         # forward: embedding, then per layer attention + 2 hidden; backward replays each layer

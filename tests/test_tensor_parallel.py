@@ -11,6 +11,7 @@ from dist_utils import run_distributed
 from model_utils import VOCAB, assert_grads_close, full_grads, tiny_config
 
 from megalite.distributed.finalize_model_grads import finalize_model_grads
+from megalite.config import ExecutionConfig
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
 from megalite.tensor_parallel.layers import (
@@ -35,8 +36,8 @@ def _tp_parity_worker(rank, world_size, family, recompute=None):
     ref_grads = full_grads(ref_model, None)
     for tp, sp in LAYOUTS:
         ps = initialize_model_parallel(tp, 1, backend="gloo", device="cpu", set_default=False)
-        cfg = tiny_config(family, recompute_granularity=recompute)
-        model = GPTModel(cfg, ps, seed=7, sequence_parallel=sp)
+        model = GPTModel(tiny_config(family), ps, seed=7, sequence_parallel=sp,
+                         execution=ExecutionConfig(recompute_granularity=recompute))
         logits = model(tokens)
         loss = model(tokens, labels=labels).mean()
         loss.backward()

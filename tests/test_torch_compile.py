@@ -13,6 +13,7 @@ are compared with eager in tests/test_fast_paths.py.
 import pytest
 import torch
 
+from megalite.config import ExecutionConfig
 from megalite.models.transformer import TransformerLayer
 from megalite.tensor_parallel.random import get_rng_tracker, model_parallel_seed
 from model_utils import tiny_config
@@ -71,8 +72,8 @@ def seeded_tracker():
     torch.set_rng_state(cpu)
 
 
-def _explain(family, **overrides):
-    layer = TransformerLayer(tiny_config(family, **overrides), 0).train()
+def _explain(family, execution=ExecutionConfig(), **overrides):
+    layer = TransformerLayer(tiny_config(family, **overrides), 0, execution=execution).train()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(16, 2, layer.input_layernorm.weight.numel(), requires_grad=True)
@@ -86,7 +87,7 @@ def test_tp1_layer_compiles_to_one_graph(family, recompute, seeded_tracker):
     """No dropout: nothing random is drawn, so attention does not fork the RNG state (dynamo
     cannot trace get/set_rng_state: it broke the layer into 4 graphs), and selective recompute
     uses the compiler's checkpoint (megalite's own saves RNG states: 5 graphs)."""
-    ex = _explain(family, recompute_granularity=recompute)
+    ex = _explain(family, ExecutionConfig(recompute_granularity=recompute))
     assert ex.graph_break_count == 0, [str(b.reason)[:300] for b in ex.break_reasons]
     assert ex.graph_count == 1
 
@@ -100,8 +101,8 @@ def test_attention_dropout_breaks_only_at_the_tracked_rng_call(seeded_tracker):
     out = []
     for backend in (None, "aot_eager"):
         torch.manual_seed(0)
-        layer = TransformerLayer(tiny_config("llama", hidden_dropout=0.1, attention_dropout=0.1,
-                                             torch_compile=backend), 0).train()
+        layer = TransformerLayer(tiny_config("llama", hidden_dropout=0.1, attention_dropout=0.1),
+                                 0, execution=ExecutionConfig(torch_compile=backend)).train()
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(16, 2, layer.input_layernorm.weight.numel(), requires_grad=True)
@@ -127,8 +128,8 @@ def test_all_layers_share_one_compiled_graph(family):
 
     torch._dynamo.reset()
     counters.clear()
-    model = GPTModel(tiny_config(family, num_layers=3, torch_compile="eager"),
-                     ParallelState(device=torch.device("cpu")), seed=7)
+    model = GPTModel(tiny_config(family, num_layers=3), ParallelState(device=torch.device("cpu")),
+                     seed=7, execution=ExecutionConfig(torch_compile="eager"))
     ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(0))
     for _ in range(2):
         model(ids[:, :-1], labels=ids[:, 1:]).mean().backward()
@@ -152,8 +153,8 @@ def _tp2_layer(rank, world_size):
     grads = []  # compiled against eager at TP = 2 (SP is compared in a full run above)
     for backend in (None, "aot_eager"):
         torch.manual_seed(0)  # both builds: the same shard on this rank
-        layer = TransformerLayer(tiny_config("llama", torch_compile=backend), 0,
-                                 tp_group=dist.group.WORLD).train()
+        layer = TransformerLayer(tiny_config("llama"), 0, tp_group=dist.group.WORLD,
+                                 execution=ExecutionConfig(torch_compile=backend)).train()
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.02)
         x = torch.linspace(-1, 1, 16 * 2 * 32).view(16, 2, 32).requires_grad_()
@@ -193,7 +194,8 @@ def test_moe_layer_compiles_up_to_its_experts():
     out = []
     for backend in (None, "aot_eager"):
         torch.manual_seed(0)
-        layer = TransformerLayer(tiny_config("llama", torch_compile=backend, **moe), 0).train()
+        layer = TransformerLayer(tiny_config("llama", **moe), 0,
+                                 execution=ExecutionConfig(torch_compile=backend)).train()
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.1)
         assert (layer._forward == layer._layer_forward) and \
@@ -222,7 +224,8 @@ def _overlapped_gathers_compiled(rank, world_size):
     ps = initialize_model_parallel(1, 1, backend="gloo", device="cpu", set_default=False)
     ocfg = OptimizerConfig(lr=1e-2, zero_stage=2, overlap_grad_reduce=True,
                            overlap_param_gather=True).validate()
-    model = GPTModel(tiny_config("gpt2", num_layers=3, torch_compile="eager"), ps, seed=7)
+    model = GPTModel(tiny_config("gpt2", num_layers=3), ps, seed=7,
+                     execution=ExecutionConfig(torch_compile="eager"))
     chunks, no_sync, finalize = wrap_chunks([model], ocfg, ps)
     opt = build_optimizer(chunks, ocfg, ps)
     torch._dynamo.reset()

@@ -23,7 +23,7 @@ import torch
 
 from megalite import collectives as C
 from megalite.arguments import parse_args
-from megalite.config import ConfigError, OptimizerConfig
+from megalite.config import ConfigError, ExecutionConfig, OptimizerConfig
 from megalite.distributed.ddp import wrap_chunks
 from megalite.models import GPTModel
 from megalite.optimizer import build_optimizer
@@ -435,7 +435,8 @@ def _recompute_overlap_worker(rank, world_size):
     reduce-scatters overlap the remaining layers), not at the end of each nested pass."""
     ps = initialize_model_parallel(1, 1, backend="gloo", device="cpu", set_default=False)
     cfg = opt_config(zero_stage=2, overlap_grad_reduce=True, ddp_bucket_size=BUCKET)
-    model = GPTModel(parity_config(num_layers=3, recompute_granularity="full"), ps, seed=SEED)
+    model = GPTModel(parity_config(num_layers=3), ps, seed=SEED,
+                     execution=ExecutionConfig(recompute_granularity="full"))
     ddp = wrap_chunks([model], cfg, ps)[0][0]
     tokens, labels = global_batch(0)
     ddp.record_events = True

@@ -24,7 +24,7 @@ from dist_utils import run_distributed
 from model_utils import VOCAB, tiny_config
 
 from megalite import collectives as C
-from megalite.config import ConfigError, OptimizerConfig
+from megalite.config import ConfigError, ExecutionConfig, OptimizerConfig
 from megalite.memory import distinct_storage_bytes
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState, initialize_model_parallel
@@ -63,13 +63,14 @@ def _reference(cfg, iters=ITERS, seed=7):
     return out
 
 
-def _build(cfg, ps, seed=7, sequence_parallel=False, **opt_overrides):
+def _build(cfg, ps, seed=7, sequence_parallel=False, execution=ExecutionConfig(),
+           **opt_overrides):
     from megalite.distributed.zero3 import shard_model_zero3
     from megalite.optimizer.zero3_optimizer import Zero3Optimizer
 
     oc = OptimizerConfig(**{**HP, **opt_overrides}).validate()
-    model = shard_model_zero3(GPTModel(cfg, ps, seed=seed, sequence_parallel=sequence_parallel),
-                              ps, oc)
+    model = shard_model_zero3(GPTModel(cfg, ps, seed=seed, sequence_parallel=sequence_parallel,
+                                       execution=execution), ps, oc)
     return model, Zero3Optimizer(model, oc, ps)
 
 
@@ -193,8 +194,9 @@ def _dp2_worker(rank, world_size):
     # 3. llama (untied: embedding, layers, output units), full recomputation, depth 2.
     lcfg = tiny_config("llama", num_layers=3)
     lref = _reference(lcfg)
-    rcfg = tiny_config("llama", num_layers=3, recompute_granularity="full")
-    model, opt = _build(rcfg, ps, zero3_prefetch_depth=2)
+    rcfg = tiny_config("llama", num_layers=3)
+    model, opt = _build(rcfg, ps, execution=ExecutionConfig(recompute_granularity="full"),
+                        zero3_prefetch_depth=2)
     assert [u.name for u in model.units] == ["embedding", "layers.0", "layers.1", "layers.2",
                                              "output"]
     C.reset_bytes_sent()

@@ -64,7 +64,6 @@ def load_model(load_dir: str, iteration=None, device="cpu"):
             f"with `python tools/checkpoint/convert.py reshard` (docs/checkpoints.md)")
     m = cfg.model
     m.hidden_dropout = m.attention_dropout = 0.0
-    m.recompute_granularity = m.recompute_method = None
     dev = resolve_device(device)
     model = GPTModel(m, ParallelState(device=dev), seed=None, device=dev)
     path = os.path.join(ck.iteration_dir(load_dir, iteration), ck.shard_dir_name(0, 0),

@@ -1,11 +1,8 @@
-"""Mixture-of-Experts routing as pure functions (docs/moe.md): top-k gating with its options, the
-load-balancing and z losses, expert capacity with token dropping, and the loss-free balancing
-bias update. No process groups here: a caller that spreads tokens over ranks sums the counts
-(``tokens_per_expert``) over them first and passes the totals in.
-
-Shapes: ``logits``, ``probs``, ``routing_map`` are [tokens, experts]; tokens are the flattened
-[s, b] activations (sequence first, as the transformer layers hold them). Flag names in messages
-are Megatron-LM's, the flags of the configuration (megalite.config.check_routing).
+"""Mixture-of-Experts routing as pure functions (docs/moe.md): top-k gating, the balancing and
+z losses, capacity dropping, the loss-free bias update. No process groups: a caller sums
+``tokens_per_expert`` over its ranks first. ``logits``, ``probs``, ``routing_map`` are [tokens,
+experts], tokens the flattened [s, b]. The options are those ModelConfig.validate accepted
+(config.check_routing); nothing is checked again per call.
 """
 
 from __future__ import annotations
@@ -13,10 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from megalite.config import ConfigError, check_routing
-
-DROP_POLICIES = ("probs", "position")
 
 
 def _topk_indices(scores, topk, num_groups, group_topk, group_score):
@@ -40,18 +33,8 @@ def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
           scaling_factor: float | None = None, expert_bias: torch.Tensor | None = None,
           group_score: str = "topk_sum", normalize: bool = True):
     """Top-k routing -> (probs [tokens, experts] in fp32, zero off the chosen experts;
-    routing_map, bool, True on them).
-
-    softmax: post-softmax (default) takes the top-k logits and softmaxes over those k; with
-    ``pre_softmax`` the softmax runs over all experts and the top-k values are the gates.
-    sigmoid: gates are the chosen sigmoid scores, renormalised to sum to 1 over the k when
-    ``normalize`` and k > 1 (Hugging Face's ``norm_topk_prob``). ``expert_bias`` (sigmoid only) is
-    added for choosing experts, never to the gates: the bias steers load, not the output mix.
-    ``scaling_factor`` multiplies the gates last.
-    """
+    routing_map, bool, True on them); each option is docs/moe.md, "Routing"."""
     logits = logits.float()  # routing decisions and gates in fp32 whatever the model's dtype
-    check_routing(logits.shape[-1], topk, score_function, pre_softmax, num_groups, group_topk,
-                  group_score, expert_bias is not None, normalize)
     if score_function == "softmax":
         scores = logits.softmax(-1) if pre_softmax else logits
     else:
@@ -71,12 +54,8 @@ def route(logits: torch.Tensor, topk: int, score_function: str = "softmax",
 
 
 def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str = "softmax"):
-    """(scores over all experts, their plain top-k map): what the balancing losses measure.
-
-    The loss looks at the router's full distribution and its unconstrained choice, apart from the
-    group limit, bias, or capacity that shaped the actual routing; sigmoid scores are normalised
-    over all experts so that both score functions give a distribution.
-    """
+    """(scores over all experts, their plain top-k map): what the balancing losses measure,
+    without the group limit, bias or capacity (docs/moe.md, "Load-balancing losses")."""
     logits = logits.float()
     if score_function == "softmax":
         scores = logits.softmax(-1)
@@ -89,13 +68,9 @@ def scores_for_aux_loss(logits: torch.Tensor, topk: int, score_function: str = "
 
 def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
                                total_tokens: int, topk: int, num_experts: int, coeff: float):
-    """Switch-Transformer balancing loss, coeff · E · Σᵢ fᵢ·Pᵢ, with fᵢ = countᵢ/(k·T) and
-    Pᵢ = Σ_t scores[t, i]/T: written as one sum, coeff·E/(k·T²)·Σᵢ (Σ_t scores[t, i])·countᵢ.
-
-    ``scores`` may be this rank's tokens only while ``tokens_per_expert`` and ``total_tokens``
-    count every token of the scope (micro-batch, or the global batch for global_aux_loss): the sum
-    over ranks of the partial losses is then the loss of the whole scope.
-    """
+    """Switch-Transformer balancing loss coeff·E/(k·T²)·Σᵢ (Σ_t scores[t, i])·countᵢ (docs/moe.md);
+    ``scores`` may be this rank's tokens while the counts and ``total_tokens`` cover the scope,
+    so the partial losses sum over ranks to the scope's loss."""
     aggregated = scores.float().sum(0)
     scale = num_experts * coeff / (topk * total_tokens ** 2)
     return (aggregated * tokens_per_expert).sum() * scale
@@ -103,18 +78,15 @@ def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Te
 
 def seq_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
                             seq_length: int, topk: int, coeff: float):
-    """The same loss per sequence, averaged over the b sequences (seq_aux_loss): it balances
-    experts within each sequence, not just over the batch. ``scores`` [s, b, E] (s may be this
-    rank's part of the sequence), ``tokens_per_expert`` [b, E] over the whole sequence of length
-    ``seq_length``."""
+    """The same loss per sequence, averaged over the b sequences (seq_aux_loss): ``scores``
+    [s, b, E] (s may be this rank's part), ``tokens_per_expert`` [b, E] over the whole sequence."""
     num_experts = scores.shape[-1]
     per_seq = (scores.float().sum(0) * tokens_per_expert).sum(-1)
     return per_seq.mean() * (num_experts * coeff / (topk * seq_length ** 2))
 
 
 def z_loss(logits: torch.Tensor, coeff: float):
-    """ST-MoE router z-loss, coeff · mean_t (logsumexp_i logits[t, i])²: keeps logits small, where
-    fp32 softmax stays accurate."""
+    """ST-MoE router z-loss, coeff · mean_t (logsumexp_i logits[t, i])²."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
 
 
@@ -125,15 +97,9 @@ def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_facto
 
 def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
                        policy: str = "probs", pad_to_capacity: bool = False):
-    """Keep at most ``capacity`` tokens per expert -> (probs, routing_map) with the rest dropped.
-
-    policy "probs" keeps each expert's tokens of highest probability, "position" its earliest
-    tokens. With ``pad_to_capacity`` every expert gets exactly ``capacity`` rows (padded with
-    unrouted tokens of zero probability, earliest first) so that expert inputs have a fixed shape.
-    """
-    if policy not in DROP_POLICIES:
-        raise ConfigError(f"--moe-token-drop-policy must be one of {', '.join(DROP_POLICIES)}, "
-                          f"got {policy!r}")
+    """Keep at most ``capacity`` tokens per expert -> (probs, routing_map), by highest
+    probability or earliest position; ``pad_to_capacity`` fills every expert to exactly
+    ``capacity`` rows with unrouted tokens (docs/moe.md, "Dropless and capacity")."""
     tokens, experts = routing_map.shape
     key = probs if policy == "probs" else routing_map.to(probs.dtype)
     # rank of each token within its expert's column; the stable sort breaks ties by position
@@ -147,9 +113,8 @@ def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity:
 
 @torch.no_grad()
 def expert_bias_update(bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float):
-    """Loss-free balancing: bias + rate·sign(mean load − load). An overloaded expert's bias falls,
-    an idle one's rises, by a fixed step (no gradient, no loss term). ``tokens_per_expert`` must
-    already be summed over every rank that routed different tokens."""
+    """Loss-free balancing: bias + rate·sign(mean load − load); ``tokens_per_expert`` summed
+    over every rank that routed different tokens."""
     load = tokens_per_expert.float()
     mean = load.sum(-1, keepdim=True) / load.shape[-1]
     return bias + torch.sign(mean - load) * rate
