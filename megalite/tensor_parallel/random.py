@@ -1,23 +1,16 @@
-"""Device-agnostic RNG tracking and activation recomputation.
-
-Dropout has to be *different* across TP ranks where each rank holds different activations (inside
-attention, on its own heads) and *identical* where ranks hold the same activations (replicated
-regions). Megatron-LM keeps a second RNG state, seeded per TP rank, and "forks" into it for the
-former; we do the same on whatever device the model runs (CPU generator or CUDA generator), with
-no bare ``torch.cuda`` calls outside a device check (docs/design.md, contract 1).
-
-Recomputation (``full``: a whole transformer layer; ``selective``: core attention only, Korthikanti
-et al. §5) drops activations in forward and recomputes them in backward. The recomputed forward
-must draw the same dropout masks, so the RNG states (default and tracked) are saved before the
-forward and replayed.
-"""
+"""Device-agnostic RNG tracking (a second stream seeded per TP rank) and activation recomputation
+that replays the RNG states (docs/tensor_parallel.md, "Dropout and recomputation under TP")."""
 
 from __future__ import annotations
 
 import contextlib
+import random as _random
 from typing import Dict, Optional
 
+import numpy as np
 import torch
+
+from megalite import torch_private as P
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Offset of the TP-rank-specific seed from the base seed (same constant idea as Megatron's 2718).
@@ -90,17 +83,9 @@ def get_rng_tracker() -> RNGStatesTracker:
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0,
                         device: Optional[torch.device] = None) -> None:
-    """Seed the default stream (same on every TP rank) and the TP-rank-specific stream, and
-    Python's ``random`` and NumPy's global generator with the default stream's seed (as
-    Megatron-LM's ``_set_random_seed``): a checkpoint saves all of them, so two runs with the same
-    flags write the same bytes.
-
-    Pipeline stages get different default seeds (their layers are different layers).
-    """
-    import random as _random
-
-    import numpy as np
-
+    """Seed the default stream (same on every TP rank; per pipeline stage, whose layers differ),
+    the TP-rank-specific stream, and Python's and NumPy's generators (as Megatron-LM's
+    ``_set_random_seed``): a checkpoint saves all of them, so equal flags write equal bytes."""
     device = device or torch.device("cpu")
     base = seed + 100 * pp_rank
     _random.seed(base)
@@ -114,10 +99,6 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0,
 
 def get_all_rng_states(device: torch.device) -> dict:
     """Every RNG state megalite uses, for checkpoints (plain tensors, weights_only-loadable)."""
-    import random as _random
-
-    import numpy as np
-
     py_state = _random.getstate()
     np_state = np.random.get_state()
     return {
@@ -131,10 +112,6 @@ def get_all_rng_states(device: torch.device) -> dict:
 
 
 def set_all_rng_states(states: dict, device: torch.device) -> None:
-    import random as _random
-
-    import numpy as np
-
     torch.set_rng_state(states["torch_cpu"])
     if device.type == "cuda" and states.get("device") is not None:
         torch.cuda.set_rng_state(states["device"], device)
@@ -204,7 +181,7 @@ class _CheckpointFunction(torch.autograd.Function):
             _NESTED -= 1
         if not _NESTED:  # back in the outer backward: queue what its end must run
             while _AT_OUTER_END:
-                torch.autograd.Variable._execution_engine.queue_callback(_AT_OUTER_END.pop(0))
+                P.queue_backward_callback(_AT_OUTER_END.pop(0))
         input_grads = tuple(x.grad if torch.is_tensor(x) else None for x in inputs)
         return (None, None) + input_grads
 
@@ -222,7 +199,7 @@ def queue_at_end_of_backward(fn) -> bool:
         _AT_OUTER_END.append(fn)
         return True
     try:
-        torch.autograd.Variable._execution_engine.queue_callback(fn)
+        P.queue_backward_callback(fn)
         return True
     except RuntimeError:
         return False
