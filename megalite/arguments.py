@@ -55,7 +55,6 @@ def _translate(a: argparse.Namespace, v: Dict[str, dict]) -> None:
     par["virtual_pipeline_model_parallel_size"] = None if vpp == 1 else vpp
     if a.use_distributed_optimizer and opt["zero_stage"] == 0:
         opt["zero_stage"] = 1
-    v["data"]["vocab_size"] = m["vocab_size"]  # the BPE trained on the corpus has this size
 
 
 class _OneLineParser(argparse.ArgumentParser):

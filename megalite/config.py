@@ -51,8 +51,10 @@ _FEATURES = {
 
 
 # Declared bounds (``setting(bound=...)``), checked with the choices: "{flag} must be {bound}".
-POSITIVE, POSITIVE_INT, NON_NEGATIVE = "positive", "a positive integer", ">= 0"
-_BOUNDS = {POSITIVE: lambda v: v > 0, POSITIVE_INT: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0}
+POSITIVE, POSITIVE_INT = "positive", "a positive integer"
+NON_NEGATIVE, AT_LEAST_ONE = ">= 0", ">= 1"
+_BOUNDS = {POSITIVE: lambda v: v > 0, POSITIVE_INT: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0,
+           AT_LEAST_ONE: lambda v: v >= 1}
 
 
 class ConfigError(ValueError):
@@ -100,16 +102,6 @@ def dtype_from_name(name: str):
     import torch  # here only: the rest of this module needs no torch
 
     return getattr(torch, name)
-
-
-def check_world_divisible(world_size: int, tp: int, cp: int, pp: int) -> int:
-    """The data-parallel size of ``world_size`` ranks at TP x CP x PP."""
-    if world_size % (tp * cp * pp) != 0:
-        raise ConfigError(
-            f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({tp}) "
-            f"x --context-parallel-size ({cp}) x --pipeline-model-parallel-size ({pp}) = "
-            f"{tp * cp * pp}")
-    return world_size // (tp * cp * pp)
 
 
 def check_expert_grid_divisible(world_size: int, etp: int, ep: int, pp: int) -> int:
@@ -289,8 +281,8 @@ class ModelConfig(_Section):
                                          bound=POSITIVE_INT)
     seq_length: int = setting(256, role=CHECKPOINT_ARG, bound=POSITIVE_INT)
     max_position_embeddings: Optional[int] = setting(None, "default seq length", role=SHAPE)
-    # Embedding rows before padding (see padded_vocab_size): the trained tokenizer's size, or
-    # the tokenizer's own once resolve has seen it.
+    # Embedding rows before padding: until resolve, the size of the BPE (or mock tokenizer) to
+    # build; then the tokenizer's own (or the checkpoint's, with --use-checkpoint-args).
     vocab_size: int = setting(8192, "the byte-level BPE's size (a given tokenizer's own wins)",
                               group="data", role=SHAPE, bound=POSITIVE_INT,
                               shown="--vocab-size (or the tokenizer: --tokenizer-type/"
@@ -705,10 +697,11 @@ class ParallelConfig(_Section):
     pipeline_model_parallel_size: int = setting(1, layout=True)
     # V, the one fact of virtual stages; --num-layers-per-virtual-pipeline-stage K gives it too
     virtual_pipeline_model_parallel_size: Optional[int] = setting(
-        None, flag="--num-virtual-stages-per-pipeline-rank", layout=True)
+        None, flag="--num-virtual-stages-per-pipeline-rank", layout=True, bound=AT_LEAST_ONE)
     sequence_parallel: bool = setting(False, layout=True)
     context_parallel_size: int = setting(  # docs/context_parallel.md
-        1, "split each sequence over this many ranks, attention included", layout=True)
+        1, "split each sequence over this many ranks, attention included", layout=True,
+        bound=AT_LEAST_ONE)
     cp_comm_type: str = setting(
         "p2p", "context-parallel attention: p2p (ring), allgather (K/V) or a2a (Ulysses)",
         choices=CP_COMM_TYPES, layout=True)
@@ -734,18 +727,18 @@ class ParallelConfig(_Section):
             raise ConfigError(
                 f"--tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size ({p}) "
                 f"must be >= 1")
-        if c < 1:
-            raise ConfigError(f"--context-parallel-size must be >= 1, got {c}")
-        if v is not None and v < 1:
-            raise ConfigError(f"--num-virtual-stages-per-pipeline-rank must be >= 1, got {v}")
         if v is not None and v > 1 and p == 1:
             raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
         ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
         if ep < 1 or (etp is not None and etp < 1):
             raise ConfigError(f"--expert-model-parallel-size ({ep}) and "
                               f"--expert-tensor-parallel-size ({etp}) must be >= 1")
+        if world_size is not None and world_size % (t * c * p) != 0:
+            raise ConfigError(
+                f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
+                f"x --context-parallel-size ({c}) x --pipeline-model-parallel-size ({p}) = "
+                f"{t * c * p}")
         if world_size is not None:
-            check_world_divisible(world_size, t, c, p)
             check_expert_grid_divisible(world_size, self.expert_tp_size, ep, p)
         if self.sequence_parallel and t == 1:
             # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
@@ -893,9 +886,6 @@ class DataConfig(_Section):
         None, "HuggingFaceTokenizer, GPT2BPETokenizer, ...; default: a byte-level BPE trained on "
         "the corpus")
     tokenizer_model: Optional[str] = setting(None)
-    # The size of the byte-level BPE trained on the corpus: --vocab-size, which sets the model's
-    # too (the model's is the tokenizer's once resolved, this one stays the BPE's target)
-    vocab_size: int = setting(8192, no_flag="--vocab-size")
     dataset_text_field: str = setting("text")
     num_workers: int = setting(0, bound=NON_NEGATIVE)
     eod_mask_loss: bool = setting(False)
@@ -918,9 +908,6 @@ class DataConfig(_Section):
                               f"sum, like 969,30,1; got {self.split!r}")
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are mutually exclusive")
-        if self.vocab_size is not None and self.vocab_size < 260:
-            raise ConfigError(f"--vocab-size must be at least 260 for a byte-level BPE tokenizer, "
-                              f"got {self.vocab_size}")
         return self
 
 
@@ -1187,10 +1174,8 @@ class MegaliteConfig(_Section):
     def validate(self, world_size: Optional[int] = None) -> "MegaliteConfig":
         """Every check, in one place. ``world_size`` None (at parse time) skips those needing it."""
         par, tr = self.parallel, self.training
-        # --use-checkpoint-args at parse time: the model is not the command line's but args.json's
-        # (checkpointing.with_checkpoint_args), so the checks of the layout against the model
-        # wait for resolve(), which has it; an EP run of a converted MoE checkpoint then needs
-        # no --num-experts of its own
+        # --use-checkpoint-args at parse time: the model is args.json's, not the command line's,
+        # so the checks against it wait for resolve() (a converted MoE run needs no --num-experts)
         model_known = world_size is not None or not self.checkpoint.use_checkpoint_args
         if model_known:
             self.model.validate(par.tensor_model_parallel_size)
@@ -1216,6 +1201,10 @@ class MegaliteConfig(_Section):
             # m, p, v and the schedule must fit together, before any model is built
             check_pipeline_args(p, tr.num_micro_batches(par.data_parallel_size(world_size)), v,
                                 tr.pipeline_schedule)
+        vocab = self.model.vocab_size  # before resolve: the size of the BPE (or mock) to build
+        if world_size is None and self.data.tokenizer_type is None and vocab < 260:
+            raise ConfigError(f"--vocab-size must be at least 260 for a byte-level BPE tokenizer, "
+                              f"got {vocab}")
         return self
 
     def _check_experts(self) -> None:
@@ -1274,14 +1263,9 @@ class MegaliteConfig(_Section):
                                         par.virtual_pipeline_model_parallel_size)
 
     def resolve(self, world_size: int, tokenizer_vocab_size: int) -> "MegaliteConfig":
-        """The run's configuration: derived values filled in, validated, read-only.
-
-        Derived here: the global batch (default micro-batch x data-parallel size) and the
-        vocabulary: the tokenizer's, unless the model's came from a checkpoint
-        (``--use-checkpoint-args``), which may be larger (the extra rows are never predicted).
-        (Defaults that need no outside facts are filled in at construction, in
-        ``__post_init__``.)
-        """
+        """The run's configuration, validated and read-only, with the values that need the world
+        and the tokenizer: the global batch, and the tokenizer's vocabulary unless the model's came
+        from a checkpoint (``--use-checkpoint-args``; it may be larger, never predicted)."""
         m, par, tr = self.model, self.parallel, self.training
         vocab = m.vocab_size if self.checkpoint.use_checkpoint_args else tokenizer_vocab_size
         model = replace(m, vocab_size=vocab, tokenizer_vocab_size=(

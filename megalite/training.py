@@ -733,7 +733,7 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
         cfg = with_checkpoint_args(cfg)
     from megalite.data import build_tokenizer
 
-    tokenizer = build_tokenizer(cfg.data, cache_dir=cfg.data.data_cache_path)
+    tokenizer = build_tokenizer(cfg.data, cfg.data.data_cache_path, cfg.model.vocab_size)
     cfg = cfg.resolve(ps.world_size, tokenizer.vocab_size)
     logger = MetricsLogger(cfg, is_writer=(ps.rank == 0), stream=stream)
     set_active_logger(logger)

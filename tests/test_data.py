@@ -75,8 +75,7 @@ def test_splits_draw_only_their_documents(tmp_path):
     # document d is made of token d+1 (and EOD 0), so a sample tells which documents fed it
     docs = [np.array([d + 1] * 6 + [EOD]) for d in range(20)]
     prefix = write_indexed(str(tmp_path / "sp"), docs)
-    cfg = DataConfig(data_path=[prefix], split="14,4,2", tokenizer_type="NullTokenizer",
-                     vocab_size=300)
+    cfg = DataConfig(data_path=[prefix], split="14,4,2", tokenizer_type="NullTokenizer")
     tok = null_tokenizer(300)
     tr, va, te = build_pretraining_datasets(cfg, tok, 8, 1, (50, 10, 5))
     for ds, lo, hi in ((tr, 1, 14), (va, 15, 18), (te, 19, 20)):
@@ -111,8 +110,7 @@ def test_blending_indices_track_weights_in_every_prefix():
 def test_blend_weights_respected_end_to_end(tmp_path):
     a = write_indexed(str(tmp_path / "a"), [np.array([1] * 30 + [EOD])] * 10)
     b = write_indexed(str(tmp_path / "b"), [np.array([2] * 20 + [EOD])] * 10)
-    cfg = DataConfig(data_path=["0.7", a, "0.3", b], split="100", tokenizer_type="NullTokenizer",
-                     vocab_size=300)
+    cfg = DataConfig(data_path=["0.7", a, "0.3", b], split="100", tokenizer_type="NullTokenizer")
     tr, va, te = build_pretraining_datasets(cfg, null_tokenizer(300), 16, 3, (400, 0, 0))
     assert isinstance(tr, BlendedDataset) and len(tr) == 400 and va is None
     src = []
@@ -169,7 +167,7 @@ def test_sampler_wraps_around_the_dataset():
 
 def test_loader_batches_match_across_layouts_and_resume():
     tok = null_tokenizer(300)
-    cfg = DataConfig(mock_data=True, vocab_size=300)
+    cfg = DataConfig(mock_data=True)
     tr, _, _ = build_pretraining_datasets(cfg, tok, 8, 5, (100, 10, 10))
     gbs = 8
 
@@ -197,7 +195,7 @@ def test_loader_batches_match_across_layouts_and_resume():
 
 def test_loader_with_workers_matches_main_process():
     tok = null_tokenizer(300)
-    tr, _, _ = build_pretraining_datasets(DataConfig(mock_data=True, vocab_size=300), tok, 8, 5,
+    tr, _, _ = build_pretraining_datasets(DataConfig(mock_data=True), tok, 8, 5,
                                           (40, 0, 0))
     a, b = iter(build_data_loader(tr, 4, 2, 1, 2)), iter(build_data_loader(tr, 4, 2, 1, 2, 1))
     for _ in range(3):
@@ -208,7 +206,7 @@ def test_loader_with_workers_matches_main_process():
 
 
 def test_mock_data_is_deterministic_and_in_vocab():
-    cfg = DataConfig(mock_data=True, vocab_size=300, split="9,1,0")
+    cfg = DataConfig(mock_data=True, split="9,1,0")
     tok = null_tokenizer(300)
     tr, va, te = build_pretraining_datasets(cfg, tok, 16, 11, (10, 3, 3))
     tr2, _, _ = build_pretraining_datasets(cfg, tok, 16, 11, (10, 3, 3))

@@ -104,8 +104,7 @@ def test_text_field_missing(tmp_path):
         build(cfg, tmp_path)
     check(e, "--dataset-text-field", "'text'", "content, meta")
     with pytest.raises(ConfigError) as e:  # also when training the BPE on that text
-        build_tokenizer(DataConfig(data_path=[str(p)], vocab_size=300),
-                        cache_dir=str(tmp_path / "c"))
+        build_tokenizer(DataConfig(data_path=[str(p)]), str(tmp_path / "c"), 300)
     check(e, "--dataset-text-field", "content, meta")
 
 

@@ -60,8 +60,8 @@ def test_local_files_load_tokenize_and_pack(tmp_path, fmt):
     path = write_format(str(tmp_path), fmt)
     cache = str(tmp_path / "cache")
     assert sources.classify_data_path(path) == "local"
-    cfg = DataConfig(data_path=[path], vocab_size=300, split="8,1,1")
-    tok = build_tokenizer(cfg, cache_dir=cache)  # BPE trained on this file's text
+    cfg = DataConfig(data_path=[path], split="8,1,1")
+    tok = build_tokenizer(cfg, cache, 300)  # BPE trained on this file's text
     assert tok.vocab_size == 300 and tok.decode(tok.encode(DOCS[3])) == DOCS[3]
     store = sources.load_document_store(path, cfg, tok, cache)
     # one document per row/paragraph, in file order, each encoded and closed by EOD
@@ -80,14 +80,14 @@ def test_local_files_load_tokenize_and_pack(tmp_path, fmt):
 def test_tokenized_data_is_cached_by_datasets(tmp_path):
     path = write_format(str(tmp_path), "jsonl")
     cache = str(tmp_path / "cache")
-    cfg = DataConfig(data_path=[path], vocab_size=300)
-    tok = build_tokenizer(cfg, cache_dir=cache)
+    cfg = DataConfig(data_path=[path])
+    tok = build_tokenizer(cfg, cache, 300)
     ds = sources.load_text_dataset(path, cache)
     a = sources.tokenize_dataset(ds, tok, "text")
     b = sources.tokenize_dataset(ds, tok, "text")
     assert a.cache_files and a.cache_files == b.cache_files  # the second map read the cache
     # a different tokenizer is a different cache entry
-    other = build_tokenizer(DataConfig(data_path=[path], vocab_size=290), cache_dir=cache)
+    other = build_tokenizer(DataConfig(data_path=[path]), cache, 290)
     c = sources.tokenize_dataset(ds, other, "text")
     assert c.cache_files != a.cache_files
 
@@ -95,8 +95,8 @@ def test_tokenized_data_is_cached_by_datasets(tmp_path):
 def test_tokenize_with_worker_processes(tmp_path):
     path = write_format(str(tmp_path), "jsonl")
     cache = str(tmp_path / "cache")
-    cfg = DataConfig(data_path=[path], vocab_size=300)
-    tok = build_tokenizer(cfg, cache_dir=cache)
+    cfg = DataConfig(data_path=[path])
+    tok = build_tokenizer(cfg, cache, 300)
     ds = sources.load_text_dataset(path, cache)
     one = sources.store_from_tokenized(sources.tokenize_dataset(ds, tok, "text", 1), "x")
     two = sources.store_from_tokenized(sources.tokenize_dataset(ds, tok, "text", 2), "x")
@@ -107,8 +107,8 @@ def test_custom_text_field_and_empty_documents_skipped(tmp_path):
     p = tmp_path / "c.jsonl"
     rows = [{"content": t} for t in DOCS[:5]] + [{"content": ""}]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = DataConfig(data_path=[str(p)], vocab_size=300, dataset_text_field="content")
-    tok = build_tokenizer(cfg, cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(data_path=[str(p)], dataset_text_field="content")
+    tok = build_tokenizer(cfg, str(tmp_path / "cache"), 300)
     store = sources.load_document_store(str(p), cfg, tok, str(tmp_path / "cache"))
     assert store.num_documents == 6 and store.document_lengths[-1] == 0
     assert store.get_document(0).tolist() == tok.encode(DOCS[0]) + [tok.eod]

@@ -15,7 +15,7 @@ from megalite.data.tokenizer import BPE_TRAIN_MAX_CHARS, EOD_TOKEN, null_tokeniz
 TEXT = 'def f(x):\n    """ünïcode ✓ and tabs\t"""\n    return x ** 2  # 日本語\n'
 
 
-def _build_recording_work(cfg, cache):
+def _build_recording_work(cfg, cache, vocab_size=1024):
     """Build the tokenizer and datasets, recording the work done: the texts BPE training read
     and the number of document batches tokenized (hooks around the two expensive steps)."""
     work = {"bpe_texts": [], "bpe_trainings": 0, "tokenized_batches": 0}
@@ -32,7 +32,7 @@ def _build_recording_work(cfg, cache):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tokenizer_module, "train_bpe", recording_train_bpe)
         mp.setattr(sources, "_tokenize_batch", recording_tokenize)
-        tok = build_tokenizer(cfg, cache_dir=cache)
+        tok = build_tokenizer(cfg, cache_dir=cache, vocab_size=vocab_size)
         ds = build_pretraining_datasets(cfg, tok, 64, 1234, (100, 10, 1), cache_dir=cache)
     return tok, ds, work
 
@@ -51,7 +51,7 @@ def _files(root):
 def builtin(tmp_path_factory):
     """The built-in corpus with a 1024-id BPE, built once for this module."""
     cache = str(tmp_path_factory.mktemp("builtin_cache"))
-    cfg = DataConfig(vocab_size=1024)
+    cfg = DataConfig()
     tok, ds, work = _build_recording_work(cfg, cache)
     return cfg, cache, tok, ds, work
 
@@ -124,5 +124,5 @@ def test_null_tokenizer():
     t = null_tokenizer(300)
     assert t.vocab_size == 300 and t.eod == 299
     assert t.encode("5 17 0") == [5, 17, 0] and t.decode([5, 17, 299]) == f"5 17 {EOD_TOKEN}"
-    mock = build_tokenizer(DataConfig(mock_data=True, vocab_size=1000))
+    mock = build_tokenizer(DataConfig(mock_data=True), vocab_size=1000)
     assert mock.kind == "NullTokenizer" and mock.vocab_size == 1000

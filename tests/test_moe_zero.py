@@ -48,7 +48,7 @@ def _shard_sizes(argv):
 
     cfg = parse_args(argv)
     ps = initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    cfg = cfg.resolve(ps.world_size, build_tokenizer(cfg.data).vocab_size)
+    cfg = cfg.resolve(ps.world_size, build_tokenizer(cfg.data, None, cfg.model.vocab_size).vocab_size)
     chunks, _, _ = wrap_model_for_data_parallel(
         build_model_chunks(cfg.model, ps, seed=1, device=ps.device), cfg, ps)
     opt = build_optimizer(chunks, cfg.optimizer, ps)

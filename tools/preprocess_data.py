@@ -62,16 +62,16 @@ def build_tool_tokenizer(args):
     if args.tokenizer_type == "GPT2BPETokenizer" and args.vocab_file:
         return tk.load_gpt2_bpe(args.vocab_file, args.merge_file or "")
     cfg = DataConfig(data_path=[args.input], tokenizer_type=args.tokenizer_type,
-                     tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+                     tokenizer_model=args.tokenizer_model,
                      dataset_text_field=args.json_keys[0], num_workers=args.workers)
     if args.tokenizer_type == "ByteLevelBPETokenizer":
         out = args.output_prefix + "_tokenizer"
-        tok = tk.trained_bpe(cfg, args.cache_dir)
+        tok = tk.trained_bpe(cfg, args.cache_dir, args.vocab_size)
         tok.save_pretrained(out)
         print(f"trained BPE tokenizer ({tok.vocab_size} ids) saved to {out}; train with "
               f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {out}")
         return tok
-    return tk.build_tokenizer(cfg, args.cache_dir)
+    return tk.build_tokenizer(cfg, args.cache_dir, args.vocab_size)
 
 
 # The loaders name the training flags; here the same values came from this tool's flags.

@@ -132,6 +132,5 @@ def with_checkpoint_args(cfg: MegaliteConfig) -> MegaliteConfig:
             data = replace(data, tokenizer_type="HuggingFaceTokenizer", tokenizer_model=folder)
         else:
             data = replace(data, tokenizer_type=saved.data.tokenizer_type,
-                           tokenizer_model=saved.data.tokenizer_model,
-                           vocab_size=saved.data.vocab_size)
+                           tokenizer_model=saved.data.tokenizer_model)  # the BPE: model's size
     return replace(cfg, model=model, data=data)

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from typing import List, Optional, Sequence
 
-from megalite.config import ConfigError, DataConfig
+from megalite.config import ConfigError, DataConfig, ModelConfig
 
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("ByteLevelBPETokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -133,7 +133,7 @@ def load_hf_tokenizer(name_or_dir: Optional[str], cache_dir: Optional[str] = Non
 # ------------------------------------------------------------------------- the trained BPE, cached
 
 
-def _bpe_cache_key(data_cfg: DataConfig, sets) -> str:
+def _bpe_cache_key(data_cfg: DataConfig, sets, vocab_size: int) -> str:
     from megalite.data import sources
 
     if data_cfg.data_path is None:
@@ -141,11 +141,12 @@ def _bpe_cache_key(data_cfg: DataConfig, sets) -> str:
     else:
         # Keyed by the datasets' own fingerprints: they change when the files do.
         corpus = tuple((name, ds._fingerprint, data_cfg.dataset_text_field) for name, ds in sets)
-    return sources._fingerprint("bpe", sources.CACHE_VERSION, corpus, data_cfg.vocab_size,
+    return sources._fingerprint("bpe", sources.CACHE_VERSION, corpus, vocab_size,
                                 BPE_TRAIN_MAX_CHARS)
 
 
-def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokenizer:
+def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None,
+                vocab_size: int = ModelConfig.vocab_size) -> Tokenizer:
     """Load the cached BPE for this corpus and vocab size, or train and cache it."""
     from transformers import AutoTokenizer
 
@@ -154,8 +155,8 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokeni
     root = sources.cache_root(data_cfg, cache_dir)
     # The built-in corpus is keyed by its files alone, so a cache hit skips loading it.
     sets = None if data_cfg.data_path is None else sources.text_datasets(data_cfg, cache_dir)
-    key = _bpe_cache_key(data_cfg, sets)
-    target = os.path.join(root, "tokenizers", f"bpe-{data_cfg.vocab_size}-{key}")
+    key = _bpe_cache_key(data_cfg, sets, vocab_size)
+    target = os.path.join(root, "tokenizers", f"bpe-{vocab_size}-{key}")
     meta_file = os.path.join(target, "megalite_tokenizer.json")
     if os.path.isfile(meta_file):
         with open(meta_file) as f:
@@ -174,13 +175,13 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokeni
         for name, ds in sets:
             yield from sources.iter_texts(ds, field, budget)
 
-    tok = train_bpe(texts(), data_cfg.vocab_size)
+    tok = train_bpe(texts(), vocab_size)
     # Write to a temporary folder and rename: concurrent ranks never read a half-written tokenizer.
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-bpe-", dir=os.path.dirname(target) or ".")
     tok.save_pretrained(tmp)
     with open(os.path.join(tmp, "megalite_tokenizer.json"), "w") as f:
-        json.dump({"key": key, "vocab_size": data_cfg.vocab_size, "eod_token": EOD_TOKEN}, f)
+        json.dump({"key": key, "vocab_size": vocab_size, "eod_token": EOD_TOKEN}, f)
     if os.path.isdir(target) and not os.path.isfile(meta_file):
         shutil.rmtree(target, ignore_errors=True)  # a stale, incomplete folder
     try:
@@ -192,12 +193,14 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokeni
     return tok
 
 
-def build_tokenizer(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> Tokenizer:
+def build_tokenizer(data_cfg: DataConfig, cache_dir: Optional[str] = None,
+                    vocab_size: int = ModelConfig.vocab_size) -> Tokenizer:
+    """``vocab_size``: the size of a trained BPE or the mock tokenizer (--vocab-size)."""
     kind = data_cfg.tokenizer_type
     if kind is None:
         kind = "NullTokenizer" if data_cfg.mock_data else "ByteLevelBPETokenizer"
     if kind == "ByteLevelBPETokenizer":
-        return trained_bpe(data_cfg, cache_dir)
+        return trained_bpe(data_cfg, cache_dir, vocab_size)
     if kind == "HuggingFaceTokenizer":
         return load_hf_tokenizer(data_cfg.tokenizer_model)
     if kind == "GPT2BPETokenizer":
@@ -207,6 +210,6 @@ def build_tokenizer(data_cfg: DataConfig, cache_dir: Optional[str] = None) -> To
                               f"vocab.json and merges.txt, got {d!r}")
         return load_gpt2_bpe(os.path.join(d, "vocab.json"), os.path.join(d, "merges.txt"))
     if kind == "NullTokenizer":
-        return null_tokenizer(data_cfg.vocab_size)
+        return null_tokenizer(vocab_size)
     raise ConfigError(f"--tokenizer-type: unknown {kind!r}; valid: {', '.join(TOKENIZER_TYPES)} "
                       f"(or none for a BPE trained on the data)")
