@@ -10,6 +10,14 @@ import os
 import sys
 
 
+def planner_estimate(cfg, world_size: int, device: str, stage: int):
+    """The planner's memory estimate for this run, logged beside the measured peak. The planner
+    is a tool: imported here, when the line is printed (--no-log-planner-estimate: never)."""
+    from megalite.planner import estimate_for_run
+
+    return estimate_for_run(cfg, world_size, device, stage)
+
+
 def main(argv=None) -> int:
     prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "pretrain.py"
     from megalite.config import ConfigError
@@ -23,11 +31,10 @@ def main(argv=None) -> int:
         return 2
 
     from megalite.parallel_state import destroy_model_parallel
-    from megalite.planner import estimate_for_run
     from megalite.training import TrainingError, pretrain
 
     try:
-        pretrain(cfg, memory_estimate=estimate_for_run)
+        pretrain(cfg, memory_estimate=planner_estimate)
         # Leave together: a rank that tears down its groups while a peer is still finishing its
         # last collective resets that peer's connections, which gloo answers with an abort.
         from megalite.collectives import barrier

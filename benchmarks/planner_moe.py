@@ -36,7 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite import planner  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.planner import GPUS, Cluster, Model, plan  # noqa: E402
+from megalite.planner import GPUS, Cluster  # noqa: E402
+from tools.plan import plan  # noqa: E402
+from tools.planner_stacks import FP8_GEMM_EFFICIENCY, Stack  # noqa: E402
 
 SRC_2602 = ("https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/0a25f911/docs/performance-summary-archive.md"  # noqa: E501
             ", 26.02 NeMo container, DGX-H100")
@@ -90,9 +92,9 @@ def predict(row) -> dict:
                       hidden_dropout=0.0, attention_dropout=0.0, moe_router_load_balancing_type=
                       "aux_loss", **MODELS[key])
     slots = cfg.num_layers % (p * v) != 0  # Megatron's account-for-embedding/loss split
-    m = dataclasses.replace(Model.from_config(cfg, moe_imbalance=1.0), precision=prec,
-                            moe_overlap=OVERLAP.get(key, False),
-                            activation_model="fused", embedding_slot=slots, loss_slot=slots)
+    m = Stack.from_config(cfg, moe_imbalance=1.0, moe_overlap=OVERLAP.get(key, False),
+                          precision=prec, activation_model="fused", embedding_slot=slots,
+                          loss_slot=slots)
     fixed = dict(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
                  virtual_pipeline_model_parallel_size=v, expert_model_parallel_size=ep,
                  expert_tensor_parallel_size=1, micro_batch_size=mb, context_parallel_size=1,
@@ -134,7 +136,7 @@ def main(argv=None):
         else "the planner's constant"
     print(f"MOE_EXPERT_KERNEL_HOST_S = {planner.MOE_EXPERT_KERNEL_HOST_S * 1e6:.0f} us ({how}), "
           f"GROUPED_GEMM_EFFICIENCY = {planner.GROUPED_GEMM_EFFICIENCY}, "
-          f"FP8_GEMM_EFFICIENCY = {planner.FP8_GEMM_EFFICIENCY}\n")
+          f"FP8_GEMM_EFFICIENCY = {FP8_GEMM_EFFICIENCY}\n")
     print("| row | set | precision | GPUs | layout (published, pinned) | planner's rest | GiB | "
           "EP s | tokens/s/GPU published | planner | error | model TFLOP/s published | "
           "planner |\n|" + "---|" * 13)

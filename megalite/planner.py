@@ -1,13 +1,6 @@
-"""Layout planner: memory per GPU and step time of a TP x SP x PP x VPP x DP x ZeRO layout.
+"""The planner's cost model: memory per GPU and step time of a parallel layout (docs/planner.md).
 
-Memory = model states (megalite.memory's ZeRO accounting) + activations in flight (Korthikanti
-et al. 2022, Table 2, as megalite's layers save them) + the transient working set at the peak.
-Step time = compute + exposed TP (CP, EP) collectives + pipeline bubble + exposed DP/ZeRO
-collectives. A mixture-of-experts layer's MLP: the expert grid's memory (stage_expert_params,
-moe_activation_bytes) and time (_moe_layer_s). Model's planner-only inputs describe another
-stack (fused activations, embedding/loss pipeline slots, fp8 GEMMs, EP overlap and per-node
-dispatch) to plan published runs.
-FLOPs are megalite.logging's. docs/planner.md: derivations, constants, validation.
+A tool: tools/plan.py searches with it; a run imports it only to print its memory estimate.
 """
 
 from __future__ import annotations
@@ -20,17 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.config import (
-    CP_COMM_TYPES,
-    ConfigError,
-    MegaliteConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ParallelConfig,
-    check_expert_grid_divisible,
-    check_zero3_schedule,
-    default_schedule,
-)
+from megalite.config import ModelConfig, default_schedule
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
@@ -48,6 +31,7 @@ GPU = collections.namedtuple("GPU", "name peak_tflops memory_gib hbm_gbps "
 GPUS = {g.name: g for g in (GPU("A100-80GB", 312.0, 80.0, 2039.0, 300.0, 200.0, 0.70),
                             GPU("H100-80GB", 989.0, 80.0, 3350.0, 450.0, 400.0, 0.64),
                             GPU("H200", 989.0, 141e9 / GiB, 4800.0, 450.0, 400.0, 0.64))}
+# docs/planner.md, "Constants and where they come from"
 GEMM_HALF_DIM = 96            # a GEMM with smallest dimension n runs at n / (n + 96) of the max
 FLASH_ATTENTION_EFFICIENCY = 0.55  # fused attention (counted FLOPs) relative to a large GEMM
 UNFUSED_SOFTMAX_BYTES = 13    # bytes per score element, forward, of the unfused softmax path
@@ -55,17 +39,10 @@ HBM_EFFICIENCY = 0.90         # streaming kernels vs datasheet HBM bandwidth
 COLLECTIVE_EFFICIENCY = 0.80  # NCCL bus bandwidth vs link bandwidth, large messages
 COLLECTIVE_LATENCY_S = {"intra": 10e-6, "inter": 25e-6}
 USABLE_MEMORY_FRACTION = 0.92  # CUDA context, NCCL/cuBLAS workspaces, fragmentation
-# Dropless MoE at EP > 1: the receive buffer of the busiest EP rank over the mean (k rows per
-# token), the planner's headroom; GShard's usual capacity factor (docs/planner.md, "MoE")
-MOE_IMBALANCE = 1.25
-# fp8 linear GEMMs (the planner's comparison mode, never run): of twice the 16-bit peak, with the
-# per-tensor scaling and casts; 0.45 x 2 = 1.41x the 16-bit GEMM at 0.64 (docs/planner.md)
-FP8_GEMM_EFFICIENCY = 0.45
-# grouped expert GEMMs against a dense GEMM of the same per-expert shape (docs/planner.md, MoE)
-GROUPED_GEMM_EFFICIENCY = 1.0
-# host seconds per per-expert kernel of a dropless MoE layer at EP > 1 (its GEMMs, and in fp8
-# their casts), exposed: the layer reads its split sizes on the host, so the host cannot run
-# ahead of the device; fitted on the MoE fit set only (docs/planner.md, "Published MoE rows")
+MOE_IMBALANCE = 1.25  # dropless EP > 1: the busiest rank's received rows over the mean
+GROUPED_GEMM_EFFICIENCY = 1.0  # grouped expert GEMMs against a dense GEMM of their shape
+# exposed host seconds per per-expert kernel of a dropless MoE layer at EP > 1 (the layer reads
+# its split sizes on the host, so the host cannot run ahead); fitted on the MoE fit set only
 MOE_EXPERT_KERNEL_HOST_S = 54e-6
 
 
@@ -103,65 +80,37 @@ class Layout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
 
-    def short(self) -> str:
-        t, p, v = (self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
-                   self.virtual_pipeline_model_parallel_size)
-        c = self.context_parallel_size
-        uneven = "".join(f" {w}{n}" for w, n in (("first", self.decoder_first_pipeline_num_layers),
-                                                  ("last", self.decoder_last_pipeline_num_layers))
-                         if n is not None)
-        partial = (f" {self.recompute_method or 'uniform'} {self.recompute_num_layers or 1}"
-                   if self.recompute_method or self.recompute_num_layers else "")
-        name = {"zb-h1": " ZB-H1", "zb-v": " ZB-V", "dualpipev": " DualPipeV"}
-        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
-        experts = f" EP{ep}{f' ETP{etp}' if etp > 1 else ''}" if ep > 1 or etp > 1 else ""
-        return (f"TP{t}{'+SP' * self.sequence_parallel}"
-                f"{f' CP{c} {self.cp_comm_type}' if c > 1 else ''} PP{p}{uneven}"
-                f"{f'x{v}' if v > 1 and self.pipeline_schedule == 'interleaved' else ''}"
-                f"{name.get(self.pipeline_schedule, '')} DP{self.data_parallel_size}{experts} "
-                f"ZeRO{self.zero_stage} mb{self.micro_batch_size} "
-                f"recompute {self.recompute_granularity}{partial}")
+
+@functools.lru_cache(maxsize=4096)
+def _chunk_ranges(L: int, p: int, v: int, v_shape: bool, first, last) -> tuple:
+    return tuple(tuple(range(s, x) for s, x in rank) for rank in virtual_layer_ranges(
+        L, p, L // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
 
 
 @dataclass
 class Model:
-    """A ModelConfig plus how its activations are stored."""
+    """A ModelConfig as megalite's layers run it. The methods marked "stack" are what another
+    stack does differently (tools/planner_stacks.py overrides them for the published rows)."""
     cfg: ModelConfig
     bytes_per_value: int = 2      # activations: 2 in 16 bits, 4 in fp32
     mask_bytes: int = 1           # dropout masks: bool on CUDA, the activation dtype on CPU
     flash_attention: bool = True  # fused attention keeps no a*s^2 score matrix
     device: str = "cuda"
-    cross_entropy: str = "megalite"  # or "megatron": Megatron-LM's unfused, fp32 softmax kept
-    # dropless MoE at EP > 1: rows the busiest EP rank receives over the mean (moe_rows)
-    moe_imbalance: float = MOE_IMBALANCE
-    # what the stack being planned does beyond megalite (docs/planner.md, "Inputs for other
-    # stacks"): "fused" saves each tensor of a layer once in 16 bits (Korthikanti et al.'s
-    # Table 2 terms; no fp32 norm copies, no GQA copies); the embedding and the loss each take a
-    # layer's slot in the pipeline split (Megatron-LM's --account-for-embedding/loss-in-
-    # pipeline-split, the Llama 3 report's balancing); fp8 GEMMs (peak x 2, FP8_GEMM_EFFICIENCY)
-    activation_model: str = "megalite"  # megalite | fused
-    embedding_slot: bool = False
-    loss_slot: bool = False
-    precision: str = "bf16"  # bf16 | fp8 (the planner's time model only, never run)
-    # the EP all-to-alls hidden behind the other micro-batch's compute (Megatron's
-    # --overlap-moe-expert-parallel-comm: a forward paired with another's backward)
+    moe_imbalance: float = MOE_IMBALANCE  # dropless EP > 1 (moe_rows)
+    # --overlap-moe-expert-parallel-comm: the all-to-alls behind the paired micro-batch's compute
     moe_overlap: bool = False
-    moe_a2a_dedup: bool = False  # EP across nodes: a token sent once per node (DeepEP)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, device: str = "cuda", attention_backend: str = "flash",
-                    cross_entropy: str = "megalite",
-                    moe_imbalance: float = MOE_IMBALANCE) -> "Model":
+                    moe_imbalance: float = MOE_IMBALANCE, **kw) -> "Model":
         e = 4 if cfg.params_dtype == "float32" else 2
         # CPU SDPA takes its flash kernel only without attention dropout
         flash = attention_backend == "flash" and (device == "cuda" or cfg.attention_dropout == 0)
-        return cls(cfg, e, 1 if device == "cuda" else e, flash, device, cross_entropy,
-                   moe_imbalance)
+        return cls(cfg, e, 1 if device == "cuda" else e, flash, device, moe_imbalance, **kw)
 
     def flops(self, t: int) -> Dict[str, float]:
-        """model_flops_per_sequence split (without a second copy of the formula): logits = the
-        model without layers; attention core = the part quadratic in s."""
+        """model_flops_per_sequence split into logits (no layers), layers and attention core."""
         if t not in self.memo:
             cfg, V = self.cfg, self.cfg.padded_vocab_size(t)
             total = model_flops_per_sequence(cfg, V)
@@ -181,10 +130,8 @@ class Model:
         return self.memo["layer"]
 
     def moe_layer_params(self) -> Dict[str, float]:
-        """One MoE layer's parameters, as ModelConfig counts them, by how they are split:
-        ``common`` (attention, norms, shared expert and its gate: over TP, as a dense layer's),
-        ``router`` (E x h, replicated on every rank: MoELayer.router) and ``expert`` (one expert's
-        MLP: E_local of them per rank, each over ETP)."""
+        """One MoE layer's parameters by how they are split: ``common`` (over TP), ``router``
+        (replicated) and ``expert`` (one expert's MLP, over ETP)."""
         if "moe" not in self.memo:
             one = dataclasses.replace(self.cfg, num_layers=1, moe_layer_freq="1")
             empty = dataclasses.replace(one, num_layers=0).num_parameters(False)
@@ -196,10 +143,73 @@ class Model:
         return self.memo["moe"]
 
     def moe_before(self) -> List[int]:
-        """MoE layers before each layer number (0..L): ModelConfig.moe_layer_pattern summed."""
+        """MoE layers before each layer number (0..L)."""
         if "moe_before" not in self.memo:
             self.memo["moe_before"] = [0, *itertools.accumulate(self.cfg.moe_layer_pattern())]
         return self.memo["moe_before"]
+
+    # ------------------------------------------------------------------ stack
+    def pipeline_slots(self, p: int) -> int:
+        """Layer slots the pipeline split cuts."""
+        return self.cfg.num_layers
+
+    def stage_ranges(self, lay: Layout) -> tuple:
+        """The layers (a range per model chunk) on each pipeline rank, as pretrain.py places them
+        (partition.virtual_layer_ranges, with its one-line ConfigError)."""
+        return _chunk_ranges(self.cfg.num_layers, lay.pipeline_model_parallel_size,
+                             lay.virtual_pipeline_model_parallel_size,
+                             lay.pipeline_schedule in V_SCHEDULES,
+                             lay.decoder_first_pipeline_num_layers,
+                             lay.decoder_last_pipeline_num_layers)
+
+    def saved_per_token(self, recompute: str) -> tuple:
+        """What a layer keeps per token: (bytes of fp32 norm copies per h, attention channels,
+        MLP channels), term by term in docs/planner.md, "Activation memory per layer"."""
+        cfg = self.cfg
+        q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
+        rope = cfg.position_embedding_type == "rope"
+        attn = 4 * q if kv < q else 2 * q + 2 * kv + (q + kv) * rope
+        attn += 2 * q * (not self.flash_attention and self.device == "cpu"
+                         and recompute != "selective")
+        mlp = 4 * cfg.ffn_hidden_size if cfg.swiglu else 2 * cfg.ffn_hidden_size  # (+ silu)
+        return 8 * (cfg.normalization == "RMSNorm"), attn, mlp
+
+    def moe_activation_bytes(self, tokens: float, ep: int, etp: int) -> float:
+        """Bytes an MoE MLP keeps for backward per micro-batch beyond its input, for ``tokens``
+        routed on this rank (docs/planner.md, "Mixture of experts", has each term's table)."""
+        cfg, E, rb = self.cfg, self.bytes_per_value, _router_bytes(self.cfg)
+        h, k, n_exp, fs = (cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts,
+                           cfg.moe_shared_expert_intermediate_size)
+        sent, recv = moe_rows(self, tokens, ep)
+        recv *= etp  # each ETP slice computes the rows its ETP peers received too
+        router = tokens * (n_exp * rb + 12 * k + 8 * n_exp + h * rb * (E != rb)) \
+            + n_exp * h * rb * (E != rb)
+        if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
+            router += tokens * (4 * n_exp + 8 * k)  # the balancing loss's scores and top-k
+        router += 4 * tokens * bool(cfg.moe_z_loss_coeff)  # z-loss: the log-sum-exp
+        if cfg.moe_expert_capacity_factor is not None:
+            router += 9 * tokens * n_exp  # the drop's per-expert ranking (int64) and kept mask
+        f = cfg.moe_ffn_hidden_size / etp
+        experts = recv * ((h + (4 if cfg.swiglu else 2) * f) * E + 16 + 16 * (ep > 1)) \
+            + 16 * recv * (etp > 1) + 8 * n_exp // ep
+        back = sent * (2 * h * E + E + 8)
+        shared = 0.0  # a dense MLP over TP; the gate keeps the shared output and its sigmoid
+        if fs:
+            shared = tokens * ((4 if cfg.swiglu else 2) * fs * E
+                               + (h * E + E) * cfg.moe_shared_expert_gate)
+        return router + experts + back + shared
+
+    def cross_entropy_bytes(self, n: float, vt: float) -> tuple:
+        """(peak bytes of the loss over n tokens of a V/t shard, bytes moved per logit) of
+        tensor_parallel/cross_entropy.py (docs/planner.md, "Memory per GPU": loss head)."""
+        E = self.bytes_per_value
+        rows = min(n, max(1, CPU_BLOCK_ELEMENTS // vt))
+        return n * (2 * vt * E + 21) + (self.device != "cuda") * rows * vt * 4 * (1 + (E != 4)), \
+            3 * E
+
+    def linear_gemms(self, gpu: GPU) -> tuple:
+        """(the GPU as the layers' linear GEMMs see it, cast kernels per per-expert GEMM pass)."""
+        return gpu, 0
 
 
 def head_rank(lay: Layout) -> int:
@@ -207,39 +217,9 @@ def head_rank(lay: Layout) -> int:
     return 0 if lay.pipeline_schedule in V_SCHEDULES else lay.pipeline_model_parallel_size - 1
 
 
-@functools.lru_cache(maxsize=4096)
-def _chunk_ranges(L: int, p: int, v: int, v_shape: bool, first, last, emb: bool = False,
-                  loss: bool = False) -> tuple:
-    """virtual_layer_ranges over L + emb + loss slots: slot 0 the embedding's, the last the loss
-    head's (p > 1), each taken out of the layers it would have held."""
-    e, n = (emb and p > 1), L + (emb and p > 1) + (loss and p > 1)
-    if n != L and (first is not None or last is not None):
-        raise ConfigError("the embedding/loss pipeline slots cannot be combined with "
-                          "--decoder-first/last-pipeline-num-layers")
-    return tuple(tuple(range(max(s - e, 0), min(x - e, L)) for s, x in rank)
-                 for rank in virtual_layer_ranges(
-                     n, p, n // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
-
-
-def pipeline_slots(m: "Model", p: int) -> int:
-    """Layer slots the pipeline split cuts: the layers, plus the embedding's and the loss's."""
-    return m.cfg.num_layers + (p > 1) * (m.embedding_slot + m.loss_slot)
-
-
-def stage_ranges(m: Model, lay: Layout) -> tuple:
-    """The layers (global numbers, a range per model chunk) on each pipeline rank, as pretrain.py
-    places them (partition.virtual_layer_ranges; its one-line ConfigError for an invalid uneven
-    split)."""
-    return _chunk_ranges(m.cfg.num_layers, lay.pipeline_model_parallel_size,
-                         lay.virtual_pipeline_model_parallel_size,
-                         lay.pipeline_schedule in V_SCHEDULES,
-                         lay.decoder_first_pipeline_num_layers,
-                         lay.decoder_last_pipeline_num_layers, m.embedding_slot, m.loss_slot)
-
-
 def stage_chunks(m: Model, lay: Layout) -> tuple:
-    """Layers of each model chunk on each pipeline rank (stage_ranges' lengths)."""
-    return tuple(tuple(len(c) for c in rank) for rank in stage_ranges(m, lay))
+    """Layers of each model chunk on each pipeline rank."""
+    return tuple(tuple(len(c) for c in rank) for rank in m.stage_ranges(lay))
 
 
 def moe_layers(m: Model, layers: range) -> int:
@@ -250,17 +230,16 @@ def moe_layers(m: Model, layers: range) -> int:
 
 
 def recomputed(lay: Layout, n: int) -> int:
-    """Layers of a model chunk of n whose forward full recompute runs again (GPTModel._run_layers,
-    per chunk): every layer under uniform (k layers a checkpoint), the first k under block."""
+    """Layers of a model chunk of n whose forward full recompute runs again: all under uniform,
+    the first k under block."""
     if lay.recompute_granularity != "full":
         return 0
     return min(lay.recompute_num_layers or 1, n) if lay.recompute_method == "block" else n
 
 
 def chunk_activation_bytes(m: Model, lay: Layout, layers: range) -> float:
-    """Bytes a model chunk of ``layers`` keeps per micro-batch: full recompute keeps the input of
-    each checkpoint (a group of k layers under uniform, one of the first k layers under block)
-    and everything of the layers block does not recompute."""
+    """Bytes a model chunk of ``layers`` keeps per micro-batch: full recompute keeps each
+    checkpoint's input and everything of the layers block does not recompute."""
     b, t, sp = lay.micro_batch_size, lay.tensor_model_parallel_size, lay.sequence_parallel
     experts = (lay.expert_model_parallel_size, lay.expert_tensor_parallel_size)
 
@@ -278,22 +257,20 @@ def chunk_activation_bytes(m: Model, lay: Layout, layers: range) -> float:
 
 
 def stage_expert_params(m: Model, lay: Layout, r: int) -> float:
-    """Expert parameters one GPU of pipeline stage r holds: E/EP experts of each of its MoE
-    layers, each split over ETP (reduced and ZeRO-sharded over the expert-data-parallel group)."""
-    n = sum(moe_layers(m, c) for c in stage_ranges(m, lay)[r])
+    """Expert parameters one GPU of pipeline stage r holds: E/EP experts per MoE layer, over ETP."""
+    n = sum(moe_layers(m, c) for c in m.stage_ranges(lay)[r])
     return n and n * m.cfg.num_experts / lay.expert_model_parallel_size \
         * m.moe_layer_params()["expert"] / lay.expert_tensor_parallel_size
 
 
 def stage_params(m: Model, lay: Layout, r: int) -> float:
-    """Parameters one GPU of pipeline stage r holds (its TP shard; of an MoE layer, the router
-    whole and its E/EP experts over ETP)."""
+    """Parameters one GPU of pipeline stage r holds."""
     cfg, t, p = m.cfg, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
     vh = cfg.padded_vocab_size(t) * cfg.hidden_size / t
     layers = sum(stage_chunks(m, lay)[r])
     n = layers * m.layer_params() / t
     if cfg.num_experts is not None:
-        k, moe = sum(moe_layers(m, c) for c in stage_ranges(m, lay)[r]), m.moe_layer_params()
+        k, moe = sum(moe_layers(m, c) for c in m.stage_ranges(lay)[r]), m.moe_layer_params()
         n += k * ((moe["common"] - m.layer_params()) / t + moe["router"]) \
             + stage_expert_params(m, lay, r)
     if r == 0:
@@ -306,33 +283,19 @@ def stage_params(m: Model, lay: Layout, r: int) -> float:
 
 def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = "none",
                            moe: Optional[tuple] = None) -> float:
-    """Bytes one transformer layer keeps for backward per micro-batch: Korthikanti et al.'s
-    Table 2 term by term as megalite saves them (docs/planner.md measures each). ``moe``: (EP,
-    ETP) of an MoE layer, whose MLP is moe_activation_bytes; None: a dense MLP."""
+    """Bytes one layer keeps for backward per micro-batch: Korthikanti et al.'s Table 2 term by
+    term as megalite saves them (docs/planner.md). ``moe``: (EP, ETP) of an MoE layer."""
     cfg, E = m.cfg, m.bytes_per_value
-    s, h, f, a = cfg.seq_length, cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_attention_heads
-    q, kv = a * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
+    s, h, a = cfg.seq_length, cfg.hidden_size, cfg.num_attention_heads
     rep = t if sp else 1  # [s, b, h] tensors outside the TP region: sharded only under SP
     if recompute == "full":
         return s * b * h * E / rep  # the layer's input
-    # 2 norm inputs, 2 norm outputs (the QKV / fc1 inputs), 2 dropout masks; RMSNorm also keeps
-    # its normalized input in fp32
-    outside = s * b * h * (4 * E + 2 * m.mask_bytes * (cfg.hidden_dropout > 0)
-                           + 8 * (cfg.normalization == "RMSNorm")) / rep
-    # q, k, v (views of the fused QKV output) and the output; GQA copies q and repeats k, v (4q,
-    # the fused output is then not kept); RoPE's rotated q and k are new tensors; SDPA's CPU
-    # math fallback scales copies of q and k
-    rope = cfg.position_embedding_type == "rope"
-    attn = 4 * q if kv < q else 2 * q + 2 * kv + (q + kv) * rope
-    attn += 2 * q * (not m.flash_attention and m.device == "cpu" and recompute != "selective")
-    mlp = 4 * f if cfg.swiglu else 2 * f  # fc1 output and fc2 input (SwiGLU: both halves + silu)
-    if m.activation_model == "fused":  # each tensor once, 16 bits: no fp32 norm copy, no GQA
-        # or RoPE copies, SwiGLU's fc1 output and product (its silu recomputed in the kernel)
-        outside -= s * b * h * 8 * (cfg.normalization == "RMSNorm") / rep
-        attn, mlp = 2 * q + 2 * kv, 3 * f if cfg.swiglu else 2 * f
+    norm32, attn, mlp = m.saved_per_token(recompute)
+    # 2 norm inputs, 2 norm outputs (the QKV / fc1 inputs), 2 dropout masks, fp32 norm copies
+    outside = s * b * h * (4 * E + 2 * m.mask_bytes * (cfg.hidden_dropout > 0) + norm32) / rep
     if moe is not None:
         mlp, tokens = 0, s * b / rep
-        outside += moe_activation_bytes(m, tokens, *moe)
+        outside += m.moe_activation_bytes(tokens, *moe)
         if E != _router_bytes(cfg) and not cfg.moe_shared_expert_intermediate_size:
             outside -= tokens * h * E  # the MLP norm's output: only its cast copy is kept
     if recompute == "selective":
@@ -350,11 +313,7 @@ def _router_bytes(cfg: ModelConfig) -> int:
 
 def moe_rows(m: Model, tokens: float, ep: int) -> tuple:
     """(rows this rank sends to the experts, rows its experts receive) per micro-batch of an MoE
-    layer routing ``tokens``. Dropless: k per token sent; at EP 1 they are the rows received,
-    exactly; at EP > 1 the busiest rank's receive is ``m.moe_imbalance`` over the mean kT (at
-    most what EP sources can send to E/EP experts, min(k, E/EP) rows a token). With a capacity
-    factor C = ceil(k T cf / E) rows per expert from each source (router.expert_capacity): E C
-    both ways when padded to it, exactly, at most that unpadded."""
+    layer routing ``tokens`` (docs/planner.md, "Mixture of experts": dropless, capacity)."""
     cfg = m.cfg
     k, n_exp, cf = cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor
     most = ep * min(k, n_exp // ep) / k  # every token of every source on this rank's experts
@@ -368,75 +327,19 @@ def moe_rows(m: Model, tokens: float, ep: int) -> tuple:
     return min(sent, cap), min(recv, cap)
 
 
-def moe_activation_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
-    """Bytes an MoE MLP (megalite/moe/layer.py, grouped GEMMs) keeps for backward per
-    micro-batch beyond its input, what autograd saves (docs/planner.md, "MoE", measures it):
-    ``tokens`` routed on this rank (s b, /t under SP, /C under CP)."""
-    cfg, E, rb = m.cfg, m.bytes_per_value, _router_bytes(m.cfg)
-    h, k, n_exp, fs = (cfg.hidden_size, cfg.moe_router_topk, cfg.num_experts,
-                       cfg.moe_shared_expert_intermediate_size)
-    sent, recv = moe_rows(m, tokens, ep)
-    recv *= etp  # each ETP slice computes the rows its ETP peers received too
-    act = (3 if cfg.swiglu else 2) * cfg.moe_ffn_hidden_size / etp
-    if m.activation_model == "fused":  # each tensor once: the router's logits (its dtype),
-        # probabilities (fp32) and routing map (bool); per received row the expert input, fc1
-        # output and activation, an int32 row map; per sent row the expert output to combine
-        return tokens * n_exp * (rb + 4 + 1) + recv * ((h + act) * E + 4) \
-            + sent * (h * E + 4) + (tokens * 3 * fs * E if fs else 0.0)
-    # router: the logits (or scores) in its dtype, the top-k indices (int64) and gates (fp32),
-    # unpermute's gate order (a slice of an argsort over all T x E), the input and the weight
-    # cast to its dtype
-    router = tokens * (n_exp * rb + 12 * k + 8 * n_exp + h * rb * (E != rb)) \
-        + n_exp * h * rb * (E != rb)
-    if cfg.moe_router_load_balancing_type != "none" and cfg.moe_aux_loss_coeff > 0:
-        router += tokens * (4 * n_exp + 8 * k)  # the balancing loss's scores and top-k
-    router += 4 * tokens * bool(cfg.moe_z_loss_coeff)  # z-loss: the log-sum-exp
-    if cfg.moe_expert_capacity_factor is not None:
-        router += 9 * tokens * n_exp  # the drop's per-expert ranking (int64) and kept mask
-    # per received row: the expert input, fc1's output and the activation (SwiGLU: both halves,
-    # silu, product) of this ETP slice; an int64 per row for each grouped GEMM, and for the
-    # order and inverse of each exchange's regrouping (alltoall._Reorder); the GEMMs' offsets
-    f = cfg.moe_ffn_hidden_size / etp
-    experts = recv * ((h + (4 if cfg.swiglu else 2) * f) * E + 16 + 16 * (ep > 1)) \
-        + 16 * recv * (etp > 1) + 8 * n_exp // ep
-    # per sent row, back on this rank: the expert output and its gated copy (index_add_ keeps its
-    # source), the gate, and the permutation's index
-    back = sent * (2 * h * E + E + 8)
-    # the shared expert: a dense MLP over TP (its fc1 output and fc2 input); the gate keeps the
-    # shared output and its sigmoid
-    # (under TP the layer has SP: the shared fc1's s b rows x fs/t columns are ``tokens`` x fs)
-    shared = 0.0
-    if fs:
-        shared = tokens * ((4 if cfg.swiglu else 2) * fs * E
-                           + (h * E + E) * cfg.moe_shared_expert_gate)
-    return router + experts + back + shared
-
-
 def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
-    """Peak bytes of one micro-batch's logits and cross entropy, alive from the output layer's
-    forward to its backward (before any layer's backward, so a working set of its own)."""
+    """Peak bytes of one micro-batch's logits and cross entropy (alive from the output layer's
+    forward to its backward, before any layer's backward: a working set of its own)."""
     cfg, E = m.cfg, m.bytes_per_value
     n, h, vt = cfg.seq_length * b, cfg.hidden_size, cfg.padded_vocab_size(t) // t
-    if m.cross_entropy == "megatron":  # logits upcast to fp32, kept as the softmax, then made the
-        ce = n * vt * (4 + E)          # gradient in place and cast back to E bytes
-    else:  # tensor_parallel/cross_entropy.py backward: the saved logits (E), fp32 log-sum-exp,
-        # int64 local target, bool mask (13 B/token), g and one-hot weight (8 B/token), the
-        # logits' gradient (E); on the CPU one fp32 block in flight (two when a 16-bit block is
-        # upcast first; CUDA fuses each block into one kernel with no fp32 block)
-        rows = min(n, max(1, CPU_BLOCK_ELEMENTS // vt))
-        ce = n * (2 * vt * E + 21) + (m.device != "cuda") * rows * vt * 4 * (1 + (E != 4))
-    # then the output layer's backward (tensor_parallel/layers.py), the logits freed: their
-    # gradient, the [V/t, h] weight gradient, the input gradient (+ the re-gathered input, SP)
-    return max(ce, n * vt * E + vt * h * E + n * h * E * (1 + sp))
+    # then the output layer's backward, the logits freed: their gradient, the [V/t, h] weight
+    # gradient, the input gradient (+ the re-gathered input, SP)
+    return max(m.cross_entropy_bytes(n, vt)[0], n * vt * E + vt * h * E + n * h * E * (1 + sp))
 
 
 def in_flight(lay: Layout, num_micro: int, r: int = 0, paired: bool = False) -> float:
-    """Micro-batches (in stage-equivalents) stage r holds at its peak, as the schedules run:
-    1F1B/ZB-H1 warm up p - r - 1 forwards, interleaved 2(p - r - 1) + (v - 1)p chunk forwards;
-    the V schedules' orders are counted (ZB-V: 2p chunks, DualPipeV: 2p + 1). ``paired`` (the
-    F&B pairs of --overlap-moe-expert-parallel-comm, schedules.paired_units): the 1F1B family
-    warms up one forward more, and at PP 1 F(j+1) runs beside B(j); a V's pair runs its forward
-    where the order already had it, before the backward, so its peak is the order's."""
+    """Micro-batches (in stage-equivalents) stage r holds at its peak as the schedules run;
+    ``paired``: the F&B pairs of --overlap-moe-expert-parallel-comm."""
     p, v = lay.pipeline_model_parallel_size, lay.virtual_pipeline_model_parallel_size
     extra = int(paired and num_micro > 1)
     if p == 1:
@@ -452,8 +355,7 @@ def in_flight(lay: Layout, num_micro: int, r: int = 0, paired: bool = False) -> 
 def interleaved_peak(p: int, r: int, m: int, v: int, weights: tuple,
                      paired: bool = False) -> float:
     """The most bytes rank r's live chunk forwards hold as order_interleaved runs, chunk c's
-    forward holding weights[c]: unequal chunks (the embedding's or the loss's slot) are not
-    in_flight's stage-equivalents."""
+    forward holding weights[c] (unequal chunks are not in_flight's stage-equivalents)."""
     live, most = [0] * v, 0.0
     for o in schedule_order("interleaved", p, r, m, v, paired=paired):
         live[o.chunk] += 1 if o.kind == "F" else -1
@@ -464,8 +366,7 @@ def interleaved_peak(p: int, r: int, m: int, v: int, weights: tuple,
 @functools.lru_cache(maxsize=1024)
 def v_live_states(schedule: str, p: int, r: int, m: int) -> frozenset:
     """Every (chunk forwards not yet backwarded, deferred W's pending of chunk 0, of chunk 1)
-    rank r passes through in the order a V schedule runs (schedule_order itself, not a closed
-    form: DualPipeV's drain defers its W's to the end, so its peak grows with m)."""
+    rank r passes through in a V schedule's order (DualPipeV's peak grows with m)."""
     ops = schedule_order(schedule, p, r, m, 2)
     deferred = {(o.chunk, o.microbatch) for o in ops if o.kind == "W"}
     live, w, out = 0, [0, 0], set()
@@ -488,11 +389,8 @@ def cp_local(m: Model, c: int) -> Model:
 
 
 def cp_kv_bytes(m: Model, lay: Layout) -> float:
-    """K/V (and their gradients) in flight in one layer's CP attention beyond its own s/C
-    tokens (``m`` is cp_local): p2p two blocks each way in the backward (sent, received), all-
-    gather the whole sequence's K/V and dK/dV, and as much again (the gather's reordered copy,
-    the prefix blocks' gradients and their stack: measured, docs/context_parallel.md), a2a
-    head-sharded q, k, v, out of the sequence."""
+    """K/V (and their gradients) in flight in one layer's CP attention beyond its own s/C tokens
+    (``m`` is cp_local; docs/context_parallel.md measures each type)."""
     c, cfg = lay.context_parallel_size, m.cfg
     if c == 1:
         return 0.0
@@ -505,9 +403,7 @@ def cp_kv_bytes(m: Model, lay: Layout) -> float:
 
 def memory(m: Model, lay: Layout, gbs: int, stage: Optional[int] = None) -> Dict:
     """Bytes per GPU {params, grads, optimizer, activations, total} of the fullest stage (or of
-    ``stage``); activations include the transient working set at the peak. Under CP every
-    activation holds s/C tokens, plus the K/V in flight (cp_kv_bytes). Even stages peak on the
-    first or the last; uneven ones are each evaluated."""
+    ``stage``). Even stages peak on the first or the last; uneven ones are each evaluated."""
     p, m = lay.pipeline_model_parallel_size, cp_local(m, lay.context_parallel_size)
     even = lay.decoder_first_pipeline_num_layers is None is lay.decoder_last_pipeline_num_layers
     return max((_stage_memory(m, lay, gbs, r) for r in ([stage] if stage is not None else
@@ -528,34 +424,29 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     st = {k: sum(x[k] for x in parts) for k in parts[0]}
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
     paired = m.moe_overlap and ep > 1  # the F&B pairs hold one micro-batch more (in_flight)
-    live, ranges = in_flight(lay, num_micro, r, paired), stage_ranges(m, lay)[r]
+    live, ranges = in_flight(lay, num_micro, r, paired), m.stage_ranges(lay)[r]
     chunks, moe = tuple(len(c) for c in ranges), [moe_layers(m, c) for c in ranges]
     per_chunk = tuple(chunk_activation_bytes(m, lay, c) for c in ranges)
     act = live * sum(per_chunk)
     if lay.pipeline_schedule == "interleaved" and len(set(per_chunk)) > 1:
         act = interleaved_peak(p, r, num_micro, lay.virtual_pipeline_model_parallel_size,
                                per_chunk, paired)
-    vt = cfg.padded_vocab_size(t) / t
-    # what a deferred W pass keeps (tensor_parallel/layers.py): every linear's input and output
-    # gradient per layer, the output layer's [s, b, V/t] logits gradient and [s, b, h] input; an
-    # MoE layer's grouped expert GEMMs are not deferred (its shared expert's linears are)
-    q, kv, f = cfg.num_attention_heads * cfg.kv_channels, \
-        cfg.num_query_groups * cfg.kv_channels, cfg.ffn_hidden_size
-    fs = cfg.moe_shared_expert_intermediate_size or 0
+    # what a deferred W pass keeps: each linear's input and output gradient (not grouped GEMMs')
+    q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
     w_layer, w_moe = (s * b * E * ((2 * q + 2 * kv + (2 + cfg.swiglu) * width) / t
-                                   + (2 + 2 * (width > 0)) * h) for width in (f, fs))
-    w_chunk = [(n - k) * w_layer + k * w_moe for n, k in zip(chunks, moe)]
+                                   + (2 + 2 * (width > 0)) * h)
+                      for width in (cfg.ffn_hidden_size, cfg.moe_shared_expert_intermediate_size
+                                    or 0))
+    vt = cfg.padded_vocab_size(t) / t
     w_head = s * b * E * (vt + h)
+    w_chunk = [(n - k) * w_layer + k * w_moe for n, k in zip(chunks, moe)]
     if lay.pipeline_schedule in V_SCHEDULES:  # 2 chunks of L/(2p) layers; chunk 1 of rank 0
-        one = max(chunk_activation_bytes(m, lay, c) for c in ranges)  # holds the head
+        one = max(per_chunk)  # holds the head
         act = max(fw * one + (w0 + w1) * max(w_chunk) + w1 * w_head * (r == 0)
                   for fw, w0, w1 in v_live_states(lay.pipeline_schedule, p, r, num_micro))
     if r == 0:  # token ids (int64) and the embedding's dropout mask
         act += live * s * b * (8 + h * m.mask_bytes * (cfg.hidden_dropout > 0) / (t if sp else 1))
-    # transient working set, the largest of: a layer's backward (gradients of the fc1 output and
-    # of two [s, b, h] tensors, a weight-gradient temporary; an MoE layer's, moe_backward_bytes),
-    # plus the recomputed checkpoint (k layers under uniform; under block none beyond the stored
-    # layers freed before it); ...
+    # transient working set: a layer's backward plus the recomputed checkpoint, or the loss head
     fl, n = (2 if cfg.swiglu else 1) * cfg.ffn_hidden_size / t, max(chunks)
     again = min(lay.recompute_num_layers or 1, n) if lay.recompute_method != "block" else 1
     kinds = [None] * (sum(moe) < sum(chunks)) + [(ep, etp)] * (sum(moe) > 0) or [None]  # dense, MoE
@@ -563,7 +454,7 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     layer_work = max(s * b * (2 * fl + 2 * h) * E + fl * h * E if k is None else
                      moe_backward_bytes(m, s * b / (t if sp else 1), ep, etp) for k in kinds)
     work = [layer_work + cp_kv_bytes(m, lay) + max(0, again - n + recomputed(lay, n)) * biggest]
-    if r == head_rank(lay):  # ... or the loss head; the final norm's input and output are kept
+    if r == head_rank(lay):  # the final norm's input and output are kept
         act += s * b * 2 * h * E / (t if sp else 1)
         work.append(loss_head_bytes(m, b, t, sp))
     if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1)
@@ -585,22 +476,13 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
 
 
 def moe_backward_bytes(m: Model, tokens: float, ep: int, etp: int) -> float:
-    """The transient working set of an MoE MLP's backward: the gradients of the received rows,
-    of their fc1 output and of the sent rows, and the grouped GEMMs' weight gradient of this
-    rank's E/EP experts (one projection)."""
+    """The transient working set of an MoE MLP's backward: the received rows', their fc1
+    output's and the sent rows' gradients, one projection's weight gradient of E/EP experts."""
     cfg, E = m.cfg, m.bytes_per_value
     sent, recv = moe_rows(m, tokens, ep)
     fc1, h = (2 if cfg.swiglu else 1) * cfg.moe_ffn_hidden_size / etp, cfg.hidden_size
     return (etp * recv * (2 * fc1 + 2 * h) + sent * h
             + cfg.num_experts // ep * fc1 * h) * E
-
-
-def gemm_gpu(m: Model, gpu: GPU) -> GPU:
-    """The GPU as the layers' linear GEMMs see it: in fp8 (``m.precision``) twice the dense
-    16-bit peak at FP8_GEMM_EFFICIENCY (the attention core, the router and the output layer stay
-    in 16 bits, as the FP8 recipes keep them)."""
-    return gpu._replace(peak_tflops=2 * gpu.peak_tflops, gemm_efficiency=FP8_GEMM_EFFICIENCY) \
-        if m.precision == "fp8" else gpu
 
 
 def _gemm_s(flops: float, dims, gpu: GPU) -> float:
@@ -617,18 +499,14 @@ def _coll_s(all_reduce: bool, nbytes: float, n: int, link) -> float:
 
 
 def v_bubble(schedule: str, p: int, t_f: float, t_b: float, t_w: float) -> float:
-    """Idle time per rank of a V schedule with chunk op times F, B (input gradient), W. ZB-V:
-    (p-1) max(F, 2(B - W)), what its order implies (timeline.schedule_idle_times; tested);
-    DualPipeV: the DeepSeek-V3 report's (p-1)(T_F&B + T_B - 3T_W), T_F&B = F + B + W run one
-    after the other, an upper bound of what its order implies."""
+    """Idle time per rank of a V schedule with chunk op times F, B (input gradient), W: ZB-V's
+    (p-1) max(F, 2(B - W)); DualPipeV's DeepSeek-V3 bound (docs/planner.md, "Step time")."""
     return (p - 1) * (max(t_f, 2 * (t_b - t_w)) if schedule == "zb-v" else t_f + 2 * t_b - 2 * t_w)
 
 
 def _cp_layer_s(m: Model, lay: Layout, cl: Cluster, attn: float) -> float:
-    """Exposed CP communication of one layer's forward pass, one micro-batch (the backward
-    counts as two passes, a recomputed forward as one more): the ring hides each step's K/V
-    transfer behind that step's attention (``attn``: the layer's forward attention time, C
-    steps); all-gather and all-to-all wait for theirs (dK/dV go back, or both ways)."""
+    """Exposed CP communication of one layer's forward, one micro-batch: the ring hides each
+    step's K/V behind that step's attention (``attn``, C steps); all-gather and all-to-all wait."""
     c, cfg, t = lay.context_parallel_size, m.cfg, lay.tensor_model_parallel_size
     if c == 1:
         return 0.0
@@ -646,14 +524,9 @@ def _cp_layer_s(m: Model, lay: Layout, cl: Cluster, attn: float) -> float:
 
 
 def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, float]:
-    """One MoE MLP, one micro-batch, forward, on one GPU (``M`` tokens of the sequence, s b / C):
-    ``compute`` — the router, the grouped expert GEMMs over the rows the busiest EP rank receives
-    (moe_rows: k per token, times the imbalance at EP > 1; each expert's rows set its GEMM's
-    tile efficiency), the shared expert over TP, the element-wise work (permutation, regrouping,
-    activation); ``w`` — its weight GEMMs a zero-bubble schedule defers (the shared expert's;
-    the grouped GEMMs are not split); ``a2a`` — the dispatch and combine exchanges (and ETP's
-    all-gather and reduce-scatter of the rows), exposed: megalite does not overlap them;
-    ``tp`` — TP collective pairs of the layer's MLP part (the shared expert's, under SP)."""
+    """One MoE MLP, one micro-batch, forward, on one GPU (``M`` tokens, s b / C): its compute,
+    deferrable W, exposed exchanges, TP pairs and host time (docs/planner.md, "Mixture of
+    experts")."""
     cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
     t, ep, etp = (lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
                   lay.expert_tensor_parallel_size)
@@ -662,70 +535,52 @@ def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, floa
     sent, recv = moe_rows(m, tokens, ep)
     rows, fc1 = etp * recv, f * (1 + cfg.swiglu)  # this ETP slice's rows: its peers' too
     per_expert = rows / (cfg.num_experts // ep)
-    gg = gemm_gpu(m, gpu)
+    gg, casts = m.linear_gemms(gpu)
     experts = sum(_gemm_s(2 * rows * k * n, (per_expert, k, n), gg)
                   for k, n in ((h, fc1 / etp), (f / etp, h))) / GROUPED_GEMM_EFFICIENCY
     router = _gemm_s(2 * tokens * h * cfg.num_experts, (tokens, h, cfg.num_experts), gpu)
     shared = sum(_gemm_s(2 * M * k * n, (M, k, n), gg) for k, n in
                  ((h, fs * (1 + cfg.swiglu) / t), (fs / t, h))) if fs else 0.0
     hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
-    # permute (read + write), unpermute (gate multiply, add back), each exchange's regrouping,
-    # bias + activation of the expert rows and of the shared expert
     moved = (5 * sent + 4 * recv * (ep > 1) + 4 * rows * (etp > 1)) * h + tokens * h \
         + 3 * rows * fc1 / etp + (3 * M * fs * (1 + cfg.swiglu) / t if fs else 0)
     a2a = 0.0
     if ep > 1:  # the busiest rank moves its larger side, (EP - 1)/EP of its rows leave the rank
         lat, bw = cl.link(etp * ep)
-        rows_out = max(sent, recv) * (ep - 1) / ep
-        nodes = etp * ep // cl.gpus_per_node
-        if nodes > 1:  # across nodes: the rows to the rank's own node go over NVLink meanwhile;
-            # (nodes - 1)/nodes of them cross the network, or with a dispatcher that sends a
-            # token once per node (DeepEP, HybridEP: moe_a2a_dedup) the distinct remote nodes
-            # of its k experts, nodes (1 - (1 - 1/nodes)^k) (nodes - 1)/nodes per token
-            k = cfg.moe_router_topk
-            remote = max(sent, recv) * (nodes - 1) / nodes
-            if m.moe_a2a_dedup:
-                remote *= (nodes * (1 - (1 - 1 / nodes) ** k)) / k
-            intra = (max(sent, recv) / nodes - max(sent, recv) / ep) * h * E / (
-                cl.gpu.intra_node_bandwidth_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
-            a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + max(
-                intra, remote * h * E / (bw * 1e9 * COLLECTIVE_EFFICIENCY)))
-        else:
-            a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + rows_out * h * E
-                       / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
+        most, nodes = max(sent, recv), etp * ep // cl.gpus_per_node
+        out = most * (ep - 1) / ep * h * E / (bw * 1e9 * COLLECTIVE_EFFICIENCY)
+        if nodes > 1:  # across nodes: (nodes - 1)/nodes of the rows cross the network, the
+            # rows to the rank's own node go over NVLink meanwhile
+            intra = (most / nodes - most / ep) * h * E / (
+                gpu.intra_node_bandwidth_gbps * 1e9 * COLLECTIVE_EFFICIENCY)
+            out = max(intra, most * (nodes - 1) / nodes * h * E
+                      / (bw * 1e9 * COLLECTIVE_EFFICIENCY))
+        a2a = 2 * (COLLECTIVE_LATENCY_S[lat] + out)
     if etp > 1:
         a2a += 2 * _coll_s(False, rows * h * E, etp, cl.link(etp))
-    # the per-expert kernels' host time (MOE_EXPERT_KERNEL_HOST_S), dropless at EP > 1 on a
-    # GPU: forward fc1 and fc2, backward their input and weight gradients; in fp8 each GEMM
-    # input cast forward and each output gradient cast backward
     host = 0.0
     if ep > 1 and cfg.moe_expert_capacity_factor is None and m.device == "cuda":
         host = cfg.num_experts // ep * MOE_EXPERT_KERNEL_HOST_S
-    casts = 2 if m.precision == "fp8" else 0
     return {"compute": router + experts + shared + moved * E / hbm, "w": shared, "a2a": a2a,
             "tp": 1 if fs else 0, "host_f": (2 + casts) * host, "host_b": (4 + casts) * host}
 
 
-def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
-    """Seconds per step: compute, exposed TP, CP and EP comm, bubble (with p2p), exposed DP/ZeRO
-    comm. Under CP a GPU computes s/C tokens and 1/C of the causal attention; an MoE layer's MLP
-    is _moe_layer_s."""
+def _layer_s(m: Model, lay: Layout, cl: Cluster) -> Dict[str, float]:
+    """One layer, one micro-batch, forward, on this GPU's shard: its GEMMs, attention core, all
+    of it; an MoE layer's, and its deferrable W; the output layer with the loss."""
     cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
-    t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
-                     lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
-                     lay.micro_batch_size)
-    c = lay.context_parallel_size
-    rc, s, h, L = lay.recompute_granularity, cfg.seq_length, cfg.hidden_size, cfg.num_layers
+    t, c, s, h = lay.tensor_model_parallel_size, lay.context_parallel_size, cfg.seq_length, \
+        cfg.hidden_size
     f, q, kv = cfg.ffn_hidden_size, cfg.num_attention_heads * cfg.kv_channels, \
         cfg.num_query_groups * cfg.kv_channels
-    fc1, M, fl = f * (1 + cfg.swiglu), s * b / c, m.flops(t)
+    fc1, M = f * (1 + cfg.swiglu), s * lay.micro_batch_size / c
     hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
-    # one layer, one micro-batch, forward, on this GPU's shard: four GEMMs, attention,
-    # element-wise work (norms and bias-dropout-adds ~12h per token, /t under SP; activation)
-    gg = gemm_gpu(m, gpu)
-    gemm = sum(_gemm_s(2 * M * k * n, (M, k, n), gg) for k, n in
-               ((h, (q + 2 * kv) / t), (q / t, h), (h, fc1 / t), (f / t, h)))
-    attn_flops = fl["attention"] / L / 3 * b / t / c
+    gg = m.linear_gemms(gpu)[0]
+    attn_gemms = sum(_gemm_s(2 * M * k * n, (M, k, n), gg) for k, n in ((h, (q + 2 * kv) / t),
+                                                                        (q / t, h)))
+    gemm = attn_gemms + sum(_gemm_s(2 * M * k * n, (M, k, n), gg)
+                            for k, n in ((h, fc1 / t), (f / t, h)))
+    attn_flops = m.flops(t)["attention"] / cfg.num_layers / 3 * lay.micro_batch_size / t / c
     if m.flash_attention:
         attn = attn_flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency
                              * FLASH_ATTENTION_EFFICIENCY)
@@ -733,24 +588,33 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         attn = _gemm_s(attn_flops, (cfg.kv_channels, s), gpu) \
             + cfg.num_attention_heads / t * s * M * UNFUSED_SOFTMAX_BYTES / hbm
     norms = M * 12 * h / (t if lay.sequence_parallel else 1) * E / hbm
-    fwd = gemm + attn + M * (12 * h / (t if lay.sequence_parallel else 1) + 3 * fc1 / t) * E / hbm
-    sel = attn if rc == "selective" else 0.0  # the attention core again, every layer
-    # an MoE layer: attention as a dense layer's, its MLP _moe_layer_s
-    moe = _moe_layer_s(m, lay, cl, M) if cfg.num_experts is not None else None
-    if moe is not None:
-        gemm_attn = sum(_gemm_s(2 * M * k * n, (M, k, n), gg)
-                        for k, n in ((h, (q + 2 * kv) / t), (q / t, h)))
-        fwd_moe, w_moe = gemm_attn + attn + norms + moe["compute"], gemm_attn + moe["w"]
-    # logits (last stage): the GEMM and the cross entropy's bytes per logit: megalite's reads
-    # them once forward, reads them and writes their gradient backward (cross_entropy.py);
-    # Megatron's casts to fp32 and back and makes ~10 fp32 passes (docs/planner.md)
+    out = {"gemm": gemm, "attn": attn, "fwd": gemm + attn + norms + M * 3 * fc1 / t * E / hbm}
+    if cfg.num_experts is not None:  # attention as a dense layer's, its MLP _moe_layer_s
+        out["moe"] = _moe_layer_s(m, lay, cl, M)
+        out["fwd_moe"] = attn_gemms + attn + norms + out["moe"]["compute"]
+        out["w_moe"] = attn_gemms + out["moe"]["w"]
     vt = cfg.padded_vocab_size(t) / t
-    ce_bytes = 48 + 2 * E if m.cross_entropy == "megatron" else 3 * E
-    logits = 3 * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) + ce_bytes * M * vt / hbm
+    out["logits"] = 3 * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) \
+        + m.cross_entropy_bytes(M, vt)[1] * M * vt / hbm
+    return out
+
+
+def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
+    """Seconds per step: compute, exposed TP, CP and EP comm, bubble (with p2p), exposed DP/ZeRO
+    comm (docs/planner.md, "Step time"). Under CP a GPU computes s/C tokens."""
+    cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
+    t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
+                     lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
+                     lay.micro_batch_size)
+    c, rc, fl = lay.context_parallel_size, lay.recompute_granularity, m.flops(t)
+    M, hbm = cfg.seq_length * b / c, gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    lt = _layer_s(m, lay, cl)
+    fwd, gemm, logits, moe = lt["fwd"], lt["gemm"], lt["logits"], lt.get("moe")
+    sel = lt["attn"] if rc == "selective" else 0.0  # the attention core again, every layer
     # TP: 2 all-reduces per layer and pass (SP: all-gather + reduce-scatter, the same bytes)
-    ar, cp_pass, chunks = _coll_s(True, M * h * E, t, cl.link(t)), _cp_layer_s(m, lay, cl, attn), \
-        stage_chunks(m, lay)
-    ranges = stage_ranges(m, lay)
+    ar, cp_pass = _coll_s(True, M * cfg.hidden_size * E, t, cl.link(t)), \
+        _cp_layer_s(m, lay, cl, lt["attn"])
+    chunks, ranges = stage_chunks(m, lay), m.stage_ranges(lay)
 
     def stage(r):  # a micro-batch's F + B (backward = 2 x forward) + recompute, TP, CP, EP;
         # then the forward and the deferrable weight GEMMs of its layers
@@ -760,7 +624,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
                n * gemm]
         n_moe = sum(moe_layers(m, x) for x in ranges[r])
         if n_moe:  # MoE layers in place of dense ones (recomputed in proportion)
-            k_moe = k * n_moe / n
+            k_moe, fwd_moe = k * n_moe / n, lt["fwd_moe"]
             out[0] += n_moe * 3 * (fwd_moe - fwd) + k_moe * (fwd_moe - fwd) \
                 + n_moe * (moe["host_f"] + moe["host_b"]) + k_moe * moe["host_f"]
             out[1] += (n_moe * 2 + k_moe) * (moe["tp"] - 1) * ar
@@ -768,7 +632,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
             if m.moe_overlap and lay.expert_model_parallel_size > 1:  # behind the paired
                 out[3] = max(0.0, out[3] - 0.9 * 3 * n_moe * fwd_moe)  # micro-batch's compute
             out[4] += n_moe * (fwd_moe - fwd + moe["host_f"])
-            out[5] += n_moe * (w_moe - gemm)
+            out[5] += n_moe * (lt["w_moe"] - gemm)
         return out
 
     # the slowest stage sets the pipeline's pace: the head's, or the one with the most layers
@@ -787,7 +651,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         bubble = v_bubble(lay.pipeline_schedule, p, f_c, slot / 2 - f_c - w_c, w_c)
     if p > 1:
         link = cl.link(t * c * d * p)
-        msg = M * h * E / (t if lay.sequence_parallel else 1)
+        msg = M * cfg.hidden_size * E / (t if lay.sequence_parallel else 1)
         bubble += 2 * (num_micro + (p - 1) / v) * (COLLECTIVE_LATENCY_S[link[0]] / 2 + msg
                                                    / (link[1] * 1e9 * COLLECTIVE_EFFICIENCY))
     # DP/ZeRO over the largest stage's parameters (gradients reduced in fp32), overlapped with
@@ -816,7 +680,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     compute += 2 * sum(theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] for n, size in groups) / hbm
     total = compute + tp + bubble + dp + cp + ep
-    extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / L * sum(
+    extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / cfg.num_layers * sum(
         recomputed(lay, x) for rank in chunks for x in rank)
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
             "cp_comm_s": cp, "ep_comm_s": ep, "step_time_s": total, "num_micro": num_micro,
@@ -824,132 +688,19 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
             "mfu": fl["total"] * gbs / cl.num_gpus / total / (gpu.peak_tflops * 1e12)}
 
 
-# ------------------------------------------------------------------------------------ search
-def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
-    """Why pretrain.py would refuse this layout, or None."""
-    t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
-                     lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
-                     lay.micro_batch_size)
-    c = lay.context_parallel_size
-    # pretrain.py's config checks see neither DP nor the micro-batch: once per rest of the layout
-    key = ("checks", cl.num_gpus, *(getattr(lay, f.name) for f in dataclasses.fields(Layout)
-                                    if f.name not in ("data_parallel_size", "micro_batch_size")))
-    if key not in m.memo:
-        m.memo[key] = _config_checks(m, lay, cl.num_gpus)
-    if m.memo[key] is not None:
-        return m.memo[key]
-    sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
-    if (t * c * p * d != cl.num_gpus or (v > 1 and pipeline_slots(m, p) % (p * v)) or gbs % (d * b)
-            or (sched == "interleaved" and num_micro % p) or (lay.zero_stage and d * c == 1)
-            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
-        return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
-                "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
-                "DP x CP > 1")
-    return None
-
-
-def _config_checks(m: Model, lay: Layout, world_size: int) -> Optional[str]:
-    t, p = lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
-    ep, etp = lay.expert_model_parallel_size, lay.expert_tensor_parallel_size
-    moe = m.cfg.num_experts is not None
-    try:
-        cfg = m.cfg if lay.recompute_method is None is lay.recompute_num_layers else \
-            dataclasses.replace(m.cfg, recompute_method=lay.recompute_method,
-                                recompute_num_layers=lay.recompute_num_layers,
-                                recompute_granularity={"none": None}.get(
-                                    lay.recompute_granularity, lay.recompute_granularity))
-        cfg.validate(t)
-        pc = ParallelConfig(tensor_model_parallel_size=t, sequence_parallel=lay.sequence_parallel,
-                            context_parallel_size=lay.context_parallel_size,
-                            cp_comm_type=lay.cp_comm_type, expert_model_parallel_size=ep,
-                            expert_tensor_parallel_size=etp if moe or etp != 1 else None)
-        pc.validate(seq_length=m.cfg.seq_length)
-        pc.check_context_parallel(m.cfg)
-        if moe or (ep, etp) != (1, 1):  # pretrain.py's checks of the expert layout and its grid
-            if m.moe_overlap:  # and of what the F&B pairs compose with (recompute, ZeRO-3, EP 1)
-                cfg = dataclasses.replace(cfg, overlap_moe_expert_parallel_comm=True,
-                                          recompute_granularity={"none": None}.get(
-                                              lay.recompute_granularity,
-                                              lay.recompute_granularity))
-            MegaliteConfig(model=cfg, parallel=pc, optimizer=OptimizerConfig(
-                zero_stage=lay.zero_stage))._check_experts()
-            check_expert_grid_divisible(world_size, etp, ep, p)
-        check_zero3_schedule(lay.zero_stage, lay.pipeline_schedule)
-        stage_chunks(m, lay)  # pretrain.py's checks of the (uneven) layer placement
-    except ConfigError as e:
-        return str(e)
-    return None
-
-
-Plan = collections.namedtuple("Plan", "layout memory time fits")
-
-
-def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[Plan]:
-    """Every layout pretrain.py could run (``fixed`` pins Layout fields): those that fit first,
-    by predicted step time (ties within 0.1% to the simpler one)."""
-    fixed, out = fixed or {}, []
-    div = [k for k in range(1, cl.num_gpus + 1) if cl.num_gpus % k == 0]
-
-    def only(field: str, values):  # a pinned field's one value, before the products (speed)
-        return [x for x in values if field not in fixed or x == fixed[field]]
-    # what the search does not vary: partial recompute and uneven stages, pinned or absent
-    extra = [fixed.get(f.name) for f in dataclasses.fields(Layout)[11:15]]
-    num_experts = m.cfg.num_experts
-    for t, p, c in itertools.product(only("tensor_model_parallel_size", div),
-                                     only("pipeline_model_parallel_size", div),
-                                     only("context_parallel_size", div)):
-        if t > cl.gpus_per_node or t & (t - 1) or c & (c - 1) or cl.num_gpus % (t * p * c) \
-                or (pipeline_slots(m, p) % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
-            continue
-        d = cl.num_gpus // (t * p * c)
-        # the expert grid: EP dividing the experts, ETP unsplit or as TP; ETP x EP dividing the
-        # stage's t c d ranks (check_layout has pretrain.py's checks)
-        grid = [(1, 1)] if num_experts is None else [
-            (e, x) for x in ([fixed["expert_tensor_parallel_size"]]
-                             if "expert_tensor_parallel_size" in fixed else sorted({1, t}))
-            for e in only("expert_model_parallel_size", range(1, num_experts + 1))
-            if num_experts % e == 0 and (t * c * d) % (e * x) == 0]
-        vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
-                              + [(v, "interleaved") for v in range(2, 9)
-                                 if (pipeline_slots(m, p) // p) % v == 0] if p > 1 else [])
-        if fixed.get("virtual_pipeline_model_parallel_size", 0) > 8 and p > 1:  # pinned beyond
-            vs.append((fixed["virtual_pipeline_model_parallel_size"], "interleaved"))  # the list
-        for (v, sched), b, z, sp, rc, ct, (ep, etp) in itertools.product(
-                vs, only("micro_batch_size", (1, 2, 4, 8, 16)), only("zero_stage", range(4)),
-                only("sequence_parallel", (False, True)),
-                only("recompute_granularity", ("none", "selective", "full")),
-                CP_COMM_TYPES if c > 1 else ("p2p",), grid):
-            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp)
-            if all(getattr(lay, k) == x for k, x in fixed.items()) \
-                    and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
-                mem = memory(m, lay, gbs)
-                out.append(Plan(lay, mem, step_time(m, lay, cl, gbs),
-                                mem["total"] <= cl.gpu.memory_gib * GiB * USABLE_MEMORY_FRACTION))
-    rank = {"none": 0, "selective": 1, "full": 2}
-    out.sort(key=lambda pl: (not pl.fits, round(math.log(pl.time["step_time_s"]) / 1e-3)
-                             if pl.fits else pl.memory["total"], pl.layout.zero_stage,
-                             rank[pl.layout.recompute_granularity],
-                             pl.layout.tensor_model_parallel_size
-                             * pl.layout.pipeline_model_parallel_size
-                             * pl.layout.context_parallel_size))
-    return out
-
-
 # ------------------------------------------------------------------------------- pretrain.py
 def estimate_for_run(cfg, world_size: int, device: str, stage: int,
                      moe_imbalance: float = MOE_IMBALANCE) -> Optional[Dict]:
     """The planner's memory for the layout pretrain.py runs, at pipeline stage ``stage``."""
-    par, tr, opt = cfg.parallel, cfg.training, cfg.optimizer
+    par, tr, opt, ex = cfg.parallel, cfg.training, cfg.optimizer, cfg.execution
     t, p, v = (par.tensor_model_parallel_size, par.pipeline_model_parallel_size,
                2 if tr.pipeline_schedule in V_SCHEDULES
                else par.virtual_pipeline_model_parallel_size or 1)
     c, moe = par.context_parallel_size, cfg.model.num_experts is not None
-    lay = Layout(t, p, v, world_size // (t * p * c),
-                 opt.zero_stage,
-                 cfg.parallel.sequence_parallel, cfg.model.recompute_granularity or "none",
-                 tr.micro_batch_size,
+    lay = Layout(t, p, v, world_size // (t * p * c), opt.zero_stage, par.sequence_parallel,
+                 ex.recompute_granularity or "none", tr.micro_batch_size,
                  tr.pipeline_schedule or default_schedule(v), c, par.cp_comm_type,
-                 cfg.model.recompute_method, cfg.model.recompute_num_layers,
+                 ex.recompute_method, ex.recompute_num_layers,
                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers,
                  par.expert_model_parallel_size, par.expert_tp_size if moe else 1)
     return memory(Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance), lay,

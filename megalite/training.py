@@ -1,23 +1,6 @@
 """The training loop: ``pretrain(cfg)`` builds everything from a MegaliteConfig and trains.
 
-Order of construction (each step's object feeds the next; config flows one way, docs/design.md
-"Conventions"): process groups -> tokenizer (fixes the vocab) -> seeded model chunks ->
-data-parallel wrapping -> optimizer -> LR schedule -> checkpoint -> datasets -> loop.
-
-The loss contract (docs/design.md, contract 4): a global batch is ``global_batch_size`` samples
-whatever the layout; each micro-batch's loss is ``sum(per_token_loss * loss_mask) / N`` where N is
-the number of loss tokens in the whole *global* batch, counted up front by summing this rank's
-micro-batch masks and all-reducing over the DP x CP group (a CP rank holds some of each sample's
-tokens). Summing those losses over micro-batches and (through the DP x CP all-reduce SUM of
-gradients) over DP and CP ranks gives exactly the single-device mean loss and its gradient.
-
-Seams other parts plug into:
-  * :func:`wrap_model_for_data_parallel` -- the one place data parallelism is applied (bucketed
-    DDP for ZeRO stages 0-2, parameter sharding for stage 3);
-  * ``megalite.optimizer.build_optimizer`` -- plain AdamW or the ZeRO DistributedOptimizer;
-  * ``megalite.pipeline_parallel.executor.get_forward_backward_func`` and
-    ``megalite.pipeline_parallel.partition.build_model_chunks`` -- schedules and stage cuts;
-  * ``megalite.logging.log_metrics`` -- extra scalars from anywhere.
+The order of construction and the loss contract: docs/design.md ("How a run flows", contract 4).
 """
 
 from __future__ import annotations
@@ -41,18 +24,12 @@ from megalite.context_parallel.sharding import shard as cp_shard
 from megalite.exit_conditions import ExitConditions
 from megalite.logging import (
     MetricsLogger,
-    cpu_peak_at_least,
+    CpuPeak,
     model_flops_per_sequence,
     peak_flops_per_device,
-    set_active_logger,
     training_log_line,
 )
-from megalite.moe.layer import (
-    begin_step,
-    moe_interval_metrics,
-    moe_layers,
-    update_expert_biases,
-)
+from megalite.moe.layer import begin_step, moe_interval_metrics, moe_layers, update_expert_biases
 from megalite.optimizer import OptimizerParamScheduler, build_optimizer
 from megalite.parallel_state import (
     ParallelState,
@@ -73,37 +50,24 @@ class TrainingError(RuntimeError):
     """Training cannot continue (e.g. a NaN loss in bf16/fp32); the message says why."""
 
 
-# ------------------------------------------------------------------------------------------------
-# Seams
-# ------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------- Seams
 def wrap_model_for_data_parallel(model_chunks: List[torch.nn.Module], cfg: MegaliteConfig,
                                  ps: ParallelState
                                  ) -> Tuple[List[torch.nn.Module], Optional[Callable], Callable]:
-    """Apply data parallelism. Returns (chunks, no_sync_func, finalize_model_grads_func).
-
-    Stages 0-2: each chunk is wrapped in megalite.distributed.DistributedDataParallel (contiguous
-    fp32 grad buffers, bucketed all-reduce / reduce-scatter, overlapped with backward under
-    --overlap-grad-reduce); ``no_sync_func`` defers the DP reduction to the last micro-batch and
-    the finalize function waits for it, then all-reduces SP grads over TP and tied-embedding grads
-    over the embedding group (docs/data_parallel.md). Stage 3 shards the parameters themselves
-    (megalite/distributed/zero3.py).
-    """
+    """Apply data parallelism: (chunks, no_sync_func, finalize_model_grads_func). Stages 0-2:
+    bucketed DDP (docs/data_parallel.md); stage 3: parameter sharding (docs/zero3.md)."""
     if cfg.optimizer.zero_stage <= 2:
         from megalite.distributed.ddp import wrap_chunks
 
         return wrap_chunks(model_chunks, cfg.optimizer, ps)
-    # stage 3: parameter sharding (docs/zero3.md); OptimizerConfig.validate admits only 0-3
     from megalite.distributed.zero3 import wrap_chunks_zero3
 
     return wrap_chunks_zero3(model_chunks, cfg, ps)
 
 
 def unigram_entropy(dataset, max_samples: int = 2000) -> Tuple[float, int]:
-    """Entropy (nats) of the token frequencies of the first samples of ``dataset``.
-
-    A model that ignores context cannot beat this cross-entropy, so validation loss well below it
-    shows the model learned more than token frequencies.
-    """
+    """Entropy (nats) of the token frequencies of the first samples of ``dataset``: the loss a
+    model that ignores context cannot beat."""
     n = min(len(dataset), max_samples)
     if not n:
         return float("nan"), 0
@@ -113,16 +77,11 @@ def unigram_entropy(dataset, max_samples: int = 2000) -> Tuple[float, int]:
     return float(-(p * p.log()).sum()), n
 
 
-# ------------------------------------------------------------------------------------------------
-# One step
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------- One step
 class _CarryNonFinite(torch.autograd.Function):
-    """Identity on the loss; its backward adds ``loss - loss`` to the incoming gradient: exactly
-    0 for a finite loss (the gradient is unchanged, bit for bit), NaN for a NaN/Inf one. So a
-    non-finite loss on any rank makes every gradient it reaches NaN; the data-parallel reductions
-    and the pipeline's backward hand those to every rank, and the global gradient norm, already
-    agreed by all, reports it: every rank skips the step alike, and no collective is added for
-    the loss (it is reduced only at log lines). --check-for-nan-in-loss-and-grad only."""
+    """Identity on the loss; its backward adds ``loss - loss`` (0 when finite, bit for bit; NaN
+    otherwise), so a non-finite loss on any rank reaches the agreed global gradient norm and
+    every rank skips the step alike, with no collective added (--check-for-nan-in-loss-and-grad)."""
 
     @staticmethod
     def forward(ctx, loss):
@@ -152,10 +111,8 @@ def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: 
 
 
 class StepRecord(NamedTuple):
-    """What one training step leaves on the device for the host to read at the next log line
-    or save (Trainer._drain): this rank's [sum of token losses, token count] (float64; reduced
-    over the world only then), the global gradient norm, whether the step was applied (0-dim
-    bool) and the lr it used."""
+    """What one step leaves on the device until Trainer._drain reads it: this rank's [sum of
+    token losses, token count] (float64), the grad norm, whether it was applied, its lr."""
 
     sums: torch.Tensor
     grad_norm: torch.Tensor
@@ -164,13 +121,9 @@ class StepRecord(NamedTuple):
 
 
 class _Interval:
-    """What the training log line averages over: the iterations since the last log line. Its
-    time is the training time only: from the host's start of a step to the device's end of the
-    last, with one synchronize at the log line (between log lines the host queues work ahead of
-    the device), paused by a synchronize around an evaluation or a save between log lines (not
-    training time, as in Megatron-LM). The device is idle when a step starts after a pause or a
-    log line. Its losses, norms and skips are read from the device at the log line
-    (Trainer._drain)."""
+    """The iterations since the last log line. Its time is training time only, from the host's
+    start of a step to the device's end of the last (one synchronize at the log line), paused
+    around an evaluation or a save, as in Megatron-LM (docs/logging.md)."""
 
     def __init__(self):
         self.n, self.start, self.time = 0, None, 0.0
@@ -190,16 +143,9 @@ class _Interval:
 
 
 class Trainer:
-    """One pretraining run. Construction is the set-up; :meth:`train` is the loop.
-
-    The loop (:meth:`train`) reads as its steps: one :meth:`train_step` (timed per log interval),
-    then :meth:`_record` (keeps the step's device record), :meth:`_log` every ``--log-interval``,
-    :meth:`_evaluate_and_log` every ``--eval-interval``, :meth:`_save` every ``--save-interval``,
-    and :meth:`_stop_reason`, the one per-iteration "stop now?" check; :meth:`_finish` evaluates
-    and saves the final state. A step reads nothing on the host: :meth:`_drain` reads the
-    records of the steps since the last read, at a log line or before a save, and stops the run
-    there if a step was not finite (docs/performance.md, "A step with no host read").
-    """
+    """One pretraining run: construction is the set-up, :meth:`train` the loop. A step reads
+    nothing on the host; :meth:`_drain` reads the records at a log line or before a save
+    (docs/performance.md, "A step with no host read")."""
 
     def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger, tokenizer,
                  t_start: float, memory_estimate: Optional[Callable[..., dict]] = None):
@@ -225,16 +171,14 @@ class Trainer:
         self._load_checkpoint()
         self._log_start()
 
-    # --------------------------------------------------------------------------------------------
-    # Set-up
-    # --------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------------------- Set-up
     def _build_data(self) -> None:
         from megalite.data import build_data_loader, build_pretraining_datasets, get_batch
 
         cfg, tr = self.cfg, self.cfg.training
         self.build_loader, self.get_batch = build_data_loader, get_batch
-        # Validation re-reads the same eval_iters global batches at every evaluation, so successive
-        # validation losses are comparable (Megatron instead walks on through the validation set).
+        # the same eval_iters batches at every evaluation, so successive validation losses are
+        # comparable (Megatron walks on through the validation set)
         n_train = tr.train_iters * tr.global_batch_size
         n_eval = max(tr.eval_iters, 1) * tr.global_batch_size  # (0: 'one epoch' to the builder)
         self.train_ds, self.valid_ds, _test = build_pretraining_datasets(
@@ -295,12 +239,11 @@ class Trainer:
                      "num_parameters": n_params}, self.iteration, split="data")
         self.flops_per_iter = model_flops_per_sequence(
             cfg.model, cfg.model.padded_vocab_size(ps.tp_size)) * tr.global_batch_size
-        self.peak_flops = peak_flops_per_device(ps.device, cfg.model.params_dtype) \
+        self.cpu_peak = CpuPeak()
+        self.peak_flops = peak_flops_per_device(ps.device, cfg.model.params_dtype, self.cpu_peak) \
             if cfg.logging.log_throughput and ps.rank == 0 else float("nan")
 
-    # --------------------------------------------------------------------------------------------
-    # The loop
-    # --------------------------------------------------------------------------------------------
+    # --------------------------------------------------------------------------------- The loop
     def train(self) -> dict:
         tr = self.cfg.training
         if tr.skip_train:
@@ -341,8 +284,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def _joined_writer(self):
-        """A run that stops on an error still lets its background writer finish the file it is
-        writing (its temp directory is never published) rather than cut it at exit."""
+        """A run that stops on an error lets its background writer finish (never published)."""
         try:
             yield
         finally:
@@ -355,10 +297,8 @@ class Trainer:
 
     def _measured_train_step(self, batches):
         """``train_step(batches)``; on the first logged iteration after the first (whose lazily
-        created optimizer states make it unlike the rest; or the only one) also the peak of tensor
-        memory (memory.PeakTensorMemory; it slows that step on CPU), logged as
-        ``measured_memory_bytes``, beside ``memory_estimate``'s figures where one was given
-        (pretrain.py passes the planner's, so this loop never imports the planner)."""
+        created optimizer states make it unlike the rest) also the peak of tensor memory, beside
+        ``memory_estimate``'s figures (docs/planner.md, "Memory of real runs")."""
         cfg, ps = self.cfg, self.ps
         it = self.iteration + 1
         if it != next((i for i in range(2, cfg.training.train_iters + 1) if self._logs_at(i)), 1):
@@ -377,9 +317,9 @@ class Trainer:
             settle()
         rec = {"measured_memory_bytes": probe.peak_bytes}
         line = f"measured peak of tensor memory {probe.peak_bytes / 2**30:.3f} GiB"
-        est = None if self.memory_estimate is None else self.memory_estimate(
-            cfg, ps.world_size, ps.device.type, ps.pp_rank)
-        if est is not None:  # (None: a model the planner does not model, e.g. MoE)
+        est = self.memory_estimate(cfg, ps.world_size, ps.device.type, ps.pp_rank) \
+            if self.memory_estimate and cfg.logging.log_planner_estimate else None
+        if est is not None:
             line = (f"planner estimate {est['total'] / 2**30:.3f} GiB, {line} "
                     f"({probe.peak_bytes / est['total'] - 1:+.1%} vs estimate)")
             rec.update({"estimated_memory_bytes": int(est["total"]), **{
@@ -390,8 +330,7 @@ class Trainer:
         return out
 
     def train_step(self, batches) -> StepRecord:
-        """Forward-backward over the global batch, then the optimizer step, with no host read:
-        the step's record stays on the device (read by :meth:`_drain`)."""
+        """Forward-backward over the global batch and the optimizer step, with no host read."""
         num_global_tokens = self._global_token_count(batches)
         self.optimizer.zero_grad()
         # MoE balancing losses: averaged over the global batch's micro-batches, as the token loss
@@ -404,11 +343,8 @@ class Trainer:
         # device's time to run it (logged as host_queue_ms_per_iteration)
         self.host_queue_s = time.perf_counter() - start
         sums = self._local_loss_sums(stats)
-        # The loss and the reduced gradients exist but have not touched the weights. Under
-        # --check-for-nan-in-loss-and-grad (bf16/fp32) a NaN/Inf loss or grad norm makes the
-        # optimizer skip the step on the device, the same on every rank (the loss reaches the
-        # norm through the gradients, _CarryNonFinite); the host stops the run when it reads the
-        # record (_drain), before any save. fp16 skips overflowing steps and goes on.
+        # --check-for-nan-in-loss-and-grad: a non-finite loss or norm skips the step on the
+        # device on every rank alike; the host stops the run at _drain, before any save
         lr = self.scheduler.lr  # this step's (the scheduler hands out a new tensor per step)
         loss = sums[0] / sums[1].clamp_min(1.0) if self._check_finite else None
         applied, grad_norm, _ = self.optimizer.step(loss)
@@ -441,11 +377,8 @@ class Trainer:
         return bool(ck.save and ck.save_interval and self.iteration % ck.save_interval == 0)
 
     def _stop_reason(self) -> Optional[str]:
-        """Why training stops after this iteration, or None: the one per-iteration stop check.
-
-        Every rank must reach the same answer (a rank that stops alone leaves its peers waiting in
-        a collective), so each condition is either identical everywhere or agreed on collectively.
-        """
+        """Why training stops after this iteration, or None. Every rank must agree (a rank that
+        stops alone leaves its peers waiting in a collective)."""
         tr = self.cfg.training
         if tr.exit_interval and self.iteration % tr.exit_interval == 0:
             return f"--exit-interval {tr.exit_interval}"
@@ -468,23 +401,16 @@ class Trainer:
         return self._result()
 
     def _result(self) -> dict:
-        """What pretrain() returns: the summary, with each step's loss and grad norm read from
-        the one record of them, ``history``."""
+        """What pretrain() returns: the summary with each step's loss and grad norm."""
         self.summary["train_losses"] = {it: h[0] for it, h in sorted(self.history.items())}
         self.summary["grad_norms"] = {it: h[1] for it, h in sorted(self.history.items())}
         return self.summary
 
-    # --------------------------------------------------------------------------------------------
-    # Logging, evaluation, saving
-    # --------------------------------------------------------------------------------------------
+    # -------------------------------------------------------------- Logging, evaluation, saving
     def _drain(self) -> None:
-        """Read the records of the steps since the last read: their loss sums all-reduced over
-        the world in one collective, then everything (losses, norms, applied flags, lrs, the
-        loss scale) in one host read. Called at every log line, before every save and at the
-        end, on every rank alike (the reduction is a collective). Raises TrainingError naming
-        the first step that was not finite (--check-for-nan-in-loss-and-grad): the host learns
-        of it here, at the next log line or before the next save, so no checkpoint is ever
-        written from such a state; --log-interval 1 stops right after the step."""
+        """Read the records of the steps since the last read: one collective, one host read, on
+        every rank alike. Raises TrainingError naming the first step that was not finite, so no
+        checkpoint is written from such a state."""
         if not self.pending:
             return
         its = [it for it, _ in self.pending]
@@ -506,13 +432,9 @@ class Trainer:
             loss = values[2 * i] / max(values[2 * i + 1], 1.0)
             self.history[it] = (loss, norms[i], bool(applied[i]), lrs[i])
             self.skipped += not applied[i]
-        if self._check_finite:
-            for it in its:
-                loss, norm, _, _ = self.history[it]
-                if not math.isfinite(loss):
-                    raise self._diverged(f"loss {loss}", it)
-                if not math.isfinite(norm):
-                    raise self._diverged(f"grad norm {norm}", it)
+            for what, x in (("loss", loss), ("grad norm", norms[i])):
+                if self._check_finite and not math.isfinite(x):
+                    raise self._diverged(f"{what} {x}", it)
 
     def _log(self, interval: _Interval) -> None:
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
@@ -531,13 +453,14 @@ class Trainer:
                "skipped_iterations": sum(not s[2] for s in steps),
                "peak_memory_bytes": peak_memory_bytes(ps.device)}
         if cfg.model.num_experts is not None:
-            rec.update(moe_interval_metrics(self.moe_layers, cfg.model, interval.n * tr.global_batch_size
-                                            // tr.micro_batch_size, ps))
+            rec.update(moe_interval_metrics(
+                self.moe_layers, cfg.model,
+                interval.n * tr.global_batch_size // tr.micro_batch_size, ps))
         if cfg.logging.log_throughput:
             achieved = self.flops_per_iter / t_it / ps.world_size
             peak = self.peak_flops
             if ps.device.type == "cpu" and ps.rank == 0 and achieved > peak:
-                peak = self.peak_flops = cpu_peak_at_least(achieved)
+                peak = self.peak_flops = self.cpu_peak.at_least(achieved)
             rec.update(tokens_per_sec=gbs * cfg.model.seq_length / t_it,
                        tflops_per_device=achieved / 1e12, peak_tflops_per_device=peak / 1e12,
                        mfu=(achieved / peak) if math.isfinite(peak) and peak > 0 else None)
@@ -554,7 +477,7 @@ class Trainer:
 
             log_pipeline_step(self.forward_backward.last_timeline(), ps, self.iteration,
                               cfg.checkpoint.save or os.path.dirname(os.path.abspath(
-                                  cfg.logging.metrics_file or "metrics.jsonl")))
+                                  cfg.logging.metrics_file or "metrics.jsonl")), self.logger)
 
     def _evaluate_and_log(self) -> None:
         if self.cfg.training.eval_iters <= 0 or self.valid_ds is None:
@@ -566,8 +489,7 @@ class Trainer:
         self.logger.log({"lm_loss": loss, "ppl": ppl}, self.iteration, split="valid")
 
     def _save(self) -> None:
-        """Save this iteration: synchronously, or with --async-save a host snapshot written in
-        the background (at most one in flight: an earlier one is settled first)."""
+        """Save this iteration, or with --async-save start a background write (one in flight)."""
         self._drain()  # before anything is written: raises if a step since then was not finite
         self._settle_save(wait=True)
         args = (self.cfg.checkpoint.save, self.iteration, self.chunks, self.optimizer,
@@ -589,9 +511,8 @@ class Trainer:
                           f"{self.host_buffers.nbytes / 2**20:.1f} MiB of host memory)")
 
     def _settle_save(self, wait: bool) -> None:
-        """Agree on the background save in flight (collective; every rank calls it at the same
-        points): published once every rank's files are durable, an error on any rank raised on
-        all. ``wait``: block until it is done (the next save, the end)."""
+        """Agree on the background save in flight (a collective): published once every rank's
+        files are durable, an error on any rank raised on all. ``wait``: block until done."""
         pending = self.pending_save
         if pending is None:
             return
@@ -612,9 +533,8 @@ class Trainer:
     def evaluate(self) -> Tuple[float, float]:
         """(loss, perplexity) over the same ``eval_iters`` validation batches every time."""
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
-        # Evaluation must not perturb training randomness (a DataLoader iterator draws a seed from
-        # the global generator): otherwise --eval-interval would change the training run, and a
-        # resumed run would differ from an uninterrupted one.
+        # evaluation must not perturb training randomness (a DataLoader iterator draws a seed):
+        # else --eval-interval would change the run, and a resumed run differ from the whole one
         rng = get_all_rng_states(ps.device)
         for c in self.chunks:
             c.eval()
@@ -625,7 +545,8 @@ class Trainer:
             batches = self._micro_batches(it, tr.num_micro_batches(ps.dp_size))
             stats = self._forward_backward(batches, self._global_token_count(batches),
                                            forward_only=True)
-            sums += self._sum_loss(stats)
+            sums += self._local_loss_sums(stats)
+        C.all_reduce(sums, group=C.world_group(), tag="loss_report")  # the global batches' sums
         for c in self.chunks:
             c.train()
         set_all_rng_states(rng, ps.device)
@@ -633,9 +554,7 @@ class Trainer:
         loss = total / max(ntok, 1.0)
         return loss, math.exp(min(loss, 50.0))
 
-    # --------------------------------------------------------------------------------------------
-    # Batches and losses
-    # --------------------------------------------------------------------------------------------
+    # ----------------------------------------------------------------------- Batches and losses
     def _micro_batches(self, it, m: int):
         """Every CP rank of a DP rank reads the same samples and keeps its chunks of each."""
         out, ps = [], self.ps
@@ -647,8 +566,8 @@ class Trainer:
         return out
 
     def _to_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Host batch -> device: on CUDA through pinned memory without blocking the host, so
-        the copy queues behind the running step instead of stalling it (docs/performance.md)."""
+        """Host batch -> device; on CUDA pinned and non-blocking, so the copy queues behind the
+        running step instead of stalling it."""
         if t is None or self.ps.device.type != "cuda":
             return t
         return t.pin_memory().to(self.ps.device, non_blocking=True)
@@ -661,11 +580,7 @@ class Trainer:
         return n.clamp_min(1.0).squeeze(0)
 
     def _forward_backward(self, batches, num_global_tokens: torch.Tensor, forward_only: bool):
-        """Run the pipeline schedule over the micro-batches; returns the last stage's loss stats.
-
-        One iterator per rank (the schedule contract's recommended form): the schedule takes the
-        m micro-batches in order on every pipeline rank and hands each chunk the one it runs.
-        """
+        """Run the pipeline schedule over the micro-batches; returns the loss stage's stats."""
         tr = self.cfg.training
         extra = {} if forward_only else dict(
             grad_scale_func=self.optimizer.scale_loss, no_sync_func=self.no_sync_func,
@@ -684,14 +599,8 @@ class Trainer:
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
     def _local_loss_sums(self, stats_list) -> torch.Tensor:
-        """This rank's [sum of token losses, token count] of the global batch, on the device
-        (float64), never read per micro-batch.
-
-        Only the stage that computes the loss has stats (the last, or rank 0 under the V of
-        zb-v / dualpipev), and its TP ranks hold identical copies: TP rank 0 of it contributes,
-        so a SUM over the world (:meth:`_sum_loss`; in training once per log line, over every
-        step since the last: :meth:`_drain`) gives the global batch's sums on every rank.
-        """
+        """This rank's [sum of token losses, token count] (float64, on the device). Only TP rank
+        0 of the loss stage contributes, so a SUM over the world gives the global batch's."""
         t = torch.zeros(2, dtype=torch.float64, device=self.ps.device)
         if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage
             for s in stats_list:
@@ -699,26 +608,13 @@ class Trainer:
                 t[1] += s["num_tokens"].double()
         return t
 
-    def _sum_loss(self, stats_list) -> torch.Tensor:
-        """The global batch's [sum of token losses, token count] on every rank (evaluation)."""
-        t = self._local_loss_sums(stats_list)
-        C.all_reduce(t, group=C.world_group(), tag="loss_report")
-        return t
 
-
-# ------------------------------------------------------------------------------------------------
-# pretrain
-# ------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------- pretrain
 def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=None,
              memory_estimate=None) -> dict:
-    """Train as configured; returns a summary (final iteration, last losses) for scripts/tests.
-    ``memory_estimate``: logged beside the measured peak (``Trainer._measured_train_step``;
-    pretrain.py passes the planner's).
-
-    The configuration is resolved once (megalite.config.MegaliteConfig.resolve) as soon as the
-    world size and the tokenizer are known: the tokenizer fixes the vocab, which fixes the
-    embedding shape. From there on it is read-only; ``cfg`` itself is not changed.
-    """
+    """Train as configured; returns a summary (final iteration, last losses). ``cfg`` is
+    resolved once the world size and the tokenizer (the vocab) are known, read-only from there.
+    ``memory_estimate``: logged beside the measured peak (pretrain.py passes the planner's)."""
     par = cfg.parallel
     if ps is None:
         ps = initialize_model_parallel(
@@ -736,9 +632,7 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
     tokenizer = build_tokenizer(cfg.data, cfg.data.data_cache_path, cfg.model.vocab_size)
     cfg = cfg.resolve(ps.world_size, tokenizer.vocab_size)
     logger = MetricsLogger(cfg, is_writer=(ps.rank == 0), stream=stream)
-    set_active_logger(logger)
     try:
         return Trainer(cfg, ps, logger, tokenizer, t_start, memory_estimate).train()
     finally:
-        set_active_logger(None)
         logger.close()

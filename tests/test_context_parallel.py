@@ -197,7 +197,8 @@ def _llama8b(seq):
 
 
 def test_planner_divides_activations_by_cp_and_picks_cp_at_128k():
-    from megalite.planner import GPUS, Cluster, Layout, memory, plan, step_time
+    from megalite.planner import GPUS, Cluster, Layout, memory, step_time
+    from tools.plan import plan, short
 
     m, cl = _llama8b(131072), Cluster(64, 8, GPUS["H100-80GB"])
     lay = dict(tensor_model_parallel_size=8, data_parallel_size=8, zero_stage=1,
@@ -215,5 +216,5 @@ def test_planner_divides_activations_by_cp_and_picks_cp_at_128k():
     # to keep the search short); without CP, only slower ones fit (full recompute, deep PP)
     pin = {"tensor_model_parallel_size": 8, "micro_batch_size": 1}
     best, no_cp = plan(m, cl, 64, pin)[0], plan(m, cl, 64, dict(pin, context_parallel_size=1))[0]
-    assert best.fits and best.layout.context_parallel_size > 1, best.layout.short()
-    assert best.time["step_time_s"] < no_cp.time["step_time_s"], no_cp.layout.short()
+    assert best.fits and best.layout.context_parallel_size > 1, short(best.layout)
+    assert best.time["step_time_s"] < no_cp.time["step_time_s"], short(no_cp.layout)

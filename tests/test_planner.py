@@ -39,7 +39,6 @@ from megalite.planner import (
     loss_head_bytes,
     memory,
     moe_rows,
-    plan,
     stage_expert_params,
     stage_params,
     step_time,
@@ -49,6 +48,8 @@ from megalite.pipeline_parallel.timeline import schedule_idle_times
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import linear
 from tests.pretrain_utils import ROOT, read_metrics, run_cli
+from tools.plan import plan
+from tools.planner_stacks import FP8_GEMM_EFFICIENCY, Stack
 
 A100, H100 = "A100-80GB", "H100-80GB"
 
@@ -59,7 +60,8 @@ def model_from_args(L, h, a, s, V, flash_attention=True, **kw) -> Model:
     cfg = ModelConfig(num_layers=L, hidden_size=h, num_attention_heads=a, seq_length=s,
                       vocab_size=V, params_dtype="bfloat16", hidden_dropout=0.1,
                       attention_dropout=0.1, **kw)
-    return Model.from_config(cfg, "cuda", "flash" if flash_attention else "unfused", "megatron")
+    return Stack.from_config(cfg, "cuda", "flash" if flash_attention else "unfused",
+                             cross_entropy="megatron")
 
 # name, gpu, layers, hidden, heads, seq, vocab, untied, TP, PP, GPUs, batch, TFLOP/s, backend,
 # what the publication fixes beyond TP/PP
@@ -160,8 +162,8 @@ def test_llama3_405b_rows_without_recompute():
     got = []
     for s, gbs, n, c, pub in ((8192, 2048, 8192, 1, 430), (8192, 2048, 16384, 1, 400),
                               (131072, 128, 16384, 16, 380)):
-        m = dataclasses.replace(Model.from_config(ModelConfig(seq_length=s, **LLAMA3_405B)),
-                                activation_model="fused", embedding_slot=True, loss_slot=True)
+        m = Stack.from_config(ModelConfig(seq_length=s, **LLAMA3_405B), activation_model="fused",
+                              embedding_slot=True, loss_slot=True)
         lay = Layout(8, 16, 8, n // (128 * c), 2, True, "none", 1, "interleaved", c, "allgather")
         cl = Cluster(n, 8, GPUS["H100-80GB"])
         mem = memory(m, lay, gbs)["total"]
@@ -172,8 +174,8 @@ def test_llama3_405b_rows_without_recompute():
     assert got[2] < got[1] < got[0], got
     # without the fused activations the same layout does not fit: megalite's own layers keep
     # fp32 norm copies and GQA copies
-    m = dataclasses.replace(Model.from_config(ModelConfig(seq_length=8192, **LLAMA3_405B)),
-                            embedding_slot=True, loss_slot=True)
+    m = Stack.from_config(ModelConfig(seq_length=8192, **LLAMA3_405B), embedding_slot=True,
+                          loss_slot=True)
     assert memory(m, Layout(8, 16, 8, 128, 2, True, "none", 1, "interleaved"), 2048)["total"] \
         > 80 * GiB
 
@@ -184,8 +186,8 @@ def test_embedding_and_loss_pipeline_slots():
     the interleaved peak memory counts the empty chunk's forwards as holding no layer."""
     from megalite.planner import interleaved_peak, stage_chunks
 
-    m = dataclasses.replace(Model.from_config(ModelConfig(seq_length=8192, **LLAMA3_405B)),
-                            embedding_slot=True, loss_slot=True)
+    m = Stack.from_config(ModelConfig(seq_length=8192, **LLAMA3_405B), embedding_slot=True,
+                          loss_slot=True)
     chunks = stage_chunks(m, Layout(8, 16, 8, 128, 2, True, "none", 1, "interleaved"))
     assert chunks[0] == (0,) + (1,) * 7 and chunks[15] == (1,) * 7 + (0,)
     assert all(c == (1,) * 8 for c in chunks[1:15]) and sum(map(sum, chunks)) == 126
@@ -194,21 +196,19 @@ def test_embedding_and_loss_pipeline_slots():
     assert interleaved_peak(16, 0, 32, 8, (1.0,) * 8) == 143
 
 
-def test_precision_overlap_and_dedup_inputs():
+def test_precision_and_overlap_inputs():
     """fp8 runs the linear GEMMs at 2 x peak x FP8_GEMM_EFFICIENCY (attention stays 16-bit);
-    overlap hides the all-to-alls behind the paired compute; a dispatcher that sends a token
-    once per node cuts the network share of EP across nodes."""
-    from megalite.planner import FP8_GEMM_EFFICIENCY, gemm_gpu
-
+    overlap hides the all-to-alls behind the paired compute; EP across nodes sends 3/4 of a
+    token's copies over the network."""
     h100 = GPUS["H100-80GB"]
-    fp8 = gemm_gpu(Model(ModelConfig(), precision="fp8"), h100)
+    fp8, casts = Stack(ModelConfig(), precision="fp8").linear_gemms(h100)
     assert fp8.peak_tflops * fp8.gemm_efficiency == pytest.approx(
-        2 * h100.peak_tflops * FP8_GEMM_EFFICIENCY)
+        2 * h100.peak_tflops * FP8_GEMM_EFFICIENCY) and casts == 2
     base = dict(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=2048,
                 vocab_size=32768, params_dtype="bfloat16", swiglu=True, add_bias_linear=False,
                 ffn_hidden_size=4096, num_experts=64, moe_router_topk=8,
                 moe_ffn_hidden_size=1024, hidden_dropout=0.0, attention_dropout=0.0)
-    m = Model.from_config(ModelConfig(**base), moe_imbalance=1.0)
+    m = Stack.from_config(ModelConfig(**base), moe_imbalance=1.0)
     lay, cl = Layout(1, 1, 1, 32, 1, False, "none", 1, "1f1b",
                      expert_model_parallel_size=32), Cluster(32, 8, h100)
     t = step_time(m, lay, cl, 32)
@@ -226,14 +226,12 @@ def test_precision_overlap_and_dedup_inputs():
     over = step_time(dataclasses.replace(m, moe_overlap=True), lay, cl, 32)["ep_comm_s"]
     assert 0 <= over < t["ep_comm_s"]
     # EP 32 over 4 nodes: 3/4 of the 8 copies per token cross the network (the own node's over
-    # NVLink meanwhile, less); sent once per node, 4 (1 - (3/4)^8) = 3.60 distinct nodes instead
+    # NVLink meanwhile, less)
     from megalite.planner import COLLECTIVE_EFFICIENCY, COLLECTIVE_LATENCY_S
 
-    dedup = step_time(dataclasses.replace(m, moe_a2a_dedup=True), lay, cl, 32)["ep_comm_s"]
-    for got, copies in ((t["ep_comm_s"], 8), (dedup, 4 * (1 - 0.75 ** 8))):
-        one = COLLECTIVE_LATENCY_S["inter"] + 2048 * copies * 0.75 * 1024 * 2 \
-            / (400e9 / 8 * COLLECTIVE_EFFICIENCY)
-        assert got == pytest.approx(4 * 4 * one), copies  # 4 layers x 4 exchanges
+    one = COLLECTIVE_LATENCY_S["inter"] + 2048 * 8 * 0.75 * 1024 * 2 \
+        / (400e9 / 8 * COLLECTIVE_EFFICIENCY)
+    assert t["ep_comm_s"] == pytest.approx(4 * 4 * one)  # 4 layers x 4 exchanges
 
 
 def test_fused_moe_activations():
@@ -241,14 +239,12 @@ def test_fused_moe_activations():
     probabilities and map (T E (4 + 4 + 1)), per received row the expert input, fc1 output and
     SwiGLU product and an int32 map, per sent row the expert output and an int32: below what
     megalite's MoE layer keeps (docs/planner.md, "Published MoE rows")."""
-    from megalite.planner import moe_activation_bytes
-
     cfg = _moe_cfg(params_dtype="bfloat16", swiglu=True)
-    fused = dataclasses.replace(Model.from_config(cfg, moe_imbalance=1.0), activation_model="fused")
+    fused = Stack.from_config(cfg, moe_imbalance=1.0, activation_model="fused")
     T, h, f, k, E = 128, 256, 128, 2, 8
     want = T * E * 9 + k * T * ((h + 3 * f) * 2 + 4) + k * T * (h * 2 + 4)
-    assert moe_activation_bytes(fused, T, 2, 1) == want
-    assert moe_activation_bytes(Model.from_config(cfg, moe_imbalance=1.0), T, 2, 1) > want
+    assert fused.moe_activation_bytes(T, 2, 1) == want
+    assert Model.from_config(cfg, moe_imbalance=1.0).moe_activation_bytes(T, 2, 1) > want
 
 
 def test_plan_json_has_expert_grid_and_precision(capsys, monkeypatch):
@@ -549,6 +545,25 @@ def test_pretrain_estimate_within_10_percent(tmp_path):
     assert "planner estimate" in out
 
 
+@pytest.mark.parametrize("estimate", [True, False])
+def test_no_log_planner_estimate_suppresses_the_line(tmp_path, monkeypatch, estimate):
+    """--no-log-planner-estimate: the measured peak is still logged, the planner's estimate (and
+    its records) not, and the run never imports the planner (Python's import log)."""
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    path = str(tmp_path / "m.jsonl")
+    r = run_cli(["--mock-data", "--num-layers", "2", "--hidden-size", "64",
+                 "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "512",
+                 "--global-batch-size", "2", "--micro-batch-size", "2", "--train-iters", "2",
+                 "--log-interval", "2", "--eval-iters", "0", "--metrics-file", path,
+                 *["--no-log-planner-estimate"] * (not estimate)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "memory at iteration 2 (rank 0): " in r.stdout
+    assert ("planner estimate" in r.stdout) == estimate
+    assert ("megalite.planner" in r.stderr) == estimate
+    assert any(k.startswith("estimated_") for x in read_metrics(path, "memory")
+               for k in x) == estimate
+
+
 @pytest.mark.parametrize("schedule,untied", [("zb-v", False), ("dualpipev", True)])
 def test_pretrain_estimate_v_schedules(tmp_path, schedule, untied):
     """PP 2 under a V schedule (2 processes): rank 0 holds the embedding, the output layer and
@@ -799,7 +814,7 @@ def test_moe_expert_kernel_host_time():
 
     def extra(lay, device="cuda", precision="bf16", **kw):
         cfg = ModelConfig(**base, **kw)
-        m = dataclasses.replace(Model.from_config(cfg, device), precision=precision)
+        m = Stack.from_config(cfg, device, precision=precision)
         on = step_time(m, lay, cl, 8)["compute_s"]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr("megalite.planner.MOE_EXPERT_KERNEL_HOST_S", 0.0)

@@ -18,16 +18,20 @@ A mixture-of-experts model takes pretrain.py's MoE flags (--num-experts, --moe-r
 otherwise: EP dividing the experts, ETP 1 or TP) and --moe-imbalance-factor sets the dropless
 receive headroom the memory model assumes (docs/planner.md, "Mixture of experts").
 
-Planner-only inputs describe a stack other than megalite's, to plan published runs:
---activation-model fused, --account-for-embedding/loss-in-pipeline-split, --precision fp8 and
---moe-a2a-dedup (docs/planner.md, "Inputs for other stacks"). --overlap-moe-expert-parallel-comm
+Planner-only inputs describe a stack other than megalite's, to plan published runs (the
+cost model for them is tools/planner_stacks.py): --cross-entropy megatron, --activation-model
+fused, --account-for-embedding/loss-in-pipeline-split and --precision fp8 (docs/planner.md,
+"Inputs for other stacks"). --overlap-moe-expert-parallel-comm
 is pretrain.py's flag (the combined 1F1B, PP 1 there); the planner prices it on any layout.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
+import math
 import os
 import sys
 
@@ -35,8 +39,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.arguments import build_parser, config_from_namespace, layout_flags  # noqa: E402
 from megalite.config import (  # noqa: E402
+    CP_COMM_TYPES,
+    V_SCHEDULES,
     ConfigError,
+    ExecutionConfig,
+    MegaliteConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainingConfig,
     check_expert_grid_divisible,
+    check_zero3_schedule,
     default_schedule,
 )
 from megalite.planner import (  # noqa: E402
@@ -47,10 +59,11 @@ from megalite.planner import (  # noqa: E402
     GiB,
     Layout,
     Model,
-    Plan,
-    plan,
+    memory,
     stage_chunks,
+    step_time,
 )
+from tools.planner_stacks import Stack  # noqa: E402
 
 # layout flags -> planner Layout fields (their declarations say which); only the flags present on
 # the command line are pinned. --recompute-method/--recompute-num-layers and the uneven stages
@@ -59,8 +72,137 @@ _PINNED = layout_flags()
 # the planner's own inputs (no pretrain.py flag) added since tests/fixtures/cli/flags_before.json
 PLANNER_ONLY_FLAGS = ("--moe-imbalance-factor", "--activation-model",
                       "--account-for-embedding-in-pipeline-split",
-                      "--account-for-loss-in-pipeline-split", "--precision",
-                      "--moe-a2a-dedup")
+                      "--account-for-loss-in-pipeline-split", "--precision")
+
+
+def short(lay: Layout) -> str:
+    """One line naming a layout."""
+    t, p, v = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
+               lay.virtual_pipeline_model_parallel_size)
+    c = lay.context_parallel_size
+    uneven = "".join(f" {w}{n}" for w, n in (("first", lay.decoder_first_pipeline_num_layers),
+                                              ("last", lay.decoder_last_pipeline_num_layers))
+                     if n is not None)
+    partial = (f" {lay.recompute_method or 'uniform'} {lay.recompute_num_layers or 1}"
+               if lay.recompute_method or lay.recompute_num_layers else "")
+    name = {"zb-h1": " ZB-H1", "zb-v": " ZB-V", "dualpipev": " DualPipeV"}
+    ep, etp = lay.expert_model_parallel_size, lay.expert_tensor_parallel_size
+    experts = f" EP{ep}{f' ETP{etp}' if etp > 1 else ''}" if ep > 1 or etp > 1 else ""
+    return (f"TP{t}{'+SP' * lay.sequence_parallel}"
+            f"{f' CP{c} {lay.cp_comm_type}' if c > 1 else ''} PP{p}{uneven}"
+            f"{f'x{v}' if v > 1 and lay.pipeline_schedule == 'interleaved' else ''}"
+            f"{name.get(lay.pipeline_schedule, '')} DP{lay.data_parallel_size}{experts} "
+            f"ZeRO{lay.zero_stage} mb{lay.micro_batch_size} "
+            f"recompute {lay.recompute_granularity}{partial}")
+
+
+
+
+def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
+    """Why pretrain.py would refuse this layout, or None."""
+    t, p, v, d, b = (lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size,
+                     lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size,
+                     lay.micro_batch_size)
+    c = lay.context_parallel_size
+    # pretrain.py's config checks see neither DP nor the micro-batch: once per rest of the layout
+    key = ("checks", cl.num_gpus, *(getattr(lay, f.name) for f in dataclasses.fields(Layout)
+                                    if f.name not in ("data_parallel_size", "micro_batch_size")))
+    if key not in m.memo:
+        m.memo[key] = _config_checks(m, lay, cl.num_gpus)
+    if m.memo[key] is not None:
+        return m.memo[key]
+    sched, num_micro = lay.pipeline_schedule, gbs // (d * b) if d * b else 0
+    if (t * c * p * d != cl.num_gpus or (v > 1 and m.pipeline_slots(p) % (p * v))
+            or gbs % (d * b) or (sched == "interleaved" and num_micro % p)
+            or (lay.zero_stage and d * c == 1)
+            or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
+        return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
+                "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
+                "DP x CP > 1")
+    return None
+
+
+def _config_checks(m: Model, lay: Layout, world_size: int) -> Optional[str]:
+    t, p = lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
+    ep, etp = lay.expert_model_parallel_size, lay.expert_tensor_parallel_size
+    moe = m.cfg.num_experts is not None
+    try:
+        m.cfg.validate(t)
+        ex = ExecutionConfig(recompute_granularity={"none": None}.get(
+            lay.recompute_granularity, lay.recompute_granularity),
+            recompute_method=lay.recompute_method,
+            recompute_num_layers=lay.recompute_num_layers).validate()
+        pc = ParallelConfig(tensor_model_parallel_size=t, pipeline_model_parallel_size=p,
+                            sequence_parallel=lay.sequence_parallel,
+                            context_parallel_size=lay.context_parallel_size,
+                            cp_comm_type=lay.cp_comm_type, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=etp if moe or etp != 1 else None)
+        pc.validate(world_size, m.cfg.seq_length)  # the world and expert grids too
+        pc.check_context_parallel(m.cfg)
+        if moe or (ep, etp) != (1, 1):  # pretrain.py's checks of the expert layout and its grid
+            # (and of what the F&B pairs compose with: recompute, ZeRO-3, EP 1)
+            MegaliteConfig(model=m.cfg, parallel=pc, optimizer=OptimizerConfig(
+                zero_stage=lay.zero_stage), training=TrainingConfig(
+                overlap_moe_expert_parallel_comm=m.moe_overlap), execution=ex)._check_experts()
+        check_zero3_schedule(lay.zero_stage, lay.pipeline_schedule)
+        stage_chunks(m, lay)  # pretrain.py's checks of the (uneven) layer placement
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+Plan = collections.namedtuple("Plan", "layout memory time fits")
+
+
+def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[Plan]:
+    """Every layout pretrain.py could run (``fixed`` pins Layout fields): those that fit first,
+    by predicted step time (ties within 0.1% to the simpler one)."""
+    fixed, out = fixed or {}, []
+    div = [k for k in range(1, cl.num_gpus + 1) if cl.num_gpus % k == 0]
+
+    def only(field: str, values):  # a pinned field's one value, before the products (speed)
+        return [x for x in values if field not in fixed or x == fixed[field]]
+    # what the search does not vary: partial recompute and uneven stages, pinned or absent
+    extra = [fixed.get(f.name) for f in dataclasses.fields(Layout)[11:15]]
+    num_experts = m.cfg.num_experts
+    for t, p, c in itertools.product(only("tensor_model_parallel_size", div),
+                                     only("pipeline_model_parallel_size", div),
+                                     only("context_parallel_size", div)):
+        if t > cl.gpus_per_node or t & (t - 1) or c & (c - 1) or cl.num_gpus % (t * p * c) \
+                or (m.pipeline_slots(p) % p and not any(extra[2:])) or m.cfg.seq_length % (2 * c):
+            continue
+        d = cl.num_gpus // (t * p * c)
+        # the expert grid: EP dividing the experts, ETP unsplit or as TP, ETP x EP dividing the
+        # stage's t c d ranks (check_layout has pretrain.py's checks)
+        grid = [(1, 1)] if num_experts is None else [
+            (e, x) for x in ([fixed["expert_tensor_parallel_size"]]
+                             if "expert_tensor_parallel_size" in fixed else sorted({1, t}))
+            for e in only("expert_model_parallel_size", range(1, num_experts + 1))
+            if num_experts % e == 0 and (t * c * d) % (e * x) == 0]
+        vs = [(1, "1f1b")] + ([(1, "zb-h1"), (2, "zb-v"), (2, "dualpipev")]
+                              + [(v, "interleaved") for v in range(2, 9)
+                                 if (m.pipeline_slots(p) // p) % v == 0] if p > 1 else [])
+        if fixed.get("virtual_pipeline_model_parallel_size", 0) > 8 and p > 1:  # pinned beyond
+            vs.append((fixed["virtual_pipeline_model_parallel_size"], "interleaved"))  # the list
+        for (v, sched), b, z, sp, rc, ct, (ep, etp) in itertools.product(
+                vs, only("micro_batch_size", (1, 2, 4, 8, 16)), only("zero_stage", range(4)),
+                only("sequence_parallel", (False, True)),
+                only("recompute_granularity", ("none", "selective", "full")),
+                CP_COMM_TYPES if c > 1 else ("p2p",), grid):
+            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp)
+            if all(getattr(lay, k) == x for k, x in fixed.items()) \
+                    and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
+                mem = memory(m, lay, gbs)
+                out.append(Plan(lay, mem, step_time(m, lay, cl, gbs),
+                                mem["total"] <= cl.gpu.memory_gib * GiB * USABLE_MEMORY_FRACTION))
+    rank = {"none": 0, "selective": 1, "full": 2}
+    out.sort(key=lambda pl: (not pl.fits, round(math.log(pl.time["step_time_s"]) / 1e-3)
+                             if pl.fits else pl.memory["total"], pl.layout.zero_stage,
+                             rank[pl.layout.recompute_granularity],
+                             pl.layout.tensor_model_parallel_size
+                             * pl.layout.pipeline_model_parallel_size
+                             * pl.layout.context_parallel_size))
+    return out
 
 
 def as_json(pl: Plan) -> dict:
@@ -163,9 +305,6 @@ def build_plan_parser():
     g.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: the linear GEMMs at twice the 16-bit peak and the fp8 GEMM "
                         "efficiency, to compare with published FP8 rows; megalite runs 16 bits")
-    g.add_argument("--moe-a2a-dedup", action="store_true",
-                   help="MoE, EP across nodes: a token's rows sent once per node and fanned out "
-                        "over NVLink (DeepEP, HybridEP dispatchers); planner only")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--top", type=int, default=10, help="layouts to print")
     return p
@@ -192,9 +331,10 @@ def parse(argv):
     # --overlap-moe-expert-parallel-comm is pretrain.py's flag, but the planner prices it (from
     # ns) on any layout Megatron runs it on (PP > 1 with virtual stages): pretrain.py's refusals
     # of what its own combined 1F1B does not compose with are not the planner's
-    cfg.model = dataclasses.replace(cfg.model, overlap_moe_expert_parallel_comm=False)
+    cfg.training = dataclasses.replace(cfg.training, overlap_moe_expert_parallel_comm=False)
     # layout-free checks here; --sequence-parallel is checked against each layout's TP size
     cfg.model.validate(1)
+    cfg.execution.validate()
     if cfg.model.num_experts is not None or given & {"--expert-model-parallel-size",
                                                       "--expert-tensor-parallel-size"}:
         check_expert_flags(cfg, given, ns.num_gpus)
@@ -213,22 +353,20 @@ def parse(argv):
             fixed[field] = {"zero_stage": cfg.optimizer.zero_stage,
                             "virtual_pipeline_model_parallel_size":
                             cfg.parallel.virtual_pipeline_model_parallel_size or 1,
-                            "recompute_granularity": cfg.model.recompute_granularity,
+                            "recompute_granularity": cfg.execution.recompute_granularity,
                             "pipeline_schedule": cfg.training.pipeline_schedule,
                             }.get(field, getattr(ns, field, None))
     if "virtual_pipeline_model_parallel_size" in fixed and "pipeline_schedule" not in fixed:
         v = fixed["virtual_pipeline_model_parallel_size"]  # pretrain.py's default schedule for v
         fixed["pipeline_schedule"] = default_schedule(v)
-    if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
-        stage_chunks(Model(cfg.model, embedding_slot=ns.account_for_embedding_in_pipeline_split,
-                           loss_slot=ns.account_for_loss_in_pipeline_split), Layout(**fixed))
-    model = dataclasses.replace(
-        Model.from_config(cfg.model, "cuda", ns.attention_backend, ns.cross_entropy,
-                          ns.moe_imbalance_factor),
+    model = Stack.from_config(
+        cfg.model, "cuda", ns.attention_backend, ns.moe_imbalance_factor,
+        moe_overlap=ns.overlap_moe_expert_parallel_comm, cross_entropy=ns.cross_entropy,
         activation_model=ns.activation_model,
         embedding_slot=ns.account_for_embedding_in_pipeline_split,
-        loss_slot=ns.account_for_loss_in_pipeline_split, precision=ns.precision,
-        moe_overlap=ns.overlap_moe_expert_parallel_comm, moe_a2a_dedup=ns.moe_a2a_dedup)
+        loss_slot=ns.account_for_loss_in_pipeline_split, precision=ns.precision)
+    if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
+        stage_chunks(model, Layout(**fixed))
     return model, cluster, ns.global_batch_size, fixed, ns
 
 
@@ -265,7 +403,7 @@ def main(argv=None) -> int:
         tm = (f"{t['step_time_s']:6.3f} ({t['compute_s']:.2f}/{t['tp_comm_s']:.2f}/"
               f"{t['bubble_s']:.2f}/{t['dp_comm_s']:.2f}"
               f"{'/%.2f' % t['ep_comm_s'] if model.cfg.num_experts is not None else ''})")
-        print(f"{i + 1:>3} {pl.layout.short():<52} {'yes' if pl.fits else 'no':<4} {mem:<28} "
+        print(f"{i + 1:>3} {short(pl.layout):<52} {'yes' if pl.fits else 'no':<4} {mem:<28} "
               f"{tm:<30} {t['tflops_per_gpu']:7.1f} {100 * t['mfu']:4.1f}%")
         if i:
             print(f"{'':>4}why not first: {why_lost(pl, plans[0], cluster)}")
