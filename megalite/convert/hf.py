@@ -182,6 +182,8 @@ def model_family(cfg: ModelConfig) -> str:
 
 
 # ========================================================================================= config
+# Each _x(hf_config, family) reads a part of an HF config as ModelConfig fields; _hf_x(cfg, ...)
+# is its inverse, the HF config kwargs.
 _LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_freq_factor",
                 "high_freq_factor": "rope_high_freq_factor",
                 "original_max_position_embeddings": "rope_original_max_position_embeddings"}
@@ -213,8 +215,7 @@ def _rope(hf_config, family: str) -> dict:
 
 
 def _yarn(params: dict, hf_config) -> dict:
-    """HF's yarn ``rope_parameters`` as ModelConfig fields; how HF's cos/sin factor maps onto
-    mscale and mscale_all_dim: docs/models.md, "YaRN RoPE"."""
+    """HF's yarn ``rope_parameters`` as ModelConfig fields (docs/models.md, "YaRN RoPE")."""
     if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
         raise ConfigError("yarn rope_parameters attention_factor and truncate=False are not "
                           "supported: megalite derives the cos/sin factor from mscale and "
@@ -236,7 +237,6 @@ def _yarn(params: dict, hf_config) -> dict:
 
 
 def _hf_rope(cfg: ModelConfig, config_cls, fam: Family) -> dict:
-    """Inverse of :func:`_rope`: the HF config kwargs."""
     params = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling_factor is not None:
         params.update({"rope_type": "llama3"},
@@ -266,8 +266,7 @@ def _accepts(config_cls, name: str) -> bool:
 
 
 def _sliding_window(c, family: str) -> dict:
-    """Which layers HF gives a sliding window, as ModelConfig fields (docs/models.md, "Sliding
-    window": never from ``sliding_window`` alone)."""
+    """Which layers HF windows, as ModelConfig fields (docs/models.md, "Sliding window")."""
     rule = FAMILIES[family].window
     window = getattr(c, "sliding_window", None)
     if rule == "mistral":
@@ -296,7 +295,6 @@ def _sliding_window(c, family: str) -> dict:
 
 
 def _hf_window(cfg: ModelConfig, fam: Family) -> dict:
-    """Inverse of :func:`_sliding_window`."""
     if fam.window == "mistral":
         return {"sliding_window": cfg.sliding_window}
     if fam.window == "qwen":  # layers >= max_window_layers get the window when it is used
@@ -307,8 +305,7 @@ def _hf_window(cfg: ModelConfig, fam: Family) -> dict:
 
 
 def layer_freq_text(pattern: List[bool]) -> str:
-    """A per-layer MoE pattern as --moe-layer-freq spells it: "1" when every layer is MoE, else
-    Megatron's 0/1 list."""
+    """A per-layer MoE pattern as --moe-layer-freq spells it ("1", or Megatron's 0/1 list)."""
     if all(pattern):
         return "1"
     return "[" + ",".join(str(int(x)) for x in pattern) + "]"
@@ -390,7 +387,6 @@ def _moe(c, family: str) -> dict:
 
 
 def _hf_moe(cfg: ModelConfig, m: MoeSpec, arch: str) -> dict:
-    """Inverse of :func:`_moe`: the HF config kwargs of the MoE block."""
     f = cfg.moe_ffn_hidden_size
     out = {m.num_experts: cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
            m.expert_ffn: f}
@@ -439,19 +435,17 @@ def _mla(c, family: str) -> dict:
 
 
 def _hf_mla(cfg: ModelConfig) -> dict:
-    """Inverse of :func:`_mla`: the HF config kwargs, RoPE rows interleaved (HF's default, which
-    DeepSeek's checkpoints use)."""
     if not cfg.multi_latent_attention:
         return {}
+    # RoPE rows interleaved: HF's default, which DeepSeek's checkpoints use
     return dict(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
                 qk_nope_head_dim=cfg.qk_head_dim, qk_rope_head_dim=cfg.qk_pos_emb_head_dim,
                 v_head_dim=cfg.v_head_dim, rope_interleave=True)
 
 
 def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
-    """A megalite :class:`ModelConfig` equivalent to the HF config of a supported family;
-    ``overrides`` (any ModelConfig field, e.g. ``seq_length``) win. A config field megalite
-    cannot hold is a ConfigError naming it."""
+    """The megalite ModelConfig of a supported family's HF config (``overrides``, any ModelConfig
+    field, win); a config field megalite cannot hold is a ConfigError naming it."""
     family = hf_family(hf_config)
     fam = FAMILIES[family]
     c = hf_config
@@ -689,18 +683,14 @@ def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
 
 
 # ============================================================================ key names per layer
-_GPT2_LAYER = {  # megalite suffix -> (HF suffix, Conv1D i.e. stored transposed)
-    "input_layernorm.weight": ("ln_1.weight", False),
-    "input_layernorm.bias": ("ln_1.bias", False),
-    "self_attention.linear_proj.weight": ("attn.c_proj.weight", True),
-    "self_attention.linear_proj.bias": ("attn.c_proj.bias", False),
-    "pre_mlp_layernorm.weight": ("ln_2.weight", False),
-    "pre_mlp_layernorm.bias": ("ln_2.bias", False),
-    "mlp.linear_fc1.weight": ("mlp.c_fc.weight", True),
-    "mlp.linear_fc1.bias": ("mlp.c_fc.bias", False),
-    "mlp.linear_fc2.weight": ("mlp.c_proj.weight", True),
-    "mlp.linear_fc2.bias": ("mlp.c_proj.bias", False),
-}
+# megalite suffix -> (HF suffix, whether a Conv1D weight, stored transposed)
+_GPT2_LAYER = {f"{ml}.{kind}": (f"{hf}.{kind}", conv1d and kind == "weight")
+               for ml, hf, conv1d in (("input_layernorm", "ln_1", False),
+                                      ("self_attention.linear_proj", "attn.c_proj", True),
+                                      ("pre_mlp_layernorm", "ln_2", False),
+                                      ("mlp.linear_fc1", "mlp.c_fc", True),
+                                      ("mlp.linear_fc2", "mlp.c_proj", True))
+               for kind in ("weight", "bias")}
 _LLAMA_LAYER = {  # one-to-one tensors; qkv and the MLPs are fused / stacked below
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",  # Qwen3, OLMoE, GLM-4.5
@@ -769,9 +759,8 @@ def _mla_items(cfg: ModelConfig) -> List[Tuple[str, str]]:
 
 
 def _rope_pairs(t: torch.Tensor, cfg: ModelConfig, name: str, back: bool = False):
-    """HF's interleaved RoPE rows -> the rotate-half order, or ``back`` (docs/models.md,
-    "Hugging Face" under MLA): the last d_r of every q head's d_n + d_r rows, and of kv_a's
-    [kv latent | shared key]; other tensors as they are."""
+    """HF's interleaved RoPE rows -> the rotate-half order, or ``back``, in the tensors that hold
+    them (docs/models.md, "Hugging Face" under "Multi-latent attention")."""
     dn, dr, rkv = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.kv_lora_rank
     if name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):
         width = dn + dr
@@ -808,8 +797,7 @@ def _moe_spec_of(cfg_items: tuple) -> MoeSpec:
 
 
 def _moe_spec(cfg: ModelConfig) -> MoeSpec:
-    """How the family this MoE model converts as names its experts: the one it was imported
-    from, else the first that holds it (:func:`hf_architecture`, once per configuration)."""
+    """The MoeSpec of the family this MoE model converts as (:func:`hf_architecture`, cached)."""
     recorded = _FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture)
     if recorded is not None and FAMILIES[recorded].moe is not None:
         return FAMILIES[recorded].moe
@@ -961,8 +949,7 @@ def _swiglu_to_hf(t, ml_p: str, hf_p: str, bias: bool, where: str) -> dict:
 
 
 def _experts_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
-    """An HF MoE block's experts (per-expert names) and shared expert -> MoELayer's tensors
-    (docs/models.md, "Experts' tensors")."""
+    """HF experts and shared expert -> MoELayer's tensors (docs/models.md, "Experts' tensors")."""
     m = _moe_spec(cfg)
     b = f"{p}{m.block}."
     # copied expert by expert into the stacked tensors: no [gate; up] copies beside them, so a
@@ -1075,8 +1062,7 @@ def convert_non_layer_hf_to_megalite(hf_tensors: Mapping[str, torch.Tensor],
 
 def convert_non_layer_megalite_to_hf(ml_tensors: Mapping[str, torch.Tensor],
                                      cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Inverse of :func:`convert_non_layer_hf_to_megalite`; vocab padding stripped. With tied
-    embeddings ``lm_head.weight`` is left out, as HF's ``save_pretrained`` does."""
+    """Inverse of :func:`convert_non_layer_hf_to_megalite` (a tied ``lm_head.weight`` left out)."""
     out = {}
     for ml, hf in _non_layer_map(cfg).items():
         t = _get(ml_tensors, ml, "megalite state dict")
@@ -1162,8 +1148,7 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
 
 def megalite_to_hf_state_dict(full_state_dict: Mapping[str, torch.Tensor],
                               model_config: ModelConfig) -> Dict[str, torch.Tensor]:
-    """An HF state dict (hub-file names) from a full (tp=1) megalite state dict (vocab padding
-    stripped)."""
+    """An HF state dict (hub-file names) from a full (tp=1) megalite state dict."""
     cfg = model_config
     out = convert_non_layer_megalite_to_hf(full_state_dict, cfg)
     for i in range(cfg.num_layers):

@@ -51,8 +51,7 @@ def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState
 def finalize_model_grads(models, ps: ParallelState, data_parallel: bool = True) -> None:
     models = models if isinstance(models, (list, tuple)) else [models]
     if data_parallel and all(hasattr(m, "finish_grad_sync") for m in models):
-        # DistributedDataParallel chunks: their bucketed DP reduction first, then the TP and
-        # embedding all-reduces on the DP-reduced slices (the order is explained in ddp.py).
+        # DDP chunks: their bucketed DP reduction first (docs/data_parallel.md, "Finalize")
         from megalite.distributed.ddp import finalize_model_grads_ddp
 
         finalize_model_grads_ddp(models, ps)

@@ -73,7 +73,7 @@ def packed(numels: List[int], dp_size: int) -> Tuple[List[int], int]:
 
 def bucket_layout(params: List[Tuple[str, int, bool]], bucket_size: Optional[int], dp_size: int
                   ) -> List[Tuple[List[Tuple[str, int]], int]]:
-    """The layout rules, as data, for the buffer below and convert/optimizer_state.py: ``params``
+    """The layout rules, as data, for the buffer below and checkpoint/optim_state.py: ``params``
     are (name, numel, tied_embedding) in registration order; returns each bucket's (parameter
     name, start in the bucket) in buffer order and its padded numel."""
     groups: List[List[Tuple[str, int]]] = []
@@ -140,38 +140,35 @@ class ParamAndGradBuffer:
         for b in self.buckets:
             b.param_data = self.param_data[b.offset:b.offset + b.numel]
 
-        # ---- grad buffer --------------------------------------------------------------------------
+        # ---- grad buffer: stages 0/1 one persistent full-size buffer (main_grad a fixed view of
+        # it); stage 2 only the shard accumulators persist (docs/theory.md: grads 4Ψ/N bytes)
+        self.grad_data: Optional[torch.Tensor] = None
         if zero_stage < 2:
-            # Stages 0/1: one persistent full-size buffer; main_grad is a fixed view of it.
-            self.grad_data: Optional[torch.Tensor] = torch.zeros(self.numel, dtype=grad_dtype,
-                                                                 device=self.device)
-            for b in self.buckets:
-                b.grad_data = self.grad_data[b.offset:b.offset + b.numel]
-            for slot in self.slots.values():
-                slot.param.main_grad = self.grad_data[slot.start:slot.end].view_as(slot.param)
-        else:
-            # Stage 2: only the shard accumulators persist (docs/theory.md: grads 4Ψ/N bytes).
-            self.grad_data = None
-            for b in self.buckets:
+            self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=self.device)
+        for b in self.buckets:
+            if zero_stage == 2:
                 b.grad_shard_acc = torch.zeros(b.shard_numel, dtype=grad_dtype, device=self.device)
-            for slot in self.slots.values():
-                slot.param.main_grad = None
+            self._set_grad_storage(b, None if self.grad_data is None
+                                   else self.grad_data[b.offset:b.offset + b.numel])
 
     # ----------------------------------------------------------------------------- grad storage
-    def ensure_grad_storage(self, bucket: Bucket) -> None:
-        """Stage 2: allocate a bucket's full-size gradient storage on first use in a micro-batch."""
-        if bucket.grad_data is not None:
-            return
-        bucket.grad_data = torch.zeros(bucket.numel, dtype=self.grad_dtype, device=self.device)
+    def _set_grad_storage(self, bucket: Bucket, grad_data: Optional[torch.Tensor]) -> None:
+        """The bucket's full-size gradient storage, and its params' main_grad views of it."""
+        bucket.grad_data = grad_data
         for slot in bucket.slots:
             lo = slot.start - bucket.offset
-            slot.param.main_grad = bucket.grad_data[lo:lo + slot.numel].view_as(slot.param)
+            slot.param.main_grad = (None if grad_data is None
+                                    else grad_data[lo:lo + slot.numel].view_as(slot.param))
+
+    def ensure_grad_storage(self, bucket: Bucket) -> None:
+        """Stage 2: allocate a bucket's full-size gradient storage on first use in a micro-batch."""
+        if bucket.grad_data is None:
+            self._set_grad_storage(bucket, torch.zeros(bucket.numel, dtype=self.grad_dtype,
+                                                       device=self.device))
 
     def release_grad_storage(self, bucket: Bucket) -> None:
         """Stage 2: drop the full-size storage once its shard has been folded in."""
-        bucket.grad_data = None
-        for slot in bucket.slots:
-            slot.param.main_grad = None
+        self._set_grad_storage(bucket, None)
 
     def grad_shard(self, bucket: Bucket) -> torch.Tensor:
         """This rank's DP-reduced gradient shard of a bucket (stage 0: the whole bucket)."""

@@ -106,7 +106,6 @@ class ShardedUnit:
         self._one = torch.zeros(1, dtype=compute_dtype, device=device)
         self._set_placeholders()
 
-    # ---------------------------------------------------------------------------------- storage
     @staticmethod
     def _free(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(0)
@@ -128,8 +127,7 @@ class ShardedUnit:
             p.data = self._placeholder
 
     def set_shape_only(self) -> None:
-        """Params with their full shapes but no memory (zero-stride views of one element): enough
-        for autograd to accumulate into param.grad when the backward reads no parameter values."""
+        """Params with their full shapes but no memory, for a backward that reads no weights."""
         if self.state == SHARDED:
             for p, shape in zip(self.params, self.shapes):
                 p.data = self._one.expand(shape)
@@ -138,7 +136,6 @@ class ShardedUnit:
         for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
             p.data = self.full[off:off + n].view(shape)
 
-    # ------------------------------------------------------------------------- gather / reshard
     def issue_gather(self, async_op: bool, tag: str) -> bool:
         """Start the all-gather if the unit is sharded; True if one was issued."""
         if self.state != SHARDED:
@@ -164,7 +161,6 @@ class ShardedUnit:
             self.state = SHARDED
         self._set_placeholders()
 
-    # ---------------------------------------------------------------------------- gradients
     def prepare_grads(self) -> None:
         """Point each param.grad at a view of a zeroed flat gradient buffer, so autograd's
         in-place accumulation writes straight into the buffer the reduce-scatter sends."""
@@ -274,7 +270,6 @@ class Zero3Model(nn.Module):
                 raise
             return getattr(inner, name)
 
-    # ----------------------------------------------------------------------------- structure
     def _build_units(self, model: nn.Module, dtype: torch.dtype) -> None:
         device = next(model.parameters()).device
         split = self.ps.experts_apart  # experts over another group than DP x CP
@@ -310,7 +305,6 @@ class Zero3Model(nn.Module):
                     self._handles.append(unit.params[i].register_post_accumulate_grad_hook(
                         lambda p, unit=unit, use=use, i=i: self._post_accumulate(unit, use, i)))
 
-    # ------------------------------------------------------------------------- instrumentation
     def _event(self, what: str, unit: ShardedUnit, kind: str = "") -> None:
         if self.record:
             self.trace.append((what, unit.name, kind, time.perf_counter()))
@@ -327,7 +321,6 @@ class Zero3Model(nn.Module):
         self.peak_gathered_bytes = {FORWARD: 0, BACKWARD: 0}
         self.peak_gathered_units = {FORWARD: 0, BACKWARD: 0}
 
-    # --------------------------------------------------------------------------------- gather
     def _gather(self, unit: ShardedUnit, kind: str, async_op: bool) -> None:
         if unit.issue_gather(async_op, tag=f"zero3_all_gather_{kind}"):
             self._event("ag_issue", unit, kind)
@@ -355,7 +348,6 @@ class Zero3Model(nn.Module):
             unit.wait_gather()
             self._event("ag_done", unit, kind)
 
-    # ------------------------------------------------------------------------------- forward
     def forward(self, *args, **kwargs):
         if self.phase == BACKWARD:
             raise RuntimeError("ZeRO-3: a new forward started inside a backward of the same "
@@ -391,7 +383,6 @@ class Zero3Model(nn.Module):
             use.unit.reshard()
             self._event("reshard", use.unit)
 
-    # ------------------------------------------------------------------------------ backward
     def _on_backward_begin(self, grad):
         self.phase = BACKWARD
         P.queue_backward_callback(self._finish_backward)
@@ -449,8 +440,7 @@ class Zero3Model(nn.Module):
         self._pending_rs = []
 
     def _finish_backward(self) -> None:
-        """End of backward (autograd callback): flush what the hooks did not (a parameter that got
-        no gradient), wait for the last reduce-scatters, free everything still gathered."""
+        """End of backward (autograd callback): flush what the hooks did not, free the rest."""
         if any(param_meta(p).weight_grads_queued for unit in self.units for p in unit.params):
             raise RuntimeError("ZeRO-3 does not support deferred weight gradients (zb-h1 "
                                "pipeline schedule): the unit's full parameters would have to live "
@@ -466,7 +456,6 @@ class Zero3Model(nn.Module):
         for unit in self.units:
             unit.reshard()
 
-    # ------------------------------------------------------------------------ optimizer side
     @contextlib.contextmanager
     def no_sync(self):
         """A no-op (docs/zero3.md, "Communication")."""
@@ -502,7 +491,6 @@ class Zero3Model(nn.Module):
                                  tag="zero3_embedding_grad_all_reduce")
         self._grads_finalized = True
 
-    # ---------------------------------------------------------------------- full-model export
     @torch.no_grad()
     def gather_flat(self, unit: ShardedUnit, shard: torch.Tensor) -> torch.Tensor:
         """All-gather a shard-shaped tensor of ``unit`` into its full flat layout (collective)."""
@@ -582,7 +570,6 @@ class Zero3Model(nn.Module):
             self.module.load_state_dict({k: state_dict[k] for k in buffers}, strict=False)
         return P.IncompatibleKeys(missing, unexpected)
 
-    # ---------------------------------------------------------------------------- accounting
     def shard_elements(self) -> int:
         return sum(u.shard_size for u in self.units)
 

@@ -130,7 +130,6 @@ class GPTModel(nn.Module):
             initialize_parameters(self, seed, ps.tp_rank, self.tp_size, config,
                                   ps.etp_rank, ps.etp_size)
 
-    # -------------------------------------------------------------------------------------------
     def set_input_tensor(self, tensor: Optional[torch.Tensor]) -> None:
         """Hidden states received from the previous pipeline stage."""
         self._input_tensor = tensor

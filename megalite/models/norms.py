@@ -6,6 +6,8 @@ summed over TP after backward (``finalize_model_grads``).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -31,15 +33,18 @@ def _apex_norm_functions(device):
 
 
 class _Norm(nn.Module):
-    def __init__(self, hidden_size, eps, grad_partial_over_tp, params_dtype, device, bias,
-                 use_apex):
+    has_bias, default_eps = False, 1e-6
+
+    def __init__(self, hidden_size: int, eps: Optional[float] = None,
+                 grad_partial_over_tp: bool = False, params_dtype=torch.float32, device=None,
+                 use_apex: bool = False):
         super().__init__()
-        self.eps, self.shape = eps, (hidden_size,)
+        self.eps, self.shape = self.default_eps if eps is None else eps, (hidden_size,)
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
         set_param_meta(self.weight, init_method=("ones",),
                        grad_partial_over_tp=grad_partial_over_tp)
         self.bias = None
-        if bias:
+        if self.has_bias:
             self.bias = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
             set_param_meta(self.bias, init_method=("zeros",),
                            grad_partial_over_tp=grad_partial_over_tp)
@@ -47,10 +52,7 @@ class _Norm(nn.Module):
 
 
 class LayerNorm(_Norm):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, grad_partial_over_tp: bool = False,
-                 params_dtype=torch.float32, device=None, use_apex: bool = False):
-        super().__init__(hidden_size, eps, grad_partial_over_tp, params_dtype, device, True,
-                         use_apex)
+    has_bias, default_eps = True, 1e-5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.apex is not None:
@@ -60,11 +62,6 @@ class LayerNorm(_Norm):
 
 class RMSNorm(_Norm):
     """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019; Llama), statistics in fp32."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, grad_partial_over_tp: bool = False,
-                 params_dtype=torch.float32, device=None, use_apex: bool = False):
-        super().__init__(hidden_size, eps, grad_partial_over_tp, params_dtype, device, False,
-                         use_apex)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.apex is not None:

@@ -13,8 +13,7 @@ import torch
 
 def llama3_scaled(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
                   high_freq_factor: float, original_max_positions: int) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent RoPE scaling of each inverse frequency f: kept for short
-    wavelengths, f/factor for long ones, interpolated between (formula: docs/models.md)."""
+    """Llama 3.1's frequency-dependent scaling of RoPE's inverse frequencies (docs/models.md)."""
     wavelen = 2 * math.pi / inv_freq
     smooth = ((original_max_positions / wavelen - low_freq_factor)
               / (high_freq_factor - low_freq_factor))
@@ -46,8 +45,7 @@ def yarn_inv_freq(head_dim: int, base: float, factor: float, original_max_positi
 
 
 def rotary_embedding(config, head_dim: int) -> "RotaryEmbedding":
-    """The rotary embedding of ``config`` (a ModelConfig) for heads whose RoPE part is
-    ``head_dim`` wide: plain, llama3-scaled or YaRN (--rope-type yarn)."""
+    """``config``'s rotary embedding (plain, llama3 or YaRN) for a RoPE part ``head_dim`` wide."""
     if config.rope_type == "yarn":
         return RotaryEmbedding(head_dim, config.rotary_base, yarn=(
             config.rotary_scaling_factor, config.rope_original_max_position_embeddings,

@@ -229,8 +229,7 @@ def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
 
 
 def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """fc1's output -> fc2's input: the activation, or SwiGLU's act(gate) * up (the dense MLP's
-    and every expert's)."""
+    """fc1's output -> fc2's input (dense MLP and experts): the activation, or act(gate) * up."""
     act = _ACTIVATIONS.get(config.activation)
     if act is None:
         raise ValueError(f"unknown activation {config.activation!r}")
