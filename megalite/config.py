@@ -35,12 +35,9 @@ GROUPS = ("model", "multi-latent attention", "mixture of experts", "parallelism"
 # The balancing losses megalite implements (docs/moe.md); Megatron also has sinkhorn and lists of
 # types, which ModelConfig.validate refuses by name rather than with argparse's generic message.
 MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-# Roles of model fields: SHAPE changes parameter shapes (a checkpoint and the run resuming it must
-# agree); CHECKPOINT_ARG defines the model too, and --use-checkpoint-args takes both from args.json;
-# RUN is each run's own choice about the model's math (dropout, the balancing losses).
+# Roles of model fields, features a setting needs and declared bounds: docs/design.md, "Adding a
+# setting". A feature maps to (whether the model has it, what the error asks for).
 SHAPE, CHECKPOINT_ARG, RUN = "shape", "checkpoint-arg", "run"
-# Features a setting can need (``setting(feature=...)``): changed from its default, it is refused
-# unless the model has the feature. feature -> (whether the model has it, what the error asks for).
 MOE, MLA, YARN = "moe", "mla", "yarn"
 _FEATURES = {
     MOE: (lambda m: m.num_experts is not None,
@@ -50,7 +47,6 @@ _FEATURES = {
 }
 
 
-# Declared bounds (``setting(bound=...)``), checked with the choices: "{flag} must be {bound}".
 POSITIVE, POSITIVE_INT = "positive", "a positive integer"
 NON_NEGATIVE, AT_LEAST_ONE = ">= 0", ">= 1"
 _BOUNDS = {POSITIVE: lambda v: v > 0, POSITIVE_INT: lambda v: v > 0, NON_NEGATIVE: lambda v: v >= 0,
@@ -150,8 +146,7 @@ def parse_moe_layer_freq(text: str) -> Union[int, List[int]]:
 
 
 def default_schedule(v: Optional[int]) -> str:
-    """The schedule a pipeline runs when --pipeline-schedule is not given: interleaved with
-    virtual stages (v > 1), else 1F1B."""
+    """The schedule without --pipeline-schedule: interleaved with virtual stages, else 1F1B."""
     return "interleaved" if (v or 1) > 1 else "1f1b"
 
 
@@ -178,8 +173,7 @@ def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int) -> i
 
 
 def layers_per_virtual_stage(num_layers: int, pp: int, v: Optional[int]) -> Optional[int]:
-    """K from V (the one fact, ``ParallelConfig.virtual_pipeline_model_parallel_size``); None
-    without virtual stages."""
+    """K from V (``ParallelConfig.virtual_pipeline_model_parallel_size``); None without."""
     if not v or v == 1:
         return None
     if num_layers % (pp * v) != 0:

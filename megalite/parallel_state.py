@@ -1,15 +1,8 @@
-"""Process groups for tensor, context, pipeline, data, model and expert parallelism.
-
-Ranks are laid out tp (fastest-varying) -> cp -> dp -> pp, Megatron-LM's default order
-(docs/design.md, contract 6):
-
-    global_rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
-
-Gradients are reduced, and ZeRO shards, over DP x CP; the DP group alone says which samples a
-rank reads. MoE layers fold the expert grid ETP x EP x EDP over each stage's ranks (docs/moe.md,
-"The folded expert grid"). Without ``torch.distributed`` every size is 1 and every group is
-``None`` (docs/design.md, contract 7). The sizes given here are those ``ParallelConfig.validate``
-accepted for the world size.
+"""Process groups for tensor, context, pipeline, data, model and expert parallelism, ranks laid
+out tp (fastest) -> cp -> dp -> pp (docs/design.md, contracts 6 and 7); the expert grid ETP x EP x
+EDP folds over each stage's ranks (docs/moe.md). Gradients are reduced, and ZeRO shards, over
+DP x CP; the DP group alone says which samples a rank reads. The sizes given here are those
+``ParallelConfig.validate`` accepted for the world size.
 """
 
 from __future__ import annotations
@@ -130,10 +123,8 @@ class ParallelState:
 
     @property
     def experts_apart(self) -> bool:
-        """Whether expert weights take their own path (EP > 1, ETP > 1, or ETP != TP, i.e. any
-        of EP, ETP, TP above 1): their gradients are reduced and ZeRO-sharded over the
-        expert-data-parallel group, their norm is summed over ETP x EP (clip_grads.py), and ZeRO
-        files record the expert grid (their slices change with ETP even where ETP = TP)."""
+        """Whether expert weights take their own path (any of EP, ETP, TP above 1): gradients
+        reduced and ZeRO-sharded over EDP, norm summed over ETP x EP, the grid in ZeRO files."""
         return max(self.ep_size, self.etp_size, self.tp_size) > 1
 
     # Gradients and ZeRO shards: DP x CP, which is the DP group itself when CP is 1 (also in a
@@ -177,9 +168,8 @@ def set_parallel_state(state: ParallelState) -> None:
 
 
 def grid_groups(grid: torch.Tensor, axes: str, of: str) -> List[List[int]]:
-    """The rank lists of the groups that span the axes ``of`` of ``grid`` (``axes`` names its
-    axes, one letter each): those axes moved last, in the order given, and flattened, one row per
-    position of the others. Rows come in the grid's order, the order every rank creates them in."""
+    """The rank lists of the groups spanning the axes ``of`` of ``grid`` (``axes`` names its axes,
+    one letter each), in the grid's order: the order every rank creates them in."""
     inner = [axes.index(a) for a in of]
     outer = [i for i in range(grid.dim()) if i not in inner]
     size = math.prod(grid.shape[i] for i in inner)
@@ -190,7 +180,7 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1):
     """The rank lists of every TP, DP, PP, model-parallel (TP x PP), CP and DP x CP group, in the
     tp -> cp -> dp -> pp order (pure function)."""
     dp = world_size // (tp * cp * pp)
-    # axes slowest first, so rank = ((p * dp + d) * cp + c) * tp + t (the module docstring)
+    # axes slowest first, so rank = ((p * dp + d) * cp + c) * tp + t (design.md, contract 6)
     groups = partial(grid_groups, torch.arange(world_size).view(pp, dp, cp, tp), "pdct")
     return dp, groups("t"), groups("d"), groups("p"), groups("pt"), groups("c"), groups("dc")
 

@@ -10,7 +10,7 @@ def test_defaults_are_a_small_gpt2_for_cpu():
     cfg = parse_args([])
     m = cfg.model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (6, 384, 6, 256)
-    assert cfg.data.vocab_size == 8192 and cfg.data.data_path is None
+    assert cfg.model.vocab_size == 8192 and cfg.data.data_path is None
     assert 8e6 <= m.num_parameters() <= 16e6  # "~10M parameters"
     assert m.params_dtype == "float32" and cfg.optimizer.lr_decay_style == "cosine"
     assert cfg.optimizer.lr_warmup_iters > 0 and cfg.training.train_iters == 300
@@ -220,6 +220,26 @@ def test_old_args_json_loads_to_the_config_it_meant():
         for k, v in values.items():
             assert getattr(getattr(bare, section), k) == v, (section, k)
     assert bare.model.ffn_hidden_size == 1024 and bare.model.num_query_groups == 4
+
+
+def test_run_switches_saved_in_the_model_section_load_where_they_live_now():
+    """args.json files written while the run switches sat in ModelConfig (and the BPE's size in
+    DataConfig) load with each value in its section of today; the model keeps only its math."""
+    old = {"model": {"hidden_size": 64, "num_attention_heads": 4, "torch_compile": "eager",
+                     "use_apex": True, "cp_attention_kernel": "math", "moe_grouped_gemm": False,
+                     "recompute_granularity": "full", "recompute_num_layers": 2,
+                     "moe_token_dispatcher_type": "allgather",
+                     "overlap_moe_expert_parallel_comm": True, "delay_wgrad_compute": True},
+           "data": {"vocab_size": 8192}}
+    cfg = config_from_dict(old)
+    ex, tr = cfg.execution, cfg.training
+    assert (ex.torch_compile, ex.use_apex, ex.cp_attention_kernel, ex.moe_grouped_gemm) == (
+        "eager", True, "math", False)
+    assert (ex.recompute_granularity, ex.recompute_num_layers) == ("full", 2)
+    assert ex.moe_token_dispatcher_type == "allgather"
+    assert tr.overlap_moe_expert_parallel_comm and tr.delay_wgrad_compute
+    assert cfg.model.hidden_size == 64 and not hasattr(cfg.model, "torch_compile")
+    assert config_from_dict(cfg.to_dict()) == cfg  # and today's files round-trip
 
 
 def test_virtual_stages_either_flag_one_fact():
