@@ -463,13 +463,11 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
         kwargs = dict(
             num_layers=c.n_layer, hidden_size=c.n_embd, num_attention_heads=c.n_head,
             ffn_hidden_size=c.n_inner or 4 * c.n_embd, seq_length=c.n_positions,
-            max_position_embeddings=c.n_positions, vocab_size=c.vocab_size,
-            position_embedding_type="learned_absolute", normalization="LayerNorm",
-            norm_epsilon=c.layer_norm_epsilon, activation=act, swiglu=False, add_bias_linear=True,
-            add_qkv_bias=True,
+            max_position_embeddings=c.n_positions, position_embedding_type="learned_absolute",
+            normalization="LayerNorm", norm_epsilon=c.layer_norm_epsilon, activation=act,
+            swiglu=False, add_bias_linear=True, add_qkv_bias=True,
             untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", True),
-            hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-            init_method_std=c.initializer_range)
+            hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop)
     else:
         if c.hidden_act != "silu":
             raise ConfigError(f"{family} hidden_act {c.hidden_act!r} is not supported; megalite's "
@@ -512,15 +510,15 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             num_query_groups=getattr(c, "num_key_value_heads", None) or heads,
             kv_channels=kv_channels,
             ffn_hidden_size=c.intermediate_size, seq_length=c.max_position_embeddings,
-            max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
+            max_position_embeddings=c.max_position_embeddings,
             position_embedding_type="rope", normalization="RMSNorm",
             norm_epsilon=c.rms_norm_eps, activation="silu", swiglu=True,
             add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
             qk_layernorm_scope=fam.qk_norm if qk_norm else "head",
             untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
-            init_method_std=c.initializer_range, **_rope(c, family), **_sliding_window(c, family),
-            **_moe(c, family), **_mla(c, family))
+            **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family))
+    kwargs.update(vocab_size=c.vocab_size, init_method_std=c.initializer_range)
     kwargs.update(hf_architecture=fam.architecture, **overrides)
     return ModelConfig(**kwargs).validate()
 

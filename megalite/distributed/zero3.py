@@ -239,7 +239,6 @@ class Zero3Model(nn.Module):
         super().__init__()
         self.module = model
         self.ps = ps
-        self.opt_cfg = opt_cfg
         self.zero_stage = 3
         self.dp_size = C.group_size(ps.dp_cp_group)
         # --zero3-prefetch-depth (docs/zero3.md, "Prefetching and overlap"); 0: all blocking
