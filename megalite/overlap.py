@@ -188,6 +188,19 @@ def set_overlap(pair: Optional[Pair], clock: Optional[Clock] = None,
     _PAIR, _RECORD = pair, (clock, record) if record is not None else None
 
 
+@contextlib.contextmanager
+def overlapping(pair: Optional[Pair], clock: Optional[Clock] = None,
+                record: Optional[Callable] = None):
+    """``set_overlap`` for the block, the previous pair and recorder restored after it."""
+    global _PAIR, _RECORD
+    previous = _PAIR, _RECORD
+    set_overlap(pair, clock, record)
+    try:
+        yield
+    finally:
+        _PAIR, _RECORD = previous
+
+
 def exchange(output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
              group, tag: str) -> None:
     """``collectives.all_to_all_single``, blocking for its caller. Inside a pair it is issued

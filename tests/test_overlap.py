@@ -172,3 +172,16 @@ def test_an_unlabelled_capture_is_no_fifo_group():
         assert store.capturing
         queue.append(lambda: None)
     assert not store.capturing and not store.groups and len(queue) == 1
+
+
+def test_overlapping_restores_the_previous_pair_and_recorder(exchanges):
+    log, _ = exchanges
+    got = []
+    with overlap.overlapping(None, Clock("cpu"), lambda kind, start, end: got.append(kind)):
+        pair = Pair()
+        with overlap.overlapping(pair, Clock("cpu"), lambda kind, start, end: got.append(kind)):
+            pair.run(lambda: _exchange("F0"), lambda: None)
+        _exchange("moe_combine")  # the step's recorder again, no pair: blocking
+    _exchange("moe_dispatch")  # nothing installed: blocking, unrecorded
+    assert got == ["I", "A", "A"]
+    assert log == ["issue F0", "wait F0", "issue moe_combine", "issue moe_dispatch"]

@@ -15,7 +15,7 @@ from megalite import collectives as C
 from megalite import torch_private as P
 from megalite.config import V_SCHEDULES, ConfigError, check_pipeline_args
 from megalite.moe.layer import enable_expert_weight_grad_deferral
-from megalite.overlap import Clock, Pair, WeightGradStore, set_overlap
+from megalite.overlap import Clock, Pair, WeightGradStore, overlapping
 from megalite.parallel_state import synchronize
 from megalite.pipeline_parallel.p2p import (
     TAG_ACTIVATION, TAG_GRADIENT, PipelineP2P, tensor_shape)
@@ -69,12 +69,12 @@ class PipelineExecutor:
         self.weight_grads: Dict[tuple, list] = {}  # (chunk, mb) -> W closures awaiting W
         self.batches: Dict[int, object] = {}
         self.stats: List[dict] = []
-        self.clock = clock
-        self.timeline = None
+        self.clock, self.timeline, self.a2a_recorder = clock, None, None
+        self.running: Optional[Op] = None  # the op an all-to-all wait is charged to
         if clock is not None:
             self.timeline = StageTimeline(schedule if p > 1 else "none", r, p, m, v)
             self.timeline.clock = clock
-        self.running: Optional[Op] = None  # the op an all-to-all wait is charged to
+            self.a2a_recorder = self._record_running
         # the step's deferred weight gradients: zero-bubble W ops, and with --delay-wgrad-compute
         # a pair's backward's expert W's, run first in first out in all-to-all waits
         # (Pair.fill_while), the rest before the next op outside a pair that computes
@@ -111,7 +111,7 @@ class PipelineExecutor:
         self.no_sync.before(i)
         start = self._mark()
         out = self._compute(i)
-        self._record(i, start)
+        self._record(self.ops[i].kind, self.ops[i], start)
         self._deliver(i, out)
 
     def pair(self, i: int, k: int) -> None:
@@ -129,44 +129,33 @@ class PipelineExecutor:
                 and key not in self.deferred_w  # (a B with a W op of its own defers into it)
             with self.store.capture(j) if queued else contextlib.nullcontext():
                 outs[j] = self._compute(j)
-            self._record(j, start)
+            self._record(self.ops[j].kind, self.ops[j], start)
 
         pair = Pair([str(self.ops[j]) for j in sides],
                     on_resume=lambda s: setattr(self, "running", self.ops[sides[s]]),
                     fill=self.store if self.delay else None)
-        set_overlap(pair, self.clock, self._a2a_recorder())
-        try:
+        with overlapping(pair, self.clock, self.a2a_recorder):
             pair.run(lambda: side(i), lambda: side(k))
-        finally:
-            set_overlap(None, self.clock, self._a2a_recorder())
         if self.delay:  # older backwards' W's now: at most two backwards' held
             self.store.flush(before=k)
         for j in sides:
             self._deliver(j, outs[j])
 
     def _mark(self):
-        return self.clock.mark() if self.timeline is not None else None
+        return None if self.clock is None else self.clock.mark()
 
-    def _record(self, i: int, start, kind: Optional[str] = None) -> None:
-        """Op i's span from ``start`` (a clock mark) to now, or an interval inside it (``kind``:
-        a queued W, an all-to-all's A or I)."""
+    def _record(self, kind: str, op: Op, start, end=None) -> None:
+        """An interval of ``op`` between clock marks (``end`` None: now): its span, or one inside
+        it (a queued W; an all-to-all's "A" waiting or "I" issuing, overlap.exchange)."""
         if self.timeline is not None:
-            op = self.ops[i]
-            self.timeline.record(kind or op.kind, op.chunk, op.microbatch, start,
-                                 self.clock.mark())
+            self.timeline.record(kind, op.chunk, op.microbatch, start,
+                                 self.clock.mark() if end is None else end)
 
-    def _record_w(self, i: int, start, end) -> None:
-        if self.timeline is not None:
-            op = self.ops[i]
-            self.timeline.record("W", op.chunk, op.microbatch, start, end)
+    def _record_running(self, kind: str, start, end) -> None:  # overlap.exchange's recorder
+        self._record(kind, self.running, start, end)
 
-    def _a2a_recorder(self) -> Optional[Callable]:
-        """Records the intervals the running op was blocked in an MoE all-to-all: "A" waiting,
-        "I" issuing one (overlap.exchange)."""
-        if self.timeline is None:
-            return None
-        return lambda kind, start, end: self.timeline.record(
-            kind, self.running.chunk, self.running.microbatch, start, end)
+    def _record_w(self, i: int, start, end) -> None:  # the store's: a W queued by op i
+        self._record("W", self.ops[i], start, end)
 
     def _compute(self, i: int):
         op = self.running = self.ops[i]
@@ -219,16 +208,15 @@ class PipelineExecutor:
             fn()
 
     def execute(self, program) -> List[dict]:
-        set_overlap(None, self.clock, self._a2a_recorder())
         try:
-            for step, *args in program:
-                getattr(self, step)(*args)
-            self.store.flush()
+            with overlapping(None, self.clock, self.a2a_recorder):
+                for step, *args in program:
+                    getattr(self, step)(*args)
+                self.store.flush()
             for recvs, batch in self.batches.values():
                 if batch is not None:
                     batch.wait()
         finally:
-            set_overlap(None)
             self.no_sync.close()
         assert self.forward_only or not (self.saved or self.weight_grads), "work left undone"
         return self.stats

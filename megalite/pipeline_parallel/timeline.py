@@ -80,17 +80,11 @@ class StageTimeline:
         return [f"{e.kind}{e.microbatch + 1}.{e.chunk}" for e in self.events]
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["events"] = [asdict(e) for e in self.events]
-        return d
+        return asdict(self)  # (the events too: asdict recurses)
 
     @classmethod
     def from_dict(cls, d: dict) -> "StageTimeline":
-        d = dict(d)
-        events = [OpEvent(**e) for e in d.pop("events")]
-        tl = cls(**d)
-        tl.events = events
-        return tl
+        return cls(**{**d, "events": [OpEvent(**e) for e in d["events"]]})
 
 
 def gather_timelines(timeline: StageTimeline, parallel_state) -> List[StageTimeline]:

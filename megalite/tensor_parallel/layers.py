@@ -88,12 +88,9 @@ def enable_weight_grad_deferral(modules, store: WeightGradStore) -> None:
 
 # ----------------------------------------------------------------------------------- the layers
 class ColumnParallelLinear(nn.Module):
-    """Y = X A with A split by columns: rank r holds A_r (output features [r*o/t, (r+1)*o/t)).
-
-    Input: ``[s, b, h]`` replicated, or ``[s/t, b, h]`` under SP. Output: ``[s, b, o/t]``, or the
-    full ``[s, b, o]`` with ``gather_output``. ``stride`` > 1 keeps fused blocks (SwiGLU's gate and
-    up) split consistently (see tensor_parallel/utils.py).
-    """
+    """Y = X A with A split by columns: rank r holds output features [r*o/t, (r+1)*o/t). Input
+    ``[s, b, h]`` (``[s/t, b, h]`` under SP), output ``[s, b, o/t]`` (``gather_output``: all o);
+    ``stride`` > 1 splits fused blocks (SwiGLU's gate and up) each apart (utils.py)."""
     weight_grad_store = None  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -138,12 +135,9 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A with A split by rows: rank r holds A_r (input features [r*i/t, (r+1)*i/t)).
-
-    Input: ``[s, b, i/t]`` (``input_is_parallel``) or full ``[s, b, i]`` (then scattered first).
-    The partial products are summed by the g operator (all-reduce), or reduce-scattered along ``s``
-    under SP (the paper's ḡ); the bias is added after the sum, once.
-    """
+    """Y = X A with A split by rows: rank r holds input features [r*i/t, (r+1)*i/t). Input
+    ``[s, b, i/t]`` (or full, then scattered); the partial products are all-reduced (g), or
+    reduce-scattered along ``s`` under SP (ḡ), and the bias is added once, after the sum."""
     weight_grad_store = None  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -184,12 +178,9 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding with the (padded) vocab split across TP ranks (docs/theory.md, vocab-parallel).
-
-    Rank r owns ids [r*Vp/t, (r+1)*Vp/t). Ids outside the range are looked up at row 0 and their
-    output zeroed, then the partial embeddings are all-reduced — or reduce-scattered along the
-    sequence when the next block runs sequence-parallel. Input ids ``[b, s]``, output ``[s, b, h]``.
-    """
+    """Embedding with the (padded) vocab split across TP ranks: rank r owns ids
+    [r*Vp/t, (r+1)*Vp/t), zeroes the others' rows, and the partial embeddings are all-reduced
+    (reduce-scattered along s under SP). Ids ``[b, s]`` -> ``[s, b, h]`` (docs/theory.md)."""
 
     def __init__(self, padded_vocab_size: int, embedding_dim: int, *, tp_group=None,
                  sequence_parallel: bool = False, init_std: float = 0.02,
