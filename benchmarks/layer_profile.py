@@ -33,7 +33,6 @@ recompute and attention dropout; under torchrun the processes form the TP group 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import resource
@@ -74,7 +73,7 @@ def _count(prof, cuda: bool):
 
 
 def kernels(args):
-    from megalite.config import ModelConfig
+    from megalite.config import ExecutionConfig, ModelConfig
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
 
@@ -85,9 +84,8 @@ def kernels(args):
               attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm",
               swiglu=True, add_bias_linear=False, untie_embeddings_and_output_weights=True,
               params_dtype=args.dtype)
-    if args.compile:
-        kw["torch_compile"] = args.compile
-    model = GPTModel(ModelConfig(**kw), ParallelState(device=dev), seed=1, device=dev)
+    model = GPTModel(ModelConfig(**kw), ParallelState(device=dev), seed=1, device=dev,
+                     execution=ExecutionConfig(torch_compile=args.compile or None))
     layer = model.layers["0"]
     x = torch.randn(128, 2, 256, device=dev, dtype=getattr(torch, args.dtype), requires_grad=True)
     labels = torch.randint(0, 4096, (128, 2), device=dev)
@@ -247,8 +245,9 @@ def host_overhead(args):
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from megalite.config import ModelConfig
+    from megalite.config import ExecutionConfig, ModelConfig
     from megalite.models.transformer import TransformerLayer
+    from megalite.overlap import WeightGradStore
     from megalite.tensor_parallel.layers import enable_weight_grad_deferral
     from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -290,10 +289,11 @@ def host_overhead(args):
         if args.deferrable_linear:  # the linears on their autograd function, as zero-bubble runs them
             marked = TransformerLayer(cfg, 0).train()
             marked.load_state_dict(ours.state_dict())
-            enable_weight_grad_deferral([marked])
+            enable_weight_grad_deferral([marked], WeightGradStore())
             runs["megalite_deferrable_linear"] = lambda: marked(x).sum().backward()
         if args.compile:  # the same layer under --torch-compile (same weights)
-            compiled = TransformerLayer(dataclasses.replace(cfg, torch_compile=args.compile), 0)
+            compiled = TransformerLayer(cfg, 0,
+                                        execution=ExecutionConfig(torch_compile=args.compile))
             compiled.load_state_dict(ours.state_dict())
             runs["megalite_compiled"] = lambda: compiled.train()(x).sum().backward()
         out = {"family": family, "shape": [s, b, h], "heads": n, "threads":
@@ -309,7 +309,7 @@ def graph_breaks(args):
     import torch._dynamo as dynamo
     import torch.distributed as dist
 
-    from megalite.config import ModelConfig
+    from megalite.config import ExecutionConfig, ModelConfig
     from megalite.models.transformer import TransformerLayer
     from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -324,11 +324,12 @@ def graph_breaks(args):
     llama = dict(num_query_groups=2, ffn_hidden_size=128, position_embedding_type="rope",
                  normalization="RMSNorm", swiglu=True, add_bias_linear=False)
     cases = [("gpt2", {}), ("llama", llama),
-             ("llama, selective recompute", dict(llama, recompute_granularity="selective")),
+             ("llama, selective recompute", dict(llama, recompute="selective")),
              ("llama, attention dropout 0.1", dict(llama, attention_dropout=0.1))]
     for name, extra in cases:
+        ex = ExecutionConfig(recompute_granularity=extra.pop("recompute", None))
         layer = TransformerLayer(ModelConfig(**{**base, **extra}), 0, tp_group=group,
-                                 sequence_parallel=args.sequence_parallel).train()
+                                 sequence_parallel=args.sequence_parallel, execution=ex).train()
         for p in layer.parameters():
             torch.nn.init.normal_(p, std=0.02)
         x = torch.randn(s // tp if args.sequence_parallel else s, 2, 64, requires_grad=True)

@@ -102,11 +102,12 @@ def test_linears_are_native_unless_marked_deferrable():
         model = GPTModel(tiny_config("gpt2"), ParallelState(), seed=7)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        store = WeightGradStore()
         if marked:
-            enable_weight_grad_deferral([model])
+            enable_weight_grad_deferral([model], store)
         loss = model(tokens, labels=labels).mean()
         assert _graph_nodes(loss).count(fn) == (len(linears) if marked else 0)
-        with WeightGradStore.capture() as queue:
+        with store.capture() as queue:
             loss.backward()
         assert len(queue) == (len(linears) if marked else 0)
         assert all((m.weight.grad is None) == marked for m in linears if m.weight is not None)
@@ -152,10 +153,11 @@ def _sp_unmarked_defers_nothing_worker(rank, world_size):
         model = GPTModel(tiny_config("gpt2"), ps, seed=3, sequence_parallel=True)
         linears = [m for m in model.modules()
                    if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        store = WeightGradStore()
         if marked:
-            enable_weight_grad_deferral([model])
+            enable_weight_grad_deferral([model], store)
         loss = model(tokens, labels=labels).mean()
-        with WeightGradStore.capture() as queue:
+        with store.capture() as queue:
             loss.backward()
         assert len(queue) == (len(linears) if marked else 0), (marked, len(queue))
         assert all((m.weight.grad is None) == marked for m in linears if m.weight is not None)

@@ -374,8 +374,9 @@ def _overlap_worker(rank, world_size):
             model = GPTModel(parity_config(), ps, seed=SEED)
             chunks, no_sync, finalize = wrap_chunks([model], cfg, ps)
             opt = build_optimizer(chunks, cfg, ps)
+            store = WeightGradStore()
             if marked:
-                enable_weight_grad_deferral(chunks)  # as the zero-bubble executor does
+                enable_weight_grad_deferral(chunks, store)  # as the zero-bubble executor does
             tokens, labels = global_batch(0)
             r = ps.dp_rank * 4
             opt.zero_grad()
@@ -384,7 +385,7 @@ def _overlap_worker(rank, world_size):
                     sl = slice(r + 2 * i, r + 2 * i + 2)
                     loss = chunks[0](tokens[sl], labels=labels[sl]).sum() / labels.numel()
                     if deferred:
-                        with WeightGradStore.capture() as queue:
+                        with store.capture() as queue:
                             loss.backward()
                         assert bool(queue) == marked, f"{len(queue)} deferred"
                         with torch.no_grad():  # as backward would (saved inputs require grad)

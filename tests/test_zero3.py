@@ -117,7 +117,8 @@ def _storage_bytes(model, opt) -> int:
 # -------------------------------------------------------------------------------- world size 2
 def _dp2_worker(rank, world_size):
     from megalite.distributed.zero3 import FORWARD
-    from megalite.tensor_parallel.layers import WeightGradStore
+    from megalite.overlap import WeightGradStore
+    from megalite.tensor_parallel.layers import enable_weight_grad_deferral
 
     ps = initialize_model_parallel(1, 1, backend="gloo", device="cpu", set_default=False)
     n = ps.dp_size
@@ -256,9 +257,11 @@ def _dp2_worker(rank, world_size):
 
     # 7. Deferred weight gradients (zb-h1) are refused with a clear error.
     model, opt = _build(cfg, ps)
+    store = WeightGradStore()
+    enable_weight_grad_deferral([model], store)
     loss = model(tokens[:2], labels=labels[:2]).sum()
     with pytest.raises(RuntimeError, match="zb-h1"):
-        with WeightGradStore.capture():
+        with store.capture():
             loss.backward()
     return True
 
