@@ -174,27 +174,19 @@ class Pair:
 
 
 # ------------------------------------------------------------------------- the exchange hook
-# While a pair runs, ``_PAIR`` is that pair and every ``exchange`` is issued asynchronously, the
-# other side computing until it is waited for; ``_RECORD`` (the executor's, when it records a
-# timeline) gets the intervals the calling side spends blocked in one.
-_PAIR: Optional[Pair] = None
-_RECORD: Optional[tuple] = None  # (clock, record(kind, start, end))
-
-
-def set_overlap(pair: Optional[Pair], clock: Optional[Clock] = None,
-                record: Optional[Callable] = None) -> None:
-    """Install (or, with None, remove) the running pair and the interval recorder."""
-    global _PAIR, _RECORD
-    _PAIR, _RECORD = pair, (clock, record) if record is not None else None
+_PAIR: Optional[Pair] = None  # the running pair, whose exchanges are issued async
+_RECORD: Optional[tuple] = None  # (clock, record(kind, start, end)): the executor's, when timed
 
 
 @contextlib.contextmanager
 def overlapping(pair: Optional[Pair], clock: Optional[Clock] = None,
                 record: Optional[Callable] = None):
-    """``set_overlap`` for the block, the previous pair and recorder restored after it."""
+    """For the block, ``exchange`` runs inside ``pair`` (None: blocking) and reports the
+    intervals its caller is blocked to ``record`` (``clock`` marks); the previous pair and
+    recorder are restored after it."""
     global _PAIR, _RECORD
     previous = _PAIR, _RECORD
-    set_overlap(pair, clock, record)
+    _PAIR, _RECORD = pair, (clock, record) if record is not None else None
     try:
         yield
     finally:

@@ -35,8 +35,7 @@ def exchanges(monkeypatch):
         return FakeWork(log, tag, polls.get(tag, 0)) if async_op else None
 
     monkeypatch.setattr(overlap.C, "all_to_all_single", all_to_all_single)
-    yield log, polls
-    overlap.set_overlap(None)
+    return log, polls
 
 
 def _exchange(tag):
@@ -57,8 +56,8 @@ def test_pair_hands_over_at_each_exchange_and_runs_one_side_at_a_time(exchanges)
         return fn
 
     pair = Pair(("F2", "B1"))
-    overlap.set_overlap(pair)
-    pair.run(side("F", 3), side("B", 2))
+    with overlap.overlapping(pair):
+        pair.run(side("F", 3), side("B", 2))
     assert log == [
         "F computes 0", "issue F0",  # F issues, hands over before waiting
         "B computes 0", "issue B0",
@@ -73,8 +72,8 @@ def test_pair_hands_over_at_each_exchange_and_runs_one_side_at_a_time(exchanges)
 def test_outside_a_pair_an_exchange_blocks_and_records_one_wait(exchanges):
     log, _ = exchanges
     got = []
-    overlap.set_overlap(None, Clock("cpu"), lambda kind, start, end: got.append(kind))
-    _exchange("moe_dispatch")
+    with overlap.overlapping(None, Clock("cpu"), lambda kind, start, end: got.append(kind)):
+        _exchange("moe_dispatch")
     assert log == ["issue moe_dispatch"] and got == ["A"]
 
 
@@ -90,8 +89,7 @@ def test_a_raising_side_aborts_the_pair_before_the_other_side_runs(exchanges):
         _exchange("B0")
 
     pair = Pair(("F2.0", "B1.0"))
-    overlap.set_overlap(pair)
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(RuntimeError) as err, overlap.overlapping(pair):
         pair.run(forward, backward)
     assert str(err.value) == ("rank 0: F2.0 raised ValueError: boom; its pair with B1.0 was "
                               "aborted")
@@ -112,10 +110,10 @@ def test_a_side_that_raises_later_stops_the_other_at_its_hand_over(exchanges):
         raise RuntimeError("expert backward failed")
 
     pair = Pair(("F2", "B1"))
-    overlap.set_overlap(pair)
     with pytest.raises(RuntimeError, match=r"^rank 0: B1 raised RuntimeError: expert backward "
                                            r"failed; its pair with F2 was aborted$"):
-        pair.run(forward, backward)
+        with overlap.overlapping(pair):
+            pair.run(forward, backward)
     assert log == ["issue F0", "B computes"]  # F0 was never waited for, F1 never issued
 
 
@@ -140,8 +138,8 @@ def test_weight_grads_run_first_in_first_out_only_while_an_exchange_is_in_flight
         log.append("B ends")
 
     pair = Pair(fill=store)
-    overlap.set_overlap(pair)
-    pair.run(forward, backward)
+    with overlap.overlapping(pair):
+        pair.run(forward, backward)
     assert log == ["issue F0", "B ends", "W0.0", "W0 recorded", "W0.1", "W0 recorded",
                    "wait F0"]  # oldest first, and none once the exchange has completed
     log.clear()
@@ -159,8 +157,8 @@ def test_no_weight_grad_runs_at_the_issue_or_without_a_fill_store(exchanges):
         queue.append(lambda: log.append("W"))
     polls["F0"] = 5
     pair = Pair()  # no fill store: --delay-wgrad-compute off
-    overlap.set_overlap(pair)
-    pair.run(lambda: _exchange("F0"), lambda: log.append("B"))
+    with overlap.overlapping(pair):
+        pair.run(lambda: _exchange("F0"), lambda: log.append("B"))
     assert log == ["issue F0", "B", "wait F0"]
     assert store.run_one() and log[-1] == "W"
 
