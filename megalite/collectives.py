@@ -178,7 +178,7 @@ def all_gather_object(obj, group) -> list:
 
 def one_line(e: BaseException, limit: int = 300) -> str:
     """``e`` for a one-line error message: its type and the first line of its text, at most
-    ``limit`` characters. Ranks agree on errors by gathering them in this form (checkpointing),
+    ``limit`` characters. Ranks agree on errors by gathering them in this form (checkpoint/),
     and every other one-line message that quotes an exception quotes it the same way."""
     first = (str(e).strip().splitlines() or [""])[0]
     return (f"{type(e).__name__}: {first}" if first else type(e).__name__)[:limit]

@@ -296,7 +296,7 @@ def test_zero_files_at_ep2_say_where_their_expert_shards_lie(runs):
 
 
 def test_merge_joins_expert_shards_by_their_grid_position():
-    """optimizer.merge_shard_state_dicts on files as 8 ranks (TP 2 x DP 4, ETP 2 x EP 2 x EDP 2)
+    """optim_state.merge_shard_state_dicts on files as 8 ranks (TP 2 x DP 4, ETP 2 x EP 2 x EDP 2)
     would write them: every (ETP, EP) rank's EDP pieces merge, EP ranks stack by expert index,
     ETP slices join along the parameter's own partition dim (SwiGLU's stride 2); the dense
     parameter comes from this TP rank's files alone. A missing file is named, not guessed."""

@@ -6,7 +6,7 @@ stages: the two copies are one-parameter units whose gradient shards are all-red
 embedding group; without that all-reduce the grad norms differ by ~10% from iteration 1) and with
 interleaved 1F1B (two chunks per rank). The 1F1B run's checkpoint resumes at pp 2 x dp 1 (shards
 merged by name) with the same losses, and its per-rank unit layout is the one the offline
-converter rebuilds (convert/optimizer_state.zero3_units).
+converter rebuilds (checkpoint/optim_state.zero3_units).
 """
 
 from __future__ import annotations

@@ -51,6 +51,13 @@ def chunk_key(index: int, num_chunks: int) -> str:
     return "model" if num_chunks == 1 else f"model{index}"
 
 
+def file_header(iteration: int, consumed_samples: int, tp: int, pp: int, num_chunks: int) -> dict:
+    """The small entries of every model_optim_rng.pt, beside the chunks' state dicts."""
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration),
+            "consumed_samples": int(consumed_samples), "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp, "num_model_chunks": num_chunks}
+
+
 def write_fsynced(path: str, write) -> None:
     """Write a file and fsync it, so a crash after the tracker names it cannot lose it."""
     with open(path, "wb") as f:

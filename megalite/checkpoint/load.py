@@ -16,7 +16,7 @@ from megalite.checkpoint.format import (MODEL_FILE, RESHARD_HINT, TRACKER_FILE, 
                                         loadable_iteration_dir, read_checkpoint_config,
                                         read_tracker, shard_dir_name)
 from megalite.checkpoint.layout import Layout
-from megalite.checkpoint.optim_state import merge_shard_state_dicts
+from megalite.checkpoint.optim_state import merge_rank_files
 from megalite.checkpoint.reshard import load_resharded
 from megalite.config import ConfigError, MegaliteConfig, model_shape_differences
 from megalite.optimizer.optimizer import FULL_FORMAT
@@ -65,8 +65,7 @@ def _load_dp_files(shard: str, what: str) -> List[dict]:
 def _load_dp_sharded_optimizer_state(it_dir: str, optimizer, ps, what: str) -> dict:
     """This DP rank's ZeRO optimizer shard; if it was saved at another DP size (or bucket layout,
     ZeRO stage, EP size), every DP rank's file merged into the unsharded state, which the
-    optimizer re-splits (docs/data_parallel.md, "resharding"). Files that shard experts over an
-    expert-data-parallel group bring the stage's other TP ranks' files along."""
+    optimizer re-splits (docs/data_parallel.md, "resharding")."""
     shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
     own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
     fits = getattr(optimizer, "shard_fits", None)
@@ -77,15 +76,16 @@ def _load_dp_sharded_optimizer_state(it_dir: str, optimizer, ps, what: str) -> d
     elif fits is None:
         raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_cp_rank)} (saved with fewer "
                               f"data-parallel ranks); resume with the same data-parallel size")
-    sds = _load_dp_files(shard, what)
-    stage = []
-    if "edp_size" in sds[0] and ps.tp_size > 1:
-        for t in range(ps.tp_size):
-            other = os.path.join(it_dir, shard_dir_name(t, ps.pp_rank))
-            stage += sds if t == ps.tp_rank else _load_dp_files(other, what)
     metas = {n: param_meta(p) for n, p in getattr(optimizer, "param_names", {}).items()}
+
+    def tp_files(t):
+        return _load_dp_files(os.path.join(it_dir, shard_dir_name(t, ps.pp_rank)), what)
+
     try:
-        return merge_shard_state_dicts(sds, stage, lambda n: metas.get(n, ParamMeta()))
+        return merge_rank_files(_load_dp_files(shard, what), tp_files, ps.tp_size, ps.tp_rank,
+                                lambda n: metas.get(n, ParamMeta()))
+    except CheckpointError:  # a missing or corrupt file, named
+        raise
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{what}: the distrib_optim_dp*.pt files in {shard} do not fit this "
                               f"optimizer ({e}); resume with the --zero-stage that saved them, "
@@ -118,7 +118,8 @@ def _layout_change(cfg: MegaliteConfig, saved_cfg: MegaliteConfig, it_dir: str, 
 
 
 def _read_state(cfg: MegaliteConfig, it_dir: str, iteration: int, optimizer, ps, per_dp: bool,
-                load_optim: bool, resharded: Optional[str], what: str) -> Tuple[dict, Optional[dict]]:
+                load_optim: bool, resharded: Optional[str], what: str
+                ) -> Tuple[dict, Optional[dict]]:
     """This rank's model file and optimizer state (None without one to load)."""
     if resharded:
         state, opt_sd = load_resharded(cfg.checkpoint.load, iteration, cfg, ps, load_optim)

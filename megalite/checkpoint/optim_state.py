@@ -174,6 +174,18 @@ def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
             "grad_scaler": first.get("grad_scaler"), "params": params}
 
 
+def merge_rank_files(own: List[dict], tp_files: Callable[[int], List[dict]], tp: int,
+                     tp_rank: int, meta_of: Callable[[str], ParamMeta],
+                     names: Optional[Sequence[str]] = None) -> dict:
+    """merge_shard_state_dicts of one (TP, PP) rank's DP files ``own``; where they shard experts
+    apart, the stage's other TP ranks' files come along (``tp_files(t)``): an EDP group can span
+    them."""
+    stage = []
+    if "edp_size" in own[0] and tp > 1:
+        stage = [sd for t in range(tp) for sd in (own if t == tp_rank else tp_files(t))]
+    return merge_shard_state_dicts(own, stage, meta_of, names)
+
+
 # ============================================================================== canonical form
 @dataclass
 class OptimCommon:

@@ -11,13 +11,13 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from megalite.checkpoint.format import (CHECKPOINT_VERSION, MODEL_FILE, CheckpointError, chunk_key,
-                                        distrib_optim_name, iteration_dir, latest_iteration,
-                                        load_file, read_checkpoint_config, shard_dir_name)
+from megalite.checkpoint.format import (MODEL_FILE, CheckpointError, chunk_key, distrib_optim_name,
+                                        file_header, iteration_dir, latest_iteration, load_file,
+                                        read_checkpoint_config, shard_dir_name)
 from megalite.checkpoint.layout import (Layout, ParamSpec, canonical_name, chunk_state_specs,
                                         chunks_of, layer_of, rank_param_order)
 from megalite.checkpoint.optim_state import (OptimCommon, PlainIndex, build_plain, check_plain,
-                                             merge_shard_state_dicts, plain_common, read_plain,
+                                             merge_rank_files, plain_common, read_plain,
                                              upgrade_shard, zero_common, zero_target)
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig
 from megalite.optimizer.optimizer import ADAM_KINDS
@@ -174,20 +174,18 @@ class MegaliteSource:
                 for k, v in read_plain(opt_sd, index, n).items():
                     per_t[n].setdefault(k, []).append(v)
             return
-        sds = [self._load(self._dp_path(t, r, d)) for d in range(self.dp_size)]
-        # Files that shard experts over an expert-data-parallel group (EP > 1) hold only some
-        # EP ranks' experts; that group can span TP ranks, so the stage's every file comes along.
-        stage = []
-        if "edp_size" in sds[0] and self.layout.tp > 1:
-            stage = [x for u in range(self.layout.tp) for x in (
-                sds if u == t else [self._load(self._dp_path(u, r, d))
-                                    for d in range(self.dp_size)])]
+
+        def files(u):
+            return [self._load(self._dp_path(u, r, d)) for d in range(self.dp_size)]
+
         key = (lambda n: n) if self.optim_kind == "zero3" or self.num_chunks == 1 else (
             lambda n: f"chunk{c}.{n}")
         metas = {key(n): specs[n].meta for n in names}
         try:
-            merged = merge_shard_state_dicts(sds, stage, metas.__getitem__,
-                                             names=[key(n) for n in names])["params"]
+            merged = merge_rank_files(files(t), files, self.layout.tp, t, metas.__getitem__,
+                                      names=[key(n) for n in names])["params"]
+        except CheckpointError:  # a missing or corrupt file, named
+            raise
         except (KeyError, ValueError) as e:
             raise CheckpointError(f"{where}: the distrib_optim_dp*.pt files cannot be merged "
                                   f"({e}); pass --no-optim")
@@ -260,10 +258,7 @@ def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
     v = len(chunks[0])
     tps = list(range(layout.tp)) if tp_ranks is None else list(tp_ranks)
     with_optim = optim in ("plain", "zero", "zero3")
-    header = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": int(iteration),
-              "consumed_samples": int(consumed), "tensor_model_parallel_size": layout.tp,
-              "pipeline_model_parallel_size": layout.pp, "num_model_chunks": v}
-    files = {t: dict(header) for t in tps}
+    files = {t: file_header(iteration, consumed, layout.tp, layout.pp, v) for t in tps}
     zero = None
     if optim in ("zero", "zero3"):
         zero = {t: zero_target(optim, m, chunks[r], layout.pp, layout.tp, dp, cfg.optimizer,

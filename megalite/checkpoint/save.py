@@ -15,18 +15,16 @@ import torch
 from megalite import collectives as C
 from megalite.checkpoint.experts import (gather_whole, optimizer_slots, split_experts, whole_shape,
                                          with_full_experts)
-from megalite.checkpoint.format import (CHECKPOINT_VERSION, MODEL_FILE, TRACKER_FILE,
-                                        CheckpointError, chunk_key, distrib_optim_name, fsync_dir,
-                                        iteration_dir, save_file, shard_dir_name, write_fsynced)
+from megalite.checkpoint.format import (MODEL_FILE, TRACKER_FILE, CheckpointError, chunk_key,
+                                        distrib_optim_name, file_header, fsync_dir, iteration_dir,
+                                        save_file, shard_dir_name, write_fsynced)
 from megalite.checkpoint.snapshot import HostBuffers, snapshot
 from megalite.config import MegaliteConfig, config_to_json
 from megalite.memory import theoretical_model_state_bytes
 from megalite.tensor_parallel.random import get_all_rng_states
 
-# Test seam: called as hook(stage, path) at points of a save ("write_file" before each file of a
-# rank, "shard_written" after them, "before_rename", ...; with --async-save the first two on the
-# background writer); a fault-injection test sets it to raise or os._exit() to prove saves are
-# atomic and failures reach every rank.
+# Test seam: hook(stage, path) at points of a save ("write_file", "shard_written", "before_rename",
+# ...; docs/checkpoints.md, "Asynchronous saves"), which a fault test makes raise or exit.
 fault_hook: Optional[Callable[[str, str], None]] = None
 
 
@@ -36,8 +34,7 @@ def _hook(stage: str, path: str) -> None:
 
 
 def new_run_id(ps) -> int:
-    """An id shared by all ranks of this run (names the temp directories of its saves); a control
-    message: a CPU tensor on the host path (gloo), legal on GPU runs too."""
+    """An id shared by all ranks of this run (names the temp directories of its saves)."""
     t = torch.tensor([int.from_bytes(os.urandom(4), "little") if ps.rank == 0 else 0],
                      dtype=torch.int64)
     if ps.world_size > 1:
@@ -60,8 +57,7 @@ class _SavePlan(NamedTuple):
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
                     consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> str:
     """Write iteration ``iteration`` atomically and durably; returns the final directory.
-    Collective: a rank whose write fails makes every rank raise a CheckpointError naming it and
-    the file; the ``.tmp-`` directory is removed and the tracker still names the previous one."""
+    Collective: a rank whose write fails makes every rank raise a CheckpointError naming it."""
     plan = _plan_save(save_dir, iteration, model_chunks, optimizer, scheduler, consumed_samples,
                       cfg, ps, run_id)
     # (on a GPU the device tensors go to plain host memory one file at a time: the same bytes as
@@ -93,15 +89,8 @@ def _plan_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler
                               tmp)
     files = []
     if ps.dp_cp_rank == 0:  # CP peers hold the same model: one writer
-        state = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": int(iteration),
-            "consumed_samples": int(consumed_samples),
-            "tensor_model_parallel_size": ps.tp_size,
-            "pipeline_model_parallel_size": ps.pp_size,
-            "num_model_chunks": len(model_chunks),
-            "rng_state": get_all_rng_states(ps.device),
-        }
+        state = {**file_header(iteration, consumed_samples, ps.tp_size, ps.pp_size,
+                               len(model_chunks)), "rng_state": get_all_rng_states(ps.device)}
         for i, chunk in enumerate(model_chunks):
             sd = full[i] if full[i] is not None else chunk.state_dict()
             for (_, c, key), t in experts.get("model", {}).items():
@@ -121,9 +110,8 @@ def _plan_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler
 
 
 def _write_plan(plan: _SavePlan, prepare=lambda obj: obj) -> None:
-    """Write one rank's files of a save; no collective (it runs on the background writer of an
-    asynchronous save too). ``prepare``: the object a file is written from. A failure names the
-    file."""
+    """Write one rank's files of a save (no collective: also the background writer's work);
+    ``prepare``: the object a file is written from. A failure names the file."""
     for path, obj in plan.files:
         try:
             _hook("write_file", path)
@@ -151,9 +139,8 @@ def _publish_agreed(plan: _SavePlan, ps) -> None:
 
 
 def snapshot_share_bytes(cfg: MegaliteConfig, ps) -> int:
-    """Host bytes of one snapshot of this rank's share (docs/theory.md's per-rank formula): the
-    model file's weights (a writer's whole (TP, PP) shard, ZeRO-3's consolidated too) plus this
-    rank's fp32 masters and Adam moments (1/DP of them under ZeRO)."""
+    """Host bytes of one snapshot of this rank's share (docs/checkpoints.md, "Memory" of
+    "Asynchronous saves")."""
     psi = cfg.model.num_parameters() / (ps.tp_size * ps.pp_size)
     st = theoretical_model_state_bytes(int(psi), ps.dp_cp_size, cfg.optimizer.zero_stage,
                                        cfg.model.params_dtype)
@@ -176,9 +163,8 @@ def host_memory_available() -> Optional[int]:
 
 
 def check_async_save_memory(cfg: MegaliteConfig, ps) -> int:
-    """--async-save keeps one host copy of the rank's share while it is written: refuse at
-    start-up, on every rank alike, a run whose ranks on this host cannot hold theirs together.
-    Returns this rank's estimate."""
+    """Refuse --async-save at start-up, on every rank alike, where this host cannot hold one copy
+    of each of its ranks' shares. Returns this rank's estimate."""
     need = snapshot_share_bytes(cfg, ps)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     avail = host_memory_available()
@@ -198,9 +184,8 @@ def check_async_save_memory(cfg: MegaliteConfig, ps) -> int:
 
 
 def _yield_cpu() -> None:
-    """Run the calling thread at nice 10 (Linux nice is per thread): where every core is busy,
-    training keeps its share and the disk-bound write takes longer instead (docs/checkpoints.md,
-    "Thread, not process")."""
+    """Run the calling thread at nice 10 (Linux nice is per thread; docs/checkpoints.md, "Thread,
+    not process")."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):  # not Linux, or not permitted: the default priority
@@ -208,9 +193,8 @@ def _yield_cpu() -> None:
 
 
 class PendingSave:
-    """An asynchronous save in flight: this rank's snapshot, written by a daemon thread through
-    the synchronous save's writer; published by :meth:`settle`. The thread makes no collective:
-    every agreement is made by the training thread, at a point every rank reaches."""
+    """An asynchronous save in flight: this rank's snapshot, written by a daemon thread that makes
+    no collective; every agreement is made by the training thread (:meth:`settle`)."""
 
     def __init__(self, plan: _SavePlan, buffers: HostBuffers, ps):
         self.plan, self.ps, self.buffers = plan, ps, buffers
@@ -239,8 +223,7 @@ class PendingSave:
 
     def settle(self, wait: bool) -> bool:
         """Collective. True once the save is published; False while some rank still writes
-        (``wait`` False only). A failure on any rank raises CheckpointError on every rank, naming
-        the rank and its file, after every rank's writer stopped."""
+        (``wait`` False only). A failure on any rank raises CheckpointError on every rank."""
         ps, plan = self.ps, self.plan
         if wait:
             self.join()
@@ -261,9 +244,8 @@ class PendingSave:
 def start_async_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
                      consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int,
                      buffers: HostBuffers) -> PendingSave:
-    """--async-save: the collective part of a save, a host snapshot of exactly what a synchronous
-    save writes (into ``buffers``, reused across saves), then a background writer. Collective;
-    the caller has settled any earlier save (at most one in flight)."""
+    """--async-save: the collective part of a save, a host snapshot of what a synchronous save
+    writes (into ``buffers``), then a background writer. The caller settled any earlier save."""
     plan = _plan_save(save_dir, iteration, model_chunks, optimizer, scheduler, consumed_samples,
                       cfg, ps, run_id)
     buffers.begin()
@@ -275,8 +257,7 @@ def start_async_save(save_dir: str, iteration: int, model_chunks, optimizer, sch
 def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
     """ZeRO-3 chunks' consolidated models, all-gathered unit by unit; only DP rank 0 keeps them
     (docs/zero3.md, "Checkpoints"). Pre-checked: every rank first allocates what the gather
-    allocates and frees it, and the ranks agree, so a rank out of memory stops every rank with
-    its own error instead of leaving its peers in the gather."""
+    allocates, and the ranks agree (docs/checkpoints.md, "Loading and saving agree ...")."""
     units = [u for c in model_chunks if getattr(c, "zero_stage", 0) == 3 for u in c.units]
     if not units:
         return [None] * len(model_chunks)
@@ -298,9 +279,8 @@ def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
 def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: int,
                     tmp: str) -> dict:
     """The whole [E, ...] tensors of every expert tensor split over EP or sliced over ETP (model,
-    and with ``with_optim`` the plain optimizer's moments and fp32 masters), gathered one tensor
-    at a time; the writers (DP x CP rank 0) keep them (docs/checkpoints.md, "Experts"). ZeRO-3
-    expert units are first all-gathered over EDP. Pre-checked as ZeRO-3's gather."""
+    and with ``with_optim`` the plain optimizer's moments and masters), gathered one tensor at a
+    time and kept by the writers (docs/checkpoints.md, "Experts"). Pre-checked as ZeRO-3's."""
     if ps.ep_size == 1 and ps.etp_size == 1:  # (every rank of the world has the same sizes)
         return {}
     experts = split_experts(model_chunks)  # none on a stage of dense layers: it still agrees

@@ -1,14 +1,5 @@
-"""Full (unsharded) state dict -> one rank's tensor-parallel slices.
-
-A *full* megalite state dict holds every parameter at its tp=1 shape under its global name
-(``layers.{i}.mlp.linear_fc1.weight``), with vocab-sized tensors padded to
-``cfg.padded_vocab_size(1)`` rows. A model built for tp=t needs the vocab padded to
-``cfg.padded_vocab_size(t)`` instead (docs/theory.md, vocab-parallel embedding: V is padded to a
-multiple of make_vocab_size_divisible_by * t), so vocab tensors are re-padded here before slicing.
-The slicing itself is :func:`megalite.tensor_parallel.utils.shard_tensor` with the parameter's own
-``partition_dim`` / ``partition_stride`` (its record, megalite/param_meta.py): the one definition
-of "rank r's slice" that initialization and checkpoints also use.
-"""
+"""Full (unsharded) state dict <-> one rank's tensor-parallel slices, vocab tensors re-padded for
+the TP size (docs/checkpoints.md, "How: one canonical form, by parameter name")."""
 
 from __future__ import annotations
 
@@ -27,11 +18,8 @@ VOCAB_PARAMETER_NAMES = (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
 
 
 def pad_vocab(tensor: torch.Tensor, vocab_size: int, padded_rows: int) -> torch.Tensor:
-    """Keep the first ``vocab_size`` rows and append zero rows up to ``padded_rows``.
-
-    Padded ids are never produced by the tokenizer and are masked out of the loss, so their rows
-    are zeros by convention (megalite.models.init draws only the real rows).
-    """
+    """Keep the first ``vocab_size`` rows and append zero rows up to ``padded_rows`` (padded ids
+    are never produced and are masked out of the loss)."""
     if tensor.shape[0] < vocab_size:
         raise ValueError(f"vocab tensor has {tensor.shape[0]} rows, fewer than the vocab size "
                          f"{vocab_size}")
@@ -45,14 +33,9 @@ def pad_vocab(tensor: torch.Tensor, vocab_size: int, padded_rows: int) -> torch.
 @torch.no_grad()
 def load_full_state_dict_into(model: nn.Module, full_sd: Mapping[str, torch.Tensor],
                               tp_rank: Optional[int] = None, tp_size: Optional[int] = None) -> None:
-    """Copy this rank's slice of every parameter ``model`` owns, and its persistent buffers, from a
-    full state dict.
-
-    ``model`` is a :class:`megalite.models.GPTModel` (any TP size, any pipeline stage: keys for
-    layers the stage does not own are ignored; a parameter the model owns but ``full_sd`` lacks is
-    an error). A tied output layer on the last pipeline stage is filled from the word embedding.
-    ``tp_rank`` / ``tp_size`` default to the model's own parallel state.
-    """
+    """Copy this rank's slice of every parameter a GPTModel (any TP size, any stage) owns, and its
+    persistent buffers, from a full state dict; a tied output layer is filled from the word
+    embedding. ``tp_rank`` / ``tp_size`` default to the model's own parallel state."""
     cfg = model.config
     ps = getattr(model, "parallel_state", None)
     tp_rank = tp_rank if tp_rank is not None else (ps.tp_rank if ps is not None else 0)

@@ -385,9 +385,8 @@ class ShardedAdamW(_LossScaling):
         return zip(self.segments, zip(self.masters, self.exp_avg, self.exp_avg_sq))
 
     def state_dict(self) -> dict:
-        """This DP rank's shards (checkpointing saves one file per DP rank). The segments make
-        the file self-describing: every DP rank's files merge by parameter name without the
-        model (:func:`merge_shard_state_dicts`; another DP size, the converter)."""
+        """This DP rank's shards, SHARD_FORMAT: self-describing, so every DP rank's files merge by
+        parameter name without the model (docs/checkpoints.md, "Optimizer state files")."""
         self._wait_param_sync()
         sd = {"format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
               "dp_rank": self.dp_rank, **self._expert_layout(), **self._common_state(),
@@ -400,11 +399,8 @@ class ShardedAdamW(_LossScaling):
         return sd
 
     def _expert_layout(self) -> dict:
-        """Where expert shards lie apart from the dense ones (``shard_is_expert``, as
-        ParallelState.experts_apart decides: EP > 1 or ETP != TP), an expert shard is this rank's
-        part over the expert-data-parallel group of its (ETP, EP) rank's experts, a dense one
-        over DP x CP as ever: the file says which, with the expert grid position
-        (merge_shard_state_dicts). Other files are unchanged."""
+        """The expert grid position a file records where expert shards lie apart from the dense
+        ones (``shard_is_expert``: EP > 1 or ETP != TP; docs/checkpoints.md, "Experts")."""
         ps = self.ps
         if not any(self.shard_is_expert):
             return {}
@@ -413,7 +409,7 @@ class ShardedAdamW(_LossScaling):
 
     def shard_fits(self, sd: dict) -> bool:
         """Whether ``sd`` is this very rank's shard (format, DP size and rank, the same segments
-        in shards of the same sizes); else checkpointing merges every rank's file."""
+        in shards of the same sizes); else the loader merges every rank's file."""
         mine = [[t[0].numel(), [list(g) for g in segs]] for segs, t in self._local()]
         return (sd.get("format") == SHARD_FORMAT and sd.get("dp_size") == self.dp_size
                 and sd.get("dp_rank") == self.dp_rank
@@ -424,8 +420,7 @@ class ShardedAdamW(_LossScaling):
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """This rank's own shard, or an unsharded state (FULL_FORMAT) from any DP size. Local:
-        ZeRO-1/2 then need :meth:`sync_model_params` (checkpointing calls it once every rank
-        has read its files)."""
+        ZeRO-1/2 then need :meth:`sync_model_params`, once every rank has read its files."""
         if sd.get("format") == FULL_FORMAT:
             return self.load_full_state(sd)
         if not self.shard_fits(sd):
