@@ -151,7 +151,7 @@ def _theory_by_group(chunks, psi: int, dp_size: int, zero_stage: int, params_dty
 
 def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = None,
                   dp_size: Optional[int] = None, params_dtype: Optional[str] = None) -> Dict:
-    """Measured and theoretical model-state bytes, flat, ready for log_metrics at iteration 1."""
+    """Measured and theoretical model-state bytes, flat, for the run's logger at iteration 1."""
     chunks = _chunks(model_chunks)
     first = chunks[0]
     if zero_stage is None:
