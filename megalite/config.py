@@ -123,26 +123,22 @@ def parse_moe_layer_freq(text: str) -> Union[int, List[int]]:
     if not re.fullmatch(r"[\d\[\]()+*,\s]+", str(text)):
         raise bad
 
-    def value(node):  # walks the parsed expression; any other node is refused
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.List) and all(isinstance(x, ast.Constant) and type(x.value) is int
-                                              for x in node.elts):
+    def is_int(node) -> bool:
+        return isinstance(node, ast.Constant) and type(node.value) is int
+
+    def value(node) -> list:  # [n, ...], list + list or list * n; any other node is refused
+        if isinstance(node, ast.List) and all(map(is_int, node.elts)):
             return [x.value for x in node.elts]
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            if isinstance(left, list) and type(right) is (list if isinstance(node.op, ast.Add)
-                                                          else int):
-                return left + right if isinstance(node.op, ast.Add) else left * right
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            return value(node.left) + value(node.right)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult) and is_int(node.right):
+            return value(node.left) * node.right.value
         raise bad
 
     try:
-        out = value(ast.parse(str(text).strip(), mode="eval").body)
+        return value(ast.parse(str(text).strip(), mode="eval").body)
     except SyntaxError:
         raise bad from None
-    if not isinstance(out, list):
-        raise bad
-    return out
 
 
 def default_schedule(v: Optional[int]) -> str:
