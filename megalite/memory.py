@@ -106,28 +106,17 @@ def theoretical_model_state_bytes(num_params: int, dp_size: int, zero_stage: int
     return theory
 
 
-def padded_num_params(model_chunks) -> int:
-    """Ψ including bucket padding (the size of the contiguous buffers); plain count otherwise."""
+def _num_params(chunks, padded: bool) -> int:
+    """Ψ of this rank; ``padded``: as its buffers (ZeRO-3: units) hold it, padding included."""
     total = 0
-    for c in _chunks(model_chunks):
-        bufs = getattr(c, "grad_buffers", None)
-        units = getattr(c, "units", None)
-        if units:  # ZeRO-3: each unit's flat buffer is padded to a multiple of N
-            total += sum(u.padded for u in units)
-        elif bufs:
+    for c in chunks:
+        units, bufs = getattr(c, "units", None), getattr(c, "grad_buffers", None)
+        if units:  # ZeRO-3: the params are placeholders; each unit is padded to a multiple of N
+            total += sum(u.padded if padded else u.numel for u in units)
+        elif bufs and padded:
             total += sum(b.numel for b in bufs)
         else:
             total += sum(p.numel() for p in c.parameters())
-    return total
-
-
-def num_params_local(model_chunks) -> int:
-    """Ψ of this rank (unpadded); a ZeRO-3 chunk's params are placeholders, its units know."""
-    total = 0
-    for c in _chunks(model_chunks):
-        units = getattr(c, "units", None)
-        total += (sum(u.numel for u in units) if units
-                  else sum(p.numel() for p in c.parameters()))
     return total
 
 
@@ -162,8 +151,7 @@ def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = N
         dtype = getattr(first, "compute_dtype", None) or next(first.parameters()).dtype
         params_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     measured = model_state_bytes(chunks, optimizer)
-    psi_padded = padded_num_params(chunks)
-    psi = num_params_local(chunks)
+    psi_padded, psi = _num_params(chunks, True), _num_params(chunks, False)
     theory = _theory_by_group(chunks, psi_padded, dp_size, zero_stage, params_dtype, True)
     unpadded = _theory_by_group(chunks, psi, dp_size, zero_stage, params_dtype, False)
     if zero_stage == 0:  # the plain optimizer's Adam moments are per parameter (its 16-bit

@@ -1,10 +1,7 @@
-"""The one module through which megalite uses private torch APIs (and ctypes).
-
-Each entry says why no public API serves and on which torch versions it was checked. Importing
-warns once when torch is outside ``TESTED`` (setup.py's range, docs/quickstart.md); an API that a
-torch version lacks fails where it is used, naming itself. The CP block kernels catch that in
-their self-check and fall back to their exact math path (context_parallel/blocks.py).
-"""
+"""The one module through which megalite uses private torch APIs (and ctypes), each with why no
+public API serves and the torch versions it was checked on. Importing warns when torch is outside
+``TESTED`` (setup.py's range); an API that a torch version lacks fails naming itself, which the CP
+block kernels' self-check turns into a fall-back to their math path."""
 
 from __future__ import annotations
 
@@ -134,7 +131,7 @@ def unscale_and_check_(grads, found_inf: torch.Tensor, inv_scale: torch.Tensor) 
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-# ---- CPU memory measurement (memory.py, docs/planner.md "Memory") ----
+# ---- CPU memory measurement (memory.py; docs/planner.md, "2. Memory of real runs") ----
 # Why private: no public API switches c10's gflag FLAGS_caffe2_report_cpu_memory_usage, under
 # which the CPU allocator counts the frees of every thread (the profiler records only its own
 # threads), and torch.profiler's public events carry no allocator total (``total_allocated``);

@@ -62,8 +62,6 @@ def _math_bwd(dout, q, k, v, out, lse, causal, scale):
 
 
 MATH = BlockKernel("math", _math_fwd, _math_bwd)
-
-
 CPU_FLASH = BlockKernel("cpu_flash", P.cpu_flash_fwd, P.cpu_flash_bwd)
 
 
