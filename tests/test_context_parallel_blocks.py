@@ -205,3 +205,18 @@ def test_self_check_falls_back_with_one_warning_each():
     with pytest.warns(RuntimeWarning, match="using math$"):
         assert B.checked(q, k, candidates[:1]) is B.MATH
     assert B.self_check(good, q, k) is None and B.self_check(B.CPU_FLASH, q, k) is None
+
+
+def test_a_missing_private_op_names_itself_and_the_cpu_falls_back_to_math(monkeypatch):
+    """megalite/torch_private.py: an op this torch lacks raises naming itself and the tested
+    range; on the CPU the kernel's self-check then picks MATH, with one warning line."""
+    from megalite import torch_private as P
+
+    assert P._release("2.15.0+cu132") == (2, 15, 0) and P._release("2.16.0a0") == (2, 16, 0)
+    with pytest.raises(RuntimeError, match=r"has no aten\._no_such_op .*tested with torch 2\.13"):
+        P._aten("_no_such_op")
+    missing = B.BlockKernel("cpu_flash", lambda *a: P._aten("_no_such_op")(*a), B.CPU_FLASH.bwd)
+    monkeypatch.setattr(B, "CPU_FLASH", missing)
+    q, k, _, _ = _inputs(8, 8)
+    with pytest.warns(RuntimeWarning, match=r"cpu_flash kernel failed .*_no_such_op.*using math$"):
+        assert B.select(q, k) is B.MATH
