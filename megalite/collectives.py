@@ -68,9 +68,8 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def bytes_sent() -> Dict[str, int]:
-    """Bytes sent per tag since the last reset, except by collectives traced into a compiled
-    graph (a --torch-compile'd layer's TP collectives): counting there would be a Python side
-    effect inside an autograd function, which breaks the graph at every collective."""
+    """Bytes sent per tag since the last reset, but not by collectives traced into a compiled
+    graph, where counting would be a side effect that breaks the graph at every collective."""
     return dict(_BYTES_SENT)
 
 
@@ -129,9 +128,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes,
                       input_split_sizes, group, tag: str, async_op: bool = False):
-    """Rows ``input_split_sizes[j]`` of ``input`` (dim 0, in order) go to rank j; ``output`` gets
-    rank j's rows for this rank in the j-th ``output_split_sizes`` block. Split sizes are host
-    ints (None: equal splits); MoE's dispatch reads them once per layer and micro-batch."""
+    """Rows ``input_split_sizes[j]`` of ``input`` go to rank j, ``output``'s j-th block of
+    ``output_split_sizes`` rows comes from rank j (host ints; None: equal splits)."""
     if _alone(tag, output, input, group):
         return None
     n = group_size(group)

@@ -109,26 +109,6 @@ def peak_flops_per_device(device: torch.device, params_dtype: str = "bfloat16",
 
 
 # -------------------------------------------------------------------------------------- writers
-class _JsonlWriter:
-    """Appends JSON lines; the file is created on the first record (a run that fails at start-up
-    leaves no empty metrics file behind). Line-buffered so readers see each record at once."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.f = None
-
-    def write(self, record: dict) -> None:
-        if self.f is None:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self.f = open(self.path, "a", buffering=1)
-        self.f.write(json.dumps(record, default=_json_default) + "\n")
-
-    def close(self) -> None:
-        if self.f is not None:
-            self.f.close()
-            self.f = None
-
-
 def _json_default(o):
     if torch.is_tensor(o):
         return o.item() if o.numel() == 1 else o.tolist()
@@ -142,15 +122,14 @@ class MetricsLogger:
         self.cfg = cfg
         self.is_writer = is_writer
         self.stream = stream or sys.stdout
-        self.jsonl = None
+        self.jsonl = None  # metrics.jsonl's file, opened at the first record
         self.wandb_run = None
         self.tb = None
         if not is_writer:
             return
         lc = cfg.logging
-        path = lc.metrics_file or os.path.join(cfg.checkpoint.save or ".", "metrics.jsonl")
-        self.jsonl = _JsonlWriter(path)
-        self.metrics_path = path
+        self.metrics_path = lc.metrics_file or os.path.join(cfg.checkpoint.save or ".",
+                                                            "metrics.jsonl")
         if lc.wandb_project:
             import wandb
 
@@ -178,7 +157,10 @@ class MetricsLogger:
         record = {"split": split} if split else {}
         record["iteration"] = int(step)
         record.update(metrics)
-        self.jsonl.write(record)
+        if self.jsonl is None:  # (a run that fails at start-up leaves no empty metrics file)
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+            self.jsonl = open(self.metrics_path, "a", buffering=1)  # readers see each record
+        self.jsonl.write(json.dumps(record, default=_json_default) + "\n")
         scalars = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)
                    and v is not None and math.isfinite(float(v))}

@@ -18,8 +18,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.pipeline_parallel.timeline import (  # noqa: E402
-    COLORS, StageTimeline, chrome_trace)
+from megalite.pipeline_parallel.timeline import StageTimeline, chrome_trace  # noqa: E402
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "A": "#C44E52", "I": "#8172B3"}
 
 
 def load(path: str) -> dict:

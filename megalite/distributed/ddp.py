@@ -48,7 +48,6 @@ class DistributedDataParallel(nn.Module):
                  *, bucket_size: Optional[int] = None):
         super().__init__()
         self.module = module
-        self.ddp_config = config  # (``config`` passes through to the chunk's ModelConfig)
         self.ps = parallel_state
         self.zero_stage = config.zero_stage  # 0-2 (stage 3 is megalite/distributed/zero3.py)
         size = bucket_size if bucket_size is not None else config.ddp_bucket_size

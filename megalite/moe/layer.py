@@ -46,10 +46,8 @@ class AuxLossScaler(torch.autograd.Function):
 def grouped_expert_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
                       grouped: bool, store: Optional[WeightGradStore] = None) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``counts`` [E_local] rows each) times ``weight[e]``
-    ([E_local, in, out]). ``grouped``: one grouped GEMM; else a loop over the experts (the
-    reference the grouped path is tested against). ``store`` (a layer marked by
-    :func:`enable_expert_weight_grad_deferral`): the weight's gradient is its own step, queued
-    while the store captures; x's gradient is autograd's, as unmarked."""
+    ([E_local, in, out]): one grouped GEMM, or (``grouped`` False) the reference loop. ``store``
+    (a marked layer's): the weight's gradient is queued while it captures (docs/moe.md)."""
     defer = store is not None
     w = weight.detach() if defer else weight
     if grouped:
@@ -388,11 +386,9 @@ def begin_step(layers: List[MoELayer], aux_loss_scale) -> None:
 @torch.no_grad()
 def update_expert_biases(layers: List[MoELayer], tp_group, dp_cp_group,
                          applied: Union[bool, torch.Tensor]) -> None:
-    """Loss-free balancing after a step (DeepSeek-V3): b += rate * sign(mean load - load), the
-    loads summed over every rank that routed different tokens (TP under SP, DP x CP), all layers
-    in one all-reduce. A skipped step (fp16 overflow, a non-finite one) leaves the biases as they
-    were: ``applied`` is the optimizer's 0-dim device flag, used in a ``torch.where`` (or a host
-    bool), so the host reads nothing to decide."""
+    """Loss-free balancing after a step (DeepSeek-V3, docs/moe.md): b += rate * sign(mean load -
+    load), loads summed over TP (under SP) and DP x CP in one all-reduce; a skipped step leaves
+    the biases (``applied``, the optimizer's device flag, in a ``torch.where``: no host read)."""
     layers = [m for m in layers if m.expert_bias is not None]
     if not layers:
         return

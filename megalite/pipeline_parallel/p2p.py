@@ -53,10 +53,7 @@ class PipelineP2P:
 
     def __init__(self, parallel_state, shape: Sequence[int], dtype: torch.dtype,
                  device: torch.device):
-        self.ps = parallel_state
-        self.shape = tuple(shape)
-        self.dtype = dtype
-        self.device = device
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.group = parallel_state.pp_group
         self.ranks = parallel_state.pp_ranks  # pipeline rank -> global rank
 
@@ -65,9 +62,6 @@ class PipelineP2P:
         """Whether each send and receive completes on its own, matched by (peer, tag) in posting
         order (gloo: the eager program); NCCL runs batches in order on one stream."""
         return self.group is not None and dist.get_backend(self.group) == "gloo"
-
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
         if tuple(t.shape) != self.shape:
@@ -88,7 +82,7 @@ class PipelineP2P:
             ops.append((tag, 0, dist.P2POp(dist.isend, t, self.ranks[peer], self.group, tag)))
             C.count_p2p(t.numel() * t.element_size(), "pp_p2p")
         for peer, tag in recvs:
-            received.append(self._empty())
+            received.append(torch.empty(self.shape, dtype=self.dtype, device=self.device))
             ops.append((tag, 1, dist.P2POp(dist.irecv, received[-1], self.ranks[peer],
                                            self.group, tag)))
         if not ops:

@@ -75,9 +75,8 @@ class StageTimeline:
 
     def order(self) -> List[str]:
         """Executed ops as strings like 'F1' (1-based micro-batch; '.chunk' when interleaved)."""
-        if self.num_chunks == 1:
-            return [f"{e.kind}{e.microbatch + 1}" for e in self.events]
-        return [f"{e.kind}{e.microbatch + 1}.{e.chunk}" for e in self.events]
+        return [f"{e.kind}{e.microbatch + 1}" + (f".{e.chunk}" if self.num_chunks > 1 else "")
+                for e in self.events]
 
     def to_dict(self) -> dict:
         return asdict(self)  # (the events too: asdict recurses)
@@ -173,17 +172,13 @@ def schedule_idle_times(schedule: str, p: int, m: int, v: int = 1, t_f: float = 
     return [step - b for b in busy]
 
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868", "A": "#C44E52", "I": "#8172B3"}
-
-
 def chrome_trace(timelines: Sequence[StageTimeline]) -> dict:
     """chrome://tracing / Perfetto JSON: one process row per stage, complete ('X') events in us."""
     events = []
     for t in timelines:
         events.append({"name": "process_name", "ph": "M", "pid": t.pp_rank,
                        "args": {"name": f"stage {t.pp_rank}"}})
-        for e in t.events:
-            label = f"{e.kind}{e.microbatch + 1}" + (f".{e.chunk}" if t.num_chunks > 1 else "")
+        for e, label in zip(t.events, t.order()):
             events.append({"name": label, "cat": e.kind, "ph": "X", "pid": t.pp_rank, "tid": 0,
                            "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6,
                            "args": {"chunk": e.chunk, "microbatch": e.microbatch}})
