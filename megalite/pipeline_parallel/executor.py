@@ -75,10 +75,8 @@ class PipelineExecutor:
             self.timeline = StageTimeline(schedule if p > 1 else "none", r, p, m, v)
             self.timeline.clock = clock
             self.a2a_recorder = self._record_running
-        # the step's deferred weight gradients: zero-bubble W ops, and with --delay-wgrad-compute
-        # a pair's backward's expert W's, run first in first out in all-to-all waits
-        # (Pair.fill_while), the rest before the next op outside a pair that computes
-        # gradients, so every gradient still accumulates in micro-batch order
+        # the step's deferred weight gradients: zero-bubble W ops' and (--delay-wgrad-compute)
+        # the pairs' expert W's, run so that gradients accumulate in micro-batch order (moe.md)
         self.store = WeightGradStore(self._record_w, clock)
         self.deferred_w = {(op.chunk, op.microbatch) for op in self.ops if op.kind == "W"}
         if self.deferred_w:

@@ -145,11 +145,10 @@ def op_peers(op: Op, schedule: str, p: int, r: int, v: int) -> Tuple[Optional[in
 
 
 # ----------------------------------------------------------------------------- p2p programs
-# A p2p program is the list of steps one rank runs: ("run", i) computes ops[i]; ("post", b,
-# sends, recvs) posts batch b carrying the outputs of ops ``sends`` and the inputs of ops
-# ``recvs``; ("wait", b) blocks until batch b has completed. Batches never waited in the program
-# (sends only) are waited at the end of the step. tests/test_pipeline.py replays every program
-# of every schedule under the backend's matching rules and proves it deadlock-free.
+# A p2p program: one rank's steps, ("run", i), ("pair", i, k), ("post", b, sends, recvs) and
+# ("wait", b) (docs/pipeline_parallel.md, "Point-to-point"); sends never waited in it are waited
+# at the end of the step. tests/test_pipeline.py replays every program and proves it
+# deadlock-free.
 RECV_LOOKAHEAD = 2  # eager: receives posted this many input-needing ops ahead
 
 
