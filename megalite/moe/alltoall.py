@@ -83,12 +83,6 @@ class Exchange(NamedTuple):
     copies: int
 
 
-class DispatchHandle(NamedTuple):
-    """What ``combine`` needs: the exchanges in the order dispatch made them (none: EP = ETP = 1,
-    nothing moved)."""
-    exchanges: Tuple[Exchange, ...]
-
-
 def _regroup_order(counts: torch.Tensor, total: int):
     """Received rows run (source, local expert)-major, ``counts`` [sources, E_local] rows each; a
     stable sort by local expert regroups them with source order kept -> (order, inverse), from
@@ -115,8 +109,8 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
              ep_group, num_local_experts: int, etp_group=None,
              padded_to: Optional[int] = None):
     """Each row to its expert's EP rank, then (ETP > 1) shared over the ETP group -> (rows grouped
-    by local expert, source ranks in order inside each; rows per local expert [E_local]; handle
-    for ``combine``). ``padded_to`` C (capacity padding): C rows to every expert, so no count
+    by local expert, source ranks in order inside each; rows per local expert [E_local]; the
+    exchanges made, in order, for ``combine``: none at EP = ETP = 1). ``padded_to`` C (capacity padding): C rows to every expert, so no count
     exchange and no host read."""
     ep, etp = C.group_size(ep_group), C.group_size(etp_group)
     num_experts = tokens_per_expert_local.numel()
@@ -125,7 +119,7 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
                           f"per rank on --expert-model-parallel-size {ep}; need "
                           f"{ep * num_local_experts} (EP x experts per rank)")
     if ep == 1 and etp == 1:
-        return tokens_sorted_by_expert, tokens_per_expert_local, DispatchHandle(())
+        return tokens_sorted_by_expert, tokens_per_expert_local, ()
     if padded_to is not None:
         counts = tokens_per_expert_local.new_full((ep, num_local_experts), padded_to)
         etp_counts = counts.sum(0).repeat(etp, 1) if etp > 1 else None
@@ -152,14 +146,14 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
                              etp_group, "moe_etp_gather", etp)
         exchanges.append(ex)
         counts = etp_counts
-    return rows, counts.sum(0), DispatchHandle(tuple(exchanges))
+    return rows, counts.sum(0), tuple(exchanges)
 
 
-def combine(expert_outputs: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+def combine(expert_outputs: torch.Tensor, handle: Tuple[Exchange, ...]) -> torch.Tensor:
     """Expert outputs (rows as ``dispatch`` returned them) -> back on their source ranks, in the
     order of the sorted tokens ``dispatch`` was given; ETP's partial outputs summed."""
     rows = expert_outputs
-    for ex in reversed(handle.exchanges):
+    for ex in reversed(handle):
         back = _Reorder.apply(rows, ex.inverse, ex.order)
         tag = "moe_combine" if ex.copies == 1 else "moe_etp_reduce"
         rows = AllToAll.apply(back, ex.input_splits, ex.output_splits, ex.group, tag)
