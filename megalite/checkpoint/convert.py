@@ -289,12 +289,7 @@ def megalite_to_hf(load_dir: str, save_dir: str, *, iteration: Optional[int] = N
         f"{hf_config.architectures[0]}")
     with atomic_output(save_dir) as tmp:
         shards = _SafetensorsShards(tmp, max_shard_bytes)
-        by_loc: Dict[Tuple[int, int], List[str]] = {}
-        for name in megalite_non_layer_keys(m):
-            by_loc.setdefault(src.location(name), []).append(name)
-        non_layer = {}
-        for names in by_loc.values():
-            non_layer.update({n: v["weight"] for n, v in src.read(names).items()})
+        non_layer = {n: v["weight"] for n, v in src.read(megalite_non_layer_keys(m)).items()}
         shards.add(convert_non_layer_megalite_to_hf(non_layer, m))
         del non_layer
         for i in range(m.num_layers):

@@ -121,12 +121,17 @@ class MegaliteSource:
 
     def read(self, names: Sequence[str], with_optim: bool = False
              ) -> Dict[str, Dict[str, Optional[torch.Tensor]]]:
-        """Canonical tensors of ``names`` (all on one source chunk): ``{name: {"weight": ...,
-        "master"/"exp_avg"/"exp_avg_sq": ... or None}}``; every tensor is a fresh copy."""
-        if not names:
-            return {}
-        r, c = self.location(names[0])
-        assert all(self.location(n) == (r, c) for n in names), names
+        """Canonical tensors of ``names``: ``{name: {"weight": ..., "master"/"exp_avg"/
+        "exp_avg_sq": ... or None}}``, read chunk by chunk; every tensor is a fresh copy."""
+        by_chunk: Dict[Tuple[int, int], Dict[str, None]] = {}
+        for n in names:
+            by_chunk.setdefault(self.location(n), {})[n] = None  # (in order, each once)
+        out = {}
+        for (r, c), chunk_names in by_chunk.items():
+            out.update(self._read_chunk(r, c, list(chunk_names), with_optim))
+        return out
+
+    def _read_chunk(self, r: int, c: int, names: List[str], with_optim: bool):
         specs = {s.name: s for s in chunk_state_specs(self.model_cfg, self.chunks[r][c],
                                                        self.layout.pp)}
         key = chunk_key(c, self.num_chunks)
@@ -204,16 +209,7 @@ def source_reader(src: MegaliteSource, m: ModelConfig) -> ReadGroup:
     """assemble_stage's ``read_group`` over a megalite checkpoint."""
 
     def read_group(group: List[ParamSpec], with_optim: bool):
-        by_loc: Dict[Tuple[int, int], List[str]] = {}
-        for s in group:
-            name = canonical_name(s.name, m)
-            names = by_loc.setdefault(src.location(name), [])
-            if name not in names:
-                names.append(name)
-        out = {}
-        for names in by_loc.values():
-            out.update(src.read(names, with_optim))
-        return out
+        return src.read([canonical_name(s.name, m) for s in group], with_optim)
 
     return read_group
 
