@@ -18,7 +18,7 @@ import torch
 
 from megalite.config import MegaliteConfig, ModelConfig
 
-# ------------------------------------------------------------------ FLOPs and MFU (docs/theory.md)
+
 def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
     """Model FLOPs (forward + backward, no recompute) for one sequence of ``cfg.seq_length``,
     counted from the actual matmul shapes (GQA, SwiGLU, MLA, MoE's active experts, the logits)
@@ -108,7 +108,6 @@ def peak_flops_per_device(device: torch.device, params_dtype: str = "bfloat16",
     return (cpu or CpuPeak()).current()
 
 
-# -------------------------------------------------------------------------------------- writers
 def _json_default(o):
     if torch.is_tensor(o):
         return o.item() if o.numel() == 1 else o.tolist()
@@ -145,7 +144,6 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(log_dir=lc.tensorboard_dir)
 
-    # ------------------------------------------------------------------------------------------
     def print(self, line: str) -> None:
         if self.is_writer:
             print(line, file=self.stream, flush=True)
@@ -183,7 +181,6 @@ class MetricsLogger:
             self.tb = None
 
 
-# ----------------------------------------------------------------- the Megatron-style console line
 def format_eta(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"

@@ -41,7 +41,6 @@ class Clock:
         return self.t0.elapsed_time(mark) / 1e3
 
 
-# ------------------------------------------------------------------------- deferred weight grads
 class WeightGradStore:
     """The deferred weight gradients (W) of one step, owned by whoever runs it (the executor).
     Layers marked with the store queue a closure per weight while it captures. A labelled capture
@@ -110,7 +109,6 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         meta.deferred_grad_hook(param)
 
 
-# ----------------------------------------------------------------------------------- the pair
 class Pair:
     """Two sides (callables) run as coroutines on two threads: exactly one runs at a time, side 0
     first, handing over only inside ``switch`` (``exchange``, once its all-to-all is issued) or
@@ -173,7 +171,6 @@ class Pair:
                                f"with {self.names[1 - k]} was aborted") from e
 
 
-# ------------------------------------------------------------------------- the exchange hook
 _PAIR: Optional[Pair] = None  # the running pair, whose exchanges are issued async
 _RECORD: Optional[tuple] = None  # (clock, record(kind, start, end)): the executor's, when timed
 

@@ -110,8 +110,8 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
              padded_to: Optional[int] = None):
     """Each row to its expert's EP rank, then (ETP > 1) shared over the ETP group -> (rows grouped
     by local expert, source ranks in order inside each; rows per local expert [E_local]; the
-    exchanges made, in order, for ``combine``: none at EP = ETP = 1). ``padded_to`` C (capacity padding): C rows to every expert, so no count
-    exchange and no host read."""
+    exchanges made, in order, for ``combine``: none at EP = ETP = 1). ``padded_to`` C (capacity
+    padding): C rows to every expert, so no count exchange and no host read."""
     ep, etp = C.group_size(ep_group), C.group_size(etp_group)
     num_experts = tokens_per_expert_local.numel()
     if num_experts != ep * num_local_experts:

@@ -195,7 +195,6 @@ class MoELayer(nn.Module):
         self.register_buffer("interval_stats", torch.zeros(2 + c.num_experts, device=device),
                              persistent=False)
 
-    # ------------------------------------------------------------------------------------------
     def _capacity(self, num_tokens: int) -> Optional[int]:
         """Tokens per expert with a capacity factor (this rank's tokens); None: dropless."""
         cf = self.config.moe_expert_capacity_factor

@@ -86,7 +86,6 @@ def enable_weight_grad_deferral(modules, store: WeightGradStore) -> None:
         module._linears_store = store
 
 
-# ----------------------------------------------------------------------------------- the layers
 class ColumnParallelLinear(nn.Module):
     """Y = X A with A split by columns: rank r holds output features [r*o/t, (r+1)*o/t). Input
     ``[s, b, h]`` (``[s/t, b, h]`` under SP), output ``[s, b, o/t]`` (``gather_output``: all o);
