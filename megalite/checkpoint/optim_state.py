@@ -27,11 +27,9 @@ from megalite.tensor_parallel.utils import unshard_tensors
 # ============================================================================ ZeRO shard merge
 def merge_pieces(pieces: Iterable[Tuple[str, Sequence[int], int, Dict[str, torch.Tensor]]],
                  names: Optional[Iterable[str]] = None) -> Dict[str, Dict[str, torch.Tensor]]:
-    """Every DP rank's pieces of each parameter's state, put back together: ``{name: {kind: fp32
-    tensor of the parameter's shape}}``. A piece ``(name, shape, start, {kind: 1-D tensor})``
-    holds elements ``[start, start + len)`` of the flattened parameter. ``names`` restricts the
-    merge to those parameters (streaming). Raises ValueError if a parameter is not covered
-    exactly (a missing rank's file)."""
+    """Pieces ``(name, shape, start, {kind: 1-D tensor})`` (elements ``[start, start + len)`` of
+    the flattened parameter) put back together as ``{name: {kind: fp32 tensor}}``, only ``names``
+    if given; ValueError if a parameter is not covered exactly (a missing rank's file)."""
     wanted = set(names) if names is not None else None
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     covered: Dict[str, int] = {}
@@ -63,10 +61,9 @@ def shard_pieces(sds: List[dict]):
 
 
 def upgrade_shard(sd: dict) -> dict:
-    """A per-DP-rank file in SHARD_FORMAT. The v1 files of older megalite (ZeRO-1/2:
-    ``megalite.zero.shard/v1``, segments with an extra end; ZeRO-3: ``megalite-zero3-shard/1``,
-    per-unit flats whose parameters lie end to end, DP rank r holding ``[r*S, (r+1)*S)``) hold the
-    same tensors under other keys: they are translated, never copied."""
+    """A per-DP-rank file in SHARD_FORMAT: the v1 files of older megalite (ZeRO-1/2's segments
+    with an extra end; ZeRO-3's per-unit flats, DP rank r holding ``[r*S, (r+1)*S)``) translated,
+    their tensors never copied."""
     fmt = sd.get("format")
     if fmt == "megalite.zero.shard/v1":
         shards = [{**{k: s[k] for k in ADAM_KINDS},
@@ -310,10 +307,9 @@ def build_plain(index: PlainIndex, get: Callable[[str, str], Optional[torch.Tens
 # ======================================================================= ZeRO files, written
 class ZeroTarget:
     """The ZeRO files (SHARD_FORMAT) of some DP ranks of one (tp, pp) rank, filled a parameter at
-    a time. ``groups``: the buckets or units in order, each (slots, padded size, parameter key),
-    a slot (name, start, numel, TP-local shape); DP rank d holds ``[d*P/dp, (d+1)*P/dp)`` of each
-    (ZeRO stage 0: all). Only the asked ranks' parts are allocated; padding and never-stepped
-    moments stay zero, as training keeps them."""
+    a time. ``groups``: the buckets or units, each (slots, padded size P, parameter key), a slot
+    (name, start, numel, TP-local shape); DP rank d holds ``[d*P/dp, (d+1)*P/dp)`` of each (ZeRO
+    stage 0: all). Padding and never-stepped moments stay zero, as training keeps them."""
 
     def __init__(self, groups, dp: int, stage: int, ranks=None):
         self.groups, self.dp, self.stage = groups, dp, stage

@@ -321,9 +321,8 @@ def _fresh_scheduler_state(cfg: MegaliteConfig) -> dict:
 
 def load_resharded(load_dir: str, iteration: int, cfg: MegaliteConfig, ps, with_optim: bool
                    ) -> Tuple[dict, Optional[dict]]:
-    """This rank's model file and optimizer state at the running job's layout (``cfg``, ``ps``),
-    assembled from a checkpoint of any other layout: only this rank's (TP, PP) shards and, for
-    ZeRO, its own DP shard; less the RNG state (the loader re-seeds instead)."""
+    """This rank's model file (less the RNG state) and optimizer state at the running job's layout,
+    assembled from a checkpoint of any other layout: only its own TP, PP and DP shards."""
     src = MegaliteSource(load_dir, iteration)
     z = cfg.optimizer.zero_stage
     optim = None

@@ -154,9 +154,8 @@ class HFSource:
         return out
 
     def lazy(self, keys: Sequence[str], where: str) -> "_LazyTensors":
-        """The named tensors as a mapping that reads each when it is looked up (and keeps
-        none): a conversion that copies tensors into a bigger one (the stacked experts) holds
-        one hub tensor at a time, not the layer's."""
+        """The named tensors as a mapping that reads each when it is looked up and keeps none (the
+        stacked experts are filled one hub tensor at a time)."""
         for k in keys:
             if self._alias.get(k, k) not in self.key_file:
                 raise ConfigError(f"{self.what}: tensor {k} ({where}) is missing from the "
