@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from megalite.checkpoint.layout import Layout as FileLayout
 from megalite.config import ModelConfig, default_schedule
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
-from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_layer_ranges
+from megalite.pipeline_parallel.partition import V_SCHEDULES
 from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
 
@@ -80,11 +81,20 @@ class Layout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
 
+    def files(self) -> FileLayout:
+        """The file cut this plan's checkpoints have: the loader's and the resharder's type."""
+        v_shape = self.pipeline_schedule in V_SCHEDULES
+        return FileLayout(self.tensor_model_parallel_size, self.pipeline_model_parallel_size,
+                          decoder_first=self.decoder_first_pipeline_num_layers,
+                          decoder_last=self.decoder_last_pipeline_num_layers,
+                          v_schedule=self.pipeline_schedule if v_shape else None,
+                          virtual_stages=None if v_shape else
+                          self.virtual_pipeline_model_parallel_size)
+
 
 @functools.lru_cache(maxsize=4096)
-def _chunk_ranges(L: int, p: int, v: int, v_shape: bool, first, last) -> tuple:
-    return tuple(tuple(range(s, x) for s, x in rank) for rank in virtual_layer_ranges(
-        L, p, L // (p * v) if v > 1 and not v_shape else None, first, last, v_shape))
+def _chunk_ranges(files: FileLayout, L: int) -> tuple:
+    return tuple(tuple(range(s, x) for s, x in rank) for rank in files.ranges(L))
 
 
 @dataclass
@@ -155,12 +165,8 @@ class Model:
 
     def stage_ranges(self, lay: Layout) -> tuple:
         """The layers (a range per model chunk) on each pipeline rank, as pretrain.py places them
-        (partition.virtual_layer_ranges, with its one-line ConfigError)."""
-        return _chunk_ranges(self.cfg.num_layers, lay.pipeline_model_parallel_size,
-                             lay.virtual_pipeline_model_parallel_size,
-                             lay.pipeline_schedule in V_SCHEDULES,
-                             lay.decoder_first_pipeline_num_layers,
-                             lay.decoder_last_pipeline_num_layers)
+        (the file layout's ranges, with its one-line ConfigError)."""
+        return _chunk_ranges(lay.files(), self.cfg.num_layers)
 
     def saved_per_token(self, recompute: str) -> tuple:
         """What a layer keeps per token: (bytes of fp32 norm copies per h, attention channels,
