@@ -1,11 +1,7 @@
-"""Thin wrappers over torch.distributed collectives that count bytes and check devices.
-
-Every megalite collective goes through here (tests/test_collectives_strict.py greps for raw
-``dist.`` calls), so the bytes each rank sends can be held against docs/theory.md's formulas
-("Collectives"). A group of ``None`` or size 1 means "no peers": a local no-op (a copy where
-there is an output; docs/design.md, contract 7). The device path (default) carries compute-device
-tensors, the host path (``host=True``) CPU control messages over the world's gloo
-(docs/clusters.md, "Which collectives run where"; "Strict mode" for ``install_strict_checks``).
+"""Thin wrappers over torch.distributed collectives that count bytes and check devices: every
+megalite collective goes through here (docs/theory.md, "Collectives"; docs/clusters.md, "Which
+collectives run where" and "Strict mode"). A group of ``None`` or size 1 means "no peers": a
+local no-op (a copy where there is an output; docs/design.md, contract 7).
 """
 
 from __future__ import annotations

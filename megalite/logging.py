@@ -1,7 +1,6 @@
 """Console lines, metrics.jsonl, W&B and TensorBoard; throughput, TFLOP/s, MFU and memory
-(docs/logging.md, which gives the record shapes). One :class:`MetricsLogger` per run, owned by
-the training loop and handed to what logs besides it (the pipeline timeline); only the writer
-rank (global rank 0) writes, and megalite never reads or prints the W&B API key.
+(docs/logging.md). One :class:`MetricsLogger` per run, owned by the training loop and handed to
+what logs besides it; only global rank 0 writes, and the W&B API key is never read.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Hiding MoE all-to-alls behind compute (docs/moe.md, "Hiding the all-to-alls"): the deferred
-weight-gradient store, the ``Pair`` that runs a forward and a backward as two sides, the
-exchange hook the MoE dispatcher calls, and the clock intervals are recorded with. Why it sits
-just above collectives.py and why its threads are safe on CUDA: docs/design.md, "The overlap
-module".
+"""Hiding MoE all-to-alls behind compute (docs/moe.md): the deferred weight-gradient store, the
+``Pair`` that runs a forward and a backward as two sides, the exchange hook the MoE dispatcher
+calls, and the clock intervals are recorded with (docs/design.md, "The overlap module").
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """DistributedDataParallel: contiguous grad buffers, bucketed and overlapped DP reduction
-(docs/data_parallel.md, "How a step runs"). A hook on every parameter's gradient accumulator
-moves ``.grad`` into ``param.main_grad`` (a view of the bucket's buffer) and marks it ready; a
-ready bucket is all-reduced (stage 0) or reduce-scattered (stages 1 and 2; stage 2 on every
-micro-batch, keeping only the shard), async with ``overlap_grad_reduce``. Deferred weight
-gradients (megalite/overlap.py) arrive later through ``accumulate_weight_grad``, which calls the
-parameter's ``ParamMeta.deferred_grad_hook``; while a W of a parameter is queued
-(``ParamMeta.weight_grads_queued``) only that W marks it ready (the tied embedding gets one
-contribution in B, the lookup, and one in W, the output layer). After backward the DP
-reduction comes first, then the TP and embedding-group sums on the DP-reduced values this rank
-holds (sums commute; :func:`finalize_model_grads_ddp`).
+(docs/data_parallel.md, "How a step runs"): gradient hooks move ``.grad`` into the bucket's
+``main_grad`` and launch a ready bucket's all-reduce (stage 0) or reduce-scatter (1, 2); a
+deferred weight gradient marks its parameter ready through ``ParamMeta.deferred_grad_hook``.
+The DP reduction comes first, the TP and embedding-group sums after it (sums commute).
 """
 
 from __future__ import annotations
@@ -32,11 +26,9 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 
 
 def params_by_dtype(named_params):
-    """One buffer per parameter dtype, in order of first appearance, and apart from those the
-    expert parameters (reduced over the expert-data-parallel group, megalite/moe/layer.py);
-    names are the chunk's own (no "module." prefix). Items are (name, anything with a
-    ``.dtype``), so the checkpoint converter lays out its parameter descriptions with the same
-    rule."""
+    """Buffers of (name, anything with a ``.dtype``): one per dtype in order of first appearance,
+    expert parameters apart (reduced over the expert-data-parallel group); the checkpoint
+    converter lays out its parameter descriptions by the same rule."""
     by_dtype: Dict[tuple, list] = {}
     for name, p in named_params:
         by_dtype.setdefault((p.dtype, param_meta(p).expert), []).append((name, p))

@@ -1,11 +1,7 @@
 """Expert parallelism's token exchange (docs/moe.md, "Token dispatch: the all-to-all"): rows
-sorted by global expert go to their experts' EP rank, are regrouped there by local expert, and
-(ETP > 1) all-gathered over the ETP group; ``combine`` undoes each step. Dropless routing reads
-the split sizes on the host once per layer and micro-batch; capacity padding reads nothing.
-
-Every exchange calls the overlap hook (``overlap.exchange``) explicitly: blocking as seen from
-the layer, but inside the combined 1F1B's pair the paired micro-batch computes while it is in
-flight (docs/moe.md, "Hiding the all-to-alls").
+go to their experts' EP rank, are regrouped by local expert and (ETP > 1) all-gathered over the
+ETP group; ``combine`` undoes each step. Every exchange calls the overlap hook
+(``overlap.exchange``) explicitly, blocking as seen from here ("Hiding the all-to-alls").
 """
 
 from __future__ import annotations

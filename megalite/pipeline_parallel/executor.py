@@ -1,7 +1,5 @@
-"""The pipeline executor: runs one rank's op list (``schedules.schedule_order``) with the p2p
-program that suits its backend (``schedules.p2p_program``: "post", "wait", "run" and "pair"
-steps), at every PP; PP 1 is the 1F1B program of one stage. Data between two chunks of one rank
-(where the V turns) is handed over in memory.
+"""The pipeline executor: runs one rank's op list with the p2p program that suits its backend
+(schedules.py), at every PP (PP 1 is the 1F1B program of one stage).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """Point-to-point communication between pipeline ranks (docs/pipeline_parallel.md,
-"Point-to-point"). Shapes are known before the first message (``[s(/t), b, h]``), so a receive
-needs no handshake. ``post`` sends and receives one batch, its ops in a fixed order on every rank
-(activations before gradients, sends before receives); gloo tells apart the messages between one
-pair by their tags.
+"Point-to-point"): shapes are known ahead (no handshake), and ``post`` sends and receives one
+batch, its ops in the same order on every rank (activations first, sends before receives).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """What each pipeline rank computes, in which order, and when it talks to its neighbours
 (docs/pipeline_parallel.md, "The schedules" and "Point-to-point"): ``schedule_order`` is the
-per-rank list of ``F``, ``B`` and ``W`` ops (docs/theory.md, "Pipeline bubbles", for the orders'
-bubbles), ``p2p_program`` where the sends and receives go; the executor runs both. The training
-loop's contract is docs/pipeline_parallel.md, "API for the training loop".
+per-rank list of ``F``, ``B`` and ``W`` ops, ``p2p_program`` where the sends and receives go.
 """
 
 from __future__ import annotations

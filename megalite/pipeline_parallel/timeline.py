@@ -1,10 +1,7 @@
 """What each pipeline stage did during one step: F, B and W ops (and MoE all-to-all waits) with
-start/end times, from which the bubble is measured: stage g idles 1 - busy_g / T_step
-(docs/design.md, contract 10; docs/theory.md's textbook values in ``theory_bubble``).
-
-Times are seconds from each rank's step start, taken right after a barrier over the pipeline
-group: CUDA-event intervals on a GPU, host ``perf_counter`` on CPU (``overlap.Clock``; recorded as
-marks and resolved only when the timeline is read, docs/pipeline_parallel.md "Measured bubble").
+start/end times, from which the bubble is measured (docs/design.md, contract 10). Times are
+seconds from each rank's barrier-aligned step start: CUDA-event intervals on a GPU, host
+``perf_counter`` on CPU (``overlap.Clock``, resolved when the timeline is read).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding
-(docs/tensor_parallel.md). Shapes are sequence-first ``[s, b, h]``; under sequence parallelism
-the column-parallel layer all-gathers on the way in and the row-parallel one reduce-scatters on
-the way out. The local matmul is native ``F.linear`` except under SP's column-parallel layer
-(which saves only its input shard) and in layers marked with a ``WeightGradStore``
-(``enable_weight_grad_deferral``), whose weight gradient is queued while the store captures.
+(docs/tensor_parallel.md), sequence-first ``[s, b, h]``. The local matmul is native ``F.linear``
+except under SP's column-parallel layer (which saves only its input shard) and in layers marked
+with a ``WeightGradStore``, whose weight gradient is queued while the store captures.
 """
 
 from __future__ import annotations
