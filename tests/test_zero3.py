@@ -327,9 +327,11 @@ def test_zero3_single_process_matches_reference():
 def test_zero3_refuses_zero_bubble_schedule(schedule):
     """The zero-bubble schedules defer weight gradients to a W pass (a clear ConfigError, tied
     embeddings or not); 1F1B/interleaved run (tests/test_zero3_pipeline.py)."""
-    from megalite.config import MegaliteConfig, ParallelConfig, TrainingConfig
+    from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig, TrainingConfig
 
-    cfg = MegaliteConfig(parallel=ParallelConfig(pipeline_model_parallel_size=2),
+    # 8 layers: the V schedules cut 2 chunks per rank, so the layer split itself is valid
+    cfg = MegaliteConfig(model=ModelConfig(num_layers=8),
+                         parallel=ParallelConfig(pipeline_model_parallel_size=2),
                          training=TrainingConfig(pipeline_schedule=schedule),
                          optimizer=OptimizerConfig(zero_stage=3))
     with pytest.raises(ConfigError, match=f"--zero-stage 3 does not support --pipeline-schedule "
