@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.checkpoint.layout import Layout as FileLayout
-from megalite.config import ModelConfig, default_schedule
+from megalite.config import V_SCHEDULES, ModelConfig, default_schedule
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
-from megalite.pipeline_parallel.partition import V_SCHEDULES
 from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
 

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+from typing import List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -21,7 +21,8 @@ import functools
 from dataclasses import dataclass
 
 from megalite.config import ConfigError
-from megalite.pipeline_parallel.partition import V_SCHEDULES, virtual_layer_ranges
+from megalite.config import V_SCHEDULES
+from megalite.pipeline_parallel.partition import virtual_layer_ranges
 from megalite.planner import GPU, Layout, Model, _router_bytes, moe_rows
 
 # fp8 linear GEMMs: of twice the 16-bit peak, with the per-tensor scaling and casts; 0.45 x 2 =

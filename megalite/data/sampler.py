@@ -21,7 +21,7 @@ class PretrainingSampler:
             raise ConfigError(f"the dataset has no samples (len {total_samples}); check "
                               f"--data-path and --split")
         if micro_batch_size <= 0:
-            raise ConfigError(f"--micro-batch-size must be positive, got {micro_batch_size}")
+            raise ValueError(f"--micro-batch-size must be positive, got {micro_batch_size}")
         if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data-parallel rank {data_parallel_rank} is not in "
                              f"[0, {data_parallel_size})")

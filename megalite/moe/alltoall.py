@@ -11,7 +11,6 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from megalite import collectives as C
-from megalite.config import ConfigError
 from megalite.overlap import exchange
 
 
@@ -111,7 +110,7 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
     ep, etp = C.group_size(ep_group), C.group_size(etp_group)
     num_experts = tokens_per_expert_local.numel()
     if num_experts != ep * num_local_experts:
-        raise ConfigError(f"--num-experts: {num_experts} experts cannot be {num_local_experts} "
+        raise ValueError(f"--num-experts: {num_experts} experts cannot be {num_local_experts} "
                           f"per rank on --expert-model-parallel-size {ep}; need "
                           f"{ep * num_local_experts} (EP x experts per rank)")
     if ep == 1 and etp == 1:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from megalite import collectives as C
-from megalite.config import ConfigError, OptimizerConfig
+from megalite.config import OptimizerConfig
 from megalite.distributed.ddp import DistributedDataParallel
 from megalite.distributed.param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from megalite.optimizer.clip_grads import counts_for_norm
@@ -65,7 +65,7 @@ class DistributedOptimizer(ShardedAdamW):
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if config.zero_stage not in (1, 2) or not all(
                 isinstance(c, DistributedDataParallel) for c in chunks):
-            raise ConfigError(
+            raise ValueError(
                 "the distributed optimizer needs --zero-stage 1 or 2 (stage 0: build_optimizer's "
                 "plain optimizer) and the model chunks wrapped in megalite.distributed."
                 "DistributedDataParallel (training.py's wrap_model_for_data_parallel does it)")

@@ -11,7 +11,7 @@ import torch
 
 from megalite import collectives as C
 from megalite import torch_private as P
-from megalite.config import V_SCHEDULES, ConfigError, check_pipeline_args
+from megalite.config import V_SCHEDULES, check_pipeline_args
 from megalite.moe.layer import enable_expert_weight_grad_deferral
 from megalite.overlap import Clock, Pair, WeightGradStore, overlapping
 from megalite.parallel_state import synchronize
@@ -316,7 +316,7 @@ def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
     p, v = pipeline_model_parallel_size, virtual_pipeline_model_parallel_size or 1
     if p == 1:
         if v > 1:
-            raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
+            raise ValueError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
         return ForwardBackwardFunc(forward_backward_no_pipelining, None)
     schedule = check_pipeline_args(p, 2 * p, v, schedule)  # the name, default and v; m per call
     return ForwardBackwardFunc(forward_backward_pipelining, schedule)

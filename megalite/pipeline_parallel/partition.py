@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-from megalite.config import V_SCHEDULES  # noqa: F401  (the planner imports it from here)
 from megalite.config import ExecutionConfig, ModelConfig, check_layer_split
 from megalite.models.gpt import GPTModel
 from megalite.param_meta import set_param_meta

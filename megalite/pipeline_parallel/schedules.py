@@ -11,7 +11,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from megalite.config import SCHEDULES, V_SCHEDULES, ConfigError, check_pipeline_args  # noqa: F401
+from megalite.config import SCHEDULES, V_SCHEDULES
 from megalite.pipeline_parallel.partition import stage_rank, virtual_stage
 
 
@@ -125,7 +125,7 @@ def schedule_order(schedule: str, p: int, r: int, m: int, v: int = 1,
               "interleaved": lambda: order_interleaved(p, r, m, v, extra),
               "zb-v": lambda: order_zb_v(p, r, m), "dualpipev": lambda: order_dualpipev(p, r, m)}
     if schedule not in orders:
-        raise ConfigError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
+        raise ValueError(f"--pipeline-schedule must be one of {', '.join(SCHEDULES)}, got "
                           f"{schedule!r}")
     ops = orders[schedule]()
     return [op for op in ops if op.kind == "F"] if forward_only else ops
