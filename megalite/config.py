@@ -1,10 +1,5 @@
-"""Typed configuration for megalite: every setting declared once, every check in a validate.
-
-docs/design.md, "Conventions" and "Adding a setting": flags -> these dataclasses (validated once,
-errors naming the flag) -> the objects built from them; ``MegaliteConfig.resolve`` derives values
-and returns a read-only config. A ConfigError raised elsewhere needs a run-time fact (a file, a
-tokenizer, a checkpoint, the hardware).
-"""
+"""Typed configuration: every setting declared once, every check in a validate (docs/design.md,
+"Conventions" and "Adding a setting")."""
 
 from __future__ import annotations
 
@@ -299,7 +294,7 @@ class ModelConfig(_Section):
         choices=("head", "projection"), role=SHAPE)
     sliding_window: Optional[int] = setting(
         None, "W: query q attends keys q-W < k <= q (Megatron --window-size W-1 0)",
-        role=CHECKPOINT_ARG)
+        role=CHECKPOINT_ARG, bound=POSITIVE_INT)
     max_window_layers: int = setting(
         0, "with --sliding-window: the first N layers keep full attention", role=CHECKPOINT_ARG,
         bound=NON_NEGATIVE)
@@ -323,14 +318,16 @@ class ModelConfig(_Section):
         group="multi-latent attention", role=SHAPE)
     q_lora_rank: Optional[int] = setting(
         None, "rank of the q latent (default none: a plain q projection)",
-        group="multi-latent attention", role=SHAPE, feature=MLA)
+        group="multi-latent attention", role=SHAPE, feature=MLA, bound=POSITIVE_INT)
     kv_lora_rank: int = setting(32, "rank of the compressed k/v latent",
-                                group="multi-latent attention", role=SHAPE, feature=MLA)
+                                group="multi-latent attention", role=SHAPE, feature=MLA,
+                                bound=POSITIVE_INT)
     qk_head_dim: int = setting(128, "q/k head dim without RoPE", group="multi-latent attention",
-                               role=SHAPE, feature=MLA)
+                               role=SHAPE, feature=MLA, bound=POSITIVE_INT)
     qk_pos_emb_head_dim: int = setting(64, "the RoPE part of each q/k head (its k is shared)",
                                        group="multi-latent attention", role=SHAPE, feature=MLA)
-    v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE, feature=MLA)
+    v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE, feature=MLA,
+                              bound=POSITIVE_INT)
     mtp_num_layers: Optional[int] = setting(
         None, "multi-token prediction layers: not implemented (refused)", role=SHAPE)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
@@ -352,11 +349,12 @@ class ModelConfig(_Section):
     # Mixture of experts (docs/moe.md): every moe_setting needs num_experts.
     num_experts: Optional[int] = setting(
         None, "E experts in each MoE layer (default: a dense MLP in every layer)",
-        group="mixture of experts", role=SHAPE)
+        group="mixture of experts", role=SHAPE, bound=AT_LEAST_ONE)
     moe_router_topk: int = moe_setting(2, "k experts each token is routed to",
                                        role=CHECKPOINT_ARG)
     moe_ffn_hidden_size: Optional[int] = moe_setting(
-        None, "each expert's MLP width (default --ffn-hidden-size)", role=SHAPE)
+        None, "each expert's MLP width (default --ffn-hidden-size)", role=SHAPE,
+        bound=POSITIVE_INT)
     moe_layer_freq: str = moe_setting("1", f"which layers are MoE: {_LAYER_FREQ_HELP}",
                                       role=SHAPE)
     moe_router_score_function: str = moe_setting(
@@ -399,7 +397,7 @@ class ModelConfig(_Section):
                                                     role=RUN)
     moe_expert_capacity_factor: Optional[float] = moe_setting(
         None, "cap each expert at this times a balanced load, dropping the rest (default "
-        "dropless)", role=RUN)
+        "dropless)", role=RUN, bound=POSITIVE)
     moe_token_drop_policy: str = moe_setting(
         "probs", "over capacity keep the highest gates (probs) or the earliest tokens (position)",
         choices=("probs", "position"), role=RUN)
@@ -407,7 +405,7 @@ class ModelConfig(_Section):
         False, "pad every expert's input to the capacity (fixed shapes)", role=RUN)
     moe_shared_expert_intermediate_size: Optional[int] = moe_setting(
         None, "width of the shared expert every token also passes through (default none)",
-        role=SHAPE)
+        role=SHAPE, bound=POSITIVE_INT)
     moe_shared_expert_gate: bool = moe_setting(
         False, "Qwen2-MoE's sigmoid gate on the shared expert's output (megatron-core's "
         "moe_shared_expert_gate)", role=SHAPE)
@@ -523,9 +521,6 @@ class ModelConfig(_Section):
                 "--rope-scaling-factor needs --position-embedding-type rope, a factor >= 1, "
                 "0 < --rope-low-freq-factor < --rope-high-freq-factor and a positive "
                 "--rope-original-max-position-embeddings")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ConfigError(f"--sliding-window must be a positive integer (keys per query), "
-                              f"got {self.sliding_window}")
         if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
             raise ConfigError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
@@ -576,33 +571,16 @@ class ModelConfig(_Section):
                            "linear biases: pass --disable-bias-linear")):
             if bad:
                 raise ConfigError(f"{mla} does not support {what}")
-        dims = {"q_lora_rank": 1 if self.q_lora_rank is None else self.q_lora_rank,
-                "kv_lora_rank": self.kv_lora_rank,
-                "qk_head_dim": self.qk_head_dim, "v_head_dim": self.v_head_dim}
-        for name, value in dims.items():
-            if value < 1:
-                raise ConfigError(f"{_flag(name)} must be a positive integer, got {value}")
         if self.qk_pos_emb_head_dim < 2 or self.qk_pos_emb_head_dim % 2:
             raise ConfigError(f"--qk-pos-emb-head-dim must be a positive even number (RoPE turns "
                               f"pairs of dims), got {self.qk_pos_emb_head_dim}")
 
     def _validate_moe(self) -> None:
         """The MoE settings on their own (those that need the layout: MegaliteConfig.validate)."""
-        e = self.num_experts
-        if e is None:
+        if self.num_experts is None:
             return
-        if e < 1:
-            raise ConfigError(f"--num-experts must be >= 1 (omit it for a dense model), got {e}")
         check_routing(self)
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ConfigError(f"{_flag(name)} must be a positive integer, got "
-                                  f"{getattr(self, name)}")
-        cf = self.moe_expert_capacity_factor
-        if cf is not None and not cf > 0:
-            raise ConfigError(f"--moe-expert-capacity-factor must be > 0 (omit it for dropless), "
-                              f"got {cf}")
-        if self.moe_pad_expert_input_to_capacity and cf is None:
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                               "--moe-expert-capacity-factor (the capacity it pads to)")
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
@@ -683,8 +661,8 @@ class ModelConfig(_Section):
 @dataclass
 class ParallelConfig(_Section):
     GROUP = "parallelism"
-    tensor_model_parallel_size: int = setting(1, layout=True)
-    pipeline_model_parallel_size: int = setting(1, layout=True)
+    tensor_model_parallel_size: int = setting(1, layout=True, bound=AT_LEAST_ONE)
+    pipeline_model_parallel_size: int = setting(1, layout=True, bound=AT_LEAST_ONE)
     # V, the one fact of virtual stages; --num-layers-per-virtual-pipeline-stage K gives it too
     virtual_pipeline_model_parallel_size: Optional[int] = setting(
         None, flag="--num-virtual-stages-per-pipeline-rank", layout=True, bound=AT_LEAST_ONE)
@@ -698,10 +676,11 @@ class ParallelConfig(_Section):
     # The folded expert grid (docs/moe.md): each stage's TP x CP x DP ranks cut into ETP x EP x
     # EDP (the planner's Layout has both fields)
     expert_model_parallel_size: int = setting(
-        1, "EP: the experts of a layer are split over this many ranks", layout=True)
+        1, "EP: the experts of a layer are split over this many ranks", layout=True,
+        bound=AT_LEAST_ONE)
     expert_tensor_parallel_size: Optional[int] = setting(
         None, "ETP: each expert's weights split over this many ranks (default "
-        "--tensor-model-parallel-size, as Megatron)", layout=True)
+        "--tensor-model-parallel-size, as Megatron)", layout=True, bound=AT_LEAST_ONE)
     distributed_backend: Optional[str] = setting(None, "default nccl on CUDA, gloo on CPU",
                                                  choices=("gloo", "nccl"))
     device: Optional[str] = setting(None, "default cuda when available", choices=("cpu", "cuda"))
@@ -713,23 +692,16 @@ class ParallelConfig(_Section):
         self._check_choices()
         t, p = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         v, c = self.virtual_pipeline_model_parallel_size, self.context_parallel_size
-        if t < 1 or p < 1:
-            raise ConfigError(
-                f"--tensor-model-parallel-size ({t}) and --pipeline-model-parallel-size ({p}) "
-                f"must be >= 1")
         if v is not None and v > 1 and p == 1:
             raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1")
-        ep, etp = self.expert_model_parallel_size, self.expert_tensor_parallel_size
-        if ep < 1 or (etp is not None and etp < 1):
-            raise ConfigError(f"--expert-model-parallel-size ({ep}) and "
-                              f"--expert-tensor-parallel-size ({etp}) must be >= 1")
         if world_size is not None and world_size % (t * c * p) != 0:
             raise ConfigError(
                 f"world size ({world_size}) is not divisible by --tensor-model-parallel-size ({t}) "
                 f"x --context-parallel-size ({c}) x --pipeline-model-parallel-size ({p}) = "
                 f"{t * c * p}")
         if world_size is not None:
-            check_expert_grid_divisible(world_size, self.expert_tp_size, ep, p)
+            check_expert_grid_divisible(world_size, self.expert_tp_size,
+                                        self.expert_model_parallel_size, p)
         if self.sequence_parallel and t == 1:
             # Documented choice: SP without TP is meaningless (there is nothing to shard over), so
             # it is an error rather than a silent no-op (docs/tensor_parallel.md).
@@ -801,8 +773,8 @@ class OptimizerConfig(_Section):
     GROUP = "optimizer and learning rate"
     optimizer: str = setting("adam", "adam: AdamW with decoupled weight decay; sgd: with momentum "
                              "--adam-beta1 (--zero-stage 0 only)", choices=("adam", "adamw", "sgd"))
-    lr: float = setting(1e-3)
-    min_lr: float = setting(1e-4)
+    lr: float = setting(1e-3, bound=NON_NEGATIVE)
+    min_lr: float = setting(1e-4, bound=NON_NEGATIVE)
     lr_decay_style: str = setting("cosine", choices=("constant", "linear", "cosine", "WSD",
                                                      "inverse-square-root"))
     lr_warmup_iters: int = setting(30, bound=NON_NEGATIVE)
@@ -812,33 +784,30 @@ class OptimizerConfig(_Section):
     lr_wsd_decay_style: str = setting("linear", choices=("linear", "cosine", "exponential",
                                                          "minus_sqrt"))
     weight_decay: float = setting(0.1, bound=NON_NEGATIVE)
-    clip_grad: float = setting(1.0)  # 0 disables clipping
+    clip_grad: float = setting(1.0, bound=NON_NEGATIVE)  # 0 disables clipping
     adam_beta1: float = setting(0.9)
     adam_beta2: float = setting(0.95)
     adam_eps: float = setting(1e-8)
     # fp16 loss scaling (fp32 master weights and Adam states in both 16-bit modes)
-    loss_scale: Optional[float] = setting(None, "static fp16 loss scale", group="mixed precision")
-    initial_loss_scale: float = setting(2.0 ** 32, group="mixed precision")
-    min_loss_scale: float = setting(1.0, group="mixed precision")
-    loss_scale_window: int = setting(1000, group="mixed precision")
-    hysteresis: int = setting(2, group="mixed precision")
+    loss_scale: Optional[float] = setting(None, "static fp16 loss scale", group="mixed precision",
+                                          bound=POSITIVE)
+    initial_loss_scale: float = setting(2.0 ** 32, group="mixed precision", bound=POSITIVE)
+    min_loss_scale: float = setting(1.0, group="mixed precision", bound=POSITIVE)
+    loss_scale_window: int = setting(1000, group="mixed precision", bound=POSITIVE_INT)
+    hysteresis: int = setting(2, group="mixed precision", bound=POSITIVE_INT)
     # Data parallelism / ZeRO (docs/data_parallel.md); --use-distributed-optimizer means stage 1
     zero_stage: int = setting(0, choices=(0, 1, 2, 3), group="data parallelism and ZeRO",
                               layout=True)  # 0 DDP, 1 optimizer states, 2 + grads, 3 + params
     overlap_grad_reduce: bool = setting(False, group="data parallelism and ZeRO")
     overlap_param_gather: bool = setting(False, group="data parallelism and ZeRO")
     ddp_bucket_size: Optional[int] = setting(  # elements; None = one bucket per ~40M elements
-        None, group="data parallelism and ZeRO")
+        None, group="data parallelism and ZeRO", bound=POSITIVE_INT)
     zero3_prefetch_depth: int = setting(1, group="data parallelism and ZeRO", bound=NON_NEGATIVE)
 
     def validate(self) -> "OptimizerConfig":
         self._check_choices()
-        if self.lr < 0 or self.min_lr < 0:
-            raise ConfigError(f"--lr ({self.lr}) and --min-lr ({self.min_lr}) must be >= 0")
         if self.min_lr > self.lr:
             raise ConfigError(f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr})")
-        if self.clip_grad < 0:
-            raise ConfigError(f"--clip-grad must be >= 0 (0 disables), got {self.clip_grad}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"--adam-beta1/--adam-beta2 must be in [0, 1), got "
                               f"{self.adam_beta1}, {self.adam_beta2}")
@@ -848,15 +817,6 @@ class OptimizerConfig(_Section):
         if self.overlap_param_gather and self.zero_stage == 0:
             raise ConfigError("--overlap-param-gather needs the distributed optimizer "
                               "(--use-distributed-optimizer or --zero-stage 1/2/3)")
-        if self.ddp_bucket_size is not None and self.ddp_bucket_size <= 0:
-            raise ConfigError(f"--ddp-bucket-size must be a positive number of elements, got "
-                              f"{self.ddp_bucket_size}")
-        if self.loss_scale is not None and self.loss_scale <= 0:
-            raise ConfigError(f"--loss-scale must be > 0, got {self.loss_scale}")
-        if self.loss_scale_window <= 0 or self.hysteresis <= 0:
-            raise ConfigError("--loss-scale-window and --hysteresis must be positive")
-        if self.min_loss_scale <= 0 or self.initial_loss_scale <= 0:
-            raise ConfigError("--min-loss-scale and --initial-loss-scale must be positive")
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
             raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
                               f"{self.lr_warmup_fraction}")
@@ -908,8 +868,8 @@ class TrainingConfig(_Section):
     global_batch_size: Optional[int] = setting(
         None, "default micro-batch size x data-parallel size", group="batch", bound=POSITIVE)
     train_iters: int = setting(300, group="optimizer and learning rate", bound=NON_NEGATIVE)
-    eval_interval: int = setting(100, group="logging and evaluation")
-    eval_iters: int = setting(10, group="logging and evaluation")
+    eval_interval: int = setting(100, group="logging and evaluation", bound=POSITIVE)
+    eval_iters: int = setting(10, group="logging and evaluation", bound=NON_NEGATIVE)
     skip_train: bool = setting(False, group="logging and evaluation")
     seed: int = setting(1234)
     pipeline_schedule: Optional[str] = setting(  # None: default_schedule(v)
@@ -947,9 +907,6 @@ class TrainingConfig(_Section):
                 f"--global-batch-size ({self.global_batch_size}) must be a positive multiple of "
                 f"--micro-batch-size ({self.micro_batch_size}) x data-parallel size "
                 f"({dp}) = {self.micro_batch_size * dp}")
-        if self.eval_interval <= 0 or self.eval_iters < 0:
-            raise ConfigError(f"--eval-interval must be > 0 and --eval-iters >= 0, got "
-                              f"{self.eval_interval}, {self.eval_iters}")
         if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
             # the deferred weight gradients fill the paired schedule's all-to-all waits: without
             # the pairs there is nothing for them to fill

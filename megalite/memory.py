@@ -20,14 +20,11 @@ from megalite.param_meta import grad_of
 _CATEGORIES = ("params", "grads", "master_params", "optimizer_states")
 
 
-def _storage_key(t: torch.Tensor):
-    s = t.untyped_storage()
-    return (t.device.type, t.device.index, s.data_ptr())
-
-
 def _storages(tensors: Iterable[torch.Tensor]) -> Dict[tuple, int]:
-    """key -> bytes of the distinct, non-empty storages behind ``tensors`` (Nones skipped)."""
-    return {_storage_key(t): t.untyped_storage().nbytes() for t in tensors
+    """(device, storage address) -> bytes of the distinct, non-empty storages behind ``tensors``
+    (Nones skipped)."""
+    return {(t.device.type, t.device.index, t.untyped_storage().data_ptr()):
+            t.untyped_storage().nbytes() for t in tensors
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0}
 
 
@@ -138,18 +135,13 @@ def _theory_by_group(chunks, psi: int, dp_size: int, zero_stage: int, params_dty
     return {k: sum(p[k] for p in parts) for k in parts[0]}
 
 
-def memory_report(model_chunks, optimizer=None, *, zero_stage: Optional[int] = None,
-                  dp_size: Optional[int] = None, params_dtype: Optional[str] = None) -> Dict:
+def memory_report(model_chunks, optimizer=None) -> Dict:
     """Measured and theoretical model-state bytes, flat, for the run's logger at iteration 1."""
     chunks = _chunks(model_chunks)
     first = chunks[0]
-    if zero_stage is None:
-        zero_stage = getattr(first, "zero_stage", 0)
-    if dp_size is None:
-        dp_size = getattr(first, "dp_size", 1)
-    if params_dtype is None:
-        dtype = getattr(first, "compute_dtype", None) or next(first.parameters()).dtype
-        params_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
+    zero_stage, dp_size = getattr(first, "zero_stage", 0), getattr(first, "dp_size", 1)
+    dtype = getattr(first, "compute_dtype", None) or next(first.parameters()).dtype
+    params_dtype = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
     measured = model_state_bytes(chunks, optimizer)
     psi_padded, psi = _num_params(chunks, True), _num_params(chunks, False)
     theory = _theory_by_group(chunks, psi_padded, dp_size, zero_stage, params_dtype, True)

@@ -25,16 +25,8 @@ from megalite.memory import cuda_peak_bytes
 # ------------------------------------------------------------------------------------------------
 # Device and backend: the only place megalite asks whether CUDA exists (docs/design.md, contract 1).
 # ------------------------------------------------------------------------------------------------
-def default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_backend(device_type: str) -> str:
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
 def resolve_device(device_type: Optional[str], local_rank: int = 0) -> torch.device:
-    device_type = device_type or default_device_type()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda was given but no CUDA device is available; use --device cpu")
@@ -194,12 +186,6 @@ def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
     return edp, groups("t"), groups("e"), groups("d"), groups("p")
 
 
-def expert_tp_ep_groups(world_size: int, etp: int, ep: int, pp: int) -> List[List[int]]:
-    """The ETP x EP groups: all of a layer's experts, the allgather dispatcher's tokens."""
-    edp = world_size // (etp * ep * pp)
-    return grid_groups(torch.arange(world_size).view(pp, edp, ep, etp), "pdet", "et")
-
-
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -232,7 +218,7 @@ def initialize_model_parallel(
     edp, etp_groups, ep_groups, edp_groups, _ = expert_rank_grid(world_size, etp, ep, pp)
 
     dev = resolve_device(device, local_rank)
-    backend = backend or default_backend(dev.type)
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
         raise ConfigError("--distributed-backend nccl needs --device cuda; use gloo on CPU")
 
@@ -291,8 +277,9 @@ def initialize_model_parallel(
     make(etp_groups, "etp_group", "etp_ranks", expert=True)
     make(ep_groups, "ep_group", "ep_ranks", expert=True)
     make(edp_groups, "edp_group", "edp_ranks", expert=True)
-    make(expert_tp_ep_groups(world_size, etp, ep, pp), "etp_ep_group", "etp_ep_ranks",
-         expert=True)
+    # ETP x EP: all of a layer's experts, the allgather dispatcher's tokens
+    etp_ep_groups = grid_groups(torch.arange(world_size).view(pp, edp, ep, etp), "pdet", "et")
+    make(etp_ep_groups, "etp_ep_group", "etp_ep_ranks", expert=True)
 
     for dim in ("tp", "dp", "pp", "cp", "etp", "ep", "edp"):
         setattr(state, f"{dim}_rank", getattr(state, f"{dim}_ranks").index(rank))

@@ -101,8 +101,8 @@ def test_layer_pattern_int_and_list():
      r"--moe-router-topk \(3\) exceeds the 2 experts"),
     (dict(moe_router_num_groups=8, moe_router_group_topk=2, moe_router_group_score="top2_sum"),
      "top2_sum needs at least 2 experts per group"),
-    (dict(moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor must be > 0"),
-    (dict(moe_expert_capacity_factor=-1.0), "--moe-expert-capacity-factor must be > 0"),
+    (dict(moe_expert_capacity_factor=0.0), "--moe-expert-capacity-factor must be positive"),
+    (dict(moe_expert_capacity_factor=-1.0), "--moe-expert-capacity-factor must be positive"),
     (dict(moe_pad_expert_input_to_capacity=True),
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     (dict(moe_router_enable_expert_bias=True),
@@ -159,7 +159,7 @@ def test_expert_parallel_sizes_need_num_experts_and_divide():
     with pytest.raises(ConfigError, match=r"--num-experts \(6\) must be divisible by "
                                           r"--expert-model-parallel-size \(4\)"):
         parse_args(["--num-experts", "6", "--expert-model-parallel-size", "4"])
-    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size \(0\)"):
+    with pytest.raises(ConfigError, match=r"--expert-model-parallel-size must be >= 1, got 0"):
         parse_args(["--num-experts", "4", "--expert-model-parallel-size", "0"])
     with pytest.raises(ConfigError, match=r"--moe-ffn-hidden-size \(30\) must be divisible by "
                                           r"--expert-tensor-parallel-size \(4\)"):
