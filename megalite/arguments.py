@@ -1,7 +1,5 @@
 """Command-line flags -> :class:`MegaliteConfig`, the parser derived from megalite.config's
-declarations plus Megatron's compound flags (docs/design.md, "Adding a setting"). Any problem is a
-one-line :class:`ConfigError` naming the flag (docs/design.md, contract 8).
-"""
+declarations plus Megatron's compound flags (docs/design.md, "Adding a setting")."""
 
 from __future__ import annotations
 
@@ -58,8 +56,7 @@ def _translate(a: argparse.Namespace, v: Dict[str, dict]) -> None:
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error on several lines; we want one line (docs/design.md,
-    contract 8)."""
+    """Any problem is one line naming the flag, not argparse's usage (design.md, contract 8)."""
 
     def error(self, message: str):  # noqa: D102 - argparse API
         raise ConfigError(message)

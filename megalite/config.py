@@ -12,8 +12,6 @@ from typing import List, Optional, Sequence, Union
 
 # Context-parallel attention implementations (--cp-comm-type; docs/context_parallel.md).
 CP_COMM_TYPES = ("p2p", "allgather", "a2a")
-# The kernel of its attention blocks (--cp-attention-kernel; context_parallel/blocks.py).
-CP_ATTENTION_KERNELS = ("auto", "math")
 # The pipeline schedules (docs/pipeline_parallel.md); the V ones place two chunks per rank in a V
 # (chunk 0 of rank r is virtual stage r, chunk 1 is 2p-1-r), so rank 0 holds embedding and loss.
 V_SCHEDULES = ("zb-v", "dualpipev")
@@ -148,32 +146,26 @@ def check_zero3_schedule(zero_stage: int, schedule: Optional[str]) -> None:
                           f"W pass); use 1f1b or interleaved, or --zero-stage 1/2")
 
 
-def _virtual_stage_error(num_layers: int, pp: int, what: str) -> ConfigError:
-    return ConfigError(f"--num-layers ({num_layers}) must be divisible by "
-                       f"--pipeline-model-parallel-size ({pp}) x {what}, both positive "
-                       f"(virtual stages: --num-virtual-stages-per-pipeline-rank V or "
-                       f"--num-layers-per-virtual-pipeline-stage K, L = PP x V x K)")
+def _layers_over(num_layers: int, pp: int, n: int, what: str) -> int:
+    """L / (PP x n), the other of V and K: L = PP x V x K."""
+    if n <= 0 or pp <= 0 or num_layers % (n * pp) != 0:
+        raise ConfigError(f"--num-layers ({num_layers}) must be divisible by "
+                          f"--pipeline-model-parallel-size ({pp}) x {what} ({n}), both positive "
+                          f"(virtual stages: --num-virtual-stages-per-pipeline-rank V or "
+                          f"--num-layers-per-virtual-pipeline-stage K, L = PP x V x K)")
+    return num_layers // (n * pp)
 
 
 def virtual_stages(num_layers: int, pp: int, layers_per_virtual_stage: int) -> int:
-    """V from K (--num-layers-per-virtual-pipeline-stage): L = PP x V x K."""
-    k = layers_per_virtual_stage
-    if k <= 0 or pp <= 0 or num_layers % (k * pp) != 0:
-        raise _virtual_stage_error(num_layers, pp, f"the layers per virtual stage ({k})")
-    return num_layers // (k * pp)
+    """V from K (--num-layers-per-virtual-pipeline-stage)."""
+    return _layers_over(num_layers, pp, layers_per_virtual_stage, "the layers per virtual stage")
 
 
 def layers_per_virtual_stage(num_layers: int, pp: int, v: Optional[int]) -> Optional[int]:
     """K from V (``ParallelConfig.virtual_pipeline_model_parallel_size``); None without."""
     if not v or v == 1:
         return None
-    if num_layers % (pp * v) != 0:
-        raise _virtual_stage_error(num_layers, pp, f"the virtual stages per rank ({v})")
-    return num_layers // (pp * v)
-
-
-MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-MOE_GROUP_SCORES = ("topk_sum", "top2_sum")  # Megatron's rule; HF DeepSeek-V3 / GLM-4-MoE's
+    return _layers_over(num_layers, pp, v, "the virtual stages per rank")
 
 
 def check_routing(m: "ModelConfig") -> None:
@@ -234,8 +226,7 @@ class _Section:
         return asdict(self)
 
     def _check_choices(self) -> None:
-        """Every declared ``choices`` and ``bound`` (the parser checks choices too; this covers
-        library users)."""
+        """Every declared ``choices`` and ``bound``, for library users too (not only argparse)."""
         for f in fields(self):
             ok, bound = f.metadata.get("choices"), f.metadata.get("bound")
             value, name = getattr(self, f.name), flag_name(f) or f"{type(self).__name__}.{f.name}"
@@ -286,7 +277,8 @@ class ModelConfig(_Section):
         None, "llama3 RoPE scaling (Llama 3.1+); default none", role=CHECKPOINT_ARG)
     rope_low_freq_factor: float = setting(1.0, role=CHECKPOINT_ARG)
     rope_high_freq_factor: float = setting(4.0, role=CHECKPOINT_ARG)
-    rope_original_max_position_embeddings: int = setting(8192, role=CHECKPOINT_ARG)
+    rope_original_max_position_embeddings: int = setting(8192, role=CHECKPOINT_ARG,
+                                                         bound=POSITIVE_INT)
     qk_layernorm: bool = setting(False, "RMSNorm over each q and k head", role=SHAPE)
     qk_layernorm_scope: str = setting(
         "head", "with --qk-layernorm: head (one [d] weight shared by the heads: Qwen3, Megatron) "
@@ -358,7 +350,7 @@ class ModelConfig(_Section):
     moe_layer_freq: str = moe_setting("1", f"which layers are MoE: {_LAYER_FREQ_HELP}",
                                       role=SHAPE)
     moe_router_score_function: str = moe_setting(
-        "softmax", "how router logits become scores", choices=MOE_SCORE_FUNCTIONS,
+        "softmax", "how router logits become scores", choices=("softmax", "sigmoid"),
         role=CHECKPOINT_ARG)
     moe_router_pre_softmax: bool = moe_setting(
         False, "softmax over all experts before the top-k (Switch, Qwen2-MoE)",
@@ -373,7 +365,7 @@ class ModelConfig(_Section):
     moe_router_group_score: str = moe_setting(
         "topk_sum", "how a group is scored: topk_sum (Megatron's rule) or top2_sum (HF "
         "DeepSeek-V3 / GLM-4-MoE); megalite's flag, not Megatron's",
-        choices=MOE_GROUP_SCORES, role=CHECKPOINT_ARG)
+        choices=("topk_sum", "top2_sum"), role=CHECKPOINT_ARG)
     moe_router_norm_topk_prob: bool = moe_setting(
         True, "sigmoid scores: renormalise the k gates to sum to 1 (Megatron always does); "
         "--no-moe-router-norm-topk-prob keeps the raw sigmoid gates (HF's norm_topk_prob=False; "
@@ -431,7 +423,6 @@ class ModelConfig(_Section):
         if self.swiglu and self.activation == "gelu":
             self.activation = "silu"
 
-    # ----------------------------------------------------------------------------------------
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """Vocab padded to a multiple of make_vocab_size_divisible_by * tp (docs/theory.md)."""
         multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
@@ -515,12 +506,10 @@ class ModelConfig(_Section):
             raise ConfigError("--qk-layernorm-scope projection needs --qk-layernorm")
         if self.rope_scaling_factor is not None and (
                 self.position_embedding_type != "rope" or self.rope_scaling_factor < 1.0
-                or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
-                or self.rope_original_max_position_embeddings <= 0):
-            raise ConfigError(
-                "--rope-scaling-factor needs --position-embedding-type rope, a factor >= 1, "
-                "0 < --rope-low-freq-factor < --rope-high-freq-factor and a positive "
-                "--rope-original-max-position-embeddings")
+                or not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor):
+            raise ConfigError("--rope-scaling-factor needs --position-embedding-type rope, a "
+                              "factor >= 1 and 0 < --rope-low-freq-factor < "
+                              "--rope-high-freq-factor")
         if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
             raise ConfigError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
@@ -544,13 +533,11 @@ class ModelConfig(_Section):
         if self.position_embedding_type != "rope" or self.rope_scaling_factor is not None:
             raise ConfigError("--rope-type yarn needs --position-embedding-type rope and no "
                               "--rope-scaling-factor (llama3 scaling is the other rule)")
-        if not (self.rotary_scaling_factor >= 1 and 0 < self.beta_slow < self.beta_fast
-                and self.rope_original_max_position_embeddings > 0):
+        if not (self.rotary_scaling_factor >= 1 and 0 < self.beta_slow < self.beta_fast):
             raise ConfigError(
                 f"--rope-type yarn needs --rotary-scaling-factor >= 1 (got "
-                f"{self.rotary_scaling_factor}), 0 < --beta-slow < --beta-fast (got "
-                f"{self.beta_slow}, {self.beta_fast}) and a positive "
-                f"--rope-original-max-position-embeddings")
+                f"{self.rotary_scaling_factor}) and 0 < --beta-slow < --beta-fast (got "
+                f"{self.beta_slow}, {self.beta_fast})")
 
     def _validate_mla(self) -> None:
         """What multi-latent attention does not combine with is refused by name, one line each."""
@@ -630,14 +617,13 @@ class ModelConfig(_Section):
         q = self.num_attention_heads * d
         kv = 2 * self.num_query_groups * d
         bias = self.add_bias_linear
-        qkv_bias = self.add_qkv_bias
         norm = 2 * h if self.normalization == "LayerNorm" else h
 
         def mlp(width: int) -> int:  # fc1 (gate and up with SwiGLU) and fc2, biases if any
             fc1_out = 2 * width if self.swiglu else width
             return h * fc1_out + (fc1_out if bias else 0) + width * h + (h if bias else 0)
 
-        attn = self.attention_weights() + (q + kv if qkv_bias else 0) + (h if bias else 0)
+        attn = self.attention_weights() + (q + kv if self.add_qkv_bias else 0) + (h if bias else 0)
         if self.multi_latent_attention:  # no biases (validate); the two latents' RMSNorms
             attn += (self.q_lora_rank or 0) + self.kv_lora_rank
         qk_norm = (2 * d if self.qk_layernorm_scope == "head" else q + kv // 2)
@@ -1037,7 +1023,7 @@ class ExecutionConfig(_Section):
     cp_attention_kernel: str = setting(
         "auto", "context-parallel attention blocks: auto (fused: the CPU flash kernel; on CUDA "
         "flash, cuDNN or memory-efficient SDPA, self-checked) or math (exact fp32)",
-        choices=CP_ATTENTION_KERNELS, group="parallelism")
+        choices=("auto", "math"), group="parallelism")
     moe_grouped_gemm: bool = moe_setting(  # the loop needs each expert's row count on the host
         True, "all local experts in one grouped GEMM; --no-moe-grouped-gemm: a loop over them, "
         "which reads the row counts on the host every layer (Megatron's default is the loop)")
@@ -1227,9 +1213,7 @@ class MegaliteConfig(_Section):
         return out
 
 
-# ------------------------------------------------------------------------------------------------
-# roles, and args.json: the MegaliteConfig of a checkpoint
-# ------------------------------------------------------------------------------------------------
+# Roles, and args.json: the MegaliteConfig of a checkpoint.
 def _with_role(*roles: str) -> tuple:
     return tuple(f.name for f in fields(ModelConfig) if f.metadata.get("role") in roles)
 

@@ -34,13 +34,8 @@ def distinct_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(_storages(tensors).values())
 
 
-def _chunks(model_chunks) -> List[nn.Module]:
-    return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-
-
-def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
+def model_state_bytes(chunks: List[nn.Module], optimizer=None) -> Dict[str, int]:
     """Bytes this rank holds for params, grads, masters and optimizer states (deduplicated)."""
-    chunks = _chunks(model_chunks)
     params = [p for c in chunks for p in c.parameters()]
     # .grad and a DDP buffer's main_grad (both, where both exist; storages are counted once)
     grads: List[torch.Tensor] = [g for p in params for g in (p.grad, grad_of(p))]
@@ -51,7 +46,6 @@ def model_state_bytes(model_chunks, optimizer=None) -> Dict[str, int]:
         for u in getattr(c, "units", []):
             params.extend((u.shard, u.full))
             grads.extend((u.grad, u.full_grad))
-    for c in chunks:
         for buf in getattr(c, "grad_buffers", []):
             grads.append(buf.grad_data)
             for b in buf.buckets:
@@ -137,7 +131,7 @@ def _theory_by_group(chunks, psi: int, dp_size: int, zero_stage: int, params_dty
 
 def memory_report(model_chunks, optimizer=None) -> Dict:
     """Measured and theoretical model-state bytes, flat, for the run's logger at iteration 1."""
-    chunks = _chunks(model_chunks)
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     first = chunks[0]
     zero_stage, dp_size = getattr(first, "zero_stage", 0), getattr(first, "dp_size", 1)
     dtype = getattr(first, "compute_dtype", None) or next(first.parameters()).dtype
@@ -159,9 +153,8 @@ def memory_report(model_chunks, optimizer=None) -> Dict:
 
 
 class CountingCPUFrees:
-    """While active, c10's ``caffe2_report_cpu_memory_usage`` is on: the CPU allocator counts the
-    frees of every thread, and ``torch.profiler(profile_memory=True)`` stamps that count on each
-    memory event (``cpu_live_bytes``). A no-op where libc10 does not export the switch."""
+    """While active, c10's ``caffe2_report_cpu_memory_usage`` is on, so the profiler's memory
+    events carry the count of every thread's frees (``cpu_live_bytes``); a no-op without it."""
 
     def __enter__(self):
         self.flag = P.c10_bool_flag("FLAGS_caffe2_report_cpu_memory_usage")
@@ -203,12 +196,10 @@ def cuda_peak_bytes(device: torch.device) -> int:
 
 
 class PeakTensorMemory:
-    """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs: on GPU the
-    allocator's high-water mark, on CPU the storages live at the start plus the highest count of
-    live bytes of the CPU allocator under CountingCPUFrees (docs/planner.md, "2. Memory of real
-    runs", says why not a replay of the profiler's events). The profiler slows the block down:
-    measure one iteration. Its C++ log lines on stderr are held back. Both process-level effects
-    (fd 2 redirected, the c10 flag) last only for the block (tests/test_layering.py)."""
+    """Peak bytes of live tensor storage on ``device`` while the ``with`` block runs, on GPU and
+    CPU as docs/planner.md, "2. Memory of real runs", says; measure one iteration (the profiler
+    slows it down). Its C++ log lines on stderr are held back; both process-level effects (fd 2
+    redirected, the c10 flag) last only for the block (tests/test_layering.py)."""
 
     _NOISE = ("USDT:", "STAGE:", "CPUAllocator.cpp")
 

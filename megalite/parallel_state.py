@@ -22,9 +22,7 @@ from megalite.config import ConfigError
 from megalite.memory import cuda_peak_bytes
 
 
-# ------------------------------------------------------------------------------------------------
 # Device and backend: the only place megalite asks whether CUDA exists (docs/design.md, contract 1).
-# ------------------------------------------------------------------------------------------------
 def resolve_device(device_type: Optional[str], local_rank: int = 0) -> torch.device:
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":

@@ -1,7 +1,5 @@
 """The planner's cost model: memory per GPU and step time of a parallel layout (docs/planner.md).
-
-A tool: tools/plan.py searches with it; a run imports it only to print its memory estimate.
-"""
+A tool: tools/plan.py searches with it; a run imports it only to print its memory estimate."""
 
 from __future__ import annotations
 
@@ -530,8 +528,7 @@ def _cp_layer_s(m: Model, lay: Layout, cl: Cluster, attn: float) -> float:
 
 def _moe_layer_s(m: Model, lay: Layout, cl: Cluster, M: float) -> Dict[str, float]:
     """One MoE MLP, one micro-batch, forward, on one GPU (``M`` tokens, s b / C): its compute,
-    deferrable W, exposed exchanges, TP pairs and host time (docs/planner.md, "Mixture of
-    experts")."""
+    deferrable W, exposed exchanges, TP pairs and host time (planner.md, "Mixture of experts")."""
     cfg, gpu, E = m.cfg, cl.gpu, m.bytes_per_value
     t, ep, etp = (lay.tensor_model_parallel_size, lay.expert_model_parallel_size,
                   lay.expert_tensor_parallel_size)

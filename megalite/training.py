@@ -1,7 +1,5 @@
-"""The training loop: ``pretrain(cfg)`` builds everything from a MegaliteConfig and trains.
-
-The order of construction and the loss contract: docs/design.md ("How a run flows", contract 4).
-"""
+"""The training loop: ``pretrain(cfg)`` builds everything from a MegaliteConfig and trains (the
+order of construction and the loss contract: docs/design.md, "How a run flows", contract 4)."""
 
 from __future__ import annotations
 
@@ -121,9 +119,8 @@ class StepRecord(NamedTuple):
 
 
 class _Interval:
-    """The iterations since the last log line. Its time is training time only, from the host's
-    start of a step to the device's end of the last (one synchronize at the log line), paused
-    around an evaluation or a save, as in Megatron-LM (docs/logging.md)."""
+    """The iterations since the last log line and their training time, from the host's start of a
+    step to the device's end of the last, evaluations and saves paused out (docs/logging.md)."""
 
     def __init__(self):
         self.n, self.start, self.time = 0, None, 0.0
@@ -139,13 +136,10 @@ class _Interval:
             synchronize(device)
             self.time, self.start = self.time + time.perf_counter() - self.start, None
 
-    close = pause  # at the log line
-
 
 class Trainer:
-    """One pretraining run: construction is the set-up, :meth:`train` the loop. A step reads
-    nothing on the host; :meth:`_drain` reads the records at a log line or before a save
-    (docs/performance.md, "A step with no host read")."""
+    """One pretraining run: construction is the set-up, :meth:`train` the loop; a step reads
+    nothing on the host (docs/performance.md, "A step with no host read")."""
 
     def __init__(self, cfg: MegaliteConfig, ps: ParallelState, logger: MetricsLogger, tokenizer,
                  t_start: float, memory_estimate: Optional[Callable[..., dict]] = None):
@@ -266,7 +260,7 @@ class Trainer:
                 self._record(self._measured_train_step(self._micro_batches(data_it, m)))
                 interval.add(start, self.host_queue_s)
                 if self._logs_at(self.iteration):
-                    interval.close(self.ps.device)
+                    interval.pause(self.ps.device)  # closed at the log line
                     self._log(interval)
                     interval = _Interval()
                 if self.iteration % tr.eval_interval == 0:
