@@ -1,8 +1,6 @@
-"""Thin wrappers over torch.distributed collectives that count bytes and check devices: every
-megalite collective goes through here (docs/theory.md, "Collectives"; docs/clusters.md, "Which
-collectives run where" and "Strict mode"). A group of ``None`` or size 1 means "no peers": a
-local no-op (a copy where there is an output; docs/design.md, contract 7).
-"""
+"""Thin wrappers over torch.distributed collectives that count bytes and check devices
+(docs/design.md, "collectives.py"). A group of ``None`` or size 1 means "no peers": a local
+no-op (a copy where there is an output; contract 7)."""
 
 from __future__ import annotations
 
@@ -172,8 +170,7 @@ def all_gather_object(obj, group) -> list:
 
 def one_line(e: BaseException, limit: int = 300) -> str:
     """``e`` for a one-line error message: its type and the first line of its text, at most
-    ``limit`` characters. Ranks agree on errors by gathering them in this form (checkpoint/),
-    and every other one-line message that quotes an exception quotes it the same way."""
+    ``limit`` characters: the form ranks gather errors in and error messages quote."""
     first = (str(e).strip().splitlines() or [""])[0]
     return (f"{type(e).__name__}: {first}" if first else type(e).__name__)[:limit]
 

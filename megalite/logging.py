@@ -19,9 +19,8 @@ from megalite.config import MegaliteConfig, ModelConfig
 
 
 def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
-    """Model FLOPs (forward + backward, no recompute) for one sequence of ``cfg.seq_length``,
-    counted from the actual matmul shapes (GQA, SwiGLU, MLA, MoE's active experts, the logits)
-    plus :func:`attention_flops`: docs/theory.md, "FLOPs and MFU"."""
+    """Model FLOPs (forward + backward, no recompute) of one sequence from the actual matmul
+    shapes, plus :func:`attention_flops` (docs/logging.md, "FLOPs, TFLOP/s and MFU")."""
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     V = vocab_size if vocab_size is not None else cfg.vocab_size
 
@@ -40,9 +39,8 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
 
 
 def attention_flops(cfg: ModelConfig) -> float:
-    """The attention core's FLOPs (q·k^T and scores·v, forward + backward) for one sequence:
-    3·2·s·(q·k width + v width) per token and layer, min(W, s) keys per query under a sliding
-    window of W, no halving for causality (docs/theory.md, "FLOPs and MFU")."""
+    """The attention core's FLOPs (forward + backward) for one sequence: min(W, s) keys per query
+    under a sliding window of W, no halving for causality (docs/theory.md, "FLOPs and MFU")."""
     s, (qk, v) = cfg.seq_length, cfg.attention_widths()
     keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers))
     return float(3 * 2 * (qk + v) * keys * s)
@@ -59,15 +57,15 @@ _GPU_PEAK_BF16 = {
 
 
 class CpuPeak:
-    """Achievable fp32 matmul FLOP/s on this CPU per torch thread count, owned by its caller (the
-    training loop): CPUs have no datasheet figure torch reaches (docs/logging.md, CPU MFU)."""
+    """Achievable fp32 matmul FLOP/s on this CPU per torch thread count, owned by the training
+    loop (docs/logging.md, "FLOPs, TFLOP/s and MFU")."""
 
     def __init__(self):
         self.best: Dict[int, float] = {}  # threads -> best fp32 matmul FLOP/s seen
 
     def measure(self, n: int = 1024, tries: int = 5) -> float:
-        """The fastest of ``tries`` n x n matmuls at the current thread count, kept only if it
-        beats what was seen: competing processes deflate a measurement, never inflate it."""
+        """The fastest of ``tries`` n x n matmuls, kept only if it beats what was seen (competing
+        processes deflate a measurement, never inflate it)."""
         threads = torch.get_num_threads()
         g = torch.Generator().manual_seed(0)
         a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
@@ -84,8 +82,7 @@ class CpuPeak:
         return self.best.get(torch.get_num_threads()) or self.measure()
 
     def at_least(self, achieved: float) -> float:
-        """The peak once a step ran at ``achieved`` FLOP/s: measured again when the step beat it,
-        and the step's own rate if it still does, so CPU MFU never exceeds 100%."""
+        """The peak once a step ran at ``achieved`` FLOP/s, never below it (docs/logging.md)."""
         threads = torch.get_num_threads()
         if achieved > self.best.get(threads, 0.0):
             self.measure()
@@ -180,12 +177,6 @@ class MetricsLogger:
             self.tb = None
 
 
-def format_eta(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    return str(datetime.timedelta(seconds=int(max(seconds, 0))))
-
-
 def training_log_line(rec: dict, train_iters: int, eta_seconds: float) -> str:
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     parts = [f"[{now}] iteration {rec['iteration']:8d}/{train_iters:8d}",
@@ -207,5 +198,7 @@ def training_log_line(rec: dict, train_iters: int, eta_seconds: float) -> str:
         parts.append(f"MFU: {100 * mfu:.1f}%" if mfu is not None else "MFU: n/a")
     parts.append(f"peak mem: {rec['peak_memory_bytes'] / 2 ** 30:.2f} GiB")
     parts.append(f"skipped: {rec.get('skipped_iterations', 0)}")
-    parts.append(f"ETA {format_eta(eta_seconds)}")
+    eta = (str(datetime.timedelta(seconds=int(max(eta_seconds, 0))))
+           if math.isfinite(eta_seconds) else "?")
+    parts.append(f"ETA {eta}")
     return " | ".join(parts)

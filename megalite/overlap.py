@@ -17,9 +17,8 @@ from megalite.param_meta import grad_of, param_meta, set_param_meta
 
 
 class Clock:
-    """Marks for intervals: CUDA events on the current stream on a CUDA device (recording never
-    waits), host ``perf_counter`` elsewhere. ``seconds(mark)``, seconds since the clock began,
-    waits for the event on CUDA: call it once the step's figures are wanted."""
+    """Interval marks: CUDA events on a CUDA device, host ``perf_counter`` elsewhere
+    (docs/design.md, "Timing"); ``seconds(mark)`` waits for the event."""
 
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
@@ -40,10 +39,9 @@ class Clock:
 
 
 class WeightGradStore:
-    """The deferred weight gradients (W) of one step, owned by whoever runs it (the executor).
-    Layers marked with the store queue a closure per weight while it captures. A labelled capture
-    joins the first-in-first-out groups ``run_one``/``flush`` run, so each parameter's W's
-    accumulate in the order of their backwards; ``on_run(label, start, end)`` sees each run."""
+    """One step's deferred weight gradients (W), owned by the executor: marked layers queue a
+    closure per weight while it captures; a labelled capture joins the first-in-first-out groups
+    ``run_one``/``flush`` run; ``on_run(label, start, end)`` sees each run."""
 
     def __init__(self, on_run: Optional[Callable] = None, clock: Optional[Clock] = None):
         self.queue: Optional[List[Callable[[], None]]] = None  # the capturing backward's
@@ -108,13 +106,10 @@ def accumulate_weight_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class Pair:
-    """Two sides (callables) run as coroutines on two threads: exactly one runs at a time, side 0
-    first, handing over only inside ``switch`` (``exchange``, once its all-to-all is issued) or
-    by ending, so every EP rank issues its all-to-alls in one order. The side that switches is
-    the one running, whichever thread it is on: no thread identities. A side that raises aborts
-    the pair: the other never runs again (a ``switch`` it waits in raises), so it issues no
-    further collective, and ``run`` raises one line naming the rank and the side's op
-    (``names``). ``fill``: the store whose W's ``fill_while`` runs in all-to-all waits."""
+    """Two sides run as coroutines on two threads, side 0 first, handing over only inside
+    ``switch`` or by ending; a side that raises aborts the pair (docs/design.md, "The overlap
+    module"). The running side switches, whichever thread it is on: no thread identities.
+    ``fill``: the store whose W's ``fill_while`` runs in all-to-all waits."""
 
     def __init__(self, names: Sequence[str] = ("side 0", "side 1"),
                  on_resume: Optional[Callable[[int], None]] = None,
@@ -177,8 +172,7 @@ _RECORD: Optional[tuple] = None  # (clock, record(kind, start, end)): the execut
 def overlapping(pair: Optional[Pair], clock: Optional[Clock] = None,
                 record: Optional[Callable] = None):
     """For the block, ``exchange`` runs inside ``pair`` (None: blocking) and reports the
-    intervals its caller is blocked to ``record`` (``clock`` marks); the previous pair and
-    recorder are restored after it."""
+    intervals its caller is blocked to ``record`` (``clock`` marks)."""
     global _PAIR, _RECORD
     previous = _PAIR, _RECORD
     _PAIR, _RECORD = pair, (clock, record) if record is not None else None
@@ -190,11 +184,9 @@ def overlapping(pair: Optional[Pair], clock: Optional[Clock] = None,
 
 def exchange(output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
              group, tag: str) -> None:
-    """``collectives.all_to_all_single``, blocking for its caller. Inside a pair it is issued
-    async and the other side runs until it reaches an exchange of its own (or ends); then the
-    pair's queued W's may run (``Pair.fill_while``), and only then is this one waited for. The
-    recorder gets the intervals the caller was blocked: the whole call ("A") without a pair;
-    with one, the issue ("I") and the final wait ("A")."""
+    """``collectives.all_to_all_single``, blocking for its caller; inside a pair issued async,
+    handing over until the other side's next exchange (docs/moe.md, "Hiding the all-to-alls",
+    which also has the "A" and "I" intervals recorded)."""
     pair, (clock, record) = _PAIR, _RECORD or (None, None)
     start = clock.mark() if record else None
     work = C.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, tag,

@@ -1,13 +1,11 @@
 """DistributedDataParallel: contiguous grad buffers, bucketed and overlapped DP reduction
-(docs/data_parallel.md, "How a step runs"): gradient hooks move ``.grad`` into the bucket's
-``main_grad`` and launch a ready bucket's all-reduce (stage 0) or reduce-scatter (1, 2); a
-deferred weight gradient marks its parameter ready through ``ParamMeta.deferred_grad_hook``.
-The DP reduction comes first, the TP and embedding-group sums after it (sums commute).
-"""
+(docs/data_parallel.md, "How a step runs"). The DP reduction comes first, the TP and
+embedding-group sums after it (sums commute)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -73,7 +71,7 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for p in self.param_to_buffer:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
-            set_param_meta(p, deferred_grad_hook=self._deferred_grad_hook)
+            set_param_meta(p, deferred_grad_hook=functools.partial(self._grad_hook, deferred=True))
         # overlap_param_gather: the first module using a bucket's params in the next forward
         # waits for its all-gather. Never inside compiled code, where the hook's parameter
         # lookups would guard on each parameter's identity and recompile every layer: a
@@ -131,9 +129,6 @@ class DistributedDataParallel(nn.Module):
             return  # more of this gradient comes with a queued W pass (a tied output layer's)
         self._mark_ready(buf, bucket, p)
 
-    def _deferred_grad_hook(self, p: nn.Parameter) -> None:
-        self._grad_hook(p, deferred=True)
-
     def _mark_ready(self, buf: ParamAndGradBuffer, bucket: Bucket, p: nn.Parameter) -> None:
         bucket.ready.add(p)
         if len(bucket.ready) < len(bucket.params):
@@ -180,7 +175,7 @@ class DistributedDataParallel(nn.Module):
             self._record("wait", bucket.index)
             bucket.grad_handle.wait()
             bucket.grad_handle = None
-        buf = self._buffer_of(bucket)
+        buf = self.param_to_buffer[bucket.params[0]]
         bucket.grad_shard_acc.add_(bucket.pending_out)
         bucket.pending_out = None
         buf.release_grad_storage(bucket)
@@ -189,9 +184,6 @@ class DistributedDataParallel(nn.Module):
         self._drain_queued = False
         for b in self.buckets:
             self._complete_stage2(b)
-
-    def _buffer_of(self, bucket: Bucket) -> ParamAndGradBuffer:
-        return self.param_to_buffer[bucket.params[0]]
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -299,9 +291,8 @@ def _all_reduce_slices(slices: List[torch.Tensor], group, tag: str) -> None:
 
 
 def add_tied_copies_here(grads: List[torch.Tensor]) -> bool:
-    """Both copies of a tied embedding on this rank (zb-v / dualpipev: chunk 0's input embedding
-    and chunk 1's output layer, on pipeline rank 0; partition.py): give both the sum of their
-    gradients, no collective. False when at most one copy is here (it goes over the group)."""
+    """Both copies of a tied embedding on this rank (the V schedules' rank 0): give both the sum
+    of their gradients, no collective. False when at most one copy is here."""
     if len(grads) != 2:
         return False
     grads[0].add_(grads[1])

@@ -1,3 +1,1 @@
-"""Mixture of Experts (docs/moe.md): routing, balancing losses and capacity (``router.py``), local
-token permutation (``dispatch.py``), expert parallelism's exchange (``alltoall.py``) and the MoE
-layer with its per-step hooks (``layer.py``)."""
+"""Mixture of Experts (docs/moe.md; the modules: docs/design.md, "moe/")."""

@@ -1,8 +1,5 @@
-"""Expert parallelism's token exchange (docs/moe.md, "Token dispatch: the all-to-all"): rows
-go to their experts' EP rank, are regrouped by local expert and (ETP > 1) all-gathered over the
-ETP group; ``combine`` undoes each step. Every exchange calls the overlap hook
-(``overlap.exchange``) explicitly, blocking as seen from here ("Hiding the all-to-alls").
-"""
+"""Expert parallelism's token exchange (docs/moe.md, "Token dispatch: the all-to-all"); every
+all-to-all goes through the overlap hook ``overlap.exchange``, blocking as seen from here."""
 
 from __future__ import annotations
 
@@ -125,8 +122,7 @@ def dispatch(tokens_sorted_by_expert: torch.Tensor, tokens_per_expert_local: tor
         counts = (exchange_counts(tokens_per_expert_local, ep_group) if ep > 1
                   else tokens_per_expert_local.view(1, -1))
         etp_counts = gather_counts(counts.sum(0), etp_group) if etp > 1 else None
-        # the one host read: rows to each EP destination, from each EP source, from each ETP
-        # peer
+        # the one host read: rows to each EP destination, from each EP source, from each ETP peer
         sizes = [tokens_per_expert_local.view(ep, -1).sum(1), counts.sum(1)]
         if etp_counts is not None:
             sizes.append(etp_counts.sum(1))

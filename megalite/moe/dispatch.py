@@ -1,7 +1,5 @@
-"""Local token permutation for MoE (docs/moe.md): group a rank's tokens by expert so each expert
-runs one dense matmul on a contiguous block, and scatter the weighted outputs back. What crosses
-ranks (the all-to-all of expert parallelism) is not here; it moves these blocks as they are.
-"""
+"""Local token permutation for MoE (docs/moe.md, "Permutation"): a rank's tokens grouped by
+expert, one contiguous block each, and the weighted outputs scattered back."""
 
 from __future__ import annotations
 

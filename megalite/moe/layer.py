@@ -100,8 +100,7 @@ class _ExpertWeightGrad(torch.autograd.Function):
 
 def enable_expert_weight_grad_deferral(modules, store: WeightGradStore) -> None:
     """Mark the MoE layers under ``modules``: a backward inside ``store.capture()`` then queues
-    their experts' weight gradients (only theirs: each expert weight is used once per
-    micro-batch, so one deferred gradient replaces one inline one, bit for bit)."""
+    their experts' weight gradients (only theirs: docs/moe.md)."""
     for module in modules:
         for m in module.modules():
             if isinstance(m, MoELayer):
@@ -138,8 +137,6 @@ class MoELayer(nn.Module):
         self.dispatcher = execution.moe_token_dispatcher_type
         self.num_experts, self.topk = c.num_experts, c.moe_router_topk
         self.groups = groups
-        self.ep_group, self.tp_group, self.cp_group = groups.ep, groups.tp, groups.cp
-        self.etp_group, self.etp_ep_group = groups.etp, groups.etp_ep
         ep, etp = C.group_size(groups.ep), C.group_size(groups.etp)
         self.num_local_experts = c.num_experts // ep
         self.local_expert_offset = C.group_rank(groups.ep) * self.num_local_experts
@@ -220,17 +217,16 @@ class MoELayer(nn.Module):
 
     def _over_sequence(self, t: torch.Tensor, tag: str) -> torch.Tensor:
         """Sum over the ranks that hold other tokens of the same sequences (TP under SP, CP)."""
-        C.all_reduce(t, group=self.tp_group, tag=tag)
-        C.all_reduce(t, group=self.cp_group, tag=tag)
+        C.all_reduce(t, group=self.groups.tp, tag=tag)
+        C.all_reduce(t, group=self.groups.cp, tag=tag)
         return t
 
     def _aux_loss(self, logits: torch.Tensor, batch: int) -> torch.Tensor:
-        """This rank's share of the balancing and z losses: the shares summed over TP x CP are
-        the losses of the whole micro-batch, token counts taken over all of it, so every layout
-        gives one process's value (docs/moe.md)."""
+        """This rank's share of the balancing and z losses; the shares sum over TP x CP to the
+        whole micro-batch's (docs/moe.md)."""
         c = self.config
         kind, loss = c.moe_router_load_balancing_type, logits.new_zeros(())
-        split = C.group_size(self.tp_group) * C.group_size(self.cp_group)
+        split = C.group_size(self.groups.tp) * C.group_size(self.groups.cp)
         if kind != "none" and c.moe_aux_loss_coeff > 0:
             scores, top = R.scores_for_aux_loss(logits, self.topk, c.moe_router_score_function)
             s = logits.shape[0] // batch  # this rank's tokens of each sequence
@@ -253,10 +249,8 @@ class MoELayer(nn.Module):
         return loss
 
     def _global_aux_loss(self, scores: torch.Tensor, top: torch.Tensor, split: int):
-        """global_aux_loss (Megatron's): the running mean of the token fractions the step has
-        routed so far over all DP ranks, with this micro-batch's scores; each rank's share is DP
-        x its part of the round's loss, so a layout equals one process with DP times larger
-        micro-batches (docs/moe.md, where the scaling against Megatron's is derived)."""
+        """global_aux_loss (Megatron's): the step's running token fractions over all DP ranks,
+        with this micro-batch's scores, scaled by DP (docs/moe.md derives the scaling)."""
         c, g = self.config, self.groups
         counts = top.sum(0).float()
         C.all_reduce(counts, group=g.tp, tag="moe_aux")  # TP x DP x CP: the whole round
@@ -281,10 +275,8 @@ class MoELayer(nn.Module):
         return h
 
     def _allgather_experts(self, tokens, probs, routing_map, rows):
-        """The allgather dispatcher (docs/moe.md): the ETP x EP group's tokens gathered, this
-        rank's experts (or slices) run on their rows, a reduce-scatter sums the contributions
-        back onto the tokens' ranks."""
-        group = self.etp_ep_group
+        """The allgather dispatcher (docs/moe.md, "The allgather dispatcher")."""
+        group = self.groups.etp_ep
         n = C.group_size(group)
         local = slice(self.local_expert_offset, self.local_expert_offset + self.num_local_experts)
         tokens = gather_from_sequence_parallel_region(tokens, group)
@@ -319,8 +311,8 @@ class MoELayer(nn.Module):
             # over EP, each token block goes to the rank of its expert and its output comes
             # back (and over ETP, to every slice of it); with EP = ETP = 1 nothing moves
             padded = cap if self.config.moe_pad_expert_input_to_capacity else None
-            received, rows_per_expert, handle = dispatch(permuted, counts, self.ep_group,
-                                                         self.num_local_experts, self.etp_group,
+            received, rows_per_expert, handle = dispatch(permuted, counts, self.groups.ep,
+                                                         self.num_local_experts, self.groups.etp,
                                                          padded)
             out = combine(self._experts(received, rows_per_expert), handle)
             y = unpermute(out, sorted_indices, probs.to(out.dtype), routing_map, rows)
@@ -343,10 +335,9 @@ class MoELayer(nn.Module):
 
 def moe_interval_metrics(layers: List[MoELayer], config: ModelConfig, micro_batches: int,
                          ps) -> dict:
-    """Per MoE layer since the last log line: the balancing and z losses (per micro-batch) and
-    the load imbalance (max / mean tokens per expert), plus their mean and worst over layers.
-    Collective over the world at log steps (each layer lives on one pipeline stage), one host
-    read; ``micro_batches``: the interval's micro-batches over every DP rank."""
+    """Per MoE layer since the last log line: balancing and z losses per micro-batch, load
+    imbalance, and their mean and worst over layers (docs/moe.md). Collective over the world
+    (each layer lives on one stage); ``micro_batches``: the interval's, over every DP rank."""
     rows = torch.zeros(config.num_layers, 2 + config.num_experts, device=ps.device)
     for m in layers:
         rows[m.layer_number] = m.interval_stats
@@ -385,9 +376,8 @@ def begin_step(layers: List[MoELayer], aux_loss_scale) -> None:
 @torch.no_grad()
 def update_expert_biases(layers: List[MoELayer], tp_group, dp_cp_group,
                          applied: Union[bool, torch.Tensor]) -> None:
-    """Loss-free balancing after a step (DeepSeek-V3, docs/moe.md): b += rate * sign(mean load -
-    load), loads summed over TP (under SP) and DP x CP in one all-reduce; a skipped step leaves
-    the biases (``applied``, the optimizer's device flag, in a ``torch.where``: no host read)."""
+    """Loss-free balancing after a step (DeepSeek-V3, docs/moe.md), loads summed over TP and
+    DP x CP; a skipped step (``applied``, a device flag: no host read) leaves the biases."""
     layers = [m for m in layers if m.expert_bias is not None]
     if not layers:
         return

@@ -1,9 +1,6 @@
-"""Mixture-of-Experts routing as pure functions (docs/moe.md): top-k gating, the balancing and
-z losses, capacity dropping, the loss-free bias update. No process groups: a caller sums
-``tokens_per_expert`` over its ranks first. ``logits``, ``probs``, ``routing_map`` are [tokens,
-experts], tokens the flattened [s, b]. The options are those ModelConfig.validate accepted
-(config.check_routing); nothing is checked again per call.
-"""
+"""MoE routing as pure functions (docs/moe.md, "Routing"): no process groups (a caller sums
+``tokens_per_expert`` over its ranks first); ``logits``, ``probs``, ``routing_map`` are [tokens,
+experts]. The options are those ModelConfig.validate accepted: nothing is checked per call."""
 
 from __future__ import annotations
 

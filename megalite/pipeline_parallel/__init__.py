@@ -1,8 +1,5 @@
-"""Pipeline parallelism: stage partitioning, p2p, and the schedules 1F1B, interleaved 1F1B,
-ZB-H1, ZB-V and DualPipeV (``megalite.config.SCHEDULES``; docs/pipeline_parallel.md).
-
-Imports point one way: partition <- schedules (op orders, p2p programs: plain data) <- timeline
-<- executor (runs them; ``get_forward_backward_func``)."""
+"""Pipeline parallelism (docs/pipeline_parallel.md). Imports point one way: partition <-
+schedules (op orders, p2p programs: plain data) <- timeline <- executor (runs them)."""
 
 from megalite.pipeline_parallel.partition import build_model_chunks  # noqa: F401
 from megalite.pipeline_parallel.executor import get_forward_backward_func  # noqa: F401

@@ -24,9 +24,8 @@ from megalite.tensor_parallel.layers import enable_weight_grad_deferral
 
 
 def _free_output_data(t: torch.Tensor) -> None:
-    """Drop the storage of a stage output once it has been sent, keeping its autograd node: the
-    next stage has its own copy, and holding it here would cost one activation per in-flight
-    micro-batch (Megatron's deallocate_output_tensor). Views own no storage: left alone."""
+    """Drop a sent stage output's storage, keeping its autograd node (Megatron's
+    deallocate_output_tensor; docs/pipeline_parallel.md). Views own no storage: left alone."""
     if not P.is_view(t):
         t.data = torch.empty((1,), device=t.device, dtype=t.dtype)
 
@@ -111,9 +110,8 @@ class PipelineExecutor:
         self._deliver(i, out)
 
     def pair(self, i: int, k: int) -> None:
-        """An F&B pair (schedules.paired_units): the forward ops[i] and the backward ops[k] as
-        the two sides of a ``Pair``, interleaved at their all-to-alls (docs/pipeline_parallel.md,
-        "F&B pairs"); each side's output leaves once both have ended."""
+        """The forward ops[i] and the backward ops[k] as the sides of a ``Pair``
+        (docs/pipeline_parallel.md, "MoE: F&B pairs")."""
         for j in (i, k):
             self.no_sync.before(j)
         outs, sides = {}, (i, k)
@@ -159,7 +157,6 @@ class PipelineExecutor:
         return compute(op, self.inbox.pop(i, None))
 
     def _deliver(self, i: int, out) -> None:
-        """Hand op i's output to its consumer."""
         op, dst = self.ops[i], self.peers[i][1]
         if dst == self.r:  # the V turns inside this rank: hand the output to its consumer
             nxt = Op(op.kind, 1 - op.chunk, op.microbatch)
@@ -229,11 +226,8 @@ def _run(schedule: str, chunks: list, p: int, r: int, mode: str, p2p, device, *,
          timing_log_level: int = 0, overlap_moe_expert_parallel_comm: bool = False,
          delay_wgrad_compute: bool = False, on_timeline: Optional[Callable] = None,
          **unused) -> List[dict]:
-    """The one runner of a step's program, at every PP. ``overlap_moe_expert_parallel_comm``:
-    the combined 1F1B's F&B pairs (docs/pipeline_parallel.md "F&B pairs"), the same ops on the
-    same inputs, so the same losses and gradients bit for bit; ``delay_wgrad_compute`` (with
-    it): a paired backward's expert W's fill the pair's all-to-all waits (``Pair.fill_while``).
-    ``on_timeline`` receives the step's timeline (``timing_log_level`` >= 1)."""
+    """The one runner of a step's program, at every PP; the F&B pairs and the delayed W's:
+    docs/pipeline_parallel.md, "MoE: F&B pairs". ``on_timeline`` receives the step's timeline."""
     m = num_microbatches
     paired = overlap_moe_expert_parallel_comm and not forward_only
     clock = Clock(device) if timing_log_level >= 1 else None
@@ -252,10 +246,8 @@ def forward_backward_pipelining(*, model, parallel_state, num_microbatches: int,
                                 seq_length: int, micro_batch_size: int,
                                 schedule: Optional[str] = None, timing_log_level: int = 0,
                                 p2p_mode: Optional[str] = None, **kwargs) -> List[dict]:
-    """Run this rank's part of a pipelined step (docs/pipeline_parallel.md, "API for the
-    training loop"; the rest of the keywords: ``_run``). ``p2p_mode``: "eager" or "batched"
-    (schedules.p2p_program); None picks eager where the backend's p2p ops complete
-    independently (gloo), batched elsewhere (NCCL)."""
+    """This rank's part of a pipelined step (docs/pipeline_parallel.md, "API for the training
+    loop"). ``p2p_mode``: "eager" or "batched"; None: eager on gloo, batched elsewhere."""
     ps = parallel_state
     chunks = _chunks_of(model)
     schedule = check_pipeline_args(ps.pp_size, num_microbatches, len(chunks), schedule)
@@ -275,9 +267,8 @@ def forward_backward_pipelining(*, model, parallel_state, num_microbatches: int,
 
 
 def forward_backward_no_pipelining(*, model, **kwargs) -> List[dict]:
-    """Gradient accumulation: m micro-batches on one stage, DP sync only after the last; the
-    1F1B program of one stage (with --overlap-moe-expert-parallel-comm the combined 1F1B: F1,
-    the pairs (F(j+1), B(j)), B(m); docs/moe.md "Hiding the all-to-alls")."""
+    """Gradient accumulation: the 1F1B program of one stage, DP sync only after the last
+    micro-batch (docs/moe.md, "Hiding the all-to-alls", for its F&B pairs)."""
     chunks = _chunks_of(model)
     if len(chunks) != 1:
         raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")

@@ -1,7 +1,5 @@
-"""Point-to-point communication between pipeline ranks (docs/pipeline_parallel.md,
-"Point-to-point"): shapes are known ahead (no handshake), and ``post`` sends and receives one
-batch, its ops in the same order on every rank (activations first, sends before receives).
-"""
+"""Point-to-point between pipeline ranks (docs/pipeline_parallel.md, "Point-to-point"): shapes
+known ahead, one batch per ``post``, its ops in one order on every rank."""
 
 from __future__ import annotations
 
@@ -40,7 +38,6 @@ class P2PBatch:
         return self.received
 
     def done(self) -> bool:
-        """True once every op has completed (does not block)."""
         if all(w.is_completed() for w in self.works):
             self.works, self.sent = [], []
         return not self.works

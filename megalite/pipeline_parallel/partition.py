@@ -1,7 +1,5 @@
-"""Which layers live on which pipeline stage, and building this rank's model chunks
-(docs/pipeline_parallel.md). Layers keep their global numbers, so parameter names, seeds and
-checkpoint keys are the same in every layout (docs/design.md, contract 3).
-"""
+"""Which layers live on which pipeline stage, and this rank's model chunks
+(docs/pipeline_parallel.md, "Stages and chunks")."""
 
 from __future__ import annotations
 
@@ -90,12 +88,9 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
                          layer_range=layer_range, seed=seed, device=device,
                          sequence_parallel=sequence_parallel, execution=execution)
         if model_config.tie_embeddings:
-            # Two copies of one tied weight (input embedding on the first stage, output layer on
-            # the last): GPTModel seeds the output copy from the embedding's name, so they start
-            # equal; both must be flagged so finalize_model_grads sums their gradients every
-            # step, which keeps them equal: over the embedding group, or here when the V puts
-            # both on rank 0 (chunk 0 and chunk 1). Then the output copy is a local duplicate,
-            # which the gradient norm must not count a second time (clip_grads.counts_for_norm).
+            # both copies flagged, so finalize_model_grads sums their gradients every step; under
+            # the V both sit on rank 0, and the norm counts the output copy once
+            # (docs/pipeline_parallel.md, "Stages and chunks")
             if pre:
                 set_param_meta(chunk.embedding.word_embeddings.weight, tied_embedding=True)
             if post:

@@ -1,7 +1,5 @@
-"""What each pipeline rank computes, in which order, and when it talks to its neighbours
-(docs/pipeline_parallel.md, "The schedules" and "Point-to-point"): ``schedule_order`` is the
-per-rank list of ``F``, ``B`` and ``W`` ops, ``p2p_program`` where the sends and receives go.
-"""
+"""Each pipeline rank's op order (``schedule_order``) and p2p program (``p2p_program``):
+docs/pipeline_parallel.md, "The schedules" and "Point-to-point"."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ class Op:
 
 
 def order_1f1b(p: int, r: int, m: int, extra_warmup: int = 0) -> List[Op]:
-    """Warm-up p-r-1 forwards, steady one-forward-one-backward, cool-down backwards.
-    ``extra_warmup`` 1: the combined 1F1B's order (``paired_units``)."""
+    """Warm-up p-r-1 (+ ``extra_warmup``) forwards, steady 1F1B, cool-down backwards."""
     warmup = min(p - r - 1 + extra_warmup, m)
     ops = [Op("F", 0, j) for j in range(warmup)]
     for i in range(m - warmup):
@@ -57,8 +54,7 @@ def order_interleaved(p: int, r: int, m: int, v: int, extra_warmup: int = 0) -> 
 
 
 def order_zb_h1(p: int, r: int, m: int, extra_warmup: int = 0) -> List[Op]:
-    """ZB-H1 (Qi et al. 2024): the 1F1B order of F and B on stage g = r, with W_j right after
-    B_{j+g} and the last g W's after the final B."""
+    """ZB-H1 (Qi et al. 2024): 1F1B's F and B on stage r, W_j right after B_{j+r}."""
     ops: List[Op] = []
     next_w = 0
     for op in order_1f1b(p, r, m, extra_warmup):
@@ -94,19 +90,15 @@ def _phases(*phases: Tuple[int, str]) -> List[Op]:
 
 
 def order_zb_v(p: int, r: int, m: int) -> List[Op]:
-    """ZB-V (Qi et al. 2024, section 6): chunk-0 forwards fill the pipe (2(p-r)-1, then r pairs
-    with chunk 1), the steady phase runs F, input-gradient B and W on each chunk in turn, and the
-    cool-down's deferred W's fill the drain. 1F1B's activation memory: 2p chunk-micro-batches of
-    L/(2p) layers on rank 0."""
+    """ZB-V (Qi et al. 2024, section 6): docs/pipeline_parallel.md, "ZB-V and DualPipeV"."""
     return _phases((2 * (p - r) - 1, "F0"), (r, "F1 F0"), (p - r, "F1 I1 W"),
                    (m - 2 * p + r + 1, "F0 I0 W F1 I1 W"), (p - r - 1, "I0 W F1 I1 W"),
                    (r, "I0 I1"), (p - r, "I0 W"), (2 * r, "W"))
 
 
 def order_dualpipev(p: int, r: int, m: int) -> List[Op]:
-    """DualPipeV (DeepSeek-V3 report's DualPipe cut in half onto a V): warm-up forwards, then the
-    steady "F0 B1 F1 B0" whose forward and backward halves DualPipe overlaps, and W's deferred
-    only where the drain would otherwise idle (from the middle of the last B1 B0 pairs on)."""
+    """DualPipeV (DeepSeek-V3's DualPipe on a V): docs/pipeline_parallel.md, "ZB-V and
+    DualPipeV"."""
     h = (r + 1) // 2
     return _phases((2 * (p - r - 1), "F0"), (r + 1, "F0 F1"), (p - r - 1, "I1 W F1"),
                    (m - 2 * p + r + 1, "F0 B1 F1 B0"), (p - r - 1, "B1 F1 B0"),
@@ -116,9 +108,8 @@ def order_dualpipev(p: int, r: int, m: int) -> List[Op]:
 
 def schedule_order(schedule: str, p: int, r: int, m: int, v: int = 1,
                    forward_only: bool = False, paired: bool = False) -> List[Op]:
-    """Rank r's ops. ``paired``: the order the F&B pairs run in (``paired_units``): the 1F1B
-    family warms up with one more forward, so the forward a backward is paired with never feeds
-    it (at the last stage 1F1B runs F_j B_j back to back); the V's orders are unchanged."""
+    """Rank r's ops. ``paired``: the F&B pairs' order, one more warm-up forward in the 1F1B
+    family (docs/pipeline_parallel.md, "MoE: F&B pairs")."""
     extra = 1 if paired and not forward_only else 0
     orders = {"1f1b": lambda: order_1f1b(p, r, m, extra),
               "zb-h1": lambda: order_zb_h1(p, r, m, extra),
@@ -143,21 +134,17 @@ def op_peers(op: Op, schedule: str, p: int, r: int, v: int) -> Tuple[Optional[in
 
 
 # ----------------------------------------------------------------------------- p2p programs
-# A p2p program: one rank's steps, ("run", i), ("pair", i, k), ("post", b, sends, recvs) and
-# ("wait", b) (docs/pipeline_parallel.md, "Point-to-point"); sends never waited in it are waited
-# at the end of the step. tests/test_pipeline.py replays every program and proves it
-# deadlock-free.
+# A p2p program: one rank's steps ("run", i), ("pair", i, k), ("post", b, sends, recvs) and
+# ("wait", b) (docs/pipeline_parallel.md, "Point-to-point"); unwaited sends wait at step end.
 RECV_LOOKAHEAD = 2  # eager: receives posted this many input-needing ops ahead
 
 
 def eager_program(needs_recv: Sequence[bool], sends: Sequence[bool],
                   lookahead: int = RECV_LOOKAHEAD,
                   units: Optional[Sequence[tuple]] = None) -> List[tuple]:
-    """Every send and receive its own batch (gloo): the receives of the next ``lookahead`` ops
-    that need one are posted before an op runs, which waits only for its own input; its output
-    leaves at once and is never waited for. ``units`` (``paired_units``): an F&B pair waits for
-    both inputs, runs as one step, then sends both outputs. Why it cannot deadlock:
-    docs/pipeline_parallel.md, "Point-to-point"."""
+    """Every send and receive its own batch (gloo; docs/pipeline_parallel.md, "Point-to-point"):
+    receives posted ``lookahead`` input-needing ops ahead, outputs sent at once, never waited.
+    ``units`` (``paired_units``): a pair waits for both inputs, then sends both outputs."""
     need = [i for i, n in enumerate(needs_recv) if n]
     prog: List[tuple] = []
     batch_of = {}
@@ -208,11 +195,9 @@ def _lockstep(schedule: str, p: int, v: int, orders, units):
 # ----------------------------------------------------------------------------- F&B pairs
 @functools.lru_cache(maxsize=64)
 def paired_units(schedule: str, p: int, m: int, v: int = 1) -> Tuple[Tuple[tuple, ...], ...]:
-    """The combined 1F1B's steps (--overlap-moe-expert-parallel-comm, docs/pipeline_parallel.md
-    "MoE: F&B pairs"): per rank, tuples of indices into ``schedule_order(..., paired=True)``:
-    ``(i,)`` an op alone, ``(i, i+1)`` a forward and the backward right after it (of another
-    micro-batch), run together. Pairs that the lockstep run finds tied in a knot (each waiting on
-    the other's neighbour) are split and the run retried until every rank finishes."""
+    """Per rank, the steps of ``schedule_order(..., paired=True)``: ``(i,)`` an op alone,
+    ``(i, i+1)`` an F&B pair; pairs tied in a knot are split (docs/pipeline_parallel.md,
+    "MoE: F&B pairs")."""
     orders = [schedule_order(schedule, p, q, m, v, paired=True) for q in range(p)]
     units = []
     for ops in orders:
@@ -236,13 +221,8 @@ def paired_units(schedule: str, p: int, m: int, v: int = 1) -> Tuple[Tuple[tuple
 
 def lockstep_program(schedule: str, p: int, r: int, m: int, v: int = 1,
                      forward_only: bool = False, paired: bool = False) -> List[tuple]:
-    """The batched program (NCCL), from every rank's order run together in lockstep
-    (``_lockstep``): batch t of a rank carries exactly the messages of step t (the outputs of
-    the op or F&B pair it ran then and the inputs its neighbours produced then), posted after its
-    step-t op and waited before the first op that needs one of its receives. Why no rank waits
-    forever, for every schedule, with or without pairs: docs/pipeline_parallel.md,
-    "Point-to-point"."""
-    paired = paired and not forward_only
+    """The batched program (NCCL): batch t carries exactly the messages of the lockstep run's
+    step t (docs/pipeline_parallel.md, "Point-to-point"), waited before the first op needing it."""
     orders = [schedule_order(schedule, p, q, m, v, forward_only, paired) for q in range(p)]
     units = (paired_units(schedule, p, m, v) if paired
              else [[(i,) for i in range(len(o))] for o in orders])
@@ -280,9 +260,7 @@ def _run_step(unit: tuple) -> tuple:
 @functools.lru_cache(maxsize=64)  # a step asks for the same (schedule, p, r, m, v) each time
 def p2p_program(mode: str, schedule: str, p: int, r: int, m: int, v: int = 1,
                 forward_only: bool = False, paired: bool = False) -> Tuple[tuple, ...]:
-    """Rank ``r``'s ``mode`` program for ``schedule_order``'s ops: "batched"
-    (``lockstep_program``), correct on any backend and the only one NCCL can run, or "eager"
-    (``eager_program``, gloo). ``paired``: the F&B pairs' program (("pair", i, k) steps)."""
+    """Rank ``r``'s "batched" program (any backend, NCCL's only) or "eager" one (gloo)."""
     paired = paired and not forward_only
     if mode == "eager":
         ops = schedule_order(schedule, p, r, m, v, forward_only, paired)

@@ -1,8 +1,5 @@
-"""What each pipeline stage did during one step: F, B and W ops (and MoE all-to-all waits) with
-start/end times, from which the bubble is measured (docs/design.md, contract 10). Times are
-seconds from each rank's barrier-aligned step start: CUDA-event intervals on a GPU, host
-``perf_counter`` on CPU (``overlap.Clock``, resolved when the timeline is read).
-"""
+"""What each pipeline stage did during one step, from which the bubble is measured: ops and MoE
+all-to-all waits in seconds from the barrier-aligned step start (docs/design.md, contract 10)."""
 
 from __future__ import annotations
 
@@ -100,9 +97,7 @@ def bubble_stats(timelines: Sequence[StageTimeline]) -> Dict[str, object]:
         "step_time": step,
         "bubble_per_stage": per_stage,
         "bubble_fraction": sum(per_stage) / len(per_stage) if per_stage else 0.0,
-        "t_f": _mean([t.mean_duration("F") for t in timelines]),
-        "t_b": _mean([t.mean_duration("B") for t in timelines]),
-        "t_w": _mean([t.mean_duration("W") for t in timelines]),
+        **{f"t_{k.lower()}": _mean([t.mean_duration(k) for t in timelines]) for k in "FBW"},
         "peak_in_flight": [t.peak_in_flight for t in timelines],
     }
 
@@ -134,10 +129,8 @@ def theory_bubble(schedule: str, p: int, m: int, v: int = 1, t_f: float = 0.0, t
 
 def schedule_idle_times(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0,
                         t_b: float = 1.0, t_w: float = 1.0) -> List[float]:
-    """Each rank's idle time when the op orders run with fixed per-chunk op times and instant p2p:
-    the bubble the schedule itself implies, to set beside the measured one. A B whose W is not
-    deferred computes the weight gradients too (t_b + t_w). Raises if the orders cannot finish
-    (an op waits on one that its rank's order puts later)."""
+    """Each rank's idle time when the op orders run with fixed per-chunk op times and instant p2p
+    (a B whose W is not deferred takes t_b + t_w); raises if the orders cannot finish."""
     from megalite.pipeline_parallel.partition import virtual_stage
     from megalite.pipeline_parallel.schedules import schedule_order
 
@@ -199,10 +192,9 @@ def write_chrome_trace(timelines: Sequence[StageTimeline], path: str) -> None:
 
 def log_pipeline_step(timeline: Optional[StageTimeline], parallel_state, iteration: int,
                       trace_dir: Optional[str], logger=None) -> Optional[dict]:
-    """Measured bubble of the last step -> ``logger`` (a ``logging.MetricsLogger``, which writes
-    on the writer rank only), plus a Chrome trace from global rank 0. A collective over the
-    pipeline group: every rank of it calls this at the same iterations. Returns the record (every
-    rank), or None when there is no timeline (``--timing-log-level 0``)."""
+    """Measured bubble of the last step -> ``logger``, plus a Chrome trace from global rank 0
+    (docs/logging.md). A collective over the pipeline group; returns the record on every rank,
+    or None without a timeline (``--timing-log-level 0``)."""
     if timeline is None:
         return None
     timelines = gather_timelines(timeline, parallel_state)

@@ -1,8 +1,5 @@
-"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding
-(docs/tensor_parallel.md), sequence-first ``[s, b, h]``. The local matmul is native ``F.linear``
-except under SP's column-parallel layer (which saves only its input shard) and in layers marked
-with a ``WeightGradStore``, whose weight gradient is queued while the store captures.
-"""
+"""Tensor-parallel layers, sequence-first ``[s, b, h]``, and the linear function whose weight
+gradient is its own step (docs/tensor_parallel.md)."""
 
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ def _weight_grad(grad_output: torch.Tensor, total_input: torch.Tensor) -> torch.
 
 
 class LinearWithDeferrableWeightGrad(torch.autograd.Function):
-    """y = x W^T + b on this rank's weight, the weight gradient as its own step (the layers put
-    the TP/SP mapping operators around it). ``local_x`` (SP): x is the all-gather of this shard,
-    which alone is saved; x is re-gathered for ``dW = dyᵀ x`` in backward, one extra all-gather
-    for s/t activation memory (Korthikanti et al. §4.2.2)."""
+    """y = x W^T + b on this rank's weight, the weight gradient as its own step. ``local_x``
+    (SP): x is the all-gather of this shard, which alone is saved and re-gathered for ``dW``."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, local_x, group, store):
@@ -73,8 +68,7 @@ def linear(x, weight, bias=None, local_x=None, group=None, store=None):
 
 def enable_weight_grad_deferral(modules, store: WeightGradStore) -> None:
     """Route the linear layers under ``modules`` through the function, so that a backward inside
-    ``store.capture()`` queues their weight gradients (a forward cannot know whether its backward
-    will be captured; unmarked layers' gradients are computed inline, not deferred)."""
+    ``store.capture()`` queues their weight gradients (docs/tensor_parallel.md)."""
     for module in modules:
         if getattr(module, "_linears_store", None) is store:
             continue  # marked with this store already: skip the walk
@@ -85,9 +79,8 @@ def enable_weight_grad_deferral(modules, store: WeightGradStore) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A with A split by columns: rank r holds output features [r*o/t, (r+1)*o/t). Input
-    ``[s, b, h]`` (``[s/t, b, h]`` under SP), output ``[s, b, o/t]`` (``gather_output``: all o);
-    ``stride`` > 1 splits fused blocks (SwiGLU's gate and up) each apart (utils.py)."""
+    """Y = X A with A split by columns. Input ``[s, b, h]`` (``[s/t, b, h]`` under SP), output
+    ``[s, b, o/t]`` (``gather_output``: all o); ``stride`` > 1: fused blocks split apart."""
     weight_grad_store = None  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
@@ -132,9 +125,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X A with A split by rows: rank r holds input features [r*i/t, (r+1)*i/t). Input
-    ``[s, b, i/t]`` (or full, then scattered); the partial products are all-reduced (g), or
-    reduce-scattered along ``s`` under SP (ḡ), and the bias is added once, after the sum."""
+    """Y = X A with A split by rows. Input ``[s, b, i/t]`` (or full, then scattered); the partial
+    products are all-reduced (reduce-scattered along ``s`` under SP), then the bias added."""
     weight_grad_store = None  # set by enable_weight_grad_deferral
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
