@@ -4,7 +4,6 @@ which rank is causal: docs/context_parallel.md, "One interface, three implementa
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from functools import partial
 
@@ -171,46 +170,34 @@ def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel):
 
 # ---- a2a (Ulysses) ----
 
-def _seq_to_heads(ts, group):
-    """[b, h, s/C, d] tensors sharded on the sequence -> [b, h/C, s, d] in natural order."""
+def _reshard(ts, group, to_heads: bool):
+    """[b, h, s/C, d] tensors sharded on the sequence -> [b, h/C, s, d] in natural order
+    (``to_heads``), or back."""
     size = C.group_size(group)
-    got = _all_to_all([torch.cat([t.chunk(size, 1)[j].reshape(-1) for t in ts])
-                       for j in range(size)], group)
+    # pieces[j]: what goes to CP rank j, one per tensor; every rank's have the shapes of ours
+    pieces = [[t.chunk(size, 1)[j] if to_heads else shard(t, j, size, 2) for t in ts]
+              for j in range(size)]
+    got = _all_to_all([torch.cat([p.reshape(-1) for p in ps]) for ps in pieces], group)
     out, offset = [], 0
-    for t in ts:
-        shape = (t.shape[0], t.shape[1] // size) + tuple(t.shape[2:])
-        n = math.prod(shape)
-        out.append(_natural([g[offset:offset + n].view(shape) for g in got], dim=2))
-        offset += n
-    return out
-
-
-def _heads_to_seq(ts, group):
-    """The inverse of :func:`_seq_to_heads`."""
-    size = C.group_size(group)
-    got = _all_to_all([torch.cat([shard(t, j, size, 2).reshape(-1) for t in ts])
-                       for j in range(size)], group)
-    out, offset = [], 0
-    for t in ts:
-        shape = (t.shape[0], t.shape[1], t.shape[2] // size, t.shape[3])
-        n = math.prod(shape)
-        out.append(torch.cat([g[offset:offset + n].view(shape) for g in got], dim=1))
-        offset += n
+    for p in pieces[0]:
+        parts = [g[offset:offset + p.numel()].view(p.shape) for g in got]
+        out.append(_natural(parts, dim=2) if to_heads else torch.cat(parts, dim=1))
+        offset += p.numel()
     return out
 
 
 class _Reshard(torch.autograd.Function):
-    """:func:`_seq_to_heads` (``to_heads``) or :func:`_heads_to_seq`, the other its backward."""
+    """:func:`_reshard` one way, its backward the other."""
 
     @staticmethod
     def forward(ctx, group, to_heads, *ts):
         ctx.group, ctx.to_heads = group, to_heads
-        return tuple((_seq_to_heads if to_heads else _heads_to_seq)(list(ts), group))
+        return tuple(_reshard(list(ts), group, to_heads))
 
     @staticmethod
     def backward(ctx, *grads):
-        back = _heads_to_seq if ctx.to_heads else _seq_to_heads
-        return (None, None, *back([g.contiguous() for g in grads], ctx.group))
+        return (None, None, *_reshard([g.contiguous() for g in grads], ctx.group,
+                                      not ctx.to_heads))
 
 
 # ---- one autograd function over the ring and all-gather ----

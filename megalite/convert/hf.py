@@ -1,13 +1,8 @@
-"""Hugging Face <-> megalite conversion: GPT-2, Llama (3.1+), Qwen2, Qwen3, Mistral and the
-mixture-of-experts families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 (``glm4_moe``) and
-DeepSeek-V3 (``deepseek_v3``, multi-latent attention).
-
-Pure tensor mappings, per transformer layer (so a streaming tool converts one layer at a time)
-and for whole state dicts; whole models (:func:`from_hf`, :func:`to_hf`) live in
-convert/hf_files.py, which imports this module (never the other way). Each family is one
-row of :data:`FAMILIES`, read by the import and written by the export. Key names, tensor layouts
-(fused QKV per group, SwiGLU's [gate; up], stacked experts, MLA's RoPE rows, vocab padding, tied
-embeddings) and what each family maps or refuses: docs/models.md.
+"""Hugging Face <-> megalite conversion of configs and tensors, per transformer layer (so a
+streaming tool converts one layer at a time) and for whole state dicts; whole models live in
+convert/hf_files.py, which imports this module (never the other way). Each family is one row of
+:data:`FAMILIES`, read by the import and written by the export. The families, key names, tensor
+layouts and what each family maps or refuses: docs/models.md.
 """
 
 from __future__ import annotations
@@ -1113,13 +1108,6 @@ def _normalize_hf_keys(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConf
     return out
 
 
-def warn_dropped(keys: List[str], cfg: ModelConfig) -> None:
-    if keys:
-        warnings.warn(f"{cfg.hf_architecture}: {len(keys)} tensor(s) of the multi-token-"
-                      f"prediction layer(s) after layer {cfg.num_layers - 1} are not imported "
-                      f"(HF drops them on load too; megalite does not train MTP)", stacklevel=3)
-
-
 def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
                               model_config: ModelConfig) -> Dict[str, torch.Tensor]:
     """A full (tp=1) megalite state dict from an HF state dict, hub-file or in-memory names. An
@@ -1135,7 +1123,10 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
     if cfg.tie_embeddings:
         used.add("lm_head.weight")
     dropped = dropped_hf_keys(sd, cfg)
-    warn_dropped(dropped, cfg)
+    if dropped:
+        warnings.warn(f"{cfg.hf_architecture}: {len(dropped)} tensor(s) of the multi-token-"
+                      f"prediction layer(s) after layer {cfg.num_layers - 1} are not imported "
+                      f"(HF drops them on load too; megalite does not train MTP)", stacklevel=2)
     used.update(dropped)
     unused = [k for k in sd if k not in used and not k.endswith(IGNORED_HF_SUFFIXES)]
     if unused:

@@ -30,9 +30,8 @@ def build_pretraining_datasets(data_cfg: DataConfig, tokenizer, seq_length: int,
         return tuple(MockGPTDataset(tokenizer.vocab_size, seq_length, num_samples[k], seed, k)
                      if split_w[k] > 0 else None for k in range(3))
 
-    if data_cfg.data_path is None:
-        paths, weights = [None], [1.0]
-    else:
+    paths, weights = [None], [1.0]  # the built-in corpus
+    if data_cfg.data_path is not None:
         paths, weights = parse_blend(data_cfg.data_path)
     stores = [sources.load_document_store(p, data_cfg, tokenizer, cache_dir) for p in paths]
     for p, store in zip(paths, stores):

@@ -49,8 +49,7 @@ def split_weights(split: str) -> List[float]:
 def split_document_ranges(num_documents: int, split: str) -> List[range]:
     """``--split 969,30,1`` -> three contiguous document ranges (train, valid, test)."""
     weights = split_weights(split)
-    total = sum(weights)
-    cum = np.cumsum(weights) / total
+    cum = np.cumsum(weights) / sum(weights)
     bounds = [0] + [int(round(c * num_documents)) for c in cum]
     bounds[-1] = num_documents  # guard against float round-off in the last boundary
     return [range(bounds[i], bounds[i + 1]) for i in range(3)]

@@ -14,7 +14,8 @@ from megalite.config import ConfigError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
-HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8  # 34 bytes before the three arrays
+_HEADER = "<QBQQ"  # after the magic: version, dtype code, sequence count, document index count
+HEADER_SIZE = len(INDEX_MAGIC) + struct.calcsize(_HEADER)  # 34 bytes before the three arrays
 
 # Megatron-LM's DType enum values; the codes are part of the file format.
 DTYPE_CODES = {
@@ -86,13 +87,8 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens: Iterable[int], lengths: Optional[Sequence[int]] = None) -> None:
         """Append a document: one sequence, or several when ``lengths`` splits ``tokens``."""
         arr = np.asarray(tokens)
-        if lengths is None:
-            self.add_item(arr)
-        else:
-            start = 0
-            for n in lengths:
-                self.add_item(arr[start:start + n])
-                start += n
+        for piece in [arr] if lengths is None else np.split(arr, np.cumsum(lengths))[:-1]:
+            self.add_item(piece)
         self.end_document()
 
     def add_index(self, prefix: str) -> None:
@@ -122,10 +118,8 @@ class IndexedDatasetBuilder:
         tmp = idx_path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(INDEX_MAGIC)
-            f.write(struct.pack("<Q", INDEX_VERSION))
-            f.write(struct.pack("<B", dtype_code(self.dtype)))
-            f.write(struct.pack("<Q", len(lengths)))
-            f.write(struct.pack("<Q", len(doc_idx)))
+            f.write(struct.pack(_HEADER, INDEX_VERSION, dtype_code(self.dtype), len(lengths),
+                                len(doc_idx)))
             f.write(lengths.tobytes(order="C"))
             f.write(pointers.tobytes(order="C"))
             f.write(doc_idx.tobytes(order="C"))
@@ -173,16 +167,14 @@ class IndexedDataset:
                                      f"{INDEX_MAGIC!r}")
         if len(header) < HEADER_SIZE:
             raise _corrupt(idx_path, f"truncated header ({len(header)} of {HEADER_SIZE} bytes)")
-        (version,) = struct.unpack_from("<Q", header, 9)
+        version, code, self.sequence_count, self.document_count = struct.unpack_from(
+            _HEADER, header, len(INDEX_MAGIC))
         if version != INDEX_VERSION:
             raise _corrupt(idx_path, f"unsupported version {version}, expected {INDEX_VERSION}")
-        (code,) = struct.unpack_from("<B", header, 17)
         if code not in DTYPE_CODES:
             raise _corrupt(idx_path, f"unknown dtype code {code}, valid codes "
                                      f"{sorted(DTYPE_CODES)}")
         self.dtype = np.dtype(DTYPE_CODES[code])
-        (self.sequence_count,) = struct.unpack_from("<Q", header, 18)
-        (self.document_count,) = struct.unpack_from("<Q", header, 26)
         expected = HEADER_SIZE + self.sequence_count * (4 + 8) + self.document_count * 8
         if size < expected:
             raise _corrupt(idx_path, f"truncated: {size} bytes, the header promises {expected} "

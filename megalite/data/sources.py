@@ -15,7 +15,7 @@ import numpy as np
 from megalite.collectives import one_line
 from megalite.config import ConfigError, DataConfig
 from megalite.data import indexed_dataset
-from megalite.data.gpt_dataset import ArrayDocumentStore
+from megalite.data.gpt_dataset import ArrayDocumentStore, parse_blend
 
 # Bump when the tokenized layout or the corpus recipe changes, so stale caches are not reused.
 CACHE_VERSION = "1"
@@ -211,8 +211,6 @@ def text_datasets(data_cfg: DataConfig, cache_dir: Optional[str] = None):
     """[(name, Dataset)] of every text source the config names (built-in corpus when none)."""
     if data_cfg.data_path is None:
         return [("builtin:stdlib", builtin_corpus(cache_root(data_cfg, cache_dir)))]
-    from megalite.data.gpt_dataset import parse_blend
-
     paths, _ = parse_blend(data_cfg.data_path)
     out = []
     for p in paths:
@@ -256,14 +254,10 @@ def iter_texts(ds, text_field: str, max_chars: int) -> Iterator[str]:
 
 def _tokenize_batch(batch, tokenizer, text_field, append_eod):
     ids = tokenizer.encode_batch([t or "" for t in batch[text_field]])
-    out = []
-    for t, x in zip(batch[text_field], ids):
-        if t:  # an empty document would otherwise become a lone EOD
-            x = list(x) + [tokenizer.eod] if append_eod else list(x)
-        else:
-            x = []
-        out.append(np.asarray(x, dtype=np.int32))
-    return {"input_ids": out}
+    eod = [tokenizer.eod] if append_eod else []
+    # an empty document stays empty (it would otherwise become a lone EOD)
+    return {"input_ids": [np.asarray(list(x) + eod if t else [], dtype=np.int32)
+                          for t, x in zip(batch[text_field], ids)]}
 
 
 def tokenize_dataset(ds, tokenizer, text_field: str, num_proc: int = 0, append_eod: bool = True,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import tempfile
 from typing import List, Optional, Sequence
 
 from megalite.config import ConfigError, DataConfig, ModelConfig
+from megalite.data import sources
 
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("ByteLevelBPETokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
@@ -97,8 +99,6 @@ def load_gpt2_bpe(vocab_file: str, merge_file: str) -> Tokenizer:
         if not os.path.isfile(f):
             raise ConfigError(f"{flag}: {f} does not exist; GPT2BPETokenizer needs GPT-2's "
                               f"vocab.json and merges.txt")
-    import inspect
-
     # transformers 5 names the files vocab/merges; 4.x named them vocab_file/merges_file.
     v5 = "merges" in inspect.signature(GPT2TokenizerFast.__init__).parameters
     files = {"vocab": vocab_file, "merges": merge_file} if v5 else {
@@ -134,8 +134,6 @@ def load_hf_tokenizer(name_or_dir: Optional[str], cache_dir: Optional[str] = Non
 
 
 def _bpe_cache_key(data_cfg: DataConfig, sets, vocab_size: int) -> str:
-    from megalite.data import sources
-
     if data_cfg.data_path is None:
         corpus = ("builtin", sources.builtin_corpus_fingerprint())
     else:
@@ -149,8 +147,6 @@ def trained_bpe(data_cfg: DataConfig, cache_dir: Optional[str] = None,
                 vocab_size: int = ModelConfig.vocab_size) -> Tokenizer:
     """Load the cached BPE for this corpus and vocab size, or train and cache it."""
     from transformers import AutoTokenizer
-
-    from megalite.data import sources
 
     root = sources.cache_root(data_cfg, cache_dir)
     # The built-in corpus is keyed by its files alone, so a cache hit skips loading it.

@@ -16,7 +16,8 @@ from megalite.param_meta import grad_of, param_meta
 from megalite.parallel_state import ParallelState
 
 
-def _all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
+def all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
+    """All-reduce ``grads`` in place as one flat tensor."""
     if not grads or C.group_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -28,7 +29,7 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
 def allreduce_sequence_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
     grads = [g for m in models for p in m.parameters()
              if param_meta(p).grad_partial_over_tp and (g := grad_of(p)) is not None]
-    _all_reduce_coalesced(grads, ps.tp_group, "tp_sp_grad_all_reduce")
+    all_reduce_coalesced(grads, ps.tp_group, "tp_sp_grad_all_reduce")
 
 
 def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
@@ -37,7 +38,7 @@ def allreduce_embedding_grads(models: Iterable[nn.Module], ps: ParallelState) ->
     grads = [g for m in models for p in m.parameters()
              if param_meta(p).tied_embedding and (g := grad_of(p)) is not None]
     if not add_tied_copies_here(grads):
-        _all_reduce_coalesced(grads, ps.embedding_group, "embedding_grad_all_reduce")
+        all_reduce_coalesced(grads, ps.embedding_group, "embedding_grad_all_reduce")
 
 
 def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:
@@ -45,7 +46,7 @@ def allreduce_data_parallel_grads(models: Iterable[nn.Module], ps: ParallelState
     for expert, group in ((False, ps.dp_cp_group), (True, ps.edp_group)):
         grads = [g for m in models for p in m.parameters()
                  if param_meta(p).expert == expert and (g := grad_of(p)) is not None]
-        _all_reduce_coalesced(grads, group, "dp_grad_all_reduce")
+        all_reduce_coalesced(grads, group, "dp_grad_all_reduce")
 
 
 def finalize_model_grads(models, ps: ParallelState, data_parallel: bool = True) -> None:

@@ -1,10 +1,7 @@
-"""Contiguous parameter and gradient buffers, split into buckets for data-parallel reduction.
-
-Every parameter's ``.data`` becomes a view into the param buffer and its gradient accumulates
-into ``param.main_grad``, a view into the (fp32) grad buffer. The layout rules (reverse
-registration order, whole parameters per bucket, 64-element parameter and lcm(N, 128) bucket
-alignment, a bucket of its own for a tied embedding) and stage 2's transient bucket storage, and
-why: docs/data_parallel.md, "How a step runs". ZeRO-3 units are packed by the same rule.
+"""Contiguous parameter and gradient buffers, split into buckets for data-parallel reduction:
+``param.data`` becomes a view of the param buffer and ``param.main_grad`` one of the (fp32) grad
+buffer. The layout rules, stage 2's transient bucket storage, and why: docs/data_parallel.md,
+"How a step runs". ZeRO-3 units are packed by the same rule.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite import torch_private as P
 from megalite.config import OptimizerConfig
+from megalite.distributed.finalize_model_grads import all_reduce_coalesced
 from megalite.distributed.param_and_grad_buffer import packed
 from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState
@@ -472,16 +473,9 @@ class Zero3Model(nn.Module):
         if self._grads_finalized:
             return
         self._complete_reduce_scatters()
-        if C.group_size(self.ps.tp_group) > 1:
-            pieces = [u.grad[s.start:s.end] for u in self.units for s in u.segments
-                      if param_meta(u.params[s.param_index]).grad_partial_over_tp]
-            if pieces:
-                flat = torch.cat(pieces)
-                C.all_reduce(flat, group=self.ps.tp_group, tag="tp_sp_grad_all_reduce")
-                k = 0
-                for piece in pieces:
-                    piece.copy_(flat[k:k + piece.numel()])
-                    k += piece.numel()
+        pieces = [u.grad[s.start:s.end] for u in self.units for s in u.segments
+                  if param_meta(u.params[s.param_index]).grad_partial_over_tp]
+        all_reduce_coalesced(pieces, self.ps.tp_group, "tp_sp_grad_all_reduce")
         # the two copies' gradient shards line up (unit_plan): summed directly, 1/N of the bytes
         if self.ps.pp_size > 1 and self.ps.embedding_group is not None:
             for u in self.units:
@@ -514,8 +508,7 @@ class Zero3Model(nn.Module):
             if tuple(src.shape) != tuple(unit.shapes[s.param_index]):
                 raise ValueError(f"{name}: full state shape {tuple(src.shape)} != this model's "
                                  f"{tuple(unit.shapes[s.param_index])} (TP layout differs?)")
-            flat = src.reshape(-1)
-            out[s.start:s.end].copy_(flat[s.param_start:s.param_start + s.end - s.start])
+            out[s.start:s.end].copy_(src.reshape(-1)[s.param_start:s.param_start + s.end - s.start])
         return out
 
     @torch.no_grad()
@@ -541,14 +534,6 @@ class Zero3Model(nn.Module):
         params = {n for n, _ in self.module.named_parameters()}
         return [k for k in self.module.state_dict() if k not in params]
 
-    @torch.no_grad()
-    def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        """Load full per-parameter weights into the local shards (no communication)."""
-        for unit in self.units:
-            unit.main.copy_(self.local_shard_of(unit, state))
-            if unit.shard is not unit.main:
-                unit.shard.copy_(unit.main)
-
     def state_dict(self, *args, **kwargs):
         """:meth:`full_state_dict`: one checkpoint format whatever the ZeRO stage (collective)."""
         return self.full_state_dict()
@@ -564,8 +549,11 @@ class Zero3Model(nn.Module):
         if strict and (missing or unexpected):
             raise RuntimeError(f"ZeRO-3 load_state_dict: missing {missing[:3]}, unexpected "
                                f"{unexpected[:3]}")
-        if not missing:
-            self.load_full_state_dict(state_dict)
+        if not missing:  # each rank copies its own shards out of the full tensors
+            for unit in self.units:
+                unit.main.copy_(self.local_shard_of(unit, state_dict))
+                if unit.shard is not unit.main:
+                    unit.shard.copy_(unit.main)
             self.module.load_state_dict({k: state_dict[k] for k in buffers}, strict=False)
         return P.IncompatibleKeys(missing, unexpected)
 

@@ -1,11 +1,8 @@
 """GPTModel: embedding -> transformer layers -> final norm -> output layer (-> loss), every
-family through :class:`ModelConfig` (docs/models.md).
-
-Forward takes ``input_ids [b, s]`` (docs/design.md, contract 2) and returns per-token losses
-``[b, s]`` (fp32) when ``labels`` are given on the last stage, full logits ``[b, s, V]`` without
-labels, and hidden states ``[s(/t), b, h]`` on any other stage. ``pre_process``,
-``post_process`` and ``layer_range`` cut the model into pipeline stages; layers are keyed by
-their global number, so names, seeds and checkpoint keys agree in every layout.
+family through :class:`ModelConfig` (docs/models.md; its forward's contract: docs/design.md,
+contract 2). Per-token losses (fp32) with ``labels`` on the last stage, full logits without, and
+hidden states ``[s(/t), b, h]`` on any other stage. ``pre_process``, ``post_process`` and
+``layer_range`` cut the model into pipeline stages (layers keep their global numbers, contract 3).
 """
 
 from __future__ import annotations

@@ -38,11 +38,8 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
         if method is None:
             raise RuntimeError(f"parameter {name} has no init_method")
         kind = method[0]
-        if kind == "zeros":
-            param.zero_()
-            continue
-        if kind == "ones":
-            param.fill_(1.0)
+        if kind in ("zeros", "ones"):
+            param.fill_(1.0 if kind == "ones" else 0.0)
             continue
         shape = full_shape(param, tp_size)
         dev = param.device

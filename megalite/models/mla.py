@@ -1,8 +1,6 @@
-"""Multi-latent attention (MLA; DeepSeek-V2, arXiv:2405.04434 §2.1, and DeepSeek-V3): the q, k
-and v of every head come from two low-rank latents of the token, and one RoPE key is shared by
-all heads. Formulas, tensor-parallel layout, parameter counts and FLOPs: docs/models.md,
-"Multi-latent attention". ``SelfAttention`` (transformer.py) runs the attention core (with
-context parallelism), recomputation and the output projection.
+"""Multi-latent attention's q, k and v (MLA; DeepSeek-V2, arXiv:2405.04434 §2.1, and V3): the
+formulas, tensor-parallel layout, parameter counts and FLOPs are docs/models.md's "Multi-latent
+attention"; the attention core, recomputation and output projection are ``SelfAttention``'s.
 """
 
 from __future__ import annotations

@@ -25,14 +25,13 @@ from megalite.parallel_state import ParallelState
 
 @dataclass
 class Segment:
-    """The part [lo, hi) of a flat shard that belongs to one parameter (elements [plo, phi) of it)."""
+    """The part [lo, hi) of a flat shard that belongs to one parameter (from its element plo)."""
 
     name: str
     param: nn.Parameter
     lo: int
     hi: int
     plo: int
-    phi: int
 
 
 @dataclass
@@ -72,8 +71,7 @@ class DistributedOptimizer(ShardedAdamW):
         self._init_shared(config, ps, next(chunks[0].parameters()).dtype)
         self.chunks = chunks
         self.zero_stage = config.zero_stage
-        # ZeRO shards over DP x CP (parallel_state.py), the experts' buffers over their own
-        # expert-data-parallel group (each buffer's dp_group); the file is named by this rank
+        # the file is named by this rank of DP x CP (the expert buffers: their own dp_group)
         self.dp_group = ps.dp_cp_group
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
@@ -91,9 +89,8 @@ class DistributedOptimizer(ShardedAdamW):
                      for s in self.shards]
         self.segments = [[[g.name, g.lo, g.hi, g.plo, list(g.param.shape)] for g in s.segments]
                          for s in self.shards]
-        # The expert buffers shard over the expert-data-parallel group (ddp.py); when that is not
-        # DP x CP (EP > 1 or ETP != TP) their squares are summed over it and ETP x EP
-        # (clip_grads.grad_norm_squared).
+        # EP > 1 or ETP != TP: the expert shards' squares are summed over their own groups
+        # (clip_grads.grad_norm_squared)
         self.shard_is_expert = [ps.experts_apart and param_meta(s.bucket.params[0]).expert
                                 for s in self.shards]
         self.norm_runs = [[(g.lo, g.hi) for g in s.segments if not e and
@@ -124,7 +121,7 @@ class DistributedOptimizer(ShardedAdamW):
             names[key] = slot.param
             if a < b:
                 shard.segments.append(Segment(key, slot.param, a - start, b - start,
-                                              a - slot.start, b - slot.start))
+                                              a - slot.start))
         return shard
 
     # ---------------------------------------------------------------------------- interface

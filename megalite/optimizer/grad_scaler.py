@@ -11,7 +11,9 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 
+from megalite import collectives as C
 from megalite import torch_private as P
 
 
@@ -23,7 +25,7 @@ def _flag(found_inf: Union[bool, torch.Tensor], device: torch.device) -> torch.T
 
 
 class _Scaler:
-    def __init__(self, scale: float, device: Optional[torch.device]):
+    def __init__(self, scale: float, device: Optional[torch.device] = None):
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self._scale = self._full(scale, torch.float32)
 
@@ -46,9 +48,6 @@ class ConstantGradScaler(_Scaler):
     """A static loss scale (``--loss-scale``): fixed; overflowing steps are skipped."""
 
     dynamic = False
-
-    def __init__(self, scale: float, device: Optional[torch.device] = None):
-        super().__init__(float(scale), device)
 
     def update(self, found_inf) -> None:
         pass
@@ -119,14 +118,8 @@ def found_inf_flag(grads, device: torch.device, group=None,
                    inv_scale: Union[float, torch.Tensor] = 1.0) -> torch.Tensor:
     """A float32 device tensor [1], > 0 if any gradient on any rank of ``group`` (None: the
     world) holds an inf or NaN; the gradients are unscaled by ``inv_scale`` in the same pass.
-
     Every rank must agree, or some would step and some would skip: a MAX all-reduce of the flag,
-    on the compute ``device`` even on a rank without gradients (NCCL takes device tensors only).
-    The flag stays on the device (optimizer.py, ``decide_step``).
-    """
-    from megalite import collectives as C
-    import torch.distributed as dist
-
+    on ``device`` even on a rank without gradients (NCCL takes device tensors only)."""
     flag = torch.zeros(1, dtype=torch.float32, device=device)
     scale = inv_scale.reshape(1) if torch.is_tensor(inv_scale) else \
         torch.full((1,), inv_scale, dtype=torch.float32, device=device)

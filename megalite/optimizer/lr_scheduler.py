@@ -27,6 +27,12 @@ from typing import Optional, Union
 
 import torch
 
+# the fraction of (max_lr - min_lr) left at r, the fraction of the decay done
+_DECAY = {"linear": lambda r: 1.0 - r,
+          "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+          "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0,
+          "minus_sqrt": lambda r: 1.0 - math.sqrt(r)}
+
 
 class OptimizerParamScheduler:
     def __init__(self, optimizer, max_lr: float, min_lr: float, warmup_steps: int,
@@ -82,21 +88,9 @@ class OptimizerParamScheduler:
             if step < start:
                 return self.max_lr
             r = (step - start) / max(wsd, 1)
-            if self.wsd_decay_style == "linear":
-                coeff = 1.0 - r
-            elif self.wsd_decay_style == "cosine":
-                coeff = 0.5 * (math.cos(math.pi * r) + 1.0)
-            elif self.wsd_decay_style == "exponential":
-                coeff = 2.0 * math.pow(0.5, r) - 1.0
-            else:  # minus_sqrt
-                coeff = 1.0 - math.sqrt(r)
-            return self.min_lr + coeff * delta
+            return self.min_lr + _DECAY[self.wsd_decay_style](r) * delta
         r = (step - W) / max(D - W, 1)
-        if self.decay_style == "linear":
-            coeff = 1.0 - r
-        else:  # cosine
-            coeff = 0.5 * (math.cos(math.pi * r) + 1.0)
-        return self.min_lr + coeff * delta
+        return self.min_lr + _DECAY[self.decay_style](r) * delta
 
     def _apply(self) -> None:
         """The lr of the current count, a new 0-dim device tensor, into every param group: new

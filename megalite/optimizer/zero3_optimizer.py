@@ -44,8 +44,7 @@ class Zero3Optimizer(ShardedAdamW):
         self.norm_runs = [[(s.start, s.end) for s in u.segments if not u.expert and
                            counts_for_norm(u.params[s.param_index], ps.tp_rank,
                                            ps.is_pipeline_first_stage)] for u in self.units]
-        # EP > 1: expert units shard over the expert-data-parallel group; their squares are
-        # summed over it, then over EP (clip_grads.grad_norm_squared)
+        # EP > 1: the expert units' squares are summed over their own groups (clip_grads)
         self.shard_is_expert = [u.expert for u in self.units]
         self.expert_norm_runs = [[(s.start, s.end) for s in u.segments] if u.expert else []
                                  for u in self.units]

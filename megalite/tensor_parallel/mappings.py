@@ -19,17 +19,13 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
+# the last-dim pair is reached only through _op, for groups of more than one rank
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    n = C.group_size(group)
-    if n == 1:
-        return x
-    return x.chunk(n, dim=-1)[C.group_rank(group)].contiguous()
+    return x.chunk(C.group_size(group), dim=-1)[C.group_rank(group)].contiguous()
 
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     n = C.group_size(group)
-    if n == 1:
-        return x
     # all_gather_into_tensor concatenates along dim 0: gather with the last dim moved to the front
     moved = x.movedim(-1, 0).contiguous()
     out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
@@ -73,10 +69,6 @@ def _pair(name: str, forward, backward):
                                                    "backward": staticmethod(bwd)})
 
 
-def _identity(x: torch.Tensor, group) -> torch.Tensor:
-    return x
-
-
 class _ReduceFromRegion(torch.autograd.Function):
     """g, in place on the partial sums; marked dirty, so a backward that saved them raises
     (docs/tensor_parallel.md)."""
@@ -104,7 +96,8 @@ def _op(fn):
 
 # ---------------------------------------------------------------------------------- public API
 # Each operator's backward is its forward's conjugate.
-copy_to_tensor_model_parallel_region = _op(_pair("_CopyToRegion", _identity, _all_reduce))  # f
+copy_to_tensor_model_parallel_region = _op(_pair(  # f
+    "_CopyToRegion", lambda x, group: x, _all_reduce))
 reduce_from_tensor_model_parallel_region = _op(_ReduceFromRegion)  # g
 scatter_to_tensor_model_parallel_region = _op(_pair("_ScatterToRegion", _split_last_dim,
                                                     _gather_last_dim))

@@ -90,9 +90,7 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0,
     base = seed + 100 * pp_rank
     _random.seed(base)
     np.random.seed(base % 2**32)
-    torch.manual_seed(base)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(base)
+    torch.manual_seed(base)  # every device's default generator, CUDA's included
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, base + _TP_SEED_OFFSET + tp_rank, device)
 
@@ -136,24 +134,18 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.tracker_states = _TRACKER.get_states()
         with torch.no_grad():
             outputs = fn(*args)
-        tensor_inputs = [a if torch.is_tensor(a) else None for a in args]
-        ctx.non_tensor_inputs = [None if torch.is_tensor(a) else a for a in args]
-        ctx.save_for_backward(*[t for t in tensor_inputs if t is not None])
-        ctx.tensor_mask = [t is not None for t in tensor_inputs]
+        ctx.tensor_mask = [torch.is_tensor(a) for a in args]
+        ctx.non_tensor_inputs = [None if t else a for a, t in zip(args, ctx.tensor_mask)]
+        ctx.save_for_backward(*[a for a in args if torch.is_tensor(a)])
         return outputs
 
     @staticmethod
     def backward(ctx, *grads):
         saved = iter(ctx.saved_tensors)
-        inputs = []
-        for is_tensor, other in zip(ctx.tensor_mask, ctx.non_tensor_inputs):
-            if is_tensor:
-                t = next(saved)
-                detached = t.detach()
-                detached.requires_grad_(t.requires_grad)
-                inputs.append(detached)
-            else:
-                inputs.append(other)
+        inputs = [next(saved) if is_tensor else other
+                  for is_tensor, other in zip(ctx.tensor_mask, ctx.non_tensor_inputs)]
+        inputs = [x.detach().requires_grad_(x.requires_grad) if torch.is_tensor(x) else x
+                  for x in inputs]
         # Replay the forward under the RNG states it originally saw, then restore the present ones.
         now_cpu = torch.get_rng_state()
         now_device = _get_state(ctx.device) if ctx.device.type == "cuda" else None
