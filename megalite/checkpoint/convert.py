@@ -18,8 +18,7 @@ from megalite.checkpoint.format import (MODEL_FILE, TRACKER_FILE, CheckpointErro
                                         distrib_optim_name, iteration_dir, save_file,
                                         shard_dir_name)
 from megalite.checkpoint.layout import Layout, ParamSpec, canonical_name, layer_of
-from megalite.checkpoint.reshard import (MegaliteSource, ReadGroup, assemble_stage, own_storage,
-                                         source_reader)
+from megalite.checkpoint.reshard import MegaliteSource, ReadGroup, assemble_stage, own_storage
 from megalite.config import (V_SCHEDULES, MegaliteConfig, ModelConfig, config_to_json,
                              dtype_from_name)
 from megalite.convert.hf import (convert_layer_megalite_to_hf, convert_non_layer_megalite_to_hf,
@@ -35,11 +34,11 @@ def _quiet(_msg: str) -> None:
 
 
 @contextmanager
-def atomic_output(path: str, flag: str = "--save") -> Iterator[str]:
+def atomic_output(path: str) -> Iterator[str]:
     """Yield a temporary directory that becomes ``path`` only if the block completes."""
     path = os.path.abspath(path.rstrip("/") or path)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise CheckpointError(f"{flag} {path}: already exists and is not empty; choose a new "
+        raise CheckpointError(f"--save {path}: already exists and is not empty; choose a new "
                               f"directory (conversion never overwrites)")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(3).hex()}"
@@ -121,25 +120,17 @@ def _finish_checkpoint(tmp: str, cfg: MegaliteConfig, iteration: int,
 def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size: Optional[int]
             = None, no_optim: bool = False, iteration: Optional[int] = None,
             zero_stage: Optional[int] = None, log: Log = _quiet) -> str:
-    """Rewrite checkpoint ``load_dir`` for ``layout``: weights and (unless ``no_optim``) the
-    optimizer (Adam moments, fp32 masters, step, grad scaler), LR-scheduler position, RNG state,
-    iteration and consumed samples. Returns the output directory."""
+    """Rewrite checkpoint ``load_dir`` for ``layout`` (docs/checkpoints.md, "Conversion and
+    resharding"); returns the output directory."""
     src = MegaliteSource(load_dir, iteration)
     cfg = copy.deepcopy(src.cfg)
     if zero_stage is not None:
         cfg.optimizer.zero_stage = zero_stage
-    target_zero = cfg.optimizer.zero_stage >= 1
     dp = data_parallel_size
     if dp is None:
         dp = src.dp_size if src.optim_kind in ("zero", "zero3") else 1
     check_target_layout(cfg, layout, dp)
-    optim = None
-    if not no_optim:
-        if src.optim_kind is None:
-            raise CheckpointError(f"--load {load_dir}: the checkpoint has no optimizer state "
-                                  f"(saved with --no-save-optim); pass --no-optim")
-        optim = ("zero3" if cfg.optimizer.zero_stage == 3 else
-                 "zero" if target_zero else "plain")
+    optim = None if no_optim else src.optim_for(cfg.optimizer.zero_stage, "pass --no-optim")
     _set_layout(cfg, layout)
     if no_optim:
         cfg.checkpoint.no_save_optim = True
@@ -148,7 +139,7 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
         f"{layout.describe()}" + (f" dp={dp}" if optim in ("zero", "zero3") else "") +
         ("" if optim else " without optimizer state"))
     with atomic_output(save_dir) as tmp:
-        _write_stages(tmp, cfg, layout, src.iteration, source_reader(src, cfg.model),
+        _write_stages(tmp, cfg, layout, src.iteration, src.read_group,
                       consumed=src.consumed_samples, optim=optim, common=src.optim_common,
                       scheduler=src.scheduler, dp=dp, rng=src.rng_state, what=src.what, log=log)
         _finish_checkpoint(tmp, cfg, src.iteration, tok if os.path.isdir(tok) else None)
@@ -205,16 +196,19 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
     return os.path.abspath(save_dir)
 
 
-def _save_hf_tokenizer(src: HFSource, target: str, m: ModelConfig, log: Log) -> None:
-    """The HF tokenizer, re-saved with save_pretrained as pretrain.py saves its own, so
-    ``--tokenizer-model OUT/tokenizer`` and tools/generate.py find it."""
+def _load_tokenizer(path: str, what: str):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(src.dir, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise CheckpointError(f"{src.what}: the tokenizer files there cannot be loaded "
-                              f"({brief(e)})")
+        raise CheckpointError(f"{what} cannot be loaded ({brief(e)})")
+
+
+def _save_hf_tokenizer(src: HFSource, target: str, m: ModelConfig, log: Log) -> None:
+    """The HF tokenizer, re-saved with save_pretrained as pretrain.py saves its own, so
+    ``--tokenizer-model OUT/tokenizer`` and tools/generate.py find it."""
+    tok = _load_tokenizer(src.dir, f"{src.what}: the tokenizer files there")
     tok.save_pretrained(target)
     if len(tok) > m.vocab_size:
         log(f" note: the tokenizer has {len(tok)} ids but the model's vocab_size is only "
@@ -275,14 +269,8 @@ def megalite_to_hf(load_dir: str, save_dir: str, *, iteration: Optional[int] = N
     src = MegaliteSource(load_dir, iteration)
     m = src.model_cfg
     tok_dir = os.path.join(src.dir, "tokenizer")
-    tokenizer = None
-    if os.path.isdir(tok_dir):
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-        except Exception as e:
-            raise CheckpointError(f"--load {load_dir}: tokenizer/ cannot be loaded ({brief(e)})")
+    tokenizer = (_load_tokenizer(tok_dir, f"--load {load_dir}: tokenizer/")
+                 if os.path.isdir(tok_dir) else None)
     # ConfigError if no HF class fits
     hf_config = model_config_to_hf_config(m, **special_token_ids(tokenizer))
     log(f" exporting {load_dir} (iteration {src.iteration}, {src.layout.describe()}) as "

@@ -41,7 +41,7 @@ def experts_of(model_chunks) -> list:
                 if param_meta(p).expert:
                     key = f"{prefix}.{name}" if prefix else name
                     out.append(Expert(i, key, p, shapes.get(key, tuple(p.shape)),
-                                      m.local_expert_offset, m.num_experts, m.ep_group))
+                                      m.local_expert_offset, m.num_experts, m.groups.ep))
     return out
 
 
@@ -105,8 +105,8 @@ def keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optimi
     """On load, in place: this rank's [first, first + E_local) of every saved [E, ...] tensor of
     the model and the optimizer (the plain optimizer's state, or a merged FULL_FORMAT one), and of
     that its ETP slice, cut by the parameter's own partition dim."""
-    experts = experts_of(model_chunks)
-    if not experts:
+    split = split_experts(model_chunks)
+    if not split:
         return
 
     def local(t, e, what):
@@ -119,7 +119,6 @@ def keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optimi
             t = shard_tensor(t, m.partition_dim, ps.etp_rank, ps.etp_size, m.partition_stride)
         return t.clone()
 
-    split = split_experts(model_chunks)
     for e in split:
         sd = state.get(chunk_key(e.chunk, len(model_chunks)), {})
         if e.key in sd:  # a missing key is reported by load_state_dict
@@ -129,9 +128,9 @@ def keep_local_experts(state: dict, opt_sd: Optional[dict], model_chunks, optimi
     if opt_sd.get("format") == FULL_FORMAT:
         names = {id(p): n for n, p in optimizer.param_names.items()}
         params = opt_sd["params"]
-        for e in experts:
+        for e in split:
             name = names.get(id(e.param))
-            if name in params and (e.shape[0] != e.total or param_meta(e.param).tp_split):
+            if name in params:
                 params[name] = {k: local(v, e, f"the optimizer's {k} of {name}")
                                 for k, v in params[name].items()}
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -91,7 +91,6 @@ class ParamSpec:
 
     @property
     def decay(self) -> bool:
-        # Weight decay on matrices only, in both optimizers (optimizer.py, distrib_optimizer.py).
         return len(self.shape) > 1
 
     def full_shape(self, cfg: ModelConfig) -> Tuple[int, ...]:
@@ -131,12 +130,16 @@ class ParamSpec:
         return out.clone() if out.data_ptr() == full.data_ptr() or not out.is_contiguous() else out
 
 
+class MetaChunk(NamedTuple):
+    """A chunk as read off a GPTModel built on the meta device at TP 1 and EP 1."""
+    params: Tuple[ParamSpec, ...]  # in registration order (the optimizers' order)
+    state: Tuple[ParamSpec, ...]  # every state dict entry in its order: parameters and buffers
+    units: Tuple[Tuple[str, Tuple[str, ...]], ...]  # ZeRO-3 units (zero3.unit_plan): parameters
+
+
 @lru_cache(maxsize=256)
 def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, int],
-                shared: bool) -> Tuple[tuple, tuple, tuple]:
-    """A chunk's parameters, its state dict entries (parameters and persistent buffers, in
-    state_dict order) and its ZeRO-3 units (name, parameter names), read off a GPTModel built on
-    the meta device at TP 1 and EP 1; the units are distributed/zero3.py's own ``unit_plan``."""
+                shared: bool) -> MetaChunk:
     from megalite.distributed.zero3 import unit_plan
     from megalite.models.gpt import GPTModel
     from megalite.parallel_state import ParallelState
@@ -156,28 +159,17 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
                   for name, t in model.state_dict().items())
     units = tuple((unit, tuple(n for _, _, nps in uses for n, _ in nps))
                   for unit, uses in unit_plan(model))
-    return tuple(specs.values()), state, units
+    return MetaChunk(tuple(specs.values()), state, units)
 
 
-def _meta_chunk_of(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[tuple, tuple, tuple]:
+def meta_chunk(cfg: ModelConfig, chunk: Chunk, pp: int) -> MetaChunk:
     return _meta_chunk(tuple(sorted(cfg.to_dict().items())), chunk.pre, chunk.post,
                        tuple(chunk.layer_range), cfg.tie_embeddings and pp > 1)
 
 
 def chunk_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
     """The parameters of ``chunk`` in registration order (the optimizers' order)."""
-    return _meta_chunk_of(cfg, chunk, pp)[0]
-
-
-def chunk_state_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:
-    """Every entry of ``chunk``'s state dict, in its order: parameters and persistent buffers."""
-    return _meta_chunk_of(cfg, chunk, pp)[1]
-
-
-def chunk_zero3_units(cfg: ModelConfig, chunk: Chunk, pp: int
-                      ) -> Tuple[Tuple[str, Tuple[str, ...]], ...]:
-    """``chunk``'s ZeRO-3 sharding units: (unit name, its parameter names in flat order)."""
-    return _meta_chunk_of(cfg, chunk, pp)[2]
+    return meta_chunk(cfg, chunk, pp).params
 
 
 def layer_of(name: str) -> Optional[int]:

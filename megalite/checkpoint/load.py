@@ -12,9 +12,9 @@ import torch
 from megalite import collectives as C
 from megalite.checkpoint.experts import keep_local_experts
 from megalite.checkpoint.format import (MODEL_FILE, RESHARD_HINT, TRACKER_FILE, CheckpointError,
-                                        chunk_key, distrib_optim_name, load_file,
-                                        loadable_iteration_dir, read_checkpoint_config,
-                                        read_tracker, shard_dir_name)
+                                        chunk_key, distrib_optim_name, latest_iteration,
+                                        load_file, loadable_iteration_dir,
+                                        read_checkpoint_config, read_tracker, shard_dir_name)
 from megalite.checkpoint.layout import Layout
 from megalite.checkpoint.optim_state import merge_rank_files
 from megalite.checkpoint.reshard import load_resharded
@@ -68,15 +68,11 @@ def _load_dp_sharded_optimizer_state(it_dir: str, optimizer, ps, what: str) -> d
     optimizer re-splits (docs/data_parallel.md, "resharding")."""
     shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
     own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
-    fits = getattr(optimizer, "shard_fits", None)
     if os.path.exists(own):
         sd = load_file(own, what)
-        if fits is None or fits(sd):
+        if optimizer.shard_fits(sd):
             return sd
-    elif fits is None:
-        raise CheckpointError(f"{what}: no {distrib_optim_name(ps.dp_cp_rank)} (saved with fewer "
-                              f"data-parallel ranks); resume with the same data-parallel size")
-    metas = {n: param_meta(p) for n, p in getattr(optimizer, "param_names", {}).items()}
+    metas = {n: param_meta(p) for n, p in optimizer.param_names.items()}
 
     def tp_files(t):
         return _load_dp_files(os.path.join(it_dir, shard_dir_name(t, ps.pp_rank)), what)
@@ -123,8 +119,7 @@ def _read_state(cfg: MegaliteConfig, it_dir: str, iteration: int, optimizer, ps,
     """This rank's model file and optimizer state (None without one to load)."""
     if resharded:
         state, opt_sd = load_resharded(cfg.checkpoint.load, iteration, cfg, ps, load_optim)
-        fits = getattr(optimizer, "shard_fits", None)
-        if load_optim and per_dp and fits is not None and not fits(opt_sd):
+        if load_optim and per_dp and not optimizer.shard_fits(opt_sd):
             raise CheckpointError(
                 f"{what}: {resharded}: the optimizer shard assembled for this rank does not "
                 f"fit its optimizer (another bucket or unit layout); {RESHARD_HINT}")
@@ -157,8 +152,7 @@ def _restore(state: dict, opt_sd: Optional[dict], model_chunks, optimizer, sched
         if missing or unexpected:
             raise CheckpointError(f"{what}: model weights do not match this model (missing "
                                   f"{list(missing)[:3]}, unexpected {list(unexpected)[:3]})")
-    if hasattr(optimizer, "reload_model_params"):
-        optimizer.reload_model_params()
+    optimizer.reload_model_params()
     if opt_sd is not None:
         try:
             optimizer.load_state_dict(opt_sd)
@@ -200,8 +194,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps,
             raise CheckpointError(f"{what}: no {TRACKER_FILE} (no completed checkpoint) and "
                                   f"--exit-on-missing-checkpoint was given")
         if ck.load != ck.save:
-            raise CheckpointError(f"{what}: no {TRACKER_FILE} there (not a megalite checkpoint "
-                                  f"directory, or no save has completed)")
+            latest_iteration(ck.load, what)  # no tracker: raises "not a megalite checkpoint"
         return 0, 0, None  # --save X --load X on a first run: start from scratch
 
     # Phase 1, local: read and validate every file this rank needs and copy it into this rank's

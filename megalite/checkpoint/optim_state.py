@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from megalite.checkpoint.format import CheckpointError
-from megalite.checkpoint.layout import Chunk, ParamSpec, chunk_specs, chunk_zero3_units
+from megalite.checkpoint.layout import Chunk, ParamSpec, chunk_specs, meta_chunk
 from megalite.config import ModelConfig, OptimizerConfig
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE, params_by_dtype
 from megalite.distributed.param_and_grad_buffer import bucket_layout, packed
@@ -24,7 +24,6 @@ from megalite.param_meta import ParamMeta, set_param_meta
 from megalite.tensor_parallel.utils import unshard_tensors
 
 
-# ============================================================================ ZeRO shard merge
 def merge_pieces(pieces: Iterable[Tuple[str, Sequence[int], int, Dict[str, torch.Tensor]]],
                  names: Optional[Iterable[str]] = None) -> Dict[str, Dict[str, torch.Tensor]]:
     """Pieces ``(name, shape, start, {kind: 1-D tensor})`` (elements ``[start, start + len)`` of
@@ -132,10 +131,9 @@ def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
                             meta_of: Callable[[str], ParamMeta] = lambda name: ParamMeta(),
                             names: Optional[Sequence[str]] = None) -> dict:
     """The unsharded state (FULL_FORMAT) of one (TP, PP) rank from *all* its DP ranks' files
-    ``own``, experts by global index (docs/checkpoints.md, "Experts"). Where the files record an
-    expert grid, ``stage`` is every file of the pipeline stage (an EDP group can span TP ranks);
-    ETP slices are joined along ``meta_of(name)``'s partition dim. ``names`` restricts the merge
-    (streaming). No communication; raises ValueError for a missing or mixed-in file."""
+    ``own``, only ``names`` if given; where they record an expert grid, ``stage`` is every file of
+    the pipeline stage, ETP slices joined along ``meta_of(name)``'s partition dim
+    (docs/checkpoints.md, "Experts"). No communication; ValueError for a missing or mixed file."""
     own = check_shard_set(own)
     first = own[0]
 
@@ -174,16 +172,14 @@ def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
 def merge_rank_files(own: List[dict], tp_files: Callable[[int], List[dict]], tp: int,
                      tp_rank: int, meta_of: Callable[[str], ParamMeta],
                      names: Optional[Sequence[str]] = None) -> dict:
-    """merge_shard_state_dicts of one (TP, PP) rank's DP files ``own``; where they shard experts
-    apart, the stage's other TP ranks' files come along (``tp_files(t)``): an EDP group can span
-    them."""
+    """merge_shard_state_dicts of one (TP, PP) rank's DP files ``own``, with the stage's other
+    TP ranks' files (``tp_files(t)``) where they shard experts apart."""
     stage = []
     if "edp_size" in own[0] and tp > 1:
         stage = [sd for t in range(tp) for sd in (own if t == tp_rank else tp_files(t))]
     return merge_shard_state_dicts(own, stage, meta_of, names)
 
 
-# ============================================================================== canonical form
 @dataclass
 class OptimCommon:
     """What is not per parameter."""
@@ -201,26 +197,22 @@ def zero_common(sd: dict) -> OptimCommon:
                        grad_scaler=sd.get("grad_scaler"), zero_groups=groups)
 
 
-# ================================================================================ plain format
-@dataclass
-class PlainIndex:
+class PlainIndex(NamedTuple):
     """Where each parameter of one rank lives in a plain optimizer state dict: torch numbers the
     decay group (matrices) first, then the rest, each in model_parameters order."""
 
     order: List[ParamSpec]  # model_parameters order
-    opt_index: Dict[str, int] = field(default_factory=dict)  # torch's state index
-    master_pos: Dict[str, int] = field(default_factory=dict)  # position in fp32_master_params
-    group_sizes: List[int] = field(default_factory=list)
+    opt_index: Dict[str, int]  # torch's state index
+    master_pos: Dict[str, int]  # position in fp32_master_params
+    group_sizes: List[int]
 
     @classmethod
     def build(cls, order: List[ParamSpec]) -> "PlainIndex":
         decay = [s.name for s in order if s.decay]
         no_decay = [s.name for s in order if not s.decay]
-        idx = cls(order)
-        idx.opt_index = {n: i for i, n in enumerate(decay + no_decay)}
-        idx.master_pos = {s.name: i for i, s in enumerate(order)}
-        idx.group_sizes = [n for n in (len(decay), len(no_decay)) if n]
-        return idx
+        return cls(order, {n: i for i, n in enumerate(decay + no_decay)},
+                   {s.name: i for i, s in enumerate(order)},
+                   [n for n in (len(decay), len(no_decay)) if n])
 
 
 def check_plain(opt_sd: dict, index: PlainIndex, where: str) -> None:
@@ -304,7 +296,6 @@ def build_plain(index: PlainIndex, get: Callable[[str, str], Optional[torch.Tens
     return sd
 
 
-# ======================================================================= ZeRO files, written
 class ZeroTarget:
     """The ZeRO files (SHARD_FORMAT) of some DP ranks of one (tp, pp) rank, filled a parameter at
     a time. ``groups``: the buckets or units, each (slots, padded size P, parameter key), a slot
@@ -337,11 +328,10 @@ class ZeroTarget:
                     self.flat[d][g][kind][a - lo:b - lo] = t[a - start:b - start].float()
 
     def files(self, common: OptimCommon, opt_cfg: OptimizerConfig) -> Dict[int, dict]:
-        groups = ([dict(g) for g in common.zero_groups] if common.zero_groups else [
-            {"name": "decay", "lr": opt_cfg.lr if common.lr is None else common.lr,
-             "weight_decay": opt_cfg.weight_decay},
-            {"name": "no_decay", "lr": opt_cfg.lr if common.lr is None else common.lr,
-             "weight_decay": 0.0}])
+        lr = opt_cfg.lr if common.lr is None else common.lr
+        groups = ([dict(g) for g in common.zero_groups] if common.zero_groups else
+                  [{"name": "decay", "lr": lr, "weight_decay": opt_cfg.weight_decay},
+                   {"name": "no_decay", "lr": lr, "weight_decay": 0.0}])
         out = {}
         for d in self.ranks:
             shards = []
@@ -389,7 +379,7 @@ def zero3_units(cfg: ModelConfig, chunks: List[Chunk], pp: int, tp: int
     for ch in chunks:
         specs = {s.name: s for s in chunk_specs(cfg, ch, pp)}
         out += [(unit, [(n, specs[n].local_shape(cfg, tp)) for n in names])
-                for unit, names in chunk_zero3_units(cfg, ch, pp)]
+                for unit, names in meta_chunk(cfg, ch, pp).units]
     return out
 
 

@@ -14,12 +14,12 @@ import torch
 from megalite.checkpoint.format import (MODEL_FILE, CheckpointError, chunk_key, distrib_optim_name,
                                         file_header, iteration_dir, latest_iteration, load_file,
                                         read_checkpoint_config, shard_dir_name)
-from megalite.checkpoint.layout import (Layout, ParamSpec, canonical_name, chunk_state_specs,
-                                        chunks_of, layer_of, rank_param_order)
+from megalite.checkpoint.layout import (Layout, ParamSpec, canonical_name, chunks_of, layer_of,
+                                        meta_chunk, rank_param_order)
 from megalite.checkpoint.optim_state import (OptimCommon, PlainIndex, build_plain, check_plain,
                                              merge_rank_files, plain_common, read_plain,
                                              upgrade_shard, zero_common, zero_target)
-from megalite.config import ConfigError, MegaliteConfig, ModelConfig
+from megalite.config import ConfigError, MegaliteConfig
 from megalite.optimizer.optimizer import ADAM_KINDS
 
 # read_group(specs, with_optim) -> {canonical name: {"weight", "master", "exp_avg", ...}}
@@ -39,9 +39,9 @@ class MegaliteSource:
     """A megalite checkpoint opened for reads of canonical tensors, a layer at a time: each read
     memory-maps the source files holding the layer, copies its tensors out and drops them."""
 
-    def __init__(self, load_dir: str, iteration: Optional[int] = None, flag: str = "--load"):
+    def __init__(self, load_dir: str, iteration: Optional[int] = None):
         self.dir = os.path.abspath(load_dir)
-        self.what = f"{flag} {load_dir}"
+        self.what = f"--load {load_dir}"
         if not os.path.isdir(self.dir):
             raise CheckpointError(f"{self.what}: no such directory")
         self.iteration = int(latest_iteration(self.dir, self.what) if iteration is None
@@ -94,6 +94,13 @@ class MegaliteSource:
         self._checked: set = set()
         self._plain_index = [None] * self.layout.pp
 
+    def optim_for(self, zero_stage: int, hint: str) -> str:
+        """The optimizer state a target at ``zero_stage`` takes; ``hint`` where there is none."""
+        if self.optim_kind is None:
+            raise CheckpointError(f"{self.what}: the checkpoint has no optimizer state (saved "
+                                  f"with --no-save-optim); {hint}")
+        return "zero3" if zero_stage == 3 else "zero" if zero_stage >= 1 else "plain"
+
     def _path(self, t: int, r: int) -> str:
         return os.path.join(self.it_dir, shard_dir_name(t, r), MODEL_FILE)
 
@@ -131,9 +138,13 @@ class MegaliteSource:
             out.update(self._read_chunk(r, c, list(chunk_names), with_optim))
         return out
 
+    def read_group(self, group: List[ParamSpec], with_optim: bool):
+        """assemble_stage's ``read_group`` over this checkpoint."""
+        return self.read([canonical_name(s.name, self.model_cfg) for s in group], with_optim)
+
     def _read_chunk(self, r: int, c: int, names: List[str], with_optim: bool):
-        specs = {s.name: s for s in chunk_state_specs(self.model_cfg, self.chunks[r][c],
-                                                       self.layout.pp)}
+        specs = {s.name: s for s in meta_chunk(self.model_cfg, self.chunks[r][c],
+                                               self.layout.pp).state}
         key = chunk_key(c, self.num_chunks)
         per_t: Dict[str, Dict[str, List[torch.Tensor]]] = {n: {} for n in names}
         for t in range(self.layout.tp):
@@ -164,9 +175,6 @@ class MegaliteSource:
         where = f"{self.what}: tp rank {t}, pp rank {r}"
         if not names:
             return
-        if self.optim_kind is None:
-            raise CheckpointError(f"{self.what}: the checkpoint has no optimizer state (saved "
-                                  f"with --no-save-optim); pass --no-optim")
         if self.optim_kind == "plain":
             if self._plain_index[r] is None:
                 self._plain_index[r] = PlainIndex.build(
@@ -203,15 +211,6 @@ class MegaliteSource:
                                       f"{expect}")
             for k in ADAM_KINDS:
                 per_t[n].setdefault(k, []).append(entry[k])
-
-
-def source_reader(src: MegaliteSource, m: ModelConfig) -> ReadGroup:
-    """assemble_stage's ``read_group`` over a megalite checkpoint."""
-
-    def read_group(group: List[ParamSpec], with_optim: bool):
-        return src.read([canonical_name(s.name, m) for s in group], with_optim)
-
-    return read_group
 
 
 class StageFiles(NamedTuple):
@@ -265,7 +264,7 @@ def assemble_stage(cfg: MegaliteConfig, layout: Layout, r: int, iteration: int,
         key = chunk_key(c, v)
         for f in files.values():
             f[key] = {}
-        for group in _groups(chunk_state_specs(m, ch, layout.pp)):
+        for group in _groups(meta_chunk(m, ch, layout.pp).state):
             full = read_group(group, with_optim)
             for s in group:
                 src = full[canonical_name(s.name, m)]
@@ -324,18 +323,12 @@ def load_resharded(load_dir: str, iteration: int, cfg: MegaliteConfig, ps, with_
     """This rank's model file (less the RNG state) and optimizer state at the running job's layout,
     assembled from a checkpoint of any other layout: only its own TP, PP and DP shards."""
     src = MegaliteSource(load_dir, iteration)
-    z = cfg.optimizer.zero_stage
-    optim = None
-    if with_optim:
-        if src.optim_kind is None:
-            raise CheckpointError(f"{src.what}: the checkpoint has no optimizer state (saved "
-                                  f"with --no-save-optim); pass --no-load-optim or --finetune")
-        optim = "zero3" if z == 3 else "zero" if z >= 1 else "plain"
+    optim = (src.optim_for(cfg.optimizer.zero_stage, "pass --no-load-optim or --finetune")
+             if with_optim else None)
     (files,) = assemble_stage(cfg, Layout.of_config(cfg), ps.pp_rank, src.iteration,
-                              source_reader(src, cfg.model), tp_ranks=[ps.tp_rank],
-                              dp_ranks=[ps.dp_cp_rank], consumed=src.consumed_samples,
-                              optim=optim, common=src.optim_common, scheduler=src.scheduler,
-                              dp=ps.dp_cp_size, what=src.what)
+                              src.read_group, tp_ranks=[ps.tp_rank], dp_ranks=[ps.dp_cp_rank],
+                              consumed=src.consumed_samples, optim=optim, common=src.optim_common,
+                              scheduler=src.scheduler, dp=ps.dp_cp_size, what=src.what)
     state = files.model_file
     if optim == "plain":
         return state, state.pop("optimizer")

@@ -3,6 +3,7 @@ disk", "Atomicity", "Asynchronous saves", "Experts"; docs/design.md, contract 8)
 
 from __future__ import annotations
 
+import filecmp
 import math
 import os
 import shutil
@@ -154,12 +155,10 @@ def host_memory_available() -> Optional[int]:
     """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
         return None
-    return None
 
 
 def check_async_save_memory(cfg: MegaliteConfig, ps) -> int:
@@ -255,9 +254,8 @@ def start_async_save(save_dir: str, iteration: int, model_chunks, optimizer, sch
 
 
 def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
-    """ZeRO-3 chunks' consolidated models, all-gathered unit by unit; only DP rank 0 keeps them
-    (docs/zero3.md, "Checkpoints"). Pre-checked: every rank first allocates what the gather
-    allocates, and the ranks agree (docs/checkpoints.md, "Loading and saving agree ...")."""
+    """ZeRO-3 chunks' consolidated models, all-gathered unit by unit, kept by DP rank 0; every
+    rank first allocates what the gather allocates, and the ranks agree (docs/zero3.md)."""
     units = [u for c in model_chunks if getattr(c, "zero_stage", 0) == 3 for u in c.units]
     if not units:
         return [None] * len(model_chunks)
@@ -278,9 +276,8 @@ def _gather_zero3_models(model_chunks, ps, iteration: int, tmp: str) -> list:
 
 def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: int,
                     tmp: str) -> dict:
-    """The whole [E, ...] tensors of every expert tensor split over EP or sliced over ETP (model,
-    and with ``with_optim`` the plain optimizer's moments and masters), gathered one tensor at a
-    time and kept by the writers (docs/checkpoints.md, "Experts"). Pre-checked as ZeRO-3's."""
+    """The whole [E, ...] tensors of every split expert tensor (model, and with ``with_optim`` the
+    plain optimizer's), gathered one at a time (docs/checkpoints.md, "Experts"); pre-checked."""
     if ps.ep_size == 1 and ps.etp_size == 1:  # (every rank of the world has the same sizes)
         return {}
     experts = split_experts(model_chunks)  # none on a stage of dense layers: it still agrees
@@ -392,8 +389,6 @@ def save_tokenizer(save_dir: str, tokenizer, ps) -> None:
     aside; an identical copy is kept, a different one swapped out only once the new is complete."""
     if ps.rank != 0 or tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         return
-    import filecmp
-
     target = os.path.join(save_dir, "tokenizer")
     tmp = f"{target}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -95,8 +95,7 @@ def snapshot(obj, buffers: Optional[HostBuffers] = None, copy_host: bool = True)
         elif isinstance(x, dict):
             out = type(x)()
             memo[id(x)] = out
-            for k, v in x.items():
-                out[k] = walk(v)
+            out.update((k, walk(v)) for k, v in x.items())
             if getattr(x, "__dict__", None):
                 out.__dict__.update(x.__dict__)
             return out

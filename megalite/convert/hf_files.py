@@ -189,8 +189,7 @@ class HFSource:
         except (RuntimeError, ValueError) as e:
             raise ConfigError(f"{self.what}: embedding or output tensors do not fit "
                               f"config.json ({brief(e)})")
-        # canonical vocab tensors are unpadded
-        # (a clone only where padding rows were added: else the view is the whole tensor)
+        # canonical vocab tensors are unpadded (a clone where rows were cut: no view of padding)
         vocab = self.model_cfg.vocab_size
         return {k: (v[:vocab].clone() if k in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
                     and v.shape[0] != vocab else v) for k, v in out.items()}

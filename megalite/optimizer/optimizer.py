@@ -1,38 +1,7 @@
-"""AdamW with fp32 master weights for 16-bit models, loss scaling and global-norm clipping.
-
-The interface every megalite optimizer keeps (the ZeRO ``DistributedOptimizer`` matches it, and
-``training.py`` uses nothing else):
-
-    opt = build_optimizer(model_chunks, opt_cfg, ps)
-    opt.zero_grad()
-    loss = opt.scale_loss(loss)                         # x loss scale (fp16), else identity
-    applied, grad_norm, _ = opt.step(loss)              # unscale, overflow and NaN checks, clip,
-                                                        # step: all on the device, no host read;
-                                                        # applied: 0-dim bool, grad_norm: 0-dim
-    opt.get_loss_scale(); opt.param_groups              # the LR scheduler writes group["lr"]
-    opt.state_dict(); opt.load_state_dict(sd)           # tensors and primitives only; the load
-                                                        # is local (ZeRO-1/2 then: opt.
-                                                        # sync_model_params(), a DP all-gather)
-    opt.reload_model_params()                           # masters <- model after loading weights
-    opt.sharded_state_dict_per_dp_rank                  # True: checkpointing saves one optimizer
-                                                        # file per DP rank (docs/checkpoints.md)
-
-Mixed precision follows Megatron's Float16OptimizerWithFloat16Params idea: the model holds bf16 or
-fp16 parameters (so forward/backward run in 16 bits); the optimizer holds an fp32 master copy of
-each and fp32 Adam moments (docs/theory.md, ZeRO: 2Ψ + 2Ψ + 12Ψ bytes). Each step copies the 16-bit
-grads to the masters, updates the masters and copies them back, rounded, into the model.
-In fp32 the masters *are* the model parameters.
-
-Weight decay is decoupled (AdamW, Loshchilov & Hutter) and applied only to matrices: biases and
-norm weights (1-D parameters) are in a second group with weight decay 0, as in Megatron and GPT-2.
-
-A step that must not be applied (an fp16 overflow; a NaN/Inf loss or gradient norm under
---check-for-nan-in-loss-and-grad) is skipped on the device (``decide_step``): the plain
-optimizer's fused kernels take the flag as their ``found_inf`` argument, the ZeRO step writes its
-new values through ``torch.where``. Either way the masters, the model and the Adam moments stay
-bit for bit what they were, the step count does not advance, and the host learns of the skip
-only when the training loop reads its records (docs/performance.md, "A step with no host read").
-"""
+"""AdamW with fp32 master weights for 16-bit models, loss scaling and global-norm clipping: the
+plain optimizer (ZeRO 0) and the AdamW step both ZeRO optimizers share. The interface every megalite
+optimizer keeps, its mixed precision and weight decay: docs/data_parallel.md, "The optimizer"; a
+step skipped on the device: docs/performance.md, "A step with no host read"."""
 
 from __future__ import annotations
 
@@ -49,11 +18,9 @@ from megalite.param_meta import grad_of
 # (ShardedAdamW._adamw), 160 MiB in fp32, however large a shard is.
 _CHUNK = 1 << 23
 
-# The per-parameter optimizer state every format can be merged into (by parameter name): the
-# fp32 master weights and Adam's two moments. One vocabulary for every file and every ZeRO stage.
+# The per-parameter state of every optimizer file format, by parameter name (one vocabulary).
 ADAM_KINDS = ("master", "exp_avg", "exp_avg_sq")
-# The ZeRO optimizers' (stages 1-3) two formats (docs/checkpoints.md, "Optimizer state files"):
-# one file per DP rank, and the unsharded state by parameter name (any DP size loads it).
+# The ZeRO optimizers' two formats (docs/checkpoints.md, "Optimizer state files").
 SHARD_FORMAT = "megalite.optim.shard/v2"
 FULL_FORMAT = "megalite.optim.full/v2"
 
@@ -73,17 +40,9 @@ def decide_step(grad_scaler, grads: List[torch.Tensor], counted: List[torch.Tens
                 dp_sharded: bool, loss: Optional[torch.Tensor], expert=()
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The step's decisions, on the device: ``(found_inf, grad_norm)``, 0-dim float32 tensors;
-    ``found_inf`` is 1.0 where the step must not be applied, else 0.0 (the convention of torch's
-    fused optimizers, which take it as it is). Nothing here reads a value on the host.
-
-    With a scaler the gradients are first divided by the loss scale and checked for inf/NaN
-    (``found_inf_flag``), and the scaler updates from that flag; then the norm of ``counted``
-    (``grad_norm_squared``). Given the step's ``loss`` (a device scalar: --check-for-nan-in-loss-
-    and-grad), a NaN/Inf loss or norm also sets the flag. The flag and the norm are global (all-
-    reduced), so every rank decides alike; the loss is this rank's, which is enough because the
-    training loop carries a non-finite loss into the gradients (training.py, ``_CarryNonFinite``),
-    where the global norm sees it on every rank.
-    """
+    ``found_inf`` is 1.0 where the step must not be applied (torch's fused optimizers' convention).
+    The flag and the norm are global; ``loss`` is this rank's, which is enough because the training
+    loop carries a non-finite loss into the gradients (training.py, ``_CarryNonFinite``)."""
     found_inf = torch.zeros((), dtype=torch.float32, device=ps.device)
     if grad_scaler is not None:
         found_inf = found_inf_flag(grads, ps.device, inv_scale=grad_scaler.inv_scale).reshape(())
@@ -99,8 +58,7 @@ class _LossScaling:
     grad_scaler = None
 
     def get_loss_scale(self):
-        """The fp16 loss scale as a 0-dim device tensor (read on the host only at log lines and
-        saves), else 1.0."""
+        """The fp16 loss scale as a 0-dim device tensor, else 1.0."""
         return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -149,7 +107,7 @@ class MixedPrecisionOptimizer(_LossScaling):
         device = self.masters[0].device if self.masters else torch.device("cpu")
         # torch's fused kernels, on every device: they take the skip flag (``found_inf``) and
         # the lr as device tensors, so a skipped step is skipped inside the kernel (torch takes
-        # the step count back) and the host decides nothing (module docstring).
+        # the step count back) and the host decides nothing (docs/performance.md).
         if opt_cfg.optimizer == "sgd":
             self.inner = torch.optim.SGD(groups, lr=opt_cfg.lr, momentum=opt_cfg.adam_beta1,
                                          fused=True)
@@ -166,7 +124,6 @@ class MixedPrecisionOptimizer(_LossScaling):
         self.lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
         self.grad_scaler = build_grad_scaler(opt_cfg, self.model_params[0].dtype, ps.device)
 
-    # --------------------------------------------------------------------------------- interface
     @property
     def param_groups(self):
         return self.inner.param_groups
@@ -221,7 +178,6 @@ class MixedPrecisionOptimizer(_LossScaling):
         for p, m in self.loose:
             m.data.copy_(p.data.float())
 
-    # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         inner = self.inner.state_dict()
         for g in inner["param_groups"]:  # the files keep the lr a number (read at a save)
@@ -253,22 +209,18 @@ class MixedPrecisionOptimizer(_LossScaling):
                     m.data.copy_(s)
 
 
-# ============================================================ what the ZeRO optimizers share
 class ShardedAdamW(_LossScaling):
     """AdamW on flat fp32 shards: the step of both ZeRO optimizers (distrib_optimizer.py, stages
     1-2 over DDP's buckets; zero3_optimizer.py, stage 3 over the model's units).
 
     A subclass fills ``masters``, ``exp_avg``, ``exp_avg_sq`` (flat fp32 tensors, one per shard),
-    ``runs`` (per shard, ``[(lo, hi, group)]``: the part of the shard holding one parameter, and
-    its param group — a shard straddles parameters, so weight decay and lr apply per run) and
-    ``norm_runs`` (the runs this rank counts in the global gradient norm, clip_grads.
-    counts_for_norm; under EP > 1 ``expert_norm_runs`` holds the runs of expert parameters, whose
-    shards are split over the expert-data-parallel group instead), ``segments`` (per shard, ``[name, lo, hi, plo, shape]``: elements
-    ``[lo, hi)`` of the shard are elements ``[plo, plo + hi - lo)`` of the flattened parameter;
-    what the checkpoint formats below are written and merged by), ``zero_stage``, ``dp_size``,
-    ``dp_rank``, and implements ``_grads``, ``_finish_grads``, ``_copy_masters_to_model``,
-    ``_gather_flat``, ``_flat_slots`` and ``zero_grad``.
-    """
+    ``runs`` (per shard, ``[(lo, hi, group)]``: a shard straddles parameters, so weight decay and
+    lr apply per run), ``norm_runs`` (the runs this rank counts in the global gradient norm;
+    under EP > 1 ``expert_norm_runs`` those of expert parameters, sharded over the
+    expert-data-parallel group), ``segments`` (per shard, docs/checkpoints.md, "Optimizer state
+    files"), ``zero_stage``, ``dp_size``, ``dp_rank``, and implements ``_grads``,
+    ``_finish_grads``, ``_copy_masters_to_model``, ``_gather_flat``, ``_flat_slots``,
+    ``zero_grad``."""
 
     sharded_state_dict_per_dp_rank = True
     expert_norm_runs: Sequence = ()
@@ -280,8 +232,6 @@ class ShardedAdamW(_LossScaling):
         # step's own device flag, so a skipped step leaves it as it was without a host read
         self.step_count = torch.zeros((), dtype=torch.float64, device=ps.device)
         self.grad_scaler = build_grad_scaler(cfg, params_dtype, ps.device)
-        # Matrices decay, biases and norm weights do not (as the plain optimizer); the LR
-        # scheduler writes group["lr"].
         self.param_groups = [{"name": "decay", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
                              {"name": "no_decay", "lr": cfg.lr, "weight_decay": 0.0}]
 
@@ -315,19 +265,13 @@ class ShardedAdamW(_LossScaling):
         return torch.full((), x, dtype=torch.float64, device=self.ps.device)
 
     def _adamw(self, grads: List[torch.Tensor], applied: torch.Tensor) -> None:
-        """torch.optim.AdamW's update (decoupled decay first; the order and the roundings of its
-        foreach path, so a ZeRO run matches a single-process torch run), with decay and lr per
-        run, written only where ``applied`` (a 0-dim device bool).
-
-        Each new master and moment is computed aside and chosen with ``torch.where``, so a
-        skipped step leaves them bit for bit as they were, NaN gradients or not (a mask that
-        multiplies would not: 0 x NaN is NaN). The scalars (lr, the bias corrections of the
-        device step count) are 0-dim float64 device tensors: the double arithmetic of the host
-        floats they replace, and each op takes them as it took those floats (cast to float32).
-        torch.sqrt of a double may differ from math.sqrt in the last bit; cast to float32, as the
+        """torch.optim.AdamW's update in the order and roundings of its foreach path (so a ZeRO
+        run matches a single-process torch run), decay and lr per run, written only where
+        ``applied`` (docs/performance.md, "A step with no host read"). The scalars are 0-dim
+        float64 device tensors, the double arithmetic of the host floats they replace: torch.sqrt
+        of a double may differ from math.sqrt in the last bit, but cast to float32, as the
         division takes it, it agrees for every step count up to 10^6 and beta2 in {0.9, 0.95,
-        0.98, 0.99, 0.999} (checked). The work goes in pieces of at most _CHUNK elements, which
-        bounds the values held aside to five such pieces."""
+        0.98, 0.99, 0.999} (checked)."""
         cfg, groups, t = self.cfg, self.param_groups, self.step_count
         beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
         lrs = [self._scalar(g["lr"]) for g in groups]
@@ -366,7 +310,6 @@ class ShardedAdamW(_LossScaling):
                 for old, new in ((p, p1), (m, m1), (v, v1)):
                     torch.where(applied, new, old[lo:hi], out=old[lo:hi])
 
-    # ------------------------------------------------------------------------------ checkpoints
     def _common_state(self) -> dict:  # (read at a save: the files hold numbers)
         return {"step": int(self.step_count),
                 "param_groups": [{k: (float(v) if k == "lr" else v) for k, v in g.items()
@@ -385,8 +328,7 @@ class ShardedAdamW(_LossScaling):
         return zip(self.segments, zip(self.masters, self.exp_avg, self.exp_avg_sq))
 
     def state_dict(self) -> dict:
-        """This DP rank's shards, SHARD_FORMAT: self-describing, so every DP rank's files merge by
-        parameter name without the model (docs/checkpoints.md, "Optimizer state files")."""
+        """This DP rank's shards, SHARD_FORMAT (docs/checkpoints.md, "Optimizer state files")."""
         self._wait_param_sync()
         sd = {"format": SHARD_FORMAT, "zero_stage": self.zero_stage, "dp_size": self.dp_size,
               "dp_rank": self.dp_rank, **self._expert_layout(), **self._common_state(),
@@ -399,8 +341,8 @@ class ShardedAdamW(_LossScaling):
         return sd
 
     def _expert_layout(self) -> dict:
-        """The expert grid position a file records where expert shards lie apart from the dense
-        ones (``shard_is_expert``: EP > 1 or ETP != TP; docs/checkpoints.md, "Experts")."""
+        """The expert grid position a file records where expert shards lie apart (EP > 1 or
+        ETP != TP; docs/checkpoints.md, "Experts")."""
         ps = self.ps
         if not any(self.shard_is_expert):
             return {}
