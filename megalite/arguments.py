@@ -22,7 +22,8 @@ _BASE_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": lis
 # Megatron's compound flags: (help group, flag, argparse keywords). _translate gives their meaning.
 COMPOUND_FLAGS = (
     ("model", "--group-query-attention",
-     dict(action="store_true", help="use grouped-query attention with --num-query-groups KV heads")),
+     dict(action="store_true",
+          help="use grouped-query attention with --num-query-groups KV heads")),
     ("model", "--disable-bias-linear", dict(action="store_true")),
     ("model", "--add-qkv-bias",
      dict(action="store_true", help="q/k/v bias even with --disable-bias-linear (Qwen2)")),
@@ -98,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain.py",
         usage="[torchrun ...] %(prog)s [flags]   (flags by group below; spellings as Megatron-LM)",
         description="Pretrain a GPT model with tensor, sequence, context, pipeline and data "
-                    "parallelism. Launch several processes with torchrun; flags follow Megatron-LM.",
+                    "parallelism. Launch several processes with torchrun; flags follow "
+                    "Megatron-LM.",
         formatter_class=_HelpFormatter,
         allow_abbrev=False,
     )

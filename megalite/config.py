@@ -510,7 +510,8 @@ class ModelConfig(_Section):
             raise ConfigError("--rope-scaling-factor needs --position-embedding-type rope, a "
                               "factor >= 1 and 0 < --rope-low-freq-factor < "
                               "--rope-high-freq-factor")
-        if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
+        if (self.seq_length > self.max_position_embeddings
+                and self.position_embedding_type == "learned_absolute"):
             raise ConfigError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})")
@@ -838,7 +839,8 @@ class DataConfig(_Section):
         try:
             weights = [float(x) for x in parts if x.strip() != ""]
         except ValueError:
-            raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, got {self.split!r}")
+            raise ConfigError(f"--split must be comma-separated numbers like 969,30,1, "
+                              f"got {self.split!r}")
         if not weights or len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ConfigError(f"--split must be up to three non-negative numbers with a positive "
                               f"sum, like 969,30,1; got {self.split!r}")

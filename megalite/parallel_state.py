@@ -27,7 +27,8 @@ def resolve_device(device_type: Optional[str], local_rank: int = 0) -> torch.dev
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("--device cuda was given but no CUDA device is available; use --device cpu")
+            raise ConfigError("--device cuda was given but no CUDA device is available; "
+                              "use --device cpu")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")  # (ParallelConfig's choices: cpu or cuda)

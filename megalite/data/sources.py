@@ -144,7 +144,8 @@ def load_text_dataset(path: str, cache_dir: Optional[str] = None, num_proc: int 
 
 
 def _has_no_content(path: str) -> bool:
-    """True for an empty or whitespace-only uncompressed file (compressed files: let datasets say)."""
+    """True for an empty or whitespace-only uncompressed file (compressed files: let datasets
+    say)."""
     if path.endswith((".gz", ".bz2", ".xz", ".zst", ".lz4", ".zip")):
         return False
     if os.path.getsize(path) == 0:

@@ -163,7 +163,8 @@ class DistributedOptimizer(ShardedAdamW):
     def sync_model_params(self) -> None:
         """All-gather the model params from every rank's loaded shard (collective over DP).
         Kept out of :meth:`load_state_dict`, which is local, so a checkpoint load agrees that every
-        rank read its files before any rank enters a collective (checkpoint.load.load_checkpoint)."""
+        rank read its files before any rank enters a collective
+        (checkpoint.load.load_checkpoint)."""
         for c in self.chunks:
             c.start_param_sync(overlap=False)
 

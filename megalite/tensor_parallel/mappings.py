@@ -28,7 +28,8 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     n = C.group_size(group)
     # all_gather_into_tensor concatenates along dim 0: gather with the last dim moved to the front
     moved = x.movedim(-1, 0).contiguous()
-    out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype, device=x.device)
+    out = torch.empty((n * moved.shape[0],) + tuple(moved.shape[1:]), dtype=x.dtype,
+                      device=x.device)
     C.all_gather_into_tensor(out, moved, group=group, tag="tp_all_gather")
     return out.movedim(0, -1).contiguous()
 
