@@ -139,7 +139,13 @@ class Pair:
             self.on_resume(me)
 
     def run(self, side0: Callable, side1: Callable) -> None:
+        # CUDA's current device is per thread (a new one starts on GPU 0): side 1's thread takes
+        # the caller's, so what it launches or records without a device (events) lands there
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
         def side(k: int, fn: Callable) -> None:
+            if k == 1 and device is not None:
+                torch.cuda.set_device(device)
             with self.cond:
                 self.cond.wait_for(lambda: self.turn == k)
             try:

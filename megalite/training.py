@@ -582,7 +582,7 @@ class Trainer:
             # the combined 1F1B / F&B pairs: docs/moe.md, docs/pipeline_parallel.md
             overlap_moe_expert_parallel_comm=self.cfg.training.overlap_moe_expert_parallel_comm,
             delay_wgrad_compute=self.cfg.training.delay_wgrad_compute,
-            # the timeline synchronises around every op: only on the steps whose bubble is logged
+            # the timeline marks every op (CUDA events) after a barrier: only on logged steps
             timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)
         return self.forward_backward(
             forward_step_func=partial(_forward_step, num_global_tokens,

@@ -66,7 +66,7 @@ def load_model(load_dir: str, iteration=None, device="cpu"):
     m.hidden_dropout = m.attention_dropout = 0.0
     dev = resolve_device(device)
     model = GPTModel(m, ParallelState(device=dev), seed=None, device=dev)
-    path = os.path.join(ck.iteration_dir(load_dir, iteration), ck.shard_dir_name(0, 0),
+    path = os.path.join(ck.loadable_iteration_dir(load_dir, iteration), ck.shard_dir_name(0, 0),
                         ck.MODEL_FILE)
     state = ck.load_file(path, f"--load {load_dir}")
     model.load_state_dict(state["model"] if "model" in state else state["model0"])

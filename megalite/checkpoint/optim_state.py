@@ -299,14 +299,13 @@ def build_plain(index: PlainIndex, get: Callable[[str, str], Optional[torch.Tens
 class ZeroTarget:
     """The ZeRO files (SHARD_FORMAT) of some DP ranks of one (tp, pp) rank, filled a parameter at
     a time. ``groups``: the buckets or units, each (slots, padded size P, parameter key), a slot
-    (name, start, numel, TP-local shape); DP rank d holds ``[d*P/dp, (d+1)*P/dp)`` of each (ZeRO
-    stage 0: all). Padding and never-stepped moments stay zero, as training keeps them."""
+    (name, start, numel, TP-local shape); DP rank d holds ``[d*P/dp, (d+1)*P/dp)`` of each.
+    Padding and never-stepped moments stay zero, as training keeps them."""
 
     def __init__(self, groups, dp: int, stage: int, ranks=None):
         self.groups, self.dp, self.stage = groups, dp, stage
         self.ranks = list(range(dp)) if ranks is None else list(ranks)
-        self.bounds = {d: [(0, padded) if stage == 0 else
-                           (d * padded // dp, (d + 1) * padded // dp) for _, padded, _ in groups]
+        self.bounds = {d: [(d * padded // dp, (d + 1) * padded // dp) for _, padded, _ in groups]
                        for d in self.ranks}
         self.flat = {d: [{k: torch.zeros(hi - lo, dtype=torch.float32) for k in ADAM_KINDS}
                          for lo, hi in self.bounds[d]] for d in self.ranks}

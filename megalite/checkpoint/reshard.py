@@ -12,8 +12,9 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from megalite.checkpoint.format import (MODEL_FILE, CheckpointError, chunk_key, distrib_optim_name,
-                                        file_header, iteration_dir, latest_iteration, load_file,
-                                        read_checkpoint_config, shard_dir_name)
+                                        file_header, latest_iteration, load_file,
+                                        loadable_iteration_dir, read_checkpoint_config,
+                                        shard_dir_name)
 from megalite.checkpoint.layout import (Layout, ParamSpec, canonical_name, chunks_of, layer_of,
                                         meta_chunk, rank_param_order)
 from megalite.checkpoint.optim_state import (OptimCommon, PlainIndex, build_plain, check_plain,
@@ -46,7 +47,7 @@ class MegaliteSource:
             raise CheckpointError(f"{self.what}: no such directory")
         self.iteration = int(latest_iteration(self.dir, self.what) if iteration is None
                              else iteration)
-        self.it_dir = iteration_dir(self.dir, self.iteration)
+        self.it_dir = loadable_iteration_dir(self.dir, self.iteration)
         if not os.path.isdir(self.it_dir):
             raise CheckpointError(f"{self.what}: iteration {self.iteration} is missing "
                                   f"({self.it_dir} does not exist)")

@@ -113,7 +113,7 @@ class DistributedDataParallel(nn.Module):
         """After backward accumulated ``p``'s gradient, or (``deferred``) after a W added it: a
         W adds into ``main_grad`` itself, except under stage 2 with the storage released."""
         if p.grad is None and not deferred:
-            return  # deferred weight gradient: it arrives through _deferred_grad_hook
+            return  # deferred weight gradient: it arrives through _grad_hook(deferred=True)
         buf = self.param_to_buffer[p]
         bucket = buf.param_to_bucket[p]
         if p.grad is not None:
@@ -279,15 +279,14 @@ class DistributedDataParallel(nn.Module):
         return out
 
 
-def _all_reduce_slices(slices: List[torch.Tensor], group, tag: str) -> None:
-    if not slices or C.group_size(group) == 1:
+def all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
+    """All-reduce ``grads`` in place as one flat tensor."""
+    if not grads or C.group_size(group) == 1:
         return
-    flat = torch.cat([s.reshape(-1) for s in slices])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     C.all_reduce(flat, group=group, tag=tag)
-    offset = 0
-    for s in slices:
-        s.copy_(flat[offset:offset + s.numel()].view_as(s))
-        offset += s.numel()
+    for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(synced.view_as(g))
 
 
 def add_tied_copies_here(grads: List[torch.Tensor]) -> bool:
@@ -309,12 +308,12 @@ def finalize_model_grads_ddp(chunks: Iterable[DistributedDataParallel], ps: Para
     if C.group_size(ps.tp_group) > 1:
         sp = [s for c in chunks for s in c.valid_grad_slices(
             lambda p: param_meta(p).grad_partial_over_tp)]
-        _all_reduce_slices(sp, ps.tp_group, "tp_sp_grad_all_reduce")
+        all_reduce_coalesced(sp, ps.tp_group, "tp_sp_grad_all_reduce")
     if ps.pp_size > 1 and ps.in_embedding_group:
         emb = [s for c in chunks for s in c.valid_grad_slices(
             lambda p: param_meta(p).tied_embedding)]
         if not add_tied_copies_here(emb):
-            _all_reduce_slices(emb, ps.embedding_group, "embedding_grad_all_reduce")
+            all_reduce_coalesced(emb, ps.embedding_group, "embedding_grad_all_reduce")
 
 
 def _gather_hook_sites(module: nn.Module, seen=None):

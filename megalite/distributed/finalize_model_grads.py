@@ -5,25 +5,13 @@ embedding group, and (without DDP's buckets) a SUM over DP (docs/design.md, cont
 
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Iterable
 
-import torch
 import torch.nn as nn
 
-from megalite import collectives as C
-from megalite.distributed.ddp import add_tied_copies_here
+from megalite.distributed.ddp import add_tied_copies_here, all_reduce_coalesced
 from megalite.param_meta import grad_of, param_meta
 from megalite.parallel_state import ParallelState
-
-
-def all_reduce_coalesced(grads: List[torch.Tensor], group, tag: str) -> None:
-    """All-reduce ``grads`` in place as one flat tensor."""
-    if not grads or C.group_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    C.all_reduce(flat, group=group, tag=tag)
-    for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(synced.view_as(g))
 
 
 def allreduce_sequence_parallel_grads(models: Iterable[nn.Module], ps: ParallelState) -> None:

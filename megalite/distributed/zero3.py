@@ -18,7 +18,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite import torch_private as P
 from megalite.config import OptimizerConfig
-from megalite.distributed.finalize_model_grads import all_reduce_coalesced
+from megalite.distributed.ddp import all_reduce_coalesced
 from megalite.distributed.param_and_grad_buffer import packed
 from megalite.param_meta import param_meta
 from megalite.parallel_state import ParallelState

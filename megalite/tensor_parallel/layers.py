@@ -70,12 +70,9 @@ def enable_weight_grad_deferral(modules, store: WeightGradStore) -> None:
     """Route the linear layers under ``modules`` through the function, so that a backward inside
     ``store.capture()`` queues their weight gradients (docs/tensor_parallel.md)."""
     for module in modules:
-        if getattr(module, "_linears_store", None) is store:
-            continue  # marked with this store already: skip the walk
         for m in module.modules():
             if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
                 m.weight_grad_store = store
-        module._linears_store = store
 
 
 class ColumnParallelLinear(nn.Module):
