@@ -705,5 +705,6 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int,
                  ex.recompute_method, ex.recompute_num_layers,
                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers,
                  par.expert_model_parallel_size, par.expert_tp_size if moe else 1)
-    return memory(Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance), lay,
-                  tr.global_batch_size, stage)
+    model = Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance,
+                              moe_overlap=tr.overlap_moe_expert_parallel_comm)
+    return memory(model, lay, tr.global_batch_size, stage)
