@@ -3,7 +3,7 @@
     python benchmarks/sliding_window.py                        # CPU defaults below
     python benchmarks/sliding_window.py --device cuda --seq 32768 --window 4096 --heads 32
 
-Times forward + backward of ``megalite.models.transformer.sliding_window_attention`` and of one
+Times forward + backward of ``megalite.masks.sliding_window_attention`` and of one
 SDPA call with the [s, s] boolean mask it replaces (what windowed layers ran before), on the same
 random q, k, v (fp32 on CPU, bf16 on CUDA), and checks that both give the same output. Prints the
 median over --rounds of each, their ratio and the bytes of each mask (docs/models.md, "Sliding
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megalite.models.transformer import sliding_window_attention  # noqa: E402
+from megalite.masks import sliding_window_attention  # noqa: E402
 
 
 def _masked(q, k, v, window):

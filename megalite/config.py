@@ -826,6 +826,11 @@ class DataConfig(_Section):
     dataset_text_field: str = setting("text")
     num_workers: int = setting(0, bound=NON_NEGATIVE)
     eod_mask_loss: bool = setting(False)
+    reset_position_ids: bool = setting(
+        False, "positions restart at 0 after each EOD: each packed document starts at position 0")
+    reset_attention_mask: bool = setting(
+        False, "each token attends only to its own document, causally (docs/data.md, "
+        "\"Packed documents\")")
     mock_data: bool = setting(False, "random tokens (for smoke tests)")
     data_cache_path: Optional[str] = setting(None)
 
@@ -846,6 +851,9 @@ class DataConfig(_Section):
                               f"sum, like 969,30,1; got {self.split!r}")
         if self.mock_data and self.data_path:
             raise ConfigError("--mock-data and --data-path are mutually exclusive")
+        if self.mock_data and self.reset_attention_mask:
+            raise ConfigError("--reset-attention-mask with --mock-data: random tokens have no "
+                              "document ends; use --data-path or the built-in corpus")
         return self
 
 

@@ -20,6 +20,7 @@ from megalite import collectives as C
 from megalite.config import V_SCHEDULES, MegaliteConfig
 from megalite.context_parallel.sharding import shard as cp_shard
 from megalite.exit_conditions import ExitConditions
+from megalite.masks import Documents
 from megalite.logging import (
     MetricsLogger,
     CpuPeak,
@@ -103,8 +104,8 @@ def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output:
 
 
 def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: bool = False):
-    tokens, labels, loss_mask, position_ids = next(data_iterator)
-    output = model(tokens, labels=labels, position_ids=position_ids)
+    tokens, labels, loss_mask, position_ids, documents = next(data_iterator)
+    output = model(tokens, labels=labels, position_ids=position_ids, documents=documents)
     return output, partial(_loss_func, loss_mask, num_global_tokens, carry=carry)
 
 
@@ -551,19 +552,23 @@ class Trainer:
     # ----------------------------------------------------------------------- Batches and losses
     def _micro_batches(self, it, m: int):
         """Every CP rank of a DP rank reads the same samples and keeps its chunks of each."""
-        out, ps = [], self.ps
+        out, ps, data = [], self.ps, self.cfg.data
         for _ in range(m):
-            tokens, labels, loss_mask, position_ids = (
-                self._to_device(cp_shard(t, ps.cp_rank, ps.cp_size, dim=1)) for t in
-                self.get_batch(next(it), self.eod, self.cfg.data.eod_mask_loss))
-            out.append((tokens, labels, loss_mask.float(), position_ids))
+            *tensors, documents = self.get_batch(next(it), self.eod, data.eod_mask_loss,
+                                                 data.reset_position_ids,
+                                                 data.reset_attention_mask)
+            # documents stay whole: a CP rank's attention blocks meet every rank's chunks
+            out.append(tuple(self._to_device(cp_shard(t, ps.cp_rank, ps.cp_size, dim=1))
+                             for t in tensors) + (self._to_device(documents),))
         return out
 
-    def _to_device(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Host batch -> device; on CUDA pinned and non-blocking, so the copy queues behind the
-        running step instead of stalling it."""
+    def _to_device(self, t):
+        """Host batch (a tensor, Documents or None) -> device; on CUDA pinned and non-blocking,
+        so the copy queues behind the running step instead of stalling it."""
         if t is None or self.ps.device.type != "cuda":
             return t
+        if isinstance(t, Documents):
+            return t.to(self.ps.device, non_blocking=True)
         return t.pin_memory().to(self.ps.device, non_blocking=True)
 
     def _global_token_count(self, batches) -> torch.Tensor:

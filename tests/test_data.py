@@ -223,10 +223,15 @@ def test_mock_data_is_deterministic_and_in_vocab():
 
 def test_get_batch_shifts_masks_and_positions():
     sample = torch.tensor([[5, 6, EOD, 7, 8], [1, EOD, EOD, 2, 3]])
-    tokens, labels, mask, pos = get_batch({"tokens": sample}, EOD, eod_mask_loss=False)
+    tokens, labels, mask, pos, docs = get_batch({"tokens": sample}, EOD, eod_mask_loss=False)
     assert tokens.tolist() == [[5, 6, 0, 7], [1, 0, 0, 2]]
     assert labels.tolist() == [[6, 0, 7, 8], [0, 0, 2, 3]]
     assert mask.dtype == torch.float32 and mask.sum().item() == 8
-    assert pos.tolist() == [[0, 1, 2, 3]] * 2
-    _, _, mask, _ = get_batch({"tokens": sample}, EOD, eod_mask_loss=True)
+    assert pos is None and docs is None  # positions 0..s-1, one attention span
+    _, _, mask, pos, docs = get_batch({"tokens": sample}, EOD, eod_mask_loss=True,
+                                      reset_position_ids=True, reset_attention_mask=True)
     assert mask.tolist() == [[1, 1, 0, 1], [1, 0, 0, 1]]
+    # a document ends with its EOD; the token after it starts the next one at position 0
+    assert pos.tolist() == [[0, 1, 2, 0], [0, 1, 0, 0]]
+    assert docs.ids.tolist() == [[0, 0, 0, 1], [0, 0, 1, 2]]
+    assert docs.lengths == ((3, 1), (2, 1, 1)) and docs.cu_seqlens.tolist() == [0, 3, 4, 6, 7, 8]

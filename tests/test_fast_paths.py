@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from megalite.models.norms import RMSNorm
 from megalite.models.rotary import RotaryEmbedding, apply_rotary
-from megalite.models.transformer import sliding_window_attention, swiglu, swiglu_fused
+from megalite.masks import sliding_window_attention
+from megalite.models.transformer import swiglu, swiglu_fused
 from megalite.tensor_parallel import cross_entropy as ce
 from model_utils import tiny_config
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -14,7 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megalite import collectives as C
 from megalite.context_parallel import blocks
-from megalite.context_parallel.sharding import chunk_ids, chunk_owner, shard
+from megalite.context_parallel.sharding import chunk_ids, chunk_owner, positions, shard
+from megalite.masks import Documents
 
 
 # ---- merging blocks (each block's kernel: blocks.py) ----
@@ -78,13 +80,43 @@ def _ring_block(rank, src, half):
             slice(None, half) if src < rank else slice(None))
 
 
-def _ring_fwd(q, k, v, group, scale, kernel):
+def _documents_block(documents, rank, src, size, rows, keys, causal: bool):
+    """The block's run under ``documents`` (Documents.block: "skip", None or a mask), or None
+    (the kernel's own mask) without them. The ring still passes skipped K/V on: the next rank
+    needs them."""
+    if documents is None:
+        return None
+    s = documents.host_ids.shape[1]
+    return documents.block(positions(s, rank, size)[rows], positions(s, src, size)[keys], causal)
+
+
+def _block_fwd(kernel, q, k, v, causal, scale, how):
+    """``kernel``'s block forward, or the exact one under ``how``, a documents mask."""
+    if how is None:
+        return kernel.fwd(q, k, v, causal, scale)
+    return blocks.MATH.fwd(q, k, v, how, scale)
+
+
+def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale, how):
+    if how is None:
+        return kernel.bwd(dout, q, k, v, out, lse, causal, scale)
+    return blocks.MATH.bwd(dout, q, k, v, out, lse, how, scale)
+
+
+def _ring_fwd(q, k, v, group, scale, kernel, documents):
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, out, lse = torch.stack([k, v]), None, None
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
-        rows, keys = _ring_block(rank, (rank - step) % size, half)
-        o, l = kernel.fwd(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0, scale)
+        src = (rank - step) % size
+        rows, keys = _ring_block(rank, src, half)
+        how = _documents_block(documents, rank, src, size, rows, keys, step == 0)
+        if how == "skip":  # no query here sees a key there: nothing to compute
+            _wait(reqs)
+            kv = nxt
+            continue
+        o, l = _block_fwd(kernel, q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0,
+                          scale, how)
         if step == 0:  # own K/V: the causal diagonal
             out, lse = o.float(), l.clone()
         else:
@@ -94,21 +126,26 @@ def _ring_fwd(q, k, v, group, scale, kernel):
     return out.to(q.dtype), lse
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel):
+def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel, documents):
     """K/V go round again with an fp32 dK/dV each rank adds to; after C steps it is home."""
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
     dkv, dkv_in, dreqs = None, None, []
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
-        rows, keys = _ring_block(rank, (rank - step) % size, half)
-        g = kernel.bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                       out[:, :, rows], lse[:, :, rows], step == 0, scale)
-        dq[:, :, rows] += g[0]
+        src = (rank - step) % size
+        rows, keys = _ring_block(rank, src, half)
+        how = _documents_block(documents, rank, src, size, rows, keys, step == 0)
+        if how != "skip":
+            g = _block_bwd(kernel, dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
+                           kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], step == 0, scale,
+                           how)
+            dq[:, :, rows] += g[0]
         _wait(dreqs)  # these K/V's dK/dV so far, from the ranks that held them before
         dkv = torch.zeros_like(kv, dtype=torch.float32) if dkv_in is None else dkv_in
-        dkv[0][:, :, keys] += g[1]
-        dkv[1][:, :, keys] += g[2]
+        if how != "skip":
+            dkv[0][:, :, keys] += g[1]
+            dkv[1][:, :, keys] += g[2]
         dreqs, dkv_in = _ring(dkv, group, 1)
         _wait(reqs)
         kv = nxt
@@ -134,21 +171,33 @@ def _prefix_blocks(rank, size, chunk):
                                                                                (c + 1) * chunk)
 
 
-def _allgather_fwd(q, k, v, group, scale, kernel):
+def _gathered_block(documents, diag: slice, keys: slice, causal: bool):
+    """As _documents_block, for a chunk's queries (global ``diag``) against gathered ``keys``."""
+    if documents is None:
+        return None
+    return documents.block(torch.arange(diag.start, diag.stop),
+                           torch.arange(keys.start, keys.stop), causal)
+
+
+def _allgather_fwd(q, k, v, group, scale, kernel, documents):
     kv = _gather_kv(k, v, group)
     out = torch.empty_like(q, dtype=torch.float32)
     lse = out.new_empty(q.shape[:3])
     for rows, pre, diag in _prefix_blocks(C.group_rank(group), C.group_size(group),
                                           q.shape[2] // 2):
-        o, l = kernel.fwd(q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True, scale)
+        how = _gathered_block(documents, diag, diag, True)
+        o, l = _block_fwd(kernel, q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True,
+                          scale, how)
         out[:, :, rows], lse[:, :, rows] = o.float(), l
-        if pre.stop > 0:
+        how = _gathered_block(documents, diag, pre, False) if pre.stop > 0 else "skip"
+        if how != "skip":
             _merge(out[:, :, rows], lse[:, :, rows],
-                   *kernel.fwd(q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False, scale))
+                   *_block_fwd(kernel, q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False,
+                               scale, how))
     return out.to(q.dtype), lse
 
 
-def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel):
+def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel, documents):
     """K/V gathered again, not kept (the memory CP saves); dK/dV reduce-scattered to owners."""
     size = C.group_size(group)
     kv = _gather_kv(k, v, group)
@@ -157,8 +206,11 @@ def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel):
     dkv = kv.new_zeros((size, 2) + tuple(k.shape), dtype=torch.float32)  # [owner rank, k|v, ...]
     for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk):
         for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > 0 else []):
-            g = kernel.bwd(dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                           out[:, :, rows], lse[:, :, rows], causal, scale)
+            how = _gathered_block(documents, diag, keys, causal)
+            if how == "skip":
+                continue
+            g = _block_bwd(kernel, dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
+                           kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], causal, scale, how)
             dq[:, :, rows] += g[0]
             for i, part in enumerate(torch.stack(g[1:]).split(chunk, dim=3)):
                 j, half = chunk_owner(keys.start // chunk + i, size)  # to the owner's place
@@ -205,26 +257,31 @@ class _Reshard(torch.autograd.Function):
 class _Attention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, comm_type, scale, kernel):
+    def forward(ctx, q, k, v, group, comm_type, scale, kernel, documents):
         ctx.group, ctx.comm_type, ctx.scale, ctx.kernel = group, comm_type, scale, kernel
+        ctx.documents = documents
         fwd = _ring_fwd if comm_type == "p2p" else _allgather_fwd
-        out, lse = fwd(q, k, v, group, scale, kernel)
+        out, lse = fwd(q, k, v, group, scale, kernel, documents)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         bwd = _ring_bwd if ctx.comm_type == "p2p" else _allgather_bwd
-        grads = bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale, ctx.kernel)
-        return (*grads, None, None, None, None)
+        grads = bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale, ctx.kernel,
+                    ctx.documents)
+        return (*grads, None, None, None, None, None)
 
 
 def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None,
-                               local_attention=None, kernel: str = "auto"):
+                               local_attention=None, kernel: str = "auto",
+                               documents: Optional[Documents] = None):
     """q [b, n, s/C, d], k, v [b, g, s/C, d] (g divides n) -> [b, n, s/C, d] in q's dtype.
     ``local_attention(q, k, v)``: a2a only, one head shard's attention over the whole sequence
-    (default causal SDPA). ``kernel``: --cp-attention-kernel. Its preconditions are checked once
-    by ``ParallelConfig.check_context_parallel``, not here."""
+    (default causal SDPA; with ``documents`` the caller's document attention). ``kernel``:
+    --cp-attention-kernel. ``documents``: the ring and all-gather mask their blocks by them and
+    skip those no query sees (docs/context_parallel.md, "Packed documents"). Its preconditions
+    are checked once by ``ParallelConfig.check_context_parallel``, not here."""
     size, gqa = C.group_size(cp_group), k.shape[1] != q.shape[1]
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
@@ -239,4 +296,4 @@ def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=
             oh = attend(qh, kh, vh)
         return _Reshard.apply(cp_group, False, oh.contiguous())[0]
     return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
-                            scale, blocks.select(q, k, kernel))
+                            scale, blocks.select(q, k, kernel), documents)

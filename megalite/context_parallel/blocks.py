@@ -34,9 +34,12 @@ def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     """[b, g, n/g, sq, sk] fp32 scores; each group's K broadcasts over its query heads, so K is
-    never copied per query head. ``causal``: the top-left aligned mask (square blocks only)."""
+    never copied per query head. ``causal``: the top-left aligned mask (square blocks only), or
+    a [b, 1, sq, sk] bool tensor, True where a query sees a key (packed documents)."""
     s = _grouped(q, k.shape[1]) @ k.float().unsqueeze(2).transpose(-1, -2) * scale
-    if causal:
+    if isinstance(causal, torch.Tensor):
+        s = s.masked_fill(~causal.unsqueeze(2), float("-inf"))
+    elif causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
                           float("-inf"))
     return s
@@ -45,7 +48,9 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 def _math_fwd(q, k, v, causal, scale):
     s = _scores(q, k, causal, scale)
     lse = s.logsumexp(-1)
-    out = (s - lse.unsqueeze(-1)).exp() @ v.float().unsqueeze(2)
+    # a query that sees no key here (documents): lse -inf, its output 0, not NaN
+    out = (s - lse.clamp_min(torch.finfo(lse.dtype).min).unsqueeze(-1)).exp() @ v.float(
+        ).unsqueeze(2)
     return out.flatten(1, 2).to(q.dtype), lse.flatten(1, 2)
 
 

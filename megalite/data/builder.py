@@ -38,6 +38,9 @@ def build_pretraining_datasets(data_cfg: DataConfig, tokenizer, seq_length: int,
         if int(store.document_lengths.sum()) == 0:
             raise ConfigError(f"--data-path: {p or 'the built-in corpus'} has 0 tokens (empty "
                               f"dataset or only empty documents); give data with text")
+    if data_cfg.reset_attention_mask:
+        for p, store in zip(paths, stores):
+            _check_document_ends(store, tokenizer.eod, p or "the built-in corpus")
     if weights is None:  # plain concatenation: each entry weighs what it holds
         weights = [float(s.document_lengths.sum()) for s in stores]
     ranges = [split_document_ranges(s.num_documents, data_cfg.split) for s in stores]
@@ -69,3 +72,14 @@ def build_pretraining_datasets(data_cfg: DataConfig, tokenizer, seq_length: int,
         size = num_samples[k] or max(int(len(c) / wi) for c, wi in zip(comps, w))
         out.append(BlendedDataset(comps, w, size))
     return tuple(out)
+
+
+def _check_document_ends(store, eod: int, where: str) -> None:
+    """--reset-attention-mask finds documents by their EOD: data without one at the end of its
+    documents would be one long document (looks at the first 64 non-empty ones)."""
+    lengths = store.document_lengths[:64]
+    docs = [d for d in range(len(lengths)) if lengths[d] > 0]
+    if docs and not any(int(store.get_document(d)[-1]) == eod for d in docs):
+        raise ConfigError(f"--reset-attention-mask: the documents of {where} do not end with the "
+                          f"EOD token ({eod}), so no document boundary can be found; preprocess "
+                          f"it with --append-eod or drop the flag")

@@ -15,6 +15,7 @@ import torch.nn as nn
 from megalite import collectives as C
 from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.sharding import positions as cp_positions
+from megalite.masks import Documents
 from megalite.models.init import initialize_parameters
 from megalite.models.norms import build_norm
 from megalite.models.transformer import TransformerLayer, hidden_dropout
@@ -136,35 +137,41 @@ class GPTModel(nn.Module):
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
-    def _run_layers(self, x: torch.Tensor) -> torch.Tensor:
+    def _run_layers(self, x: torch.Tensor, *extra) -> torch.Tensor:
+        """``extra``: the layers' position_ids and documents (TransformerLayer.forward)."""
         cfg = self.execution
         layers = list(self.layers.values())
         if cfg.recompute_granularity != "full" or not self.training:
             for layer in layers:
-                x = layer(x)
+                x = layer(x, *extra)
             return x
         n = cfg.recompute_num_layers or 1
         if cfg.recompute_method == "block":
             # Recompute the first n layers of this stage, keep activations for the rest.
             for i, layer in enumerate(layers):
-                x = checkpoint(layer, x.device, x) if i < n else layer(x)
+                x = checkpoint(layer, x.device, x, *extra) if i < n else layer(x, *extra)
             return x
         # uniform: checkpoint chunks of n layers, storing only each chunk's input
         for i in range(0, len(layers), n):
             chunk = layers[i:i + n]
 
-            def run(h, chunk=chunk):
+            def run(h, *extra, chunk=chunk):
                 for layer in chunk:
-                    h = layer(h)
+                    h = layer(h, *extra)
                 return h
 
-            x = checkpoint(run, x.device, x)
+            x = checkpoint(run, x.device, x, *extra)
         return x
 
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                decoder_input: Optional[torch.Tensor] = None) -> torch.Tensor:
+                decoder_input: Optional[torch.Tensor] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """``position_ids`` [b, s(/C)]: None for 0..s-1 (CP: this rank's global positions),
+        else every position embedding (RoPE too) takes them; ``documents``: attention stays
+        within them (docs/data.md, "Packed documents")."""
         ps = self.parallel_state
+        layer_positions = position_ids
         if self.pre_process and position_ids is None and ps.cp_size > 1:  # CP: global positions
             position_ids = cp_positions(input_ids.shape[1] * ps.cp_size, ps.cp_rank, ps.cp_size,
                                         input_ids.device).expand_as(input_ids)
@@ -174,7 +181,7 @@ class GPTModel(nn.Module):
             x = decoder_input if decoder_input is not None else self._input_tensor
             if x is None:
                 raise ValueError("a non-first pipeline stage needs its input hidden states")
-        x = self._run_layers(x)
+        x = self._run_layers(x, layer_positions, documents)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

@@ -90,10 +90,12 @@ class RotaryEmbedding(torch.nn.Module):
         return hit[0][:seq_len], hit[1][:seq_len]
 
     def at(self, positions: torch.Tensor, seq_len: int, device, dtype):
-        """cos, sin_signed [s, 1, 1, d] at the global ``positions`` [s] of this rank's tokens, all
-        below ``seq_len`` (context parallelism: a rank's tokens are not 0..s-1)."""
+        """cos, sin_signed [s, 1 or b, 1, d] at ``positions`` [s] (or [s, b]: per sample), all
+        below ``seq_len`` (context parallelism: a rank's tokens are not 0..s-1; packed
+        documents: positions restart)."""
         cos, sin = self(seq_len, device, dtype)
-        return cos[positions], sin[positions]
+        index = positions if positions.dim() == 2 else positions[:, None]
+        return cos[:, 0][index], sin[:, 0][index]
 
     def _tables(self, seq_len: int, device, dtype):
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)

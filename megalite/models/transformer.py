@@ -13,11 +13,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megalite import collective_record as R
 from megalite import collectives as C
 from megalite.compiled import compile_or_eager
 from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
+from megalite.masks import Documents, causal_attention, document_attention
 from megalite.models.norms import ProjectionRMSNorm, RMSNorm, build_norm
 from megalite.models.mla import MultiLatentQKV, softmax_scale
 from megalite.models.rotary import apply_rotary, rotary_embedding
@@ -44,35 +46,11 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
     return F.dropout(x, p, True)
 
 
-def sliding_window_attention(q, k, v, window: int, **kw) -> torch.Tensor:
-    """Causal SDPA in which query i sees keys i - W < j <= i (W = ``window``); q: [b, n, s, d],
-    k, v: [b, g, s, d]; ``kw`` is passed to SDPA (dropout, enable_gqa). Query blocks of W against
-    one [W, 2W] band mask (docs/models.md, "Sliding window")."""
-    b, n, s, d = q.shape
-    if s <= 2 * window:
-        i = torch.arange(s, device=q.device)
-        gap = i[:, None] - i[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < window),
-                                              **kw)
-    nb, g, w = -(-s // window), k.shape[1], window
-    pad = nb * w - s
-    first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w], is_causal=True,
-                                           **kw)
-    q = F.pad(q[:, :, w:], (0, 0, 0, pad)).view(b, n, nb - 1, w, d).transpose(1, 2).reshape(
-        b * (nb - 1), n, w, d)
-    # the keys of query block c >= 1 are window c - 1: positions [(c-1)W, (c+1)W)
-    k, v = (F.pad(t, (0, 0, 0, pad)).unfold(2, 2 * w, w)  # [b, g, nb - 1, d, 2W]
-            .permute(0, 2, 1, 4, 3).reshape(b * (nb - 1), g, 2 * w, d) for t in (k, v))
-    i, j = torch.arange(w, device=q.device), torch.arange(2 * w, device=q.device)
-    gap = i[:, None] + w - j[None, :]  # query position minus key position, in every block
-    rest = F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < w), **kw)
-    rest = rest.view(b, nb - 1, n, w, d).transpose(1, 2).reshape(b, n, (nb - 1) * w, d)
-    return torch.cat([first, rest], dim=2)[:, :, :s]
-
-
 # --torch-compile: the CP attention stays eager (its sends, receives and byte counts would
 # otherwise be traced and retraced as the counters change): one graph break per layer.
 _cp_attention = torch.compiler.disable(context_parallel_attention)
+# Likewise attention within documents: its loop runs over the micro-batch's host-side lengths.
+_document_attention = torch.compiler.disable(document_attention)
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu,
@@ -133,34 +111,39 @@ class SelfAttention(nn.Module):
                 RMSNorm(d, config.norm_epsilon, grad_partial_over_tp=True, params_dtype=dtype,
                         device=device, use_apex=execution.use_apex) for _ in range(2))
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v, causal. q: [b, n, s, d]; k, v: [b, g, s, d] (MLA: v's d
-        narrower, and its own softmax scale)."""
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       documents: Optional[Documents] = None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal, within this layer's window and, with
+        ``documents``, within each token's document. q: [b, n, s, d]; k, v: [b, g, s, d] (MLA:
+        v's d narrower, and its own softmax scale)."""
+        gqa = {"enable_gqa": True} if self.heads_per_group > 1 else {}  # SDPA: heads -> groups
         if self.cp_size > 1:  # over the whole sequence; config.py refuses attention dropout here
-            local = None  # a2a: this layer's window over the whole sequence (config.py: only a2a)
-            if self.window is not None and self.window < q.shape[2] * self.cp_size:
-                local = partial(sliding_window_attention, window=self.window,
-                                enable_gqa=self.heads_per_group > 1)  # a2a keeps the ratio
+            local = None  # a2a: this layer's attention over the whole sequence for its heads
+            if documents is not None:
+                local = partial(_document_attention, docs=documents, window=self.window,
+                                scale=self.softmax_scale, **gqa)
+            elif self.window is not None and self.window < q.shape[2] * self.cp_size:
+                local = partial(causal_attention, window=self.window, scale=self.softmax_scale,
+                                **gqa)  # config.py: only a2a takes a window
             dv = v.shape[-1]
             if self.cp_comm_type != "a2a" and dv < k.shape[-1]:
                 # the ring and all-gather move K and V as one stacked tensor (and the CPU flash
                 # kernel wants one width): V padded with zeros, its zero output columns dropped
                 v = F.pad(v, (0, k.shape[-1] - dv))
             return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, self.softmax_scale,
-                                 local_attention=local,
-                                 kernel=self.cp_attention_kernel)[..., :dv]
-        gqa = self.heads_per_group > 1  # SDPA's enable_gqa maps query heads to their groups
+                                 local_attention=local, kernel=self.cp_attention_kernel,
+                                 documents=documents)[..., :dv]
         p = self.config.attention_dropout if self.training else 0.0
-        kw = dict(dropout_p=p, scale=self.softmax_scale, **({"enable_gqa": True} if gqa else {}))
-        attend = partial(F.scaled_dot_product_attention, is_causal=True)
-        if self.window is not None and self.window < q.shape[2]:  # else plain causal
-            attend = partial(sliding_window_attention, window=self.window)
+        kw = dict(dropout_p=p, scale=self.softmax_scale, window=self.window, **gqa)
+        attend = causal_attention
+        if documents is not None:
+            attend = partial(_document_attention, docs=documents)
         if p == 0.0:  # nothing random drawn: no RNG fork (under --torch-compile, no graph break)
             return attend(q, k, v, **kw)
         # Each TP rank holds different heads: their dropout masks must differ (tracked RNG).
         return _in_tracked_rng(attend, q, k, v, **kw)
 
-    def _qkv(self, x: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, position_ids: Optional[torch.Tensor]):
         """q [s, b, n, d] and k, v [s, b, g, d] from the fused projection, normed and rotated."""
         qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
@@ -171,33 +154,41 @@ class SelfAttention(nn.Module):
             q, k = qk.split([hpg, 1], dim=3)
             qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=3)
         if self.rotary is not None:  # q and k rotated together: one pass over both
-            cos, sin = self._rope(s, x.device, qkv.dtype)
-            qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+            cos, sin = self._rope(s, x.device, qkv.dtype, position_ids)
+            qk = apply_rotary(qk, cos.unsqueeze(2), sin.unsqueeze(2))
         q, k = qk.split([hpg, 1], dim=3)
         q = q.reshape(s, b, g * hpg, d)
         return q, k.squeeze(3), v.squeeze(3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """``position_ids`` [b, s]: this rank's tokens' positions when not 0..s-1 (documents
+        restart them); ``documents``: attend within them (docs/data.md, "Packed documents")."""
         # [s, b, n, d] each (k, v: the query groups' heads; MLA: its own widths)
-        q, k, v = self._qkv(x) if self.mla is None else self.mla(x, self._rope)
+        if self.mla is None:
+            q, k, v = self._qkv(x, position_ids)
+        else:
+            q, k, v = self.mla(x, partial(self._rope, position_ids=position_ids))
         s, b = q.shape[0], q.shape[1]
         # [s, b, n, d] -> [b, n, s, d] for SDPA
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if not (self.selective_recompute and self.training):
-            ctx = self.core_attention(q, k, v)
+            ctx = self.core_attention(q, k, v, documents)
         elif torch.compiler.is_compiling() and self.config.attention_dropout == 0.0:
             # The compiler's own checkpoint region, traced into the layer's graph: random.py's
             # checkpoint saves and replays RNG states, which dynamo cannot trace (a graph break),
             # and without dropout there is no RNG state to replay.
-            ctx = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v,
+            ctx = torch.utils.checkpoint.checkpoint(self.core_attention, q, k, v, documents,
                                                     use_reentrant=False)
         else:
-            ctx = checkpoint(self.core_attention, x.device, q, k, v)
+            ctx = checkpoint(self.core_attention, x.device, q, k, v, documents)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
         return self.linear_proj(ctx)
 
-    def _rope(self, s: int, device, dtype):
-        """cos, sin_signed [s, 1, 1, d_rope] for this rank's s tokens."""
+    def _rope(self, s: int, device, dtype, position_ids: Optional[torch.Tensor] = None):
+        """cos, sin_signed [s, 1 or b, 1, d_rope] for this rank's s tokens."""
+        if position_ids is not None:  # [b, s]: each below the whole sequence's length
+            return self.rotary.at(position_ids.t(), s * self.cp_size, device, dtype)
         if self.cp_size > 1:  # this rank's tokens sit at their global positions
             return self.rotary.at(self._global_positions(s, device), s * self.cp_size, device,
                                   dtype)
@@ -304,14 +295,18 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return hidden_dropout(x, self.hidden_dropout, self.training, self.sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._forward(x)
+    def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                documents: Optional[Documents] = None) -> torch.Tensor:
+        """``position_ids``, ``documents``: as SelfAttention.forward's."""
+        with R.label(f"layer {self.layer_number}"):  # the collective record's (eager)
+            return self._forward(x, position_ids, documents)
 
-    def _before_mlp(self, x: torch.Tensor):
+    def _before_mlp(self, x: torch.Tensor, position_ids=None, documents=None):
         """The attention block's output and its normalisation for the MLP."""
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x)))
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), position_ids,
+                                                  documents))
         return x, self.pre_mlp_layernorm(x)
 
-    def _layer_forward(self, x: torch.Tensor) -> torch.Tensor:
-        x, h = self._before_mlp(x)
+    def _layer_forward(self, x: torch.Tensor, position_ids=None, documents=None) -> torch.Tensor:
+        x, h = self._before_mlp(x, position_ids, documents)
         return x + self._dropout(self.mlp(h))

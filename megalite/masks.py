@@ -1,0 +1,186 @@
+"""Which keys a query attends to: causal, a sliding window, the documents of a packed sample; and
+attention on one device under those masks (docs/data.md, "Packed documents"; docs/models.md,
+"Sliding window"). Context parallelism asks :class:`Documents` which of its blocks to skip."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def sliding_window_attention(q, k, v, window: int, **kw) -> torch.Tensor:
+    """Causal SDPA in which query i sees keys i - W < j <= i (W = ``window``); q: [b, n, s, d],
+    k, v: [b, g, s, d]; ``kw`` is passed to SDPA (dropout, enable_gqa). Query blocks of W against
+    one [W, 2W] band mask (docs/models.md, "Sliding window")."""
+    b, n, s, d = q.shape
+    if s <= 2 * window:
+        i = torch.arange(s, device=q.device)
+        gap = i[:, None] - i[None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < window),
+                                              **kw)
+    nb, g, w = -(-s // window), k.shape[1], window
+    pad = nb * w - s
+    first = F.scaled_dot_product_attention(q[:, :, :w], k[:, :, :w], v[:, :, :w], is_causal=True,
+                                           **kw)
+    q = F.pad(q[:, :, w:], (0, 0, 0, pad)).view(b, n, nb - 1, w, d).transpose(1, 2).reshape(
+        b * (nb - 1), n, w, d)
+    # the keys of query block c >= 1 are window c - 1: positions [(c-1)W, (c+1)W)
+    k, v = (F.pad(t, (0, 0, 0, pad)).unfold(2, 2 * w, w)  # [b, g, nb - 1, d, 2W]
+            .permute(0, 2, 1, 4, 3).reshape(b * (nb - 1), g, 2 * w, d) for t in (k, v))
+    i, j = torch.arange(w, device=q.device), torch.arange(2 * w, device=q.device)
+    gap = i[:, None] + w - j[None, :]  # query position minus key position, in every block
+    rest = F.scaled_dot_product_attention(q, k, v, attn_mask=(gap >= 0) & (gap < w), **kw)
+    rest = rest.view(b, nb - 1, n, w, d).transpose(1, 2).reshape(b, n, (nb - 1) * w, d)
+    return torch.cat([first, rest], dim=2)[:, :, :s]
+
+
+def causal_attention(q, k, v, window: Optional[int] = None, **kw) -> torch.Tensor:
+    """Causal SDPA over whole sequences, within ``window`` keys when it is shorter than them."""
+    if window is not None and window < q.shape[2]:
+        return sliding_window_attention(q, k, v, window, **kw)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+
+
+def document_ids(tokens: np.ndarray, eod: int):
+    """(ids, positions) of ``tokens`` [b, s] (host): each token's document index in its sample
+    and its position in that document. A document ends with its EOD: the next token starts one."""
+    ends = tokens == eod
+    ids = np.cumsum(ends, axis=1) - ends  # EODs strictly before each token
+    first = np.zeros(tokens.shape, dtype=np.int64)  # each token's document's first position
+    first[:, 1:] = np.where(ends[:, :-1], np.arange(1, tokens.shape[1]), 0)
+    return ids, np.arange(tokens.shape[1]) - np.maximum.accumulate(first, axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents of a micro-batch's packed samples, whole sequence (every CP rank has all):
+    ``lengths`` per sample (host ints, summing to s), ``ids`` [b, s] each token's document
+    index, on the compute device, ``host_ids`` the same on the host (block decisions read it),
+    ``cu_seqlens`` the documents' cumulative lengths over the batch (int32, compute device)."""
+
+    lengths: tuple
+    ids: torch.Tensor
+    host_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    _blocks: dict = field(default_factory=dict, repr=False)  # the block decisions, per block
+
+    @classmethod
+    def of(cls, ids: np.ndarray) -> "Documents":
+        ids = torch.from_numpy(np.ascontiguousarray(ids)).to(torch.int32)
+        lengths = tuple(tuple(np.bincount(row).tolist()) for row in ids.numpy())
+        cu = np.concatenate([[0], np.cumsum([x for row in lengths for x in row])])
+        return cls(lengths, ids, ids, torch.from_numpy(cu).to(torch.int32))
+
+    def to(self, device, non_blocking: bool = False) -> "Documents":
+        """On ``device``: the host parts stay (CUDA: copy from pinned memory, queued)."""
+        move = (lambda t: t.pin_memory().to(device, non_blocking=True)) if non_blocking else (
+            lambda t: t.to(device))
+        return Documents(self.lengths, move(self.ids), self.host_ids, move(self.cu_seqlens))
+
+    @property
+    def max_documents(self) -> int:
+        return max(len(x) for x in self.lengths)
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None,
+             ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[b, 1, sq, sk] bool: query at position q_pos[i] sees key k_pos[j] (same document,
+        causal, within ``window``); on ``ids``' device (default the compute device)."""
+        ids = self.ids if ids is None else ids
+        q_pos, k_pos = q_pos.to(ids.device), k_pos.to(ids.device)
+        gap = q_pos[:, None] - k_pos[None, :]
+        ok = (gap >= 0) if window is None else (gap >= 0) & (gap < window)
+        return ((ids[:, q_pos, None] == ids[:, None, k_pos]) & ok).unsqueeze(1)
+
+    def block(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
+        """How a CP block of queries at global positions ``q_pos`` (host) against keys at
+        ``k_pos`` runs: "skip" (no query sees a key), None (the kernel's own mask, causal or
+        full, is exact) or the [b, 1, sq, sk] mask. Decided on the host, once per micro-batch."""
+        key = (q_pos[0].item(), len(q_pos), k_pos[0].item(), len(k_pos), causal)  # host tensors
+        if key not in self._blocks:
+            m = self.mask(q_pos, k_pos, ids=self.host_ids)
+            if not m.any():
+                self._blocks[key] = "skip"
+            elif bool(m.all()) or (causal and torch.equal(m, m[:1, :1].new_ones(
+                    m.shape[-2:]).tril().expand_as(m))):
+                self._blocks[key] = None
+            else:
+                self._blocks[key] = self.mask(q_pos, k_pos)
+        return self._blocks[key]
+
+
+# documents per sample above which one masked SDPA beats an SDPA per document on the CPU
+# (benchmarks/documents.py)
+_MANY_DOCUMENTS = 32
+
+
+def document_attention(q, k, v, docs: Documents, window: Optional[int] = None, **kw):
+    """q [b, n, s, d], k, v [b, g, s, d]: causal attention (within ``window``) in which each token
+    sees only its own document's keys; ``kw`` as SDPA's (scale, dropout_p, enable_gqa)."""
+    if q.is_cuda and kw.get("dropout_p", 0.0) == 0.0 and _varlen_ok(q, k, window):
+        return _varlen(q, k, v, docs, window, **kw)
+    return _per_document(q, k, v, docs, window, **kw)
+
+
+def _per_document(q, k, v, docs: Documents, window: Optional[int] = None, **kw):
+    """SDPA per document, or per sample under one mask when its documents are many."""
+    out = []
+    for i, lengths in enumerate(docs.lengths):
+        one = [t[i:i + 1] for t in (q, k, v)]
+        if len(lengths) > _MANY_DOCUMENTS:
+            pos = torch.arange(q.shape[2])
+            mask = docs.mask(pos, pos, window, ids=docs.ids[i:i + 1])
+            out.append(F.scaled_dot_product_attention(*one, attn_mask=mask, **kw))
+            continue
+        ends = np.cumsum(lengths).tolist()
+        out.append(torch.cat([causal_attention(*(t[:, :, a:e] for t in one), window, **kw)
+                              for a, e in zip([0] + ends, ends)], dim=2))
+    return torch.cat(out, dim=0)
+
+
+def _varlen(q, k, v, docs: Documents, window: Optional[int], scale=None, enable_gqa=False,
+            dropout_p=0.0):
+    """torch's varlen flash attention (CUDA): the samples' documents as one ragged batch."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    b, n, s, d = q.shape
+    longest = max(x for row in docs.lengths for x in row)
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    cu = docs.cu_seqlens
+    out = varlen_attn(*flat, cu, cu, longest, longest, scale=scale,
+                      window_size=(-1 if window is None else window - 1, 0),
+                      enable_gqa=enable_gqa)
+    return out.view(b, s, n, -1).transpose(1, 2)
+
+
+_VARLEN_CHECKED: dict = {}  # (device, dtype, head dim, window, gqa) -> passed its self-check
+
+
+def _varlen_ok(q, k, window) -> bool:
+    """Whether torch's varlen kernel runs here and matches the per-document SDPA on a small
+    random packed batch (checked once per kind of call; one warning line when it does not)."""
+    gqa = q.shape[1] != k.shape[1]
+    key = (q.device, q.dtype, q.shape[-1], window, gqa)
+    if key not in _VARLEN_CHECKED:
+        gen = torch.Generator(device=q.device).manual_seed(0)
+        qq = torch.randn(2, q.shape[1], 96, q.shape[-1], device=q.device, generator=gen)
+        kk, vv = (torch.randn(2, k.shape[1], 96, q.shape[-1], device=q.device, generator=gen)
+                  for _ in range(2))
+        qq, kk, vv = (t.to(q.dtype) for t in (qq, kk, vv))
+        docs = Documents.of(np.tile(np.arange(96) // 40, (2, 1))).to(q.device)
+        try:
+            got = _varlen(qq, kk, vv, docs, window, enable_gqa=gqa)
+            ref = _per_document(qq.float(), kk.float(), vv.float(), docs, window, enable_gqa=gqa)
+            err = float((got.float() - ref).abs().max() / ref.abs().max())
+            why = None if err < 3e-2 else f"max relative error {err:.1e}"
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        if why is not None:
+            warnings.warn(f"document attention: torch's varlen kernel failed its self-check "
+                          f"({why}); using SDPA per document", RuntimeWarning, stacklevel=3)
+        _VARLEN_CHECKED[key] = why is None
+    return _VARLEN_CHECKED[key]
