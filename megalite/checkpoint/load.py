@@ -92,10 +92,10 @@ def _describe(layout: Layout, per_dp: bool) -> str:
     return f"{layout.describe()}, {'ZeRO' if per_dp else 'plain (ZeRO 0)'} optimizer"
 
 
-def _layout_change(cfg: MegaliteConfig, saved_cfg: MegaliteConfig, it_dir: str, optimizer,
-                   per_dp: bool, load_optim: bool, what: str) -> Optional[str]:
+def _layout_change(cfg: MegaliteConfig, saved_cfg: MegaliteConfig, it_dir: str, per_dp: bool,
+                   load_optim: bool, what: str) -> Optional[str]:
     """None where the checkpoint's files fit this run's layout and optimizer kind as they are,
-    else the change (for the log line), after checking that resharding on load can make it."""
+    else the change (for the log line): resharding on load makes any such change."""
     # the first stage's file says where the optimizer state is (memory-mapped: only its small
     # entries are read)
     head = load_file(os.path.join(it_dir, shard_dir_name(0, 0), MODEL_FILE), what, mmap=True)
@@ -104,13 +104,7 @@ def _layout_change(cfg: MegaliteConfig, saved_cfg: MegaliteConfig, it_dir: str, 
     saved, mine = Layout.of_config(saved_cfg), Layout.of_config(cfg)
     if saved.same_files(mine, cfg.model.num_layers) and not (load_optim and saved_per_dp != per_dp):
         return None
-    change = f"saved with {_describe(saved, saved_per_dp)}, this run uses {_describe(mine, per_dp)}"
-    if per_dp and load_optim and any(getattr(optimizer, "shard_is_expert", ())):
-        raise CheckpointError(
-            f"{what}: {change}: a ZeRO optimizer with experts sharded apart (EP > 1 or "
-            f"ETP != TP) cannot reshard on load; load at EP 1 and ETP = TP first, or "
-            f"{RESHARD_HINT}")
-    return change
+    return f"saved with {_describe(saved, saved_per_dp)}, this run uses {_describe(mine, per_dp)}"
 
 
 def _read_state(cfg: MegaliteConfig, it_dir: str, iteration: int, optimizer, ps, per_dp: bool,
@@ -118,8 +112,11 @@ def _read_state(cfg: MegaliteConfig, it_dir: str, iteration: int, optimizer, ps,
                 ) -> Tuple[dict, Optional[dict]]:
     """This rank's model file and optimizer state (None without one to load)."""
     if resharded:
-        state, opt_sd = load_resharded(cfg.checkpoint.load, iteration, cfg, ps, load_optim)
-        if load_optim and per_dp and not optimizer.shard_fits(opt_sd):
+        # expert shards that follow the expert grid (EP, ETP, EDP) take the unsharded state
+        apart = per_dp and any(getattr(optimizer, "shard_is_expert", ()))
+        state, opt_sd = load_resharded(cfg.checkpoint.load, iteration, cfg, ps, load_optim,
+                                       apart)
+        if load_optim and per_dp and not apart and not optimizer.shard_fits(opt_sd):
             raise CheckpointError(
                 f"{what}: {resharded}: the optimizer shard assembled for this rank does not "
                 f"fit its optimizer (another bucket or unit layout); {RESHARD_HINT}")
@@ -216,7 +213,7 @@ def load_checkpoint(cfg: MegaliteConfig, model_chunks, optimizer, scheduler, ps,
             raise CheckpointError(
                 f"{what}: the checkpoint has a different model shape: {'; '.join(diffs)} "
                 f"(pass the checkpoint's values or --use-checkpoint-args)")
-        resharded = _layout_change(cfg, saved_cfg, it_dir, optimizer, per_dp, load_optim, what)
+        resharded = _layout_change(cfg, saved_cfg, it_dir, per_dp, load_optim, what)
         state, opt_sd = _read_state(cfg, it_dir, iteration, optimizer, ps, per_dp, load_optim,
                                     resharded, what)
         _restore(state, opt_sd, model_chunks, optimizer, scheduler, ps, per_dp, what)

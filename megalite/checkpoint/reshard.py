@@ -18,8 +18,9 @@ from megalite.checkpoint.format import (MODEL_FILE, CheckpointError, chunk_key, 
 from megalite.checkpoint.layout import (Layout, ParamSpec, canonical_name, chunks_of, layer_of,
                                         meta_chunk, rank_param_order)
 from megalite.checkpoint.optim_state import (OptimCommon, PlainIndex, build_plain, check_plain,
-                                             merge_rank_files, plain_common, read_plain,
-                                             upgrade_shard, zero_common, zero_target)
+                                             merge_rank_files, merge_shard_state_dicts,
+                                             plain_common, read_plain, upgrade_shard,
+                                             zero_common, zero_target)
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.optimizer.optimizer import ADAM_KINDS
 
@@ -319,18 +320,26 @@ def _fresh_scheduler_state(cfg: MegaliteConfig) -> dict:
                                                cfg.training.train_iters).state_dict()
 
 
-def load_resharded(load_dir: str, iteration: int, cfg: MegaliteConfig, ps, with_optim: bool
-                   ) -> Tuple[dict, Optional[dict]]:
+def load_resharded(load_dir: str, iteration: int, cfg: MegaliteConfig, ps, with_optim: bool,
+                   experts_apart: bool = False) -> Tuple[dict, Optional[dict]]:
     """This rank's model file (less the RNG state) and optimizer state at the running job's layout,
-    assembled from a checkpoint of any other layout: only its own TP, PP and DP shards."""
+    assembled from a checkpoint of any other layout: only its own TP, PP and DP shards. With
+    ``experts_apart`` (a ZeRO run whose expert shards follow the expert grid, not DP) the
+    optimizer state is this (TP, PP) rank's unsharded one (FULL_FORMAT, every expert), which the
+    loader cuts to this rank's experts and the optimizer re-splits, as after a merge."""
     src = MegaliteSource(load_dir, iteration)
     optim = (src.optim_for(cfg.optimizer.zero_stage, "pass --no-load-optim or --finetune")
              if with_optim else None)
+    # DP 1's one shard holds every parameter of the rank: merged, it is the unsharded state
+    dp, d = (1, 0) if experts_apart else (ps.dp_cp_size, ps.dp_cp_rank)
     (files,) = assemble_stage(cfg, Layout.of_config(cfg), ps.pp_rank, src.iteration,
-                              src.read_group, tp_ranks=[ps.tp_rank], dp_ranks=[ps.dp_cp_rank],
+                              src.read_group, tp_ranks=[ps.tp_rank], dp_ranks=[d],
                               consumed=src.consumed_samples, optim=optim, common=src.optim_common,
-                              scheduler=src.scheduler, dp=ps.dp_cp_size, what=src.what)
+                              scheduler=src.scheduler, dp=dp, what=src.what)
     state = files.model_file
     if optim == "plain":
         return state, state.pop("optimizer")
-    return state, None if files.zero_files is None else files.zero_files[ps.dp_cp_rank]
+    if files.zero_files is None:
+        return state, None
+    return state, (merge_shard_state_dicts([files.zero_files[0]]) if experts_apart
+                   else files.zero_files[d])

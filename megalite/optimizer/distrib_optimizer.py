@@ -89,8 +89,8 @@ class DistributedOptimizer(ShardedAdamW):
                      for s in self.shards]
         self.segments = [[[g.name, g.lo, g.hi, g.plo, list(g.param.shape)] for g in s.segments]
                          for s in self.shards]
-        # EP > 1 or ETP != TP: the expert shards' squares are summed over their own groups
-        # (clip_grads.grad_norm_squared)
+        # experts apart (any of EP, ETP, TP above 1): the expert shards' squares are summed over
+        # their own groups (clip_grads.grad_norm_squared)
         self.shard_is_expert = [ps.experts_apart and param_meta(s.bucket.params[0]).expert
                                 for s in self.shards]
         self.norm_runs = [[(g.lo, g.hi) for g in s.segments if not e and

@@ -341,8 +341,8 @@ class ShardedAdamW(_LossScaling):
         return sd
 
     def _expert_layout(self) -> dict:
-        """The expert grid position a file records where expert shards lie apart (EP > 1 or
-        ETP != TP; docs/checkpoints.md, "Experts")."""
+        """The expert grid position a file records where expert shards lie apart (any of EP, ETP,
+        TP above 1: ``ParallelState.experts_apart``; docs/checkpoints.md, "Experts")."""
         ps = self.ps
         if not any(self.shard_is_expert):
             return {}
