@@ -136,3 +136,83 @@ def test_packed_documents_give_each_documents_own_losses(family):
         if start > 0:  # without the flags, a later document sees the ones before it
             assert (plain[start:start + n] - alone).abs().max() > 1e-3
         start += n
+
+
+# ------------------------------------------------------------------------------------------------
+# pretrain.py with both flags: every layout equals one process (docs/design.md, contract 5)
+# ------------------------------------------------------------------------------------------------
+ITERS = 4
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+         "--group-query-attention", "--num-query-groups", "2", "--num-layers", "4"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+CP2, TP2_SP = ["--context-parallel-size", "2"], ["--tensor-model-parallel-size", "2",
+                                                 "--sequence-parallel"]
+# name -> (world size, model flags, layout flags); one process runs each model's flags
+LAYOUTS = {
+    "tp2_sp": (2, LLAMA, TP2_SP),
+    "pp2_1f1b": (2, LLAMA, ["--pipeline-model-parallel-size", "2"]),
+    "pp2_dualpipev": (2, LLAMA, ["--pipeline-model-parallel-size", "2",
+                                 "--pipeline-schedule", "dualpipev"]),
+    "cp2_p2p": (2, LLAMA, CP2),
+    "cp2_allgather": (2, LLAMA, CP2 + ["--cp-comm-type", "allgather"]),
+    "cp2_a2a": (2, LLAMA, CP2 + ["--cp-comm-type", "a2a"]),
+    "dp2_zero3": (2, LLAMA, ["--zero-stage", "3"]),
+    "ep2": (2, LLAMA + MOE, ["--expert-model-parallel-size", "2"]),
+    "cp2_tp2": (4, LLAMA, CP2 + ["--tensor-model-parallel-size", "2"]),
+}
+
+
+def _short_documents(prefix: str) -> None:
+    """1000 documents of 3-13 tokens (mean 8 = s/8), each ending with NullTokenizer's EOD."""
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as b:
+        for n in rng.integers(3, 14, size=1000):
+            b.add_document(list(rng.integers(0, 299, size=n - 1)) + [299])
+        b.finalize(prefix + ".idx")
+
+
+def _argv(data, model, layout, metrics):
+    from tests.pretrain_utils import TINY
+
+    tiny = [f for f in TINY if f != "--mock-data"]
+    return tiny + ["--data-path", data, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
+                   "--seq-length", "64", "--global-batch-size", "8", "--train-iters", str(ITERS),
+                   "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+                   "--metrics-file", str(metrics), *model, *layout]
+
+
+@pytest.fixture(scope="module")
+def document_runs(tmp_path_factory):
+    from tests.pretrain_utils import pretrain_cases, run_main
+
+    d = tmp_path_factory.mktemp("documents")
+    data = str(d / "docs")
+    _short_documents(data)
+    for world in (2, 4):
+        runs = [_argv(data, m, layout, d / f"{name}.jsonl")
+                for name, (w, m, layout) in LAYOUTS.items() if w == world]
+        assert all(run_distributed(pretrain_cases, world, runs, timeout=600))
+    refs = {}
+    for model in {tuple(m) for _w, m, _l in LAYOUTS.values()}:
+        refs[model] = d / f"single_{len(refs)}.jsonl"
+        assert run_main(_argv(data, list(model), [], refs[model])) == 0
+    # without the flags the same data trains differently (the masks are in effect)
+    plain = [f for f in _argv(data, LLAMA, [], d / "plain.jsonl")
+             if f not in ("--reset-position-ids", "--reset-attention-mask")]
+    assert run_main(plain) == 0
+    return d, refs
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_documents_every_layout_equals_one_process(document_runs, name):
+    from tests.pretrain_utils import assert_same_run, read_metrics
+
+    d, refs = document_runs
+    ref = read_metrics(refs[tuple(LAYOUTS[name][1])])
+    assert_same_run(ref, read_metrics(d / f"{name}.jsonl"), ITERS, name=name)
+    if name == "tp2_sp":
+        plain = read_metrics(d / "plain.jsonl")
+        assert abs(plain[0]["lm_loss"] - ref[0]["lm_loss"]) > 1e-4  # the masks change the loss
