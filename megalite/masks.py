@@ -99,14 +99,16 @@ class Documents:
     def block(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
         """How a CP block of queries at global positions ``q_pos`` (host) against keys at
         ``k_pos`` runs: "skip" (no query sees a key), None (the kernel's own mask, causal or
-        full, is exact) or the [b, 1, sq, sk] mask. Decided on the host, once per micro-batch."""
-        key = (q_pos[0].item(), len(q_pos), k_pos[0].item(), len(k_pos), causal)  # host tensors
+        full, is exact) or the [b, 1, sq, sk] mask. Decided on the host, once per micro-batch,
+        in numpy: the values read are host ones, never a device's (torch reads, even of host
+        tensors, would look like device syncs to tests/host_reads.py)."""
+        q, k = q_pos.numpy(), k_pos.numpy()
+        key = (int(q[0]), len(q), int(k[0]), len(k), causal)
         if key not in self._blocks:
-            m = self.mask(q_pos, k_pos, ids=self.host_ids)
+            m = self.mask(q_pos, k_pos, ids=self.host_ids).numpy()
             if not m.any():
                 self._blocks[key] = "skip"
-            elif bool(m.all()) or (causal and torch.equal(m, m[:1, :1].new_ones(
-                    m.shape[-2:]).tril().expand_as(m))):
+            elif m.all() or (causal and (m == np.tri(*m.shape[-2:], dtype=bool)).all()):
                 self._blocks[key] = None
             else:
                 self._blocks[key] = self.mask(q_pos, k_pos)

@@ -119,3 +119,36 @@ def test_moe_reads_only_the_dispatch_split_sizes():
     argv = flags("--num-layers", 4, "--global-batch-size", 8, *MOE, *padded, train_iters=4)
     for got, where in run_distributed(_moe, 2, argv):
         assert got == [LOG_READS + 1] * 2, where
+
+
+def _short_documents(prefix: str) -> None:
+    """400 documents of 2-6 tokens, each ending with NullTokenizer's EOD (vocab 300: id 299):
+    3-8 documents per sample of 16, across the CP chunk borders."""
+    import numpy as np
+
+    from megalite.data.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as b:
+        for n in rng.integers(2, 7, size=400):
+            b.add_document(list(rng.integers(0, 299, size=n - 1)) + [299])
+        b.finalize(prefix + ".idx")
+
+
+def test_no_host_read_with_packed_documents(tmp_path):
+    """--reset-position-ids and --reset-attention-mask: the documents and positions come from
+    the tokens on the host (numpy) and the attention of one device and the CP ring's and
+    all-gather's block decisions read host values only, so steps 2-4 read nothing, on one
+    process and per rank of CP2."""
+    data = str(tmp_path / "docs")
+    _short_documents(data)
+    docs = ["--data-path", data, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
+            "--reset-position-ids", "--reset-attention-mask"]
+    argv = [f for f in flags(*SMALL, *QUIET, *docs, train_iters=5) if f != "--mock-data"]
+    got, where = _windows(count_pretrain(argv))
+    assert got == [0, 0, 0, LOG_READS], where
+    cp2 = ["--context-parallel-size", "2", "--cp-comm-type"]
+    runs = [argv + cp2 + [comm] for comm in ("p2p", "allgather")]
+    for rank in run_distributed(_pp2, 2, runs):
+        for run, (got, where) in zip(runs, rank):
+            assert got == [0, 0, 0, LOG_READS], (run, got, where)
