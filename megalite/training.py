@@ -558,8 +558,9 @@ class Trainer:
                                                  data.reset_position_ids,
                                                  data.reset_attention_mask)
             # documents stay whole: a CP rank's attention blocks meet every rank's chunks
-            out.append(tuple(self._to_device(cp_shard(t, ps.cp_rank, ps.cp_size, dim=1))
-                             for t in tensors) + (self._to_device(documents),))
+            out.append(tuple(None if t is None else self._to_device(
+                cp_shard(t, ps.cp_rank, ps.cp_size, dim=1)) for t in tensors)
+                + (self._to_device(documents),))
         return out
 
     def _to_device(self, t):
