@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 
 from megalite.config import MegaliteConfig, ModelConfig
@@ -44,6 +45,26 @@ def attention_flops(cfg: ModelConfig) -> float:
     s, (qk, v) = cfg.seq_length, cfg.attention_widths()
     keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers))
     return float(3 * 2 * (qk + v) * keys * s)
+
+
+def causal_pairs(lengths, window: Optional[int] = None) -> float:
+    """The (query, key) pairs a causal mask, within ``window`` keys, leaves in sequences of
+    ``lengths``: the first W queries see 1..W keys, the rest W each."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    seen = lengths if window is None else np.minimum(lengths, window)
+    return float((seen * (seen + 1) / 2 + (lengths - seen) * seen).sum())
+
+
+def document_attention(cfg: ModelConfig, lengths) -> tuple:
+    """What the attention core of samples of packed documents needs (--reset-attention-mask),
+    from each sample's document lengths (host ints): (the FLOPs of a sample, forward + backward,
+    their share of the causal mask's), each layer within its window (docs/logging.md, "Packed
+    documents"). MFU keeps counting :func:`attention_flops`."""
+    (qk, v), s = cfg.attention_widths(), cfg.seq_length
+    docs = [x for row in lengths for x in row]
+    windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
+    needed = sum(causal_pairs(docs, w) for w in windows) / len(lengths)
+    return 3 * 2 * (qk + v) * needed, needed / sum(causal_pairs([s], w) for w in windows)
 
 
 # Dense peak FLOP/s per device for 16-bit matmuls (vendor datasheets); fp32 training on these GPUs

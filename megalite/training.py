@@ -24,6 +24,7 @@ from megalite.masks import Documents
 from megalite.logging import (
     MetricsLogger,
     CpuPeak,
+    document_attention,
     model_flops_per_sequence,
     peak_flops_per_device,
     training_log_line,
@@ -161,6 +162,7 @@ class Trainer:
             self.host_buffers = HostBuffers(pinned=ps.device.type == "cuda")
         self.times: List[float] = []
         self.host_queue_s = 0.0  # the last step's (train_step)
+        self.documents: list = []  # the document lengths of each sample since the last log line
         self._build_data()
         self._build_model_and_optimizer()
         self._load_checkpoint()
@@ -296,6 +298,7 @@ class Trainer:
         ``memory_estimate``'s figures (docs/planner.md, "Memory of real runs")."""
         cfg, ps = self.cfg, self.ps
         it = self.iteration + 1
+        self.documents += [row for b in batches if b[-1] is not None for row in b[-1].lengths]
         if it != next((i for i in range(2, cfg.training.train_iters + 1) if self._logs_at(i)), 1):
             return self.train_step(batches)
         from megalite.memory import PeakTensorMemory
@@ -459,6 +462,11 @@ class Trainer:
             rec.update(tokens_per_sec=gbs * cfg.model.seq_length / t_it,
                        tflops_per_device=achieved / 1e12, peak_tflops_per_device=peak / 1e12,
                        mfu=(achieved / peak) if math.isfinite(peak) and peak > 0 else None)
+        if self.documents:  # --reset-attention-mask: the attention work the documents need
+            flops, fraction = document_attention(cfg.model, self.documents)
+            rec.update(attention_tflops_needed=flops * gbs / 1e12,
+                       document_attention_fraction=fraction)
+            self.documents = []
         recent = self.times[-20:]
         eta = (tr.train_iters - self.iteration) * sum(recent) / len(recent)
         self.logger.print(training_log_line(rec, tr.train_iters, eta))

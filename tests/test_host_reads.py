@@ -9,7 +9,7 @@ import pytest
 
 from dist_utils import run_distributed
 from host_reads import count_pretrain
-from pretrain_utils import flags
+from pretrain_utils import flags, read_metrics
 
 SMALL = ["--num-layers", "2", "--global-batch-size", "2"]  # 1 micro-batch of 2
 FP16 = ["--fp16", "--initial-loss-scale", "1024"]  # a scale that does not overflow: steps update
@@ -145,8 +145,14 @@ def test_no_host_read_with_packed_documents(tmp_path):
     docs = ["--data-path", data, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
             "--reset-position-ids", "--reset-attention-mask"]
     argv = [f for f in flags(*SMALL, *QUIET, *docs, train_iters=5) if f != "--mock-data"]
-    got, where = _windows(count_pretrain(argv))
+    got, where = _windows(count_pretrain(argv + ["--metrics-file", str(tmp_path / "m.jsonl")]))
     assert got == [0, 0, 0, LOG_READS], where
+    # the log line's accounting of the documents' attention comes from the same host lengths
+    recs = read_metrics(tmp_path / "m.jsonl")
+    assert [r["iteration"] for r in recs] == [4, 5]
+    for rec in recs:
+        assert 0 < rec["document_attention_fraction"] < 0.5, rec  # documents of 2-6 of 16
+        assert rec["attention_tflops_needed"] > 0, rec
     cp2 = ["--context-parallel-size", "2", "--cp-comm-type"]
     runs = [argv + cp2 + [comm] for comm in ("p2p", "allgather")]
     for rank in run_distributed(_pp2, 2, runs):

@@ -5,13 +5,17 @@ import json
 import os
 import struct
 
+import numpy as np
 import pytest
+import torch
 
+from model_utils import tiny_config
 from pretrain_utils import flags, read_metrics, run_main
 
 from megalite.config import ModelConfig
 from megalite import logging as mlog
 from megalite.logging import model_flops_per_sequence
+from megalite.masks import Documents
 
 REQUIRED = {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_device",
             "mfu", "peak_memory_bytes", "consumed_samples", "loss_scale"}
@@ -182,3 +186,21 @@ def test_cpu_peak_rises_to_a_faster_step():
     assert measured > 1.0  # a new measurement raises the peak...
     assert cpu.at_least(measured / 2) == measured  # ...a slower step leaves it alone
     assert cpu.at_least(1e18) == 1e18  # a step beyond any measurement sets it
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_document_attention_counts_the_pairs_of_the_document_mask(window):
+    """The attention the documents need (metrics.jsonl's attention_tflops_needed and
+    document_attention_fraction): the (query, key) pairs the document mask leaves (the mask
+    itself, counted), 6 (q·k + v) FLOPs each over the layers, against the causal mask's."""
+    cfg = tiny_config("llama", sliding_window=window)  # every layer within the window
+    lengths = [(5, 4, 7), (16,)]
+    pos = np.arange(16)
+    docs = Documents.of(np.stack([np.repeat(np.arange(len(x)), x) for x in lengths]))
+    pairs = int(docs.mask(torch.from_numpy(pos), torch.from_numpy(pos), window).sum())
+    causal = int(Documents.of(np.zeros((1, 16), int)).mask(
+        torch.from_numpy(pos), torch.from_numpy(pos), window).sum())
+    flops, fraction = mlog.document_attention(cfg, lengths)
+    qk, v = cfg.attention_widths()
+    assert flops == pytest.approx(6 * (qk + v) * cfg.num_layers * pairs / 2)
+    assert fraction == pytest.approx(pairs / 2 / causal) and fraction < 1
