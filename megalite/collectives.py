@@ -10,6 +10,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from megalite import collective_record as R
+
 ReduceOp = dist.ReduceOp
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; use the new names where they exist.
@@ -77,6 +79,17 @@ def _count(kind: str, full_bytes: int, n: int, factor: float) -> None:
     _BYTES_SENT[kind] += int(round(factor * (n - 1) / n * full_bytes))
 
 
+def _recorded(kind: str, tag: str, group, t: Optional[torch.Tensor], async_op: bool, fn, /,
+              *args, **kwargs):
+    """``fn(*args, **kwargs)``, entered in the collective record (megalite/collective_record.py)
+    with ``t``'s shape and dtype, marked completed when the call returns synchronously."""
+    slot = R.issue(kind, tag, group, None if t is None else t.shape, None if t is None else t.dtype,
+                   async_op)
+    out = fn(*args, **kwargs)
+    R.complete(slot)
+    return out
+
+
 def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool = False,
                tag: str = "all_reduce", host: bool = False):
     """In-place all-reduce. Use SUM and divide rather than AVG (gloo has no AVG)."""
@@ -85,7 +98,8 @@ def all_reduce(tensor: torch.Tensor, group=None, op=ReduceOp.SUM, async_op: bool
         return None
     _check(tag, tensor, group, host)
     _count(tag, tensor.numel() * tensor.element_size(), n, 2.0)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _recorded("all_reduce", tag, group, tensor, async_op, dist.all_reduce, tensor, op=op,
+                     group=group, async_op=async_op)
 
 
 def _alone(tag: str, output: torch.Tensor, input: torch.Tensor, group) -> bool:
@@ -106,7 +120,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         return None
     n = group_size(group)
     _count(tag, output.numel() * output.element_size(), n, 1.0)
-    return _all_gather_tensor(output, input.contiguous(), group=group, async_op=async_op)
+    return _recorded("all_gather", tag, group, input, async_op, _all_gather_tensor, output,
+                     input.contiguous(), group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -116,8 +131,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
         return None
     n = group_size(group)
     _count(tag, input.numel() * input.element_size(), n, 1.0)
-    return _reduce_scatter_tensor(output, input.contiguous(), op=op, group=group,
-                                      async_op=async_op)
+    return _recorded("reduce_scatter", tag, group, input, async_op, _reduce_scatter_tensor,
+                     output, input.contiguous(), op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes,
@@ -131,8 +146,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         rows = input_split_sizes or [input.shape[0] // n] * n
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
         _BYTES_SENT[tag] += (sum(rows) - rows[group_rank(group)]) * row_bytes
-    return dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
-                                  input_split_sizes, group=group, async_op=async_op)
+    return _recorded("all_to_all", tag, group, input, async_op, dist.all_to_all_single, output,
+                     input.contiguous(), output_split_sizes, input_split_sizes, group=group,
+                     async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, tag: str = "broadcast",
@@ -142,20 +158,22 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, tag: str = "broadcast"
         return None
     _check(tag, tensor, group, host)
     _BYTES_SENT[tag] += tensor.numel() * tensor.element_size()
-    return dist.broadcast(tensor, src=src, group=group)
+    return _recorded("broadcast", tag, group, tensor, False, dist.broadcast, tensor, src=src,
+                     group=group)
 
 
 def batch_isend_irecv(ops, tag: str = "p2p"):
     """Point-to-point sends/receives (pipeline activations and gradients: the device path)."""
     for op in ops:
         _check(tag, op.tensor, op.group, False)
-    return dist.batch_isend_irecv(ops)
+    ranks = tuple(sorted({dist.get_rank(), *(op.peer for op in ops)}))  # this rank and its peers
+    return _recorded("p2p", tag, ranks, ops[0].tensor, True, dist.batch_isend_irecv, ops)
 
 
 def barrier(group=None) -> None:
     """Wait for every rank of ``group`` (None: the world); a no-op without peers."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.barrier(group=group)
+        _recorded("barrier", "barrier", group, None, False, dist.barrier, group=group)
 
 
 def all_gather_object(obj, group) -> list:
@@ -164,7 +182,8 @@ def all_gather_object(obj, group) -> list:
     if n == 1:
         return [obj]
     out = [None] * n
-    dist.all_gather_object(out, obj, group=group)
+    _recorded("all_gather_object", "all_gather_object", group, None, False,
+              dist.all_gather_object, out, obj, group=group)
     return out
 
 

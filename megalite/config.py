@@ -672,6 +672,12 @@ class ParallelConfig(_Section):
                                                  choices=("gloo", "nccl"))
     device: Optional[str] = setting(None, "default cuda when available", choices=("cpu", "cuda"))
     distributed_timeout_minutes: float = setting(10.0)
+    collective_record: bool = setting(
+        True, "keep each rank's last collectives; when one fails or times out, write them and "
+        "name the stuck rank (docs/clusters.md, \"When a run hangs\")")
+    collective_record_dir: Optional[str] = setting(
+        None, "where the ranks' records go; default: collective_record in --save, else in the "
+        "working directory")
 
     def validate(self, world_size: Optional[int] = None,
                  seq_length: Optional[int] = None) -> "ParallelConfig":
@@ -1065,6 +1071,9 @@ class CheckpointConfig(_Section):
         "training goes on (docs/checkpoints.md)")
     no_load_optim: bool = setting(False)
     no_load_rng: bool = setting(False)
+    no_verify_load: bool = setting(
+        False, "load without checking that the probe loss and optimizer norms recorded at the "
+        "save are reproduced (docs/checkpoints.md)")
     finetune: bool = setting(False, "load model weights only and start at iteration 0")
     exit_on_missing_checkpoint: bool = setting(False)
     use_checkpoint_args: bool = setting(

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megalite import collective_record as R
 from megalite import collectives as C
 from megalite import torch_private as P
 from megalite.config import V_SCHEDULES, check_pipeline_args
@@ -87,9 +88,10 @@ class PipelineExecutor:
         def tag(i):
             return TAG_ACTIVATION if self.ops[i].kind == "F" else TAG_GRADIENT
         outs = [(i, self.outbox.pop(i)) for i in sends]
-        self.batches[b] = (recvs, self.p2p.post(
-            sends=[(self.peers[i][1], tag(i), t) for i, t in outs],
-            recvs=[(self.peers[i][0], tag(i)) for i in recvs]))
+        with R.label("p2p of " + " ".join(str(self.ops[i]) for i in sends + recvs)):
+            self.batches[b] = (recvs, self.p2p.post(
+                sends=[(self.peers[i][1], tag(i), t) for i, t in outs],
+                recvs=[(self.peers[i][0], tag(i)) for i in recvs]))
         for i, t in outs:
             if self.ops[i].kind == "F" and not self.forward_only:
                 _free_output_data(t)  # the batch holds the sent data until it completes
@@ -154,7 +156,8 @@ class PipelineExecutor:
     def _compute(self, i: int):
         op = self.running = self.ops[i]
         compute = {"F": self.forward, "B": self.backward, "W": self.weight}[op.kind]
-        return compute(op, self.inbox.pop(i, None))
+        with R.label(f"{compute.__name__} micro-batch {op.microbatch + 1} (op {op})"):
+            return compute(op, self.inbox.pop(i, None))
 
     def _deliver(self, i: int, out) -> None:
         op, dst = self.ops[i], self.peers[i][1]
@@ -238,7 +241,8 @@ def _run(schedule: str, chunks: list, p: int, r: int, mode: str, p2p, device, *,
     if ex.timeline is not None and on_timeline is not None:
         on_timeline(ex.timeline)
     if not forward_only and finalize_model_grads_func is not None:
-        finalize_model_grads_func(chunks)
+        with R.label("gradient sync"):
+            finalize_model_grads_func(chunks)
     return stats
 
 
