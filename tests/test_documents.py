@@ -160,6 +160,9 @@ LAYOUTS = {
     "dp2_zero3": (2, LLAMA, ["--zero-stage", "3"]),
     "ep2": (2, LLAMA + MOE, ["--expert-model-parallel-size", "2"]),
     "cp2_tp2": (4, LLAMA, CP2 + ["--tensor-model-parallel-size", "2"]),
+    # one process: recomputed in backward, each layer compiled (the document attention eager)
+    "recompute_compiled": (1, LLAMA, ["--recompute-granularity", "full",
+                                      "--torch-compile", "aot_eager"]),
 }
 
 
@@ -195,6 +198,9 @@ def document_runs(tmp_path_factory):
         runs = [_argv(data, m, layout, d / f"{name}.jsonl")
                 for name, (w, m, layout) in LAYOUTS.items() if w == world]
         assert all(run_distributed(pretrain_cases, world, runs, timeout=600))
+    for name, (w, m, layout) in LAYOUTS.items():
+        if w == 1:
+            assert run_main(_argv(data, m, layout, d / f"{name}.jsonl")) == 0
     refs = {}
     for model in {tuple(m) for _w, m, _l in LAYOUTS.values()}:
         refs[model] = d / f"single_{len(refs)}.jsonl"
