@@ -40,15 +40,14 @@ def _aten(name: str):
 # and 2.15.0: the schemas on meta tensors, CPU_FLASH against the math path
 # (tests/test_context_parallel_blocks.py); the CUDA ones also by their self-check at first use.
 
-def cpu_flash_fwd(q, k, v, causal, scale, mask=None):
-    """``mask``: additive, q's dtype (the kernel refuses a bool one)."""
+def cpu_flash_fwd(q, k, v, causal, scale):
     return _aten("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, causal,
-                                                               attn_mask=mask, scale=scale)
+                                                               scale=scale)
 
 
-def cpu_flash_bwd(dout, q, k, v, out, lse, causal, scale, mask=None):
+def cpu_flash_bwd(dout, q, k, v, out, lse, causal, scale):
     return _aten("_scaled_dot_product_flash_attention_for_cpu_backward")(
-        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
 def _no_rng(device, flash: bool):

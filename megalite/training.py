@@ -13,12 +13,11 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from megalite.checkpoint import save as checkpoint_save
-from megalite.checkpoint import verify
 from megalite.checkpoint.format import with_checkpoint_args
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.snapshot import HostBuffers
-from megalite import collective_record as R
 from megalite import collectives as C
+from megalite import collective_record as R
 from megalite.config import V_SCHEDULES, MegaliteConfig
 from megalite.context_parallel.sharding import shard as cp_shard
 from megalite.exit_conditions import ExitConditions
@@ -215,28 +214,11 @@ class Trainer:
                         + ("" if ck.no_load_rng else ", RNG"))
                 self.logger.print(f" loaded checkpoint {ck.load} at iteration {self.iteration} "
                                   f"({what})")
-            self._verify_load()
         self.summary["iteration"] = self.iteration
         self.run_id = checkpoint_save.new_run_id(ps)
         if ck.save and ps.rank == 0:
             os.makedirs(ck.save, exist_ok=True)
             checkpoint_save.save_tokenizer(ck.save, self.tokenizer, ps)
-
-    def _verify_load(self) -> None:
-        """Before any step: the probe loss and optimizer norms the save recorded, recomputed at
-        this layout (docs/checkpoints.md, "Loads that prove themselves")."""
-        ck = self.cfg.checkpoint
-        record = None if ck.no_verify_load else verify.read_record(ck.load)
-        if record is None:  # imported, or saved before records: its first save writes one
-            return
-        start = time.perf_counter()
-        state = verify.fingerprint(self.chunks, self.optimizer, self.ps) if "optimizer" in record \
-            and not (ck.finetune or ck.no_load_optim) else None
-        loss = self._probe_loss()
-        verify.check_record(record, loss, state, self.cfg, self.ps, ck.load)
-        self.logger.print(f" verified the load: probe loss {loss:.6f}" + (
-            f", norms of {len(state)} parameters' masters and moments" if state else "")
-            + f" as saved ({time.perf_counter() - start:.2f} s)")
 
     def _log_start(self) -> None:
         cfg, ps, tr, log = self.cfg, self.ps, self.cfg.training, self.logger
@@ -520,19 +502,14 @@ class Trainer:
                 self.scheduler, self.consumed, self.cfg, self.ps, self.run_id)
         start = time.perf_counter()
         self.saved_at = self.iteration
-        # what a load must reproduce, of the state this save writes (an async one's snapshot)
-        state = None if self.cfg.checkpoint.no_save_optim else \
-            verify.fingerprint(self.chunks, self.optimizer, self.ps)
-        record = verify.make_record(self._probe_loss(), state, self.iteration, self.cfg, self.ps)
         if self.host_buffers is None:
-            path = checkpoint_save.save_checkpoint(*args, record=record)
+            path = checkpoint_save.save_checkpoint(*args)
             stall = time.perf_counter() - start
             self.logger.print(f" saved checkpoint {path} ({stall:.2f} s)")
             self.logger.log({"stall_s": stall, "published_iteration": self.iteration},
                             self.iteration, split="checkpoint")
             return
-        self.pending_save = checkpoint_save.start_async_save(*args, buffers=self.host_buffers,
-                                                             record=record)
+        self.pending_save = checkpoint_save.start_async_save(*args, buffers=self.host_buffers)
         synchronize(self.ps.device)  # (the stall includes the snapshot's device-to-host copies)
         self.save_stall_s = time.perf_counter() - start
         self.logger.print(f" saving checkpoint {self.pending_save.plan.final} in the background "
@@ -558,44 +535,20 @@ class Trainer:
                          "published_iteration": self.iteration}, pending.plan.iteration,
                         split="checkpoint")
 
+    @torch.no_grad()
     def evaluate(self) -> Tuple[float, float]:
         """(loss, perplexity) over the same ``eval_iters`` validation batches every time."""
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
-
-        def global_batches():  # (runs inside _forward_only_loss: the loader draws a seed)
-            it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank,
-                                        ps.dp_size, num_workers=cfg.data.num_workers))
-            for _ in range(tr.eval_iters):
-                yield self._micro_batches(it, tr.num_micro_batches(ps.dp_size))
-
-        loss = self._forward_only_loss(global_batches())
-        return loss, math.exp(min(loss, 50.0))
-
-    def _probe_loss(self) -> float:
-        """The loss of a fixed micro-batch that any layout computes alike: one row of tokens
-        drawn from a constant seed and the vocabulary (not from --seed or the data, which a
-        resume may change), repeated to the micro-batch size the schedules' shapes assume, in as
-        many micro-batches as every schedule takes (2 x PP); each DP rank runs the same, so the
-        world's token mean is that row's."""
-        gen = torch.Generator().manual_seed(verify.PROBE_SEED)
-        row = torch.randint(self.tokenizer.vocab_size, (1, self.cfg.model.seq_length + 1),
-                            generator=gen)
-        m = 1 if self.ps.pp_size == 1 else 2 * self.ps.pp_size
-        batch = {"tokens": row.expand(self.cfg.training.micro_batch_size, -1)}
-        return self._forward_only_loss([self._micro_batches(iter([batch] * m), m)])
-
-    @torch.no_grad()
-    def _forward_only_loss(self, global_batches) -> float:
-        """The token-mean loss over ``global_batches`` (lists of micro-batches), forward only and
-        in eval mode (no dropout), summed over the world."""
-        ps = self.ps
         # evaluation must not perturb training randomness (a DataLoader iterator draws a seed):
         # else --eval-interval would change the run, and a resumed run differ from the whole one
         rng = get_all_rng_states(ps.device)
         for c in self.chunks:
             c.eval()
+        it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
+                                    num_workers=cfg.data.num_workers))
         sums = torch.zeros(2, dtype=torch.float64, device=ps.device)
-        for batches in global_batches:
+        for _ in range(tr.eval_iters):
+            batches = self._micro_batches(it, tr.num_micro_batches(ps.dp_size))
             stats = self._forward_backward(batches, self._global_token_count(batches),
                                            forward_only=True)
             sums += self._local_loss_sums(stats)
@@ -604,7 +557,8 @@ class Trainer:
             c.train()
         set_all_rng_states(rng, ps.device)
         total, ntok = sums.tolist()
-        return total / max(ntok, 1.0)
+        loss = total / max(ntok, 1.0)
+        return loss, math.exp(min(loss, 50.0))
 
     # ----------------------------------------------------------------------- Batches and losses
     def _micro_batches(self, it, m: int):
