@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 from megalite.checkpoint.layout import Layout as FileLayout
 from megalite.config import V_SCHEDULES, ModelConfig, default_schedule
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
-from megalite.logging import attention_flops, model_flops_per_sequence
+from megalite.logging import attention_flops, causal_pairs, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
 from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
@@ -106,6 +106,7 @@ class Model:
     moe_imbalance: float = MOE_IMBALANCE  # dropless EP > 1 (moe_rows)
     # --overlap-moe-expert-parallel-comm: the all-to-alls behind the paired micro-batch's compute
     moe_overlap: bool = False
+    mean_document_length: Optional[int] = None  # packed documents (--reset-attention-mask)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -127,6 +128,16 @@ class Model:
             self.memo[t] = {"total": total, "logits": logits, "attention": attn,
                             "layers": total - logits}
         return self.memo[t]
+
+    def attention_share(self) -> float:
+        """The share of the causal mask's attention work a fused kernel does on packed documents
+        of mean length L: s·L pairs a layer, at most the causal mask's (docs/planner.md, "Packed
+        documents"); 1 without documents."""
+        cfg, L = self.cfg, self.mean_document_length
+        if L is None:
+            return 1.0
+        return _document_share(cfg.seq_length, L, tuple(cfg.attention_window(i)
+                                                         for i in range(cfg.num_layers)))
 
     def layer_params(self) -> int:
         """Parameters of one dense layer (attention, norms, MLP)."""
@@ -213,6 +224,12 @@ class Model:
     def linear_gemms(self, gpu: GPU) -> tuple:
         """(the GPU as the layers' linear GEMMs see it, cast kernels per per-expert GEMM pass)."""
         return gpu, 0
+
+
+@functools.lru_cache(maxsize=None)  # the search asks it for every layout
+def _document_share(s: int, L: int, windows: tuple) -> float:
+    causal = [causal_pairs([s], w) for w in windows]
+    return sum(min(s * L, c) for c in causal) / sum(causal)
 
 
 def head_rank(lay: Layout) -> int:
@@ -583,9 +600,9 @@ def _layer_s(m: Model, lay: Layout, cl: Cluster) -> Dict[str, float]:
     gemm = attn_gemms + sum(_gemm_s(2 * M * k * n, (M, k, n), gg)
                             for k, n in ((h, fc1 / t), (f / t, h)))
     attn_flops = m.flops(t)["attention"] / cfg.num_layers / 3 * lay.micro_batch_size / t / c
-    if m.flash_attention:
-        attn = attn_flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency
-                             * FLASH_ATTENTION_EFFICIENCY)
+    if m.flash_attention:  # fused: skips what packed documents mask out (an unfused one cannot)
+        attn = attn_flops * m.attention_share() / (
+            gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * FLASH_ATTENTION_EFFICIENCY)
     else:  # two batched GEMMs (inner dimension d or s) and a memory-bound softmax
         attn = _gemm_s(attn_flops, (cfg.kv_channels, s), gpu) \
             + cfg.num_attention_heads / t * s * M * UNFUSED_SOFTMAX_BYTES / hbm

@@ -857,3 +857,44 @@ if __name__ == "__main__":  # the leave-one-out table of docs/planner.md
         e, err = loo[row[0]]
         print(f"| {row[0]} | {row[12]} | {predict(row) / row[12] - 1:+.1%} | {e:.3f} | "
               f"{err:+.1%} |")
+
+
+def test_mean_document_length_prices_the_attention_documents_need(capsys):
+    """--mean-document-length L: fused attention does s·L of the causal mask's s(s+1)/2 pairs a
+    layer (a windowed layer at most its own), so the step is shorter while its FLOP count (MFU's,
+    Megatron's convention) and memory stay; an unfused kernel computes the whole mask anyway."""
+    from megalite.planner import _layer_s
+
+    s, L = 4096, 512
+    cfg = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=8, seq_length=s,
+                      vocab_size=32768, params_dtype="bfloat16")
+    m = Model.from_config(cfg)
+    docs = dataclasses.replace(m, mean_document_length=L)
+    assert m.attention_share() == 1.0
+    assert docs.attention_share() == pytest.approx(s * L / (s * (s + 1) / 2))
+    lay, cl = Layout(1, 1, 1, 8, 1, False, "none", 1, "1f1b"), Cluster(8, 8, GPUS["H100-80GB"])
+    assert _layer_s(docs, lay, cl)["attn"] == pytest.approx(
+        _layer_s(m, lay, cl)["attn"] * docs.attention_share())
+    unfused = Model.from_config(cfg, attention_backend="unfused")
+    assert _layer_s(dataclasses.replace(unfused, mean_document_length=L), lay, cl)["attn"] == \
+        _layer_s(unfused, lay, cl)["attn"]
+    # a window of 256 < L: the documents leave each query its window; of 64 < 256, fewer keys
+    window = dataclasses.replace(cfg, sliding_window=256)
+    assert Model.from_config(window, mean_document_length=L).attention_share() == 1.0
+    assert Model.from_config(window, mean_document_length=64).attention_share() < 0.3
+    tool = _plan_tool()
+    pinned = [*MODEL, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+              "--micro-batch-size", "1", "--json", "--top", "1"]
+
+    def top(*args):
+        assert tool.main(list(args)) == 0
+        return json.loads(capsys.readouterr().out)["layouts"][0]
+
+    plain, packed = top(*pinned), top(*pinned, "--mean-document-length", "512")
+    assert packed["step_time_s"] < 0.95 * plain["step_time_s"]
+    assert packed["tflops_per_gpu"] * packed["step_time_s"] == pytest.approx(
+        plain["tflops_per_gpu"] * plain["step_time_s"], rel=1e-3)  # (the JSON's rounding)
+    assert packed["memory_gib"] == plain["memory_gib"]
+    assert tool.main([*pinned, "--mean-document-length", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--mean-document-length must be >= 1" in err[0], err

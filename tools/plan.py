@@ -306,6 +306,9 @@ def build_plan_parser():
     g.add_argument("--precision", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: the linear GEMMs at twice the 16-bit peak and the fp8 GEMM "
                         "efficiency, to compare with published FP8 rows; megalite runs 16 bits")
+    g.add_argument("--mean-document-length", type=int, default=None,
+                   help="packed documents (--reset-attention-mask): their mean length in "
+                        "tokens; fused attention then costs s x L pairs a layer, not s^2 / 2")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--top", type=int, default=10, help="layouts to print")
     return p
@@ -328,6 +331,9 @@ def parse(argv):
     if not ns.moe_imbalance_factor >= 1:
         raise ConfigError(f"--moe-imbalance-factor must be >= 1 (the busiest rank over the mean), "
                           f"got {ns.moe_imbalance_factor}")
+    if ns.mean_document_length is not None and not 1 <= ns.mean_document_length:
+        raise ConfigError(f"--mean-document-length must be >= 1 (tokens), got "
+                          f"{ns.mean_document_length}")
     cfg = config_from_namespace(ns)
     # --overlap-moe-expert-parallel-comm is pretrain.py's flag, but the planner prices it (from
     # ns) on any layout Megatron runs it on (PP > 1 with virtual stages): pretrain.py's refusals
@@ -365,7 +371,8 @@ def parse(argv):
         moe_overlap=ns.overlap_moe_expert_parallel_comm, cross_entropy=ns.cross_entropy,
         activation_model=ns.activation_model,
         embedding_slot=ns.account_for_embedding_in_pipeline_split,
-        loss_slot=ns.account_for_loss_in_pipeline_split, precision=ns.precision)
+        loss_slot=ns.account_for_loss_in_pipeline_split, precision=ns.precision,
+        mean_document_length=ns.mean_document_length)
     if "pipeline_model_parallel_size" in fixed:  # an uneven split: pretrain.py's own checks
         stage_chunks(model, Layout(**fixed))
     return model, cluster, ns.global_batch_size, fixed, ns
