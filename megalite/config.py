@@ -21,7 +21,8 @@ SCHEDULES = ("1f1b", "interleaved", "zb-h1") + V_SCHEDULES
 ZERO3_SCHEDULES = ("1f1b", "interleaved")
 
 # The --help groups, in the order pretrain.py prints them.
-GROUPS = ("model", "multi-latent attention", "mixture of experts", "parallelism", "batch",
+GROUPS = ("model", "multi-latent attention", "linear attention", "mixture of experts",
+          "parallelism", "batch",
           "mixed precision", "optimizer and learning rate", "data parallelism and ZeRO",
           "activation recomputation", "speed (docs/performance.md)", "checkpoints", "data",
           "logging and evaluation", "misc")
@@ -31,8 +32,10 @@ MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none
 # Roles of model fields, features a setting needs and declared bounds: docs/design.md, "Adding a
 # setting". A feature maps to (whether the model has it, what the error asks for).
 SHAPE, CHECKPOINT_ARG, RUN = "shape", "checkpoint-arg", "run"
-MOE, MLA, YARN = "moe", "mla", "yarn"
+MOE, MLA, YARN, LINEAR = "moe", "mla", "yarn", "linear"
 _FEATURES = {
+    LINEAR: (lambda m: m.linear_attention_freq is not None,
+             "--linear-attention-freq: without it every layer is softmax attention"),
     MOE: (lambda m: m.num_experts is not None,
           "--num-experts N: without it every layer is a dense MLP"),
     MLA: (lambda m: m.multi_latent_attention, "--multi-latent-attention"),
@@ -107,10 +110,11 @@ _LAYER_FREQ_HELP = ("an integer N (layer i, from 0, is MoE when N divides i) or 
                     "pattern such as [1,0,1,1] or ([0]*3+[1]*29)")
 
 
-def parse_moe_layer_freq(text: str) -> Union[int, List[int]]:
-    """--moe-layer-freq as Megatron reads it, without eval: an integer N, or a list built from
-    integer lists, ``[x]*n`` repeats and ``+`` concatenation, optionally in parentheses."""
-    bad = ConfigError(f"--moe-layer-freq must be {_LAYER_FREQ_HELP}, got {text!r}")
+def parse_moe_layer_freq(text: str, flag: str = "--moe-layer-freq") -> Union[int, List[int]]:
+    """--moe-layer-freq (or ``flag``, another per-layer pattern) as Megatron reads it, without
+    eval: an integer N, or a list built from integer lists, ``[x]*n`` repeats and ``+``
+    concatenation, optionally in parentheses."""
+    bad = ConfigError(f"{flag} must be {_LAYER_FREQ_HELP}, got {text!r}")
     if str(text).strip().isdigit():
         return int(text)
     if not re.fullmatch(r"[\d\[\]()+*,\s]+", str(text)):
@@ -320,6 +324,31 @@ class ModelConfig(_Section):
                                        group="multi-latent attention", role=SHAPE, feature=MLA)
     v_head_dim: int = setting(128, group="multi-latent attention", role=SHAPE, feature=MLA,
                               bound=POSITIVE_INT)
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5; models/linear_attention.py, docs/models.md)
+    linear_attention_freq: Optional[str] = setting(
+        None, "which layers are Gated DeltaNet linear attention: an integer N (every N-th layer, "
+        "i + 1 divisible by N, keeps softmax attention: Qwen3-Next's full_attention_interval) or "
+        "a 0/1 list such as [1,1,1,0] (1: linear); default none", group="linear attention",
+        role=SHAPE)
+    linear_num_key_heads: int = setting(16, "key (and query) heads of a linear-attention layer",
+                                        group="linear attention", role=SHAPE, feature=LINEAR,
+                                        bound=POSITIVE_INT)
+    linear_num_value_heads: int = setting(32, "value heads, a multiple of the key heads",
+                                          group="linear attention", role=SHAPE, feature=LINEAR,
+                                          bound=POSITIVE_INT)
+    linear_key_head_dim: int = setting(128, group="linear attention", role=SHAPE,
+                                       feature=LINEAR, bound=POSITIVE_INT)
+    linear_value_head_dim: int = setting(128, group="linear attention", role=SHAPE,
+                                         feature=LINEAR, bound=POSITIVE_INT)
+    linear_conv_kernel_dim: int = setting(4, "width of the causal depthwise convolution",
+                                          group="linear attention", role=SHAPE, feature=LINEAR,
+                                          bound=POSITIVE_INT)
+    attention_output_gate: bool = setting(
+        False, "softmax attention's output times sigmoid of a per-head gate projected beside q "
+        "(Qwen3-Next, Qwen3.5)", role=SHAPE)
+    apply_layernorm_1p: bool = setting(
+        False, "zero-centred norm weights: the norms scale by 1 + w, w starting at 0 (Qwen3-Next,"
+        " Qwen3.5; weight decay pulls the scale towards 1)", role=SHAPE)
     mtp_num_layers: Optional[int] = setting(
         None, "multi-token prediction layers: not implemented (refused)", role=SHAPE)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
@@ -472,6 +501,32 @@ class ModelConfig(_Section):
     def is_moe_layer(self, layer_number: int) -> bool:
         return self.moe_layer_pattern()[layer_number]
 
+    def linear_attention_pattern(self) -> List[bool]:
+        """Per layer (0-based, global numbering), whether it is a Gated DeltaNet layer."""
+        if self.linear_attention_freq is None:
+            return [False] * self.num_layers
+        freq = parse_moe_layer_freq(self.linear_attention_freq, "--linear-attention-freq")
+        if isinstance(freq, int):
+            if freq < 1:
+                raise ConfigError(f"--linear-attention-freq must be >= 1, got {freq}")
+            return [(i + 1) % freq != 0 for i in range(self.num_layers)]
+        if len(freq) != self.num_layers or set(freq) - {0, 1}:
+            raise ConfigError(f"--linear-attention-freq {self.linear_attention_freq} must list "
+                              f"one 0 (softmax) or 1 (linear) per layer, --num-layers "
+                              f"({self.num_layers}) in all")
+        return [bool(x) for x in freq]
+
+    def is_linear_attention_layer(self, layer_number: int) -> bool:
+        return self.linear_attention_pattern()[layer_number]
+
+    def linear_attention_weights(self) -> int:
+        """Matmul weights of one Gated DeltaNet layer: the in projection (q, k, v, z, b, a) and
+        the out projection (the convolution and the per-head vectors aside)."""
+        dk = self.linear_num_key_heads * self.linear_key_head_dim
+        dv = self.linear_num_value_heads * self.linear_value_head_dim
+        return self.hidden_size * (2 * dk + 2 * dv + 2 * self.linear_num_value_heads) \
+            + dv * self.hidden_size
+
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         t = tensor_model_parallel_size
         self._check_choices()
@@ -523,6 +578,7 @@ class ModelConfig(_Section):
                               f"not implemented; megalite trains the next-token loss only (an HF "
                               f"import drops a checkpoint's MTP layers)")
         check_features(self, self)
+        self._validate_linear_attention(t)
         self._validate_moe()
         self._validate_yarn()
         self._validate_mla()
@@ -539,6 +595,20 @@ class ModelConfig(_Section):
                 f"--rope-type yarn needs --rotary-scaling-factor >= 1 (got "
                 f"{self.rotary_scaling_factor}) and 0 < --beta-slow < --beta-fast (got "
                 f"{self.beta_slow}, {self.beta_fast})")
+
+    def _validate_linear_attention(self, t: int) -> None:
+        if not any(self.linear_attention_pattern()):
+            return
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"--linear-num-value-heads ({self.linear_num_value_heads}) must be "
+                              f"a multiple of --linear-num-key-heads ({self.linear_num_key_heads})")
+        if self.linear_num_key_heads % t:
+            raise ConfigError(f"--linear-num-key-heads ({self.linear_num_key_heads}) must be "
+                              f"divisible by --tensor-model-parallel-size ({t}): each rank holds "
+                              f"whole key heads and their value heads")
+        if self.multi_latent_attention:
+            raise ConfigError("--linear-attention-freq with --multi-latent-attention: a hybrid "
+                              "model's softmax layers are plain attention")
 
     def _validate_mla(self) -> None:
         """What multi-latent attention does not combine with is refused by name, one line each."""
@@ -750,6 +820,13 @@ class ParallelConfig(_Section):
             raise ConfigError(
                 f"--attention-dropout {model.attention_dropout} with --context-parallel-size {c}:"
                 f" the fused attention kernels CP merges take no dropout; set it to 0")
+        if any(model.linear_attention_pattern()) and (
+                kind != "a2a" or model.linear_num_key_heads // t % c):
+            raise ConfigError(
+                f"--linear-attention-freq with --context-parallel-size {c} --cp-comm-type {kind}: "
+                f"the Gated DeltaNet recurrence runs along the whole sequence, so it needs a2a "
+                f"with the {model.linear_num_key_heads // t} linear key heads per TP rank "
+                f"divisible by {c}")
         windowed = [i for i in range(model.num_layers) if model.attention_window(i) is not None]
         if windowed and kind != "a2a":
             raise ConfigError(
@@ -1138,6 +1215,9 @@ class MegaliteConfig(_Section):
         p, v = par.pipeline_model_parallel_size, par.virtual_pipeline_model_parallel_size
         if model_known:
             par.check_context_parallel(self.model)
+            if self.data.reset_attention_mask and any(self.model.linear_attention_pattern()):
+                raise ConfigError("--reset-attention-mask with --linear-attention-freq: the Gated "
+                                  "DeltaNet state would carry across documents; drop one of them")
             for section in (tr, self.execution):
                 check_features(section, self.model)
             self._check_experts()

@@ -179,6 +179,12 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     added |= {"--cp-attention-kernel"}  # docs/context_parallel.md, "Kernels"
     added |= {"--async-save"}  # docs/checkpoints.md, "Asynchronous saves"
     added |= {"--log-planner-estimate"}  # docs/planner.md, "Memory of real runs"
+    added |= {"--reset-position-ids", "--reset-attention-mask"}  # docs/data.md
+    added |= {flag_name(f) for f in fields(ModelConfig)  # docs/models.md, "Hybrid linear ..."
+              if f.metadata["group"] == "linear attention"}
+    added |= {"--attention-output-gate", "--apply-layernorm-1p"}
+    added |= {"--collective-record", "--collective-record-dir"}  # docs/clusters.md
+    added |= {"--no-verify-load"}  # docs/checkpoints.md, "Loads that prove themselves"
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

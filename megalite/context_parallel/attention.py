@@ -252,6 +252,12 @@ class _Reshard(torch.autograd.Function):
                                       not ctx.to_heads))
 
 
+def reshard_to_heads(t: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
+    """One [b, h, s/C, d] tensor sharded on the sequence -> [b, h/C, s, d] in natural order
+    (``to_heads``), or back; differentiable (the a2a path for any per-head mixer)."""
+    return _Reshard.apply(group, to_heads, t.contiguous())[0]
+
+
 # ---- one autograd function over the ring and all-gather ----
 
 class _Attention(torch.autograd.Function):

@@ -62,6 +62,8 @@ def initialize_parameters(model: nn.Module, seed: int, tp_rank: int, tp_size: in
             full[: config.vocab_size].normal_(0.0, std, generator=gen)
         elif kind == "normal":
             full = torch.empty(shape, device=dev).normal_(0.0, std, generator=gen)
+        elif kind == "log_uniform":  # log of U(low, high): Gated DeltaNet's A_log
+            full = torch.empty(shape, device=dev).uniform_(std, method[2], generator=gen).log()
         else:
             raise RuntimeError(f"unknown init method {kind!r} for {name}")
         if meta.tp_split:

@@ -37,11 +37,12 @@ class _Norm(nn.Module):
 
     def __init__(self, hidden_size: int, eps: Optional[float] = None,
                  grad_partial_over_tp: bool = False, params_dtype=torch.float32, device=None,
-                 use_apex: bool = False):
+                 use_apex: bool = False, one_plus: bool = False):
         super().__init__()
         self.eps, self.shape = self.default_eps if eps is None else eps, (hidden_size,)
+        self.one_plus = one_plus  # --apply-layernorm-1p: the scale is 1 + weight
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=params_dtype, device=device))
-        set_param_meta(self.weight, init_method=("ones",),
+        set_param_meta(self.weight, init_method=("zeros",) if one_plus else ("ones",),
                        grad_partial_over_tp=grad_partial_over_tp)
         self.bias = None
         if self.has_bias:
@@ -50,23 +51,28 @@ class _Norm(nn.Module):
                            grad_partial_over_tp=grad_partial_over_tp)
         self.apex = _apex_norm_functions(device) if use_apex else None
 
+    def scale(self) -> torch.Tensor:
+        return self.weight + 1 if self.one_plus else self.weight
+
 
 class LayerNorm(_Norm):
     has_bias, default_eps = True, 1e-5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.apex is not None:
-            return self.apex[0](x, self.weight, self.bias, self.shape, self.eps)
-        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+            return self.apex[0](x, self.scale(), self.bias, self.shape, self.eps)
+        return F.layer_norm(x, self.shape, self.scale(), self.bias, self.eps)
 
 
 class RMSNorm(_Norm):
     """y = w * x / sqrt(mean(x^2) + eps) (Zhang & Sennrich 2019; Llama), statistics in fp32."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one_plus:  # 1 + w in fp32: 16 bits would round a small w away (HF does the same)
+            return F.rms_norm(x.float(), self.shape, self.weight.float() + 1, self.eps).to(x.dtype)
         if self.apex is not None:
-            return self.apex[1](x, self.weight, self.shape, self.eps)
-        return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return self.apex[1](x, self.scale(), self.shape, self.eps)
+        return F.rms_norm(x, self.shape, self.scale(), self.eps)
 
 
 class ProjectionRMSNorm(nn.Module):
@@ -95,4 +101,5 @@ def build_norm(config, sequence_parallel: bool, params_dtype, device=None,
                use_apex: bool = False) -> nn.Module:
     cls = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
     return cls(config.hidden_size, eps=config.norm_epsilon, grad_partial_over_tp=sequence_parallel,
-               params_dtype=params_dtype, device=device, use_apex=use_apex)
+               params_dtype=params_dtype, device=device, use_apex=use_apex,
+               one_plus=config.apply_layernorm_1p)

@@ -20,6 +20,7 @@ from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.masks import Documents, causal_attention, document_attention
+from megalite.models.linear_attention import GatedDeltaNet
 from megalite.models.norms import ProjectionRMSNorm, RMSNorm, build_norm
 from megalite.models.mla import MultiLatentQKV, softmax_scale
 from megalite.models.rotary import apply_rotary, rotary_embedding
@@ -76,7 +77,10 @@ class SelfAttention(nn.Module):
         self.num_heads_local = divide(config.num_attention_heads, tp, "--num-attention-heads")
         self.num_groups_local = divide(config.num_query_groups, tp, "--num-query-groups")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        # per query group: its query heads, k, v (and, --attention-output-gate, a gate per head)
+        self.gates = self.heads_per_group if config.attention_output_gate else 0
         qkv_out = (config.num_attention_heads + 2 * config.num_query_groups) * d
+        qkv_out += config.num_attention_heads * d if config.attention_output_gate else 0
         sp = sequence_parallel
         out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
         self.mla = None
@@ -109,7 +113,8 @@ class SelfAttention(nn.Module):
             # is partial over TP, with or without SP (docs/models.md, "q/k norm")
             self.q_layernorm, self.k_layernorm = (
                 RMSNorm(d, config.norm_epsilon, grad_partial_over_tp=True, params_dtype=dtype,
-                        device=device, use_apex=execution.use_apex) for _ in range(2))
+                        device=device, use_apex=execution.use_apex,
+                        one_plus=config.apply_layernorm_1p) for _ in range(2))
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        documents: Optional[Documents] = None) -> torch.Tensor:
@@ -148,8 +153,8 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)  # [s, b, g_local * (heads_per_group + 2) * d]
         s, b = qkv.shape[0], qkv.shape[1]
         d, g, hpg = self.head_dim, self.num_groups_local, self.heads_per_group
-        qkv = qkv.view(s, b, g, hpg + 2, d)
-        qk, v = qkv.split([hpg + 1, 1], dim=3)
+        qk, v, gate = qkv.view(s, b, g, hpg + 2 + self.gates, d).split([hpg + 1, 1, self.gates],
+                                                                         dim=3)
         if self.q_layernorm is not None:  # Qwen3 per head, OLMoE per projection; before RoPE
             q, k = qk.split([hpg, 1], dim=3)
             qk = torch.cat([self.q_layernorm(q), self.k_layernorm(k)], dim=3)
@@ -158,15 +163,16 @@ class SelfAttention(nn.Module):
             qk = apply_rotary(qk, cos.unsqueeze(2), sin.unsqueeze(2))
         q, k = qk.split([hpg, 1], dim=3)
         q = q.reshape(s, b, g * hpg, d)
-        return q, k.squeeze(3), v.squeeze(3)
+        return q, k.squeeze(3), v.squeeze(3), gate.reshape(s, b, -1) if self.gates else None
 
     def forward(self, x: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 documents: Optional[Documents] = None) -> torch.Tensor:
         """``position_ids`` [b, s]: this rank's tokens' positions when not 0..s-1 (documents
         restart them); ``documents``: attend within them (docs/data.md, "Packed documents")."""
         # [s, b, n, d] each (k, v: the query groups' heads; MLA: its own widths)
+        gate = None
         if self.mla is None:
-            q, k, v = self._qkv(x, position_ids)
+            q, k, v, gate = self._qkv(x, position_ids)
         else:
             q, k, v = self.mla(x, partial(self._rope, position_ids=position_ids))
         s, b = q.shape[0], q.shape[1]
@@ -183,6 +189,8 @@ class SelfAttention(nn.Module):
         else:
             ctx = checkpoint(self.core_attention, x.device, q, k, v, documents)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
+        if gate is not None:  # --attention-output-gate: each head's output times its gate
+            ctx = ctx * torch.sigmoid(gate)
         return self.linear_proj(ctx)
 
     def _rope(self, s: int, device, dtype, position_ids: Optional[torch.Tensor] = None):
@@ -268,8 +276,11 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = config.hidden_dropout
         self.sequence_parallel = sp
         self.input_layernorm = build_norm(config, sp, dtype, device, execution.use_apex)
-        self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp, cp_group,
-                                            cp_comm_type, execution)
+        if config.is_linear_attention_layer(layer_number):  # the token mixer: linear attention
+            self.self_attention = GatedDeltaNet(config, tp_group, device, sp, cp_group)
+        else:
+            self.self_attention = SelfAttention(config, layer_number, tp_group, device, sp,
+                                                cp_group, cp_comm_type, execution)
         self.pre_mlp_layernorm = build_norm(config, sp, dtype, device, execution.use_apex)
         if config.is_moe_layer(layer_number):
             shared = (MLP(config, tp_group, device, sp, config.moe_shared_expert_intermediate_size)
