@@ -29,5 +29,7 @@ setup(
         "test": ["pytest>=7", "tensorboard>=2.10", "matplotlib>=3.5", "megatron-core==0.16.1"],
         "plot": ["matplotlib>=3.5"],
         "tensorboard": ["tensorboard>=2.10"],
+        # fla's fused Gated DeltaNet kernel on CUDA, used after a self-check (docs/models.md)
+        "fla": ["fla-core>=0.6"],
     },
 )
