@@ -115,9 +115,11 @@ class Documents:
         return self._blocks[key]
 
 
-# documents per sample above which one masked SDPA beats an SDPA per document on the CPU
-# (benchmarks/documents.py)
-_MANY_DOCUMENTS = 32
+# One masked SDPA per sample instead of an SDPA per document when a sample holds more documents
+# than this times (s/512)^2: the masked call costs ~ s^2, the calls per document ~ their number.
+# CPU, 4 heads of 64: they cross near 100 documents at s = 256, 450 at s = 512 and beyond s at
+# s = 2048 (benchmarks/documents.py; docs/performance.md, "Packed documents").
+_MANY_DOCUMENTS = 400
 
 
 def document_attention(q, k, v, docs: Documents, window: Optional[int] = None, **kw):
@@ -131,16 +133,15 @@ def document_attention(q, k, v, docs: Documents, window: Optional[int] = None, *
 def _per_document(q, k, v, docs: Documents, window: Optional[int] = None, **kw):
     """SDPA per document, or per sample under one mask when its documents are many."""
     out = []
-    for i, lengths in enumerate(docs.lengths):
-        one = [t[i:i + 1] for t in (q, k, v)]
-        if len(lengths) > _MANY_DOCUMENTS:
+    # split, not sliced: a slice's backward is a gradient of the whole tensor, one per document
+    for i, (lengths, *one) in enumerate(zip(docs.lengths, *(t.split(1) for t in (q, k, v)))):
+        if len(lengths) > _MANY_DOCUMENTS * (q.shape[2] / 512) ** 2:
             pos = torch.arange(q.shape[2])
             mask = docs.mask(pos, pos, window, ids=docs.ids[i:i + 1])
             out.append(F.scaled_dot_product_attention(*one, attn_mask=mask, **kw))
             continue
-        ends = np.cumsum(lengths).tolist()
-        out.append(torch.cat([causal_attention(*(t[:, :, a:e] for t in one), window, **kw)
-                              for a, e in zip([0] + ends, ends)], dim=2))
+        parts = zip(*(t.split(lengths, dim=2) for t in one))
+        out.append(torch.cat([causal_attention(*p, window, **kw) for p in parts], dim=2))
     return torch.cat(out, dim=0)
 
 

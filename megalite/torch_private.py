@@ -40,14 +40,15 @@ def _aten(name: str):
 # and 2.15.0: the schemas on meta tensors, CPU_FLASH against the math path
 # (tests/test_context_parallel_blocks.py); the CUDA ones also by their self-check at first use.
 
-def cpu_flash_fwd(q, k, v, causal, scale):
+def cpu_flash_fwd(q, k, v, causal, scale, mask=None):
+    """``mask``: additive, q's dtype (the kernel refuses a bool one)."""
     return _aten("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, causal,
-                                                               scale=scale)
+                                                               attn_mask=mask, scale=scale)
 
 
-def cpu_flash_bwd(dout, q, k, v, out, lse, causal, scale):
+def cpu_flash_bwd(dout, q, k, v, out, lse, causal, scale, mask=None):
     return _aten("_scaled_dot_product_flash_attention_for_cpu_backward")(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
 def _no_rng(device, flash: bool):
@@ -174,9 +175,6 @@ def is_fake(t: torch.Tensor) -> bool:
 # entries stay "scheduled", "retired").
 
 def flight_recorder_dump() -> bytes:
-    """The Flight Recorder's pickled dump, the form torch.distributed.flight_recorder reads."""
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
-    if dump is None:
-        raise RuntimeError(f"torch {torch.__version__} has no _dump_fr_trace (megalite/"
-                           f"torch_private.py; tested with torch {TESTED[0]} to {TESTED[1]})")
-    return dump()
+    """The Flight Recorder's pickled dump, the form torch.distributed.flight_recorder reads (a
+    torch without it: AttributeError naming ``_dump_fr_trace``)."""
+    return torch._C._distributed_c10d._dump_fr_trace()

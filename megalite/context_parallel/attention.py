@@ -8,6 +8,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -91,16 +92,16 @@ def _documents_block(documents, rank, src, size, rows, keys, causal: bool):
 
 
 def _block_fwd(kernel, q, k, v, causal, scale, how):
-    """``kernel``'s block forward, or the exact one under ``how``, a documents mask."""
+    """``kernel``'s block forward, or its masked form's under ``how``, a documents mask."""
     if how is None:
         return kernel.fwd(q, k, v, causal, scale)
-    return blocks.MATH.fwd(q, k, v, how, scale)
+    return blocks.masked(kernel).fwd(q, k, v, how, scale)
 
 
 def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale, how):
     if how is None:
         return kernel.bwd(dout, q, k, v, out, lse, causal, scale)
-    return blocks.MATH.bwd(dout, q, k, v, out, lse, how, scale)
+    return blocks.masked(kernel).bwd(dout, q, k, v, out, lse, how, scale)
 
 
 def _ring_fwd(q, k, v, group, scale, kernel, documents):
@@ -163,12 +164,18 @@ def _gather_kv(k, v, group):
     return _natural(list(full.view((-1,) + kv.shape).unbind(0)), dim=3)
 
 
-def _prefix_blocks(rank, size, chunk):
+def _prefix_blocks(rank, size, chunk, documents=None):
     """(local query rows, key range of the non-causal prefix, key range of the causal diagonal)
-    for each of this rank's two chunks: chunk c sees keys [0, c*chunk) whole, its own causally."""
+    for each of this rank's two chunks: chunk c sees keys [0, c*chunk) whole, its own causally.
+    With ``documents`` the prefix starts at the chunk where the first document reaching into c
+    starts (in any sample): no query of c sees a key before it."""
     for i, c in enumerate(chunk_ids(rank, size)):
-        yield slice(i * chunk, (i + 1) * chunk), slice(0, c * chunk), slice(c * chunk,
-                                                                               (c + 1) * chunk)
+        first = 0
+        if documents is not None:  # ids rise along a sample: a document starts at its first id
+            ids = documents.host_ids.numpy()
+            first = min(int(np.searchsorted(row, row[c * chunk])) for row in ids) // chunk
+        yield slice(i * chunk, (i + 1) * chunk), slice(first * chunk, c * chunk), slice(
+            c * chunk, (c + 1) * chunk)
 
 
 def _gathered_block(documents, diag: slice, keys: slice, causal: bool):
@@ -184,12 +191,12 @@ def _allgather_fwd(q, k, v, group, scale, kernel, documents):
     out = torch.empty_like(q, dtype=torch.float32)
     lse = out.new_empty(q.shape[:3])
     for rows, pre, diag in _prefix_blocks(C.group_rank(group), C.group_size(group),
-                                          q.shape[2] // 2):
+                                          q.shape[2] // 2, documents):
         how = _gathered_block(documents, diag, diag, True)
         o, l = _block_fwd(kernel, q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True,
                           scale, how)
         out[:, :, rows], lse[:, :, rows] = o.float(), l
-        how = _gathered_block(documents, diag, pre, False) if pre.stop > 0 else "skip"
+        how = _gathered_block(documents, diag, pre, False) if pre.stop > pre.start else "skip"
         if how != "skip":
             _merge(out[:, :, rows], lse[:, :, rows],
                    *_block_fwd(kernel, q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False,
@@ -204,8 +211,8 @@ def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel, documents):
     chunk = q.shape[2] // 2
     dq = torch.zeros_like(q, dtype=torch.float32)
     dkv = kv.new_zeros((size, 2) + tuple(k.shape), dtype=torch.float32)  # [owner rank, k|v, ...]
-    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk):
-        for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > 0 else []):
+    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk, documents):
+        for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > pre.start else []):
             how = _gathered_block(documents, diag, keys, causal)
             if how == "skip":
                 continue
