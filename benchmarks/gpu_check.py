@@ -5,6 +5,7 @@ the context-parallel block kernels, and the summary. Each subcommand writes one 
     python benchmarks/gpu_check.py env --result env.json
     python benchmarks/gpu_check.py correctness --device cuda --result corr.json
     python benchmarks/gpu_check.py cp_blocks --device cuda --result cp_blocks.json
+    python benchmarks/gpu_check.py doc_attention --device cuda --result doc_attention.json
     python benchmarks/gpu_check.py syncs --device cuda --result syncs.json
     python benchmarks/gpu_check.py summarize --work DIR --out DIR
 """
@@ -259,6 +260,94 @@ def cmd_cp_blocks(args):
     return 0 if res["pass"] else 1
 
 
+# --------------------------------------------------------------------------------- doc_attention
+# the samples of a document check: a 1-token document, documents longer and shorter than the
+# window, a sample of one long document beside one of many short ones
+DOC_LENGTHS = ((1, 300, 200, 523), (700, 5, 4, 3, 312))
+
+
+def doc_attention_cases(device, dtypes=("bfloat16", "float32"), head_dims=(64, 128),
+                        lengths=DOC_LENGTHS, heads=8, windows=(None, 7)):
+    """megalite.masks.document_attention (--reset-attention-mask on one device) against one SDPA
+    under the whole document mask in fp32 on the math backend, on the same inputs (rounded to
+    the dtype), forward and backward, per dtype, head dim, GQA ratio (1 and 4) and window. On
+    CUDA it takes torch's varlen kernel when that passes its self-check, else SDPA per
+    document: each case names the path it took and the self-check's warning if any. The window
+    is short, so a key too many or too few moves the output well past bf16's tolerance."""
+    import warnings
+
+    import numpy as np
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megalite import masks
+
+    seq = sum(lengths[0])
+    docs = masks.Documents.of(np.stack([np.repeat(np.arange(len(x)), x) for x in lengths]))
+    docs, pos = docs.to(device), torch.arange(seq)
+    cases, gen = [], torch.Generator(device=device).manual_seed(0)
+    for dtype in dtypes:
+        for d in head_dims:
+            for rep in (1, 4):
+                for window in windows:
+                    def rand(h):
+                        return torch.randn(len(lengths), h, seq, d, device=device,
+                                           generator=gen).to(getattr(torch, dtype))
+                    q, do, k, v = rand(heads), rand(heads), rand(heads // rep), rand(heads // rep)
+                    case = {"dtype": dtype, "head_dim": d, "rep": rep, "window": window}
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        fused = q.is_cuda and masks._varlen_ok(q, k, window)
+                    case["path"] = "varlen" if fused else "sdpa per document"
+                    case["warnings"] = [str(w.message) for w in caught]
+                    try:
+                        got = _attention_grads(masks.document_attention, q, k, v, do, docs,
+                                               window=window, enable_gqa=rep > 1)
+                    except Exception as ex:  # noqa: BLE001 - a kernel that fails is a failure
+                        cases.append({**case, "status": "fail",
+                                      "error": f"{type(ex).__name__}: {ex}"[:300]})
+                        continue
+                    with sdpa_kernel(SDPBackend.MATH):
+                        ref = _attention_grads(
+                            F.scaled_dot_product_attention, *(t.float() for t in (q, k, v, do)),
+                            attn_mask=docs.mask(pos, pos, window), enable_gqa=rep > 1)
+                    errs = {name: float((a.float() - b).abs().max() / b.abs().max())
+                            for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+                    worst = max(errs.values())
+                    ok = worst <= CP_BLOCK_TOLERANCE.get(dtype, 1e-4)  # NaN fails too
+                    cases.append({**case, "status": "pass" if ok else "fail", "max_error": worst,
+                                  "errors": errs})
+    return cases
+
+
+def _attention_grads(attend, q, k, v, do, *args, **kw):
+    """(out, dq, dk, dv) of ``attend(q, k, v, *args, **kw)`` under the output gradient ``do``."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v, *args, **kw)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+
+def cmd_doc_attention(args):
+    """The CUDA document kernel (--reset-attention-mask: torch's varlen flash attention behind
+    its self-check) against the exact masked SDPA, forward and backward, bf16 and fp32. Pass:
+    every case within tolerance, and bf16 took the varlen kernel (fp32, which flash attention
+    does not take, may run SDPA per document). Without CUDA: NOT_RUN."""
+    if torch.device(args.device).type != "cuda" or not torch.cuda.is_available():
+        _write(args.result, {"ran": False, "pass": False, "device": args.device,
+                             "reason": "no CUDA device: the CUDA document kernel was not checked "
+                                       "(the CPU path is tested by the test suite)"})
+        return NOT_RUN
+    torch.backends.cuda.matmul.allow_tf32 = False  # the math reference in fp32 means fp32
+    cases = doc_attention_cases(args.device)
+    res = {"ran": True, "device": torch.cuda.get_device_name(0), "lengths": DOC_LENGTHS,
+           "tolerance": CP_BLOCK_TOLERANCE, "cases": cases,
+           "passed": sum(c["status"] == "pass" for c in cases), "checked": len(cases),
+           "pass": (all(c["status"] == "pass" for c in cases)
+                    and all(c["path"] == "varlen" for c in cases if c["dtype"] == "bfloat16"))}
+    _write(args.result, res)
+    return 0 if res["pass"] else 1
+
+
 # ----------------------------------------------------------------------------------------- syncs
 def cmd_syncs(args):
     """Host synchronisations of pretrain.py (bf16, 5 iterations, --log-interval 4): megalite's
@@ -361,8 +450,15 @@ def cmd_summarize(args):
                 f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
                 f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
                 for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
-        elif s["step"] == "cp_blocks" and r.get("ran") is False:
+        elif s["step"] in ("cp_blocks", "doc_attention") and r.get("ran") is False:
             detail = f"NOT RUN: {r['reason']}"
+        elif s["step"] == "doc_attention" and "cases" in r:
+            paths = {dt: sorted({c["path"] for c in r["cases"] if c["dtype"] == dt})
+                     for dt in ("bfloat16", "float32")}
+            detail = (f"{r['passed']}/{r['checked']} cases pass; worst error "
+                      f"{max(c.get('max_error', float('inf')) for c in r['cases']):.1e}; "
+                      + ", ".join(f"{dt}: {'/'.join(p)}" for dt, p in paths.items())
+                      + f"  {detail}")
         elif s["step"] == "cp_blocks" and "cases" in r:
             worst = {dt: max((c.get("max_error", float("inf")) for c in r["cases"]
                               if c["dtype"] == dt and c["status"] != "n/a"), default=None)
@@ -405,6 +501,9 @@ def main(argv=None):
     b.add_argument("--device", default="cuda")
     b.add_argument("--seq", type=int, default=512, help="keys of a square block")
     b.add_argument("--result", required=True)
+    a = sub.add_parser("doc_attention")
+    a.add_argument("--device", default="cuda")
+    a.add_argument("--result", required=True)
     y = sub.add_parser("syncs")
     y.add_argument("--device", default="cuda")
     y.add_argument("--result", required=True)
@@ -414,7 +513,8 @@ def main(argv=None):
     s.add_argument("--mode", default="gpu")
     args = p.parse_args(argv)
     return {"env": cmd_env, "correctness": cmd_correctness, "cp_blocks": cmd_cp_blocks,
-            "syncs": cmd_syncs, "summarize": cmd_summarize}[args.cmd](args)
+            "doc_attention": cmd_doc_attention, "syncs": cmd_syncs,
+            "summarize": cmd_summarize}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.sh's context-parallel block step without a GPU: it reports that it did
-not run, never a pass, and its comparison harness tells a good kernel from broken ones."""
+"""benchmarks/gpu_check.sh's context-parallel block and document kernel steps without a GPU:
+they report that they did not run, never a pass, and their comparison harnesses tell a good
+kernel from broken ones."""
 
 import json
 import os
@@ -14,20 +15,24 @@ import gpu_check  # noqa: E402
 from megalite.context_parallel import blocks as B  # noqa: E402
 
 
-def test_cp_blocks_step_without_cuda_reports_not_run(tmp_path):
+def test_cuda_kernel_steps_without_cuda_report_not_run(tmp_path):
+    """The CP block kernels' step and the document kernel's."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run",
-                           "--only", "cp_blocks", "--out", str(tmp_path)], env=env,
+                           "--only", "cp_blocks,doc_attention", "--out", str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    (step,) = summary["steps"]
-    assert step["step"] == "cp_blocks" and step["status"] == "skip" and step["rc"] == 77
-    assert step["result"]["ran"] is False and step["result"]["pass"] is False
-    assert summary["not_run"] == ["cp_blocks"]
+    for step, name in zip(summary["steps"], ["cp_blocks", "doc_attention"], strict=True):
+        assert step["step"] == name and step["status"] == "skip" and step["rc"] == 77
+        assert step["result"]["ran"] is False and step["result"]["pass"] is False
+    assert summary["not_run"] == ["cp_blocks", "doc_attention"]
     # nothing ran, so the whole check is no pass either
     assert proc.returncode == 1 and summary["all_pass"] is False
     text = (tmp_path / "summary.txt").read_text()
-    assert "cp_blocks              skip" in text and "NOT RUN: no CUDA device" in text
+    rows = [line.split(None, 3) for line in text.splitlines()
+            if line.startswith(("cp_blocks ", "doc_attention "))]
+    assert [(r[0], r[1]) for r in rows] == [("cp_blocks", "skip"), ("doc_attention", "skip")]
+    assert all(r[3].startswith("NOT RUN: no CUDA device") for r in rows), text
 
 
 def test_cp_block_harness_passes_a_good_kernel_and_fails_broken_ones():
@@ -51,3 +56,21 @@ def test_cp_block_harness_passes_a_good_kernel_and_fails_broken_ones():
     assert len(good) == 2 and all(c["max_error"] < 1e-5 and len(c["errors"]) == 15
                                   for c in good)
     assert all("kernel failed" in c["error"] for c in cases if c["kernel"] == "raises")
+
+
+def test_doc_attention_harness_passes_the_cpu_path_and_fails_one_ignoring_documents(
+        monkeypatch):
+    """The harness on the CPU (SDPA per document): every case within tolerance; attention that
+    ignores the documents (plain causal, within the window) fails every case."""
+    from megalite import masks
+
+    small = dict(dtypes=("float32",), head_dims=(8,), lengths=((1, 20, 11), (30, 2)), heads=4,
+                 windows=(None, 5))
+    good = gpu_check.doc_attention_cases("cpu", **small)
+    assert len(good) == 4 and all(c["status"] == "pass" and c["max_error"] < 1e-5
+                                  and c["path"] == "sdpa per document" for c in good), good
+    monkeypatch.setattr(masks, "document_attention",
+                        lambda q, k, v, docs, window=None, **kw: masks.causal_attention(
+                            q, k, v, window, **kw))
+    bad = gpu_check.doc_attention_cases("cpu", **small)
+    assert all(c["status"] == "fail" and c["max_error"] > 1e-2 for c in bad), bad
