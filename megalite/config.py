@@ -1173,6 +1173,9 @@ class LoggingConfig(_Section):
     wandb_save_dir: Optional[str] = setting(None)
     tensorboard_dir: Optional[str] = setting(None)
     log_throughput: bool = setting(True)
+    log_memory_peak: bool = setting(
+        True, "measure the peak tensor memory of the first logged iteration after the first (on "
+        "CPU under the profiler: about a second, once; docs/planner.md)")
     log_planner_estimate: bool = setting(
         True, "print the planner's memory estimate beside the measured peak (docs/planner.md)")
     metrics_file: Optional[str] = setting(

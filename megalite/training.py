@@ -301,7 +301,8 @@ class Trainer:
         cfg, ps = self.cfg, self.ps
         it = self.iteration + 1
         self.documents += [row for b in batches if b[-1] is not None for row in b[-1].lengths]
-        if it != next((i for i in range(2, cfg.training.train_iters + 1) if self._logs_at(i)), 1):
+        first = next((i for i in range(2, cfg.training.train_iters + 1) if self._logs_at(i)), 1)
+        if it != first or not cfg.logging.log_memory_peak:
             return self.train_step(batches)
         from megalite.memory import PeakTensorMemory
 

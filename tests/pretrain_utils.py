@@ -17,7 +17,7 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
         "--seq-length", "16", "--vocab-size", "300", "--make-vocab-size-divisible-by", "8",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "1", "--lr", "1e-2", "--lr-warmup-iters", "2",
-        "--no-log-throughput"]
+        "--no-log-throughput", "--no-log-memory-peak"]  # (the memory tests measure it)
 
 
 def flags(*extra, **kw) -> List[str]:

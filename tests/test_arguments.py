@@ -178,7 +178,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     added |= {"--rotary-percent", "--qk-layernorm-scope"}  # the HF MoE families' (models.md)
     added |= {"--cp-attention-kernel"}  # docs/context_parallel.md, "Kernels"
     added |= {"--async-save"}  # docs/checkpoints.md, "Asynchronous saves"
-    added |= {"--log-planner-estimate"}  # docs/planner.md, "Memory of real runs"
+    added |= {"--log-planner-estimate", "--log-memory-peak"}  # docs/planner.md
     added |= {"--reset-position-ids", "--reset-attention-mask"}  # docs/data.md
     added |= {flag_name(f) for f in fields(ModelConfig)  # docs/models.md, "Hybrid linear ..."
               if f.metadata["group"] == "linear attention"}

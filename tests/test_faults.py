@@ -232,7 +232,8 @@ def test_nan_stops_before_the_step_and_any_save_fp16_skips(tmp_path, capsys):
     # during the step), its log line reads the records and stops; the save at 4 never comes
     ck16 = tmp_path / "ck_bf16"
     capsys.readouterr()
-    assert run_main(flags(*boom, "--bf16", log_interval=3, save=ck16, save_interval=4,
+    assert run_main(flags(*boom, "--bf16", "--log-memory-peak", log_interval=3, save=ck16,
+                          save_interval=4,
                           metrics_file=tmp_path / "bf16.jsonl")) == 1
     out, err = capsys.readouterr()
     assert "loss nan at iteration 2 in bfloat16, its optimizer step skipped" in err, err
