@@ -895,6 +895,8 @@ def test_mean_document_length_prices_the_attention_documents_need(capsys):
     assert packed["tflops_per_gpu"] * packed["step_time_s"] == pytest.approx(
         plain["tflops_per_gpu"] * plain["step_time_s"], rel=1e-3)  # (the JSON's rounding)
     assert packed["memory_gib"] == plain["memory_gib"]
-    assert tool.main([*pinned, "--mean-document-length", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--mean-document-length must be >= 1" in err[0], err
+    for bad, needle in ((["0"], "must be >= 1"),
+                        (["512", "--linear-attention-freq", "2"], "--linear-attention-freq")):
+        assert tool.main([*pinned, "--mean-document-length", *bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--mean-document-length" in err[0] and needle in err[0], err

@@ -335,6 +335,9 @@ def parse(argv):
         raise ConfigError(f"--mean-document-length must be >= 1 (tokens), got "
                           f"{ns.mean_document_length}")
     cfg = config_from_namespace(ns)
+    if ns.mean_document_length is not None and any(cfg.model.linear_attention_pattern()):
+        raise ConfigError("--mean-document-length with --linear-attention-freq: pretrain.py "
+                          "refuses --reset-attention-mask with Gated DeltaNet layers; drop one")
     # --overlap-moe-expert-parallel-comm is pretrain.py's flag, but the planner prices it (from
     # ns) on any layout Megatron runs it on (PP > 1 with virtual stages): pretrain.py's refusals
     # of what its own combined 1F1B does not compose with are not the planner's
