@@ -139,7 +139,7 @@ def test_no_host_read_with_packed_documents(tmp_path):
     """--reset-position-ids and --reset-attention-mask: the documents and positions come from
     the tokens on the host (numpy) and the attention of one device and the CP ring's and
     all-gather's block decisions read host values only, so steps 2-4 read nothing, on one
-    process and per rank of CP2."""
+    process and per rank of CP2 (p2p, all-gather, all-to-all)."""
     data = str(tmp_path / "docs")
     _short_documents(data)
     docs = ["--data-path", data, "--tokenizer-type", "NullTokenizer", "--split", "100,0,0",
@@ -154,7 +154,7 @@ def test_no_host_read_with_packed_documents(tmp_path):
         assert 0 < rec["document_attention_fraction"] < 0.5, rec  # documents of 2-6 of 16
         assert rec["attention_tflops_needed"] > 0, rec
     cp2 = ["--context-parallel-size", "2", "--cp-comm-type"]
-    runs = [argv + cp2 + [comm] for comm in ("p2p", "allgather")]
+    runs = [argv + cp2 + [comm] for comm in ("p2p", "allgather", "a2a")]
     for rank in run_distributed(_pp2, 2, runs):
         for run, (got, where) in zip(runs, rank):
             assert got == [0, 0, 0, LOG_READS], (run, got, where)
