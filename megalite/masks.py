@@ -103,15 +103,18 @@ class Documents:
         in numpy: the values read are host ones, never a device's (torch reads, even of host
         tensors, would look like device syncs to tests/host_reads.py)."""
         q, k = q_pos.numpy(), k_pos.numpy()
-        key = (int(q[0]), len(q), int(k[0]), len(k), causal)
+        # a block's rows and keys are one or two whole chunks: ends and count name them
+        key = (int(q[0]), int(q[-1]), len(q), int(k[0]), int(k[-1]), len(k), causal)
         if key not in self._blocks:
-            m = self.mask(q_pos, k_pos, ids=self.host_ids).numpy()
+            host = self.mask(q_pos, k_pos, ids=self.host_ids)
+            m = host.numpy()
             if not m.any():
                 self._blocks[key] = "skip"
             elif m.all() or (causal and (m == np.tri(*m.shape[-2:], dtype=bool)).all()):
                 self._blocks[key] = None
-            else:
-                self._blocks[key] = self.mask(q_pos, k_pos)
+            else:  # on the CPU the host mask is the one to use
+                same = self.ids.device == self.host_ids.device
+                self._blocks[key] = host if same else self.mask(q_pos, k_pos)
         return self._blocks[key]
 
 
