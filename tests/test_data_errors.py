@@ -146,3 +146,23 @@ def test_split_too_small_for_train(tmp_path):
         build(DataConfig(data_path=[str(tmp_path / "s")], split="1,100,0",
                          tokenizer_type="NullTokenizer"), tmp_path)
     check(e, "--split", "train split")
+
+
+def test_reset_attention_mask_needs_document_ends(tmp_path):
+    """--reset-attention-mask finds documents by their EOD: a .bin preprocessed without
+    --append-eod, or --mock-data, is refused in one line; with the EODs it builds."""
+    for name, ends in (("noeod", []), ("eod", [TOK.eod])):
+        with IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=np.uint16) as b:
+            for i in range(20):
+                b.add_document([1 + i % 7, 2, 3] + ends)
+            b.finalize(str(tmp_path / f"{name}.idx"))
+    cfg = DataConfig(data_path=[str(tmp_path / "noeod")], tokenizer_type="NullTokenizer",
+                     reset_attention_mask=True)
+    with pytest.raises(ConfigError) as e:
+        build(cfg, tmp_path)
+    check(e, "--reset-attention-mask", "noeod", "--append-eod")
+    cfg.data_path = [str(tmp_path / "eod")]
+    assert build(cfg, tmp_path)[0] is not None
+    with pytest.raises(ConfigError) as e:
+        DataConfig(mock_data=True, reset_attention_mask=True).validate()
+    check(e, "--reset-attention-mask", "--mock-data")
