@@ -30,8 +30,8 @@ def record_dir(cfg) -> str:
 
 
 def flight_recorder(directory: str, rank: int):
-    """torch's Flight Recorder: its dump for torch.distributed.flight_recorder's analyzer in
-    ``directory``/flight_recorder/rank_<r>, and its last entries (stacks left out) for the record."""
+    """torch's Flight Recorder: its dump, for torch.distributed.flight_recorder's analyzer, in
+    ``directory``/flight_recorder/rank_<r>; its last entries, stacks left out, for the record."""
     import pickle
 
     from megalite import torch_private

@@ -1,13 +1,8 @@
 """The collective record (docs/clusters.md, "When a run hangs"): per rank, the last ``SIZE``
-collectives megalite issued, each with the label of the code that issued it (schedule op,
-micro-batch, layer, optimizer phase), kept on the host: no device read, and per collective only
-one tuple written into a ring allocated at import. When a collective fails or times out every rank
-writes its record (``dump``) and ``verdict`` reads all ranks' files into one line naming the rank
-that stopped, or the first collective where ranks of one pipeline stage differ.
-
-Sequence numbers count every collective a rank issued, so ranks that run the same program (the
-same pipeline stage) agree on them. "Completed" is the host call's return: for a synchronous call
-on gloo the collective's end; for an async call (``async_op``, p2p) it is not recorded."""
+collectives megalite issued with the label of the code that issued them, kept on the host (no
+device read; per collective one tuple written into a ring allocated at import). Every rank that
+can ``dump``s its record when a collective fails; ``verdict`` reads all ranks' files into one line
+naming the rank that stopped, or the first collective where ranks of one pipeline stage differ."""
 
 from __future__ import annotations
 
@@ -76,39 +71,33 @@ def complete(slot: int) -> None:
         _done[slot] = time.time()
 
 
-def entries() -> list:
-    """The ring as dicts, oldest first."""
-    out = []
+def dump(directory: str, rank: int, world_size: int, program: str, reason: str,
+         flight_recorder=None) -> None:
+    """Write this rank's record, oldest entry first, as ``rank_<r>.json`` in ``directory``,
+    atomically."""
+    entries = []
     for seq in range(max(0, _state["seq"] - SIZE), _state["seq"]):
         s, kind, tag, ranks, shape, dtype, text, t = _ring[seq % SIZE]
-        out.append({"seq": s, "kind": kind, "tag": tag, "group": list(ranks),
-                    "shape": None if shape is None else list(shape),
-                    "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-                    "label": text, "issued_at": t, "completed_at": _done[seq % SIZE]})
-    return out
-
-
-def dump(directory: str, rank: int, world_size: int, program: str, reason: str,
-         flight_recorder=None) -> str:
-    """Write this rank's record as ``rank_<r>.json`` in ``directory``, atomically."""
+        entries.append({"seq": s, "kind": kind, "tag": tag, "group": list(ranks),
+                        "shape": None if shape is None else list(shape),
+                        "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+                        "label": text, "issued_at": t, "completed_at": _done[seq % SIZE]})
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"rank_{rank}.json")
-    rec = {"rank": rank, "world_size": world_size, "program": program, "reason": reason,
-           "written_at": time.time(), "entries": entries(), "flight_recorder": flight_recorder}
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(rec, f, default=str)
-    os.replace(tmp, path)
-    return path
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump({"rank": rank, "world_size": world_size, "program": program, "reason": reason,
+                   "written_at": time.time(), "entries": entries,
+                   "flight_recorder": flight_recorder}, f, default=str)
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
 
 
 def read(directory: str) -> list:
-    """Every rank's record in ``directory`` (partial writes never appear: see ``dump``)."""
-    names = [n for n in os.listdir(directory) if n.startswith("rank_") and n.endswith(".json")]
+    """Every rank's record in ``directory`` (a partial write is never seen: see ``dump``)."""
     recs = []
-    for n in sorted(names):
-        with open(os.path.join(directory, n)) as f:
-            recs.append(json.load(f))
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("rank_") and name.endswith(".json"):
+            with open(os.path.join(directory, name)) as f:
+                recs.append(json.load(f))
     return recs
 
 
@@ -171,10 +160,9 @@ def verdict(recs: list) -> str:
         if last is not None and not last["completed_at"]:
             key = (last["seq"], last["kind"], last["tag"], last["label"])
             waiting.setdefault(key, ([], last))[0].append(r["rank"])
-        elif last is not None:
-            parts.append(f"rank {r['rank']} last completed {_op(last)} and issued nothing since")
         else:
-            parts.append(f"rank {r['rank']} issued no collective")
+            parts.append(f"rank {r['rank']} last completed {_op(last) if last else 'nothing'} "
+                         "and issued nothing since")
     waits = [f"ranks {_span(rs)} wait in {_op(e)}" if len(rs) > 1 else
              f"rank {rs[0]} waits in {_op(e)}" for rs, e in waiting.values()]
     seen = {r["rank"] for r in recs}
