@@ -1148,6 +1148,8 @@ class CheckpointConfig(_Section):
         "training goes on (docs/checkpoints.md)")
     no_load_optim: bool = setting(False)
     no_load_rng: bool = setting(False)
+    no_verify_load: bool = setting(
+        False, "load without checking it against the save's probe loss and optimizer norms")
     finetune: bool = setting(False, "load model weights only and start at iteration 0")
     exit_on_missing_checkpoint: bool = setting(False)
     use_checkpoint_args: bool = setting(

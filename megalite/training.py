@@ -13,6 +13,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from megalite.checkpoint import save as checkpoint_save
+from megalite.checkpoint import verify
 from megalite.checkpoint.format import with_checkpoint_args
 from megalite.checkpoint.load import load_checkpoint
 from megalite.checkpoint.snapshot import HostBuffers
@@ -214,11 +215,23 @@ class Trainer:
                         + ("" if ck.no_load_rng else ", RNG"))
                 self.logger.print(f" loaded checkpoint {ck.load} at iteration {self.iteration} "
                                   f"({what})")
+            self._verify_load()
         self.summary["iteration"] = self.iteration
         self.run_id = checkpoint_save.new_run_id(ps)
         if ck.save and ps.rank == 0:
             os.makedirs(ck.save, exist_ok=True)
             checkpoint_save.save_tokenizer(ck.save, self.tokenizer, ps)
+
+    def _verify_load(self) -> None:
+        """Before any step: the probe loss and optimizer norms the save recorded, recomputed at
+        this layout (docs/checkpoints.md, "Loads that prove themselves")."""
+        ck = self.cfg.checkpoint
+        record = None if ck.no_verify_load else verify.read_record(ck.load)
+        if record is not None:  # (None: imported, or saved before records)
+            start, optim = time.perf_counter(), not (ck.finetune or ck.no_load_optim)
+            state = verify.fingerprint(self.chunks, self.optimizer, self.ps) if optim else None
+            verify.check_record(record, self.evaluate(probe=True)[0], state, self.cfg, self.ps)
+            self.logger.print(f" verified the load as saved ({time.perf_counter() - start:.2f} s)")
 
     def _log_start(self) -> None:
         cfg, ps, tr, log = self.cfg, self.ps, self.cfg.training, self.logger
@@ -503,14 +516,18 @@ class Trainer:
                 self.scheduler, self.consumed, self.cfg, self.ps, self.run_id)
         start = time.perf_counter()
         self.saved_at = self.iteration
+        # what a load must reproduce, of the state this save writes (an async one's snapshot)
+        record = verify.make_record(self.evaluate(probe=True)[0], self.chunks, self.optimizer,
+                                    self.iteration, self.cfg, self.ps)
         if self.host_buffers is None:
-            path = checkpoint_save.save_checkpoint(*args)
+            path = checkpoint_save.save_checkpoint(*args, record=record)
             stall = time.perf_counter() - start
             self.logger.print(f" saved checkpoint {path} ({stall:.2f} s)")
             self.logger.log({"stall_s": stall, "published_iteration": self.iteration},
                             self.iteration, split="checkpoint")
             return
-        self.pending_save = checkpoint_save.start_async_save(*args, buffers=self.host_buffers)
+        self.pending_save = checkpoint_save.start_async_save(*args, buffers=self.host_buffers,
+                                                             record=record)
         synchronize(self.ps.device)  # (the stall includes the snapshot's device-to-host copies)
         self.save_stall_s = time.perf_counter() - start
         self.logger.print(f" saving checkpoint {self.pending_save.plan.final} in the background "
@@ -537,19 +554,27 @@ class Trainer:
                         split="checkpoint")
 
     @torch.no_grad()
-    def evaluate(self) -> Tuple[float, float]:
-        """(loss, perplexity) over the same ``eval_iters`` validation batches every time."""
+    def evaluate(self, probe: bool = False) -> Tuple[float, float]:
+        """(loss, perplexity) over the same ``eval_iters`` validation batches, or the probe's."""
         cfg, ps, tr = self.cfg, self.ps, self.cfg.training
         # evaluation must not perturb training randomness (a DataLoader iterator draws a seed):
         # else --eval-interval would change the run, and a resumed run differ from the whole one
         rng = get_all_rng_states(ps.device)
         for c in self.chunks:
             c.eval()
-        it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank, ps.dp_size,
-                                    num_workers=cfg.data.num_workers))
+        m, n = tr.num_micro_batches(ps.dp_size), tr.eval_iters
+        if probe:  # one row of tokens from a constant seed (not --seed or the data: a resume may
+            # change them) as every DP rank's micro-batches, 2 x PP at PP > 1 (any schedule's)
+            m, n = (1 if ps.pp_size == 1 else 2 * ps.pp_size), 1
+            row = torch.randint(self.tokenizer.vocab_size, (1, cfg.model.seq_length + 1),
+                                generator=torch.Generator().manual_seed(verify.PROBE_SEED))
+            it = iter([{"tokens": row.expand(tr.micro_batch_size, -1)}] * m)
+        else:
+            it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank,
+                                        ps.dp_size, num_workers=cfg.data.num_workers))
         sums = torch.zeros(2, dtype=torch.float64, device=ps.device)
-        for _ in range(tr.eval_iters):
-            batches = self._micro_batches(it, tr.num_micro_batches(ps.dp_size))
+        for _ in range(n):
+            batches = self._micro_batches(it, m)
             stats = self._forward_backward(batches, self._global_token_count(batches),
                                            forward_only=True)
             sums += self._local_loss_sums(stats)

@@ -163,7 +163,7 @@ def test_same_flags_same_bytes_and_async_writes_sync_bytes(runs):
     assert all(o["sync"] == (0, "") and o["sync_again"] == (0, "") for o in out)
     first, again = f"{root}/sync_first", f"{root}/sync"
     names = _pt_files(first)
-    assert len(names) == 2 * 3, names  # 2 saves x (model file + 2 ZeRO shards)
+    assert len(names) == 2 * 4, names  # 2 saves x (model file + 2 ZeRO shards + verify.pt)
     assert _pt_files(again) == names
     _same_files(first, again, names + ["iter_0000002/args.json", "iter_0000004/args.json"])
     assert all(o["back_to_back"] == (0, "") for o in out)

@@ -14,7 +14,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from megalite.checkpoint.format import (MODEL_FILE, TRACKER_FILE, CheckpointError,
+from megalite.checkpoint.format import (MODEL_FILE, RECORD_FILE, TRACKER_FILE, CheckpointError,
                                         distrib_optim_name, iteration_dir, save_file,
                                         shard_dir_name)
 from megalite.checkpoint.layout import Layout, ParamSpec, canonical_name, layer_of
@@ -143,6 +143,8 @@ def reshard(load_dir: str, save_dir: str, layout: Layout, *, data_parallel_size:
                       consumed=src.consumed_samples, optim=optim, common=src.optim_common,
                       scheduler=src.scheduler, dp=dp, rng=src.rng_state, what=src.what, log=log)
         _finish_checkpoint(tmp, cfg, src.iteration, tok if os.path.isdir(tok) else None)
+        if os.path.isfile(record := os.path.join(src.it_dir, RECORD_FILE)):  # the same state
+            shutil.copy(record, iteration_dir(tmp, src.iteration))
     return os.path.abspath(save_dir)
 
 

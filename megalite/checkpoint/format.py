@@ -15,6 +15,7 @@ from megalite.config import CHECKPOINT_ARGS_FIELDS, ConfigError, MegaliteConfig,
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
+RECORD_FILE = "verify.pt"  # what a load must reproduce (checkpoint/verify.py)
 CHECKPOINT_VERSION = 1
 RESHARD_HINT = ("reshard it to this layout first with "
                 "`python tools/checkpoint/convert.py reshard` (docs/checkpoints.md)")

@@ -16,9 +16,9 @@ import torch
 from megalite import collectives as C
 from megalite.checkpoint.experts import (gather_whole, optimizer_slots, split_experts, whole_shape,
                                          with_full_experts)
-from megalite.checkpoint.format import (MODEL_FILE, TRACKER_FILE, CheckpointError, chunk_key,
-                                        distrib_optim_name, file_header, fsync_dir, iteration_dir,
-                                        save_file, shard_dir_name, write_fsynced)
+from megalite.checkpoint.format import (MODEL_FILE, RECORD_FILE, TRACKER_FILE, CheckpointError,
+                                        chunk_key, distrib_optim_name, file_header, fsync_dir,
+                                        iteration_dir, save_file, shard_dir_name, write_fsynced)
 from megalite.checkpoint.snapshot import HostBuffers, snapshot
 from megalite.config import MegaliteConfig, config_to_json
 from megalite.memory import theoretical_model_state_bytes
@@ -56,11 +56,13 @@ class _SavePlan(NamedTuple):
 
 
 def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
-                    consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> str:
+                    consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int,
+                    record: Optional[dict] = None) -> str:
     """Write iteration ``iteration`` atomically and durably; returns the final directory.
-    Collective: a rank whose write fails makes every rank raise a CheckpointError naming it."""
+    Collective: a rank whose write fails makes every rank raise a CheckpointError naming it.
+    ``record``: what a load must reproduce (checkpoint/verify.py), written by rank 0."""
     plan = _plan_save(save_dir, iteration, model_chunks, optimizer, scheduler, consumed_samples,
-                      cfg, ps, run_id)
+                      cfg, ps, run_id, record)
     # (on a GPU the device tensors go to plain host memory one file at a time: the same bytes as
     # an asynchronous save's host snapshot, whose storages say "cpu")
     on_host = (lambda obj: obj) if ps.device.type == "cpu" else \
@@ -72,7 +74,8 @@ def save_checkpoint(save_dir: str, iteration: int, model_chunks, optimizer, sche
 
 
 def _plan_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
-               consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int) -> _SavePlan:
+               consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int,
+               record: Optional[dict] = None) -> _SavePlan:
     """The collective part of a save: the temp directory (agreed), ZeRO-3 and expert gathers,
     and the objects this rank's files hold (still the live tensors)."""
     final = iteration_dir(save_dir, iteration)
@@ -106,6 +109,8 @@ def _plan_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler
     if save_optim and per_dp:
         files.append((os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)),
                       optimizer.state_dict()))
+    if record is not None and ps.rank == 0:
+        files.append((os.path.join(tmp, RECORD_FILE), record))
     args_json = config_to_json(cfg).encode() if ps.rank == 0 else None
     return _SavePlan(save_dir, iteration, final, tmp, shard, files, args_json, run_id)
 
@@ -242,11 +247,11 @@ class PendingSave:
 
 def start_async_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler,
                      consumed_samples: int, cfg: MegaliteConfig, ps, run_id: int,
-                     buffers: HostBuffers) -> PendingSave:
+                     buffers: HostBuffers, record: Optional[dict] = None) -> PendingSave:
     """--async-save: the collective part of a save, a host snapshot of what a synchronous save
     writes (into ``buffers``), then a background writer. The caller settled any earlier save."""
     plan = _plan_save(save_dir, iteration, model_chunks, optimizer, scheduler, consumed_samples,
-                      cfg, ps, run_id)
+                      cfg, ps, run_id, record)
     buffers.begin()
     files = [(path, snapshot(obj, buffers)) for path, obj in plan.files]
     buffers.end(ps.device)
