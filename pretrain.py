@@ -72,6 +72,8 @@ def write_collective_record(cfg, reason: str, wait_s: float = 0.0, prog: str = "
     if wait_s and rank == min(r["rank"] for r in recs):
         print(f"{prog}: collective record: {collective_record.verdict(recs)} (records: "
               f"{directory}, read by tools/hang_report.py)", flush=True)
+    elif wait_s:  # torchrun stops the job at the first rank's exit: let the printer print first
+        time.sleep(1.0)
 
 
 def main(argv=None) -> int:
