@@ -61,6 +61,9 @@ class Family:
     refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
     moe: Optional[MoeSpec] = None
     mla: bool = False  # DeepSeek's multi-latent attention (models/mla.py; _rope_pairs)
+    # Gated DeltaNet layers beside gated softmax ones, zero-centred norms: the in projections
+    # "fused" per key-head group (Qwen3-Next) or "split" by kind (Qwen3.5); see _LINEAR_LAYER
+    linear: Optional[str] = None
 
 
 # GLM-4.5's MoE block, and DeepSeek-V3's (docs/models.md, the MoE families' table)
@@ -70,6 +73,9 @@ DEEPSEEK_MOE = MoeSpec("n_routed_experts", "moe_intermediate_size", router="deep
 _QWEN_MOE = dict(num_experts="num_experts", expert_ffn="moe_intermediate_size",
                  layers="sparse_step")
 _NO_WINDOW = (("use_sliding_window", False),)
+_QWEN_SHARED = dict(shared="shared_expert", shared_gate="shared_expert_gate",
+                    shared_size="shared_expert_intermediate_size")
+_HYBRID = dict(qk_norm="head", partial_rotary=True)
 
 # HF model_type -> its family. Qwen2, Qwen3, Mistral and the MoE families share Llama's layout.
 FAMILIES: Dict[str, Family] = {
@@ -84,9 +90,7 @@ FAMILIES: Dict[str, Family] = {
                                   block="block_sparse_moe", expert_names=("w1", "w3", "w2"),
                                   norm_topk_prob=None)),
     "qwen2_moe": Family("Qwen2MoeForCausalLM", qkv_bias="qkv_bias", refused=_NO_WINDOW,
-                        moe=MoeSpec(**_QWEN_MOE, shared="shared_expert",
-                                    shared_gate="shared_expert_gate",
-                                    shared_size="shared_expert_intermediate_size")),
+                        moe=MoeSpec(**_QWEN_MOE, **_QWEN_SHARED)),
     "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm="head", refused=_NO_WINDOW,
                         moe=MoeSpec(**_QWEN_MOE)),
     "olmoe": Family("OlmoeForCausalLM", qk_norm="projection", refused=(("clip_qkv", None),),
@@ -98,9 +102,21 @@ FAMILIES: Dict[str, Family] = {
                           refused=(("attention_bias", False), ("pretraining_tp", 1),
                                    ("rope_interleave", True)),
                           moe=DEEPSEEK_MOE),
+    "qwen3_next": Family("Qwen3NextForCausalLM", **_HYBRID, linear="fused",
+                         moe=MoeSpec(**_QWEN_MOE, **_QWEN_SHARED)),
+    "qwen3_5_text": Family("Qwen3_5ForCausalLM", **_HYBRID, linear="split"),
+    "qwen3_5_moe_text": Family("Qwen3_5MoeForCausalLM", **_HYBRID, linear="split",
+                               moe=MoeSpec("num_experts", "moe_intermediate_size",
+                                           norm_topk_prob=None, **_QWEN_SHARED)),
 }
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
+# vision-language wrappers: their text model imports (config under text_config, weights under
+# model.language_model.*), the vision tower is refused; the export writes the text family
+WRAPPERS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration"),
+            "qwen3_5_moe": ("qwen3_5_moe_text", "Qwen3_5MoeForConditionalGeneration")}
+IMPORTED_ARCHITECTURES = SUPPORTED_ARCHITECTURES + tuple(a for _, a in WRAPPERS.values())
 FAMILY_OF_MODEL_TYPE = {k: k for k in FAMILIES}  # HF model_type -> family
+FAMILY_OF_MODEL_TYPE.update({k: f for k, (f, _) in WRAPPERS.items()})
 _FAMILY_OF_ARCHITECTURE = {f.architecture: k for k, f in FAMILIES.items()}
 
 # HF activation names -> ModelConfig.activation (GPT-2's "gelu_new" is gelu's tanh approximation)
@@ -141,11 +157,17 @@ def refused_hf_config(raw: Mapping) -> Optional[str]:
 
 
 def check_hf_weight_names(names, where: str = "HF state dict") -> None:
-    """FP8 hub weights without their quantization_config: refused by the tensor that shows it."""
+    """FP8 hub weights without their quantization_config, a vision tower, MTP layers: refused by
+    the tensor that shows them."""
     scale = next((k for k in names if k.endswith("weight_scale_inv")), None)
     if scale is not None:
         raise ConfigError(f"{where}: FP8 weights ({scale}) are not supported: megalite imports "
                           f"unquantised weights (dequantise the checkpoint to bf16 first)")
+    extra = next((k for k in names if k.startswith(("model.visual.", "mtp."))), None)
+    if extra is not None:
+        raise ConfigError(f"{where}: {extra} is not supported: megalite imports the text model "
+                          f"without vision tower (model.visual.*) or MTP layers (mtp.*); HF's "
+                          f"*ForCausalLM from_pretrained, then save_pretrained, leaves them out")
 
 
 def hf_family(hf_config) -> str:
@@ -438,12 +460,37 @@ def _hf_mla(cfg: ModelConfig) -> dict:
                 v_head_dim=cfg.v_head_dim, rope_interleave=True)
 
 
+_LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim")  # one name on both sides
+
+
+def _linear(c, family: str) -> dict:
+    """HF's layer_types (Gated DeltaNet or gated softmax layers) as ModelConfig fields: the
+    pattern as an interval where one matches (docs/models.md, "Hybrid families")."""
+    if FAMILIES[family].linear is None:
+        return {}
+    if getattr(c, "mtp_num_hidden_layers", 0):
+        raise ConfigError(f"{family} mtp_num_hidden_layers={c.mtp_num_hidden_layers} is not "
+                          f"supported: megalite trains no multi-token-prediction layers (mtp.*);"
+                          f" set it to 0 and leave their tensors out")
+    unknown = sorted(set(c.layer_types) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"{family} layer_types {unknown} are not supported (linear_attention "
+                          f"and full_attention are)")
+    p = [t == "linear_attention" for t in c.layer_types]
+    freq = next((str(n) for n in range(1, len(p) + 2)
+                 if p == [(i + 1) % n != 0 for i in range(len(p))]), None)
+    return dict(linear_attention_freq=freq or "[" + ",".join(str(int(x)) for x in p) + "]",
+                attention_output_gate=True, apply_layernorm_1p=True,
+                **{k: getattr(c, k) for k in _LINEAR_FIELDS})
+
+
 def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
     """The megalite ModelConfig of a supported family's HF config (``overrides``, any ModelConfig
     field, win); a config field megalite cannot hold is a ConfigError naming it."""
     family = hf_family(hf_config)
     fam = FAMILIES[family]
-    c = hf_config
+    c = hf_config.text_config if hf_config.model_type in WRAPPERS else hf_config
     if family == "gpt2":
         act = _GPT2_ACTIVATIONS.get(c.activation_function)
         if act is None:
@@ -512,7 +559,8 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             qk_layernorm_scope=fam.qk_norm if qk_norm else "head",
             untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
-            **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family))
+            **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family),
+            **_linear(c, family))
     kwargs.update(vocab_size=c.vocab_size, init_method_std=c.initializer_range)
     kwargs.update(hf_architecture=fam.architecture, **overrides)
     return ModelConfig(**kwargs).validate()
@@ -535,6 +583,9 @@ def _carried(cfg: ModelConfig) -> dict:
         unused.append("max_window_layers")
     if cfg.multi_latent_attention:
         unused.append("kv_channels")  # MLA's heads have their own widths
+    out["linear_attention_freq"] = cfg.linear_attention_pattern()  # "2" is "[1,0]" at 2 layers
+    if not any(out["linear_attention_freq"]):
+        unused += _LINEAR_FIELDS
     if cfg.num_experts is None:
         unused += [k for k in out if k.startswith("moe_")]
     else:
@@ -606,7 +657,7 @@ def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
     arch = fam.architecture
     if cfg.activation != "silu":
         raise ConfigError(f"{arch}'s MLP is SwiGLU with silu, got {cfg.activation!r}")
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config_cls = transformers.CONFIG_MAPPING[family]  # the family is HF's model_type
     kwargs = dict(
         num_hidden_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
@@ -632,6 +683,10 @@ def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
         kwargs.update(_hf_moe(cfg, fam.moe, arch))
     if fam.mtp_field:
         kwargs[fam.mtp_field] = 0  # none are exported
+    if fam.linear:
+        kwargs.update(layer_types=["linear_attention" if x else "full_attention"
+                                   for x in cfg.linear_attention_pattern()],
+                      **{k: getattr(cfg, k) for k in _LINEAR_FIELDS})
     kwargs.update(hf_overrides)
     return _finish(config_cls(**kwargs), arch, cfg)
 
@@ -693,6 +748,12 @@ _LLAMA_LAYER = {  # one-to-one tensors; qkv and the MLPs are fused / stacked bel
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
 }
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's dense and shared-expert MLP linears
+_LINEAR_LAYER = {  # a Gated DeltaNet layer's tensors that map one to one
+    "self_attention.A_log": "linear_attn.A_log", "self_attention.dt_bias": "linear_attn.dt_bias",
+    "self_attention.norm_weight": "linear_attn.norm.weight",
+    "self_attention.out_proj.weight": "linear_attn.out_proj.weight",
+}
+_LINEAR_REGROUPED = ("in_proj.weight", "conv_weight")  # per key-head group: _linear_from_hf
 _MLA_LAYER = {  # DeepSeek-V3's attention, one to one (RoPE rows permuted: _rope_pairs)
     "self_attention.mla.linear_q_proj.weight": "self_attn.q_proj.weight",  # no q latent
     "self_attention.mla.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
@@ -772,10 +833,12 @@ def _rope_pairs(t: torch.Tensor, cfg: ModelConfig, name: str, back: bool = False
 
 def megalite_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     """Full megalite names of layer ``layer_idx``'s tensors, in a fixed order."""
-    mla = cfg.multi_latent_attention
+    mla, linear = cfg.multi_latent_attention, cfg.is_linear_attention_layer(layer_idx)
     suffixes = [s for s in _ATTENTION_SUFFIXES if _has_bias(cfg, s)
-                and not (mla and "linear_qkv" in s)]
+                and not (mla and "linear_qkv" in s) and not (linear and "self_attention" in s)]
     suffixes += [ml for ml, _ in _mla_items(cfg)] if mla else []
+    if linear:
+        suffixes += list(_LINEAR_LAYER) + [f"self_attention.{n}" for n in _LINEAR_REGROUPED]
     if cfg.is_moe_layer(layer_idx):
         suffixes += _moe_suffixes(cfg)
     else:
@@ -784,17 +847,29 @@ def megalite_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
 
 
 @lru_cache(maxsize=64)
-def _moe_spec_of(cfg_items: tuple) -> MoeSpec:
+def _family_of(cfg_items: tuple) -> Family:
     cfg = ModelConfig(**dict(cfg_items))
-    return FAMILIES[_FAMILY_OF_ARCHITECTURE[hf_architecture(cfg)]].moe
+    return FAMILIES[_FAMILY_OF_ARCHITECTURE[hf_architecture(cfg)]]
+
+
+def _family_part(cfg: ModelConfig, part: str):
+    """``part`` ("moe" or "linear") of the family this model converts as: the recorded one's
+    when it has one, else that of :func:`hf_architecture`'s family (cached)."""
+    recorded = FAMILIES.get(_FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture))
+    if recorded is not None and getattr(recorded, part) is not None:
+        return getattr(recorded, part)
+    return getattr(_family_of(tuple(sorted(cfg.to_dict().items()))), part)
 
 
 def _moe_spec(cfg: ModelConfig) -> MoeSpec:
-    """The MoeSpec of the family this MoE model converts as (:func:`hf_architecture`, cached)."""
-    recorded = _FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture)
-    if recorded is not None and FAMILIES[recorded].moe is not None:
-        return FAMILIES[recorded].moe
-    return _moe_spec_of(tuple(sorted(cfg.to_dict().items())))
+    return _family_part(cfg, "moe")
+
+
+def _linear_in(cfg: ModelConfig) -> Tuple[str, ...]:
+    """HF's in projections of a Gated DeltaNet layer."""
+    if _family_part(cfg, "linear") == "fused":
+        return ("in_proj_qkvz", "in_proj_ba")
+    return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def _linear_keys(prefix: str, bias: bool, names: Sequence[str] = _SWIGLU) -> List[str]:
@@ -806,8 +881,11 @@ def _layer_pairs(layer_idx: int, cfg: ModelConfig) -> List[Tuple[str, str]]:
     Conv1D weights transposed, MLA's RoPE rows permuted: :func:`_one_to_one`)."""
     if model_family(cfg) == "gpt2":
         return [(ml, hf) for ml, (hf, _) in _GPT2_LAYER.items()]
-    pairs = [(ml, hf) for ml, hf in _LLAMA_LAYER.items() if _has_bias(cfg, ml)]
+    linear = cfg.is_linear_attention_layer(layer_idx)
+    pairs = [(ml, hf) for ml, hf in _LLAMA_LAYER.items() if _has_bias(cfg, ml)
+             and not (linear and "self_attention" in ml)]
     pairs += _mla_items(cfg) if cfg.multi_latent_attention else []
+    pairs += list(_LINEAR_LAYER.items()) if linear else []
     if cfg.is_moe_layer(layer_idx):
         m = _moe_spec(cfg)
         pairs.append(("mlp.router", f"{m.block}.gate.weight"))
@@ -840,7 +918,9 @@ def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     keys = [hf for _, hf in _layer_pairs(layer_idx, cfg)]
     if family == "gpt2":
         return [p + k for k in keys + ["attn.c_attn.weight", "attn.c_attn.bias"]]
-    if not cfg.multi_latent_attention:
+    if cfg.is_linear_attention_layer(layer_idx):
+        keys += [f"linear_attn.{n}.weight" for n in _linear_in(cfg) + ("conv1d",)]
+    elif not cfg.multi_latent_attention:
         keys += _linear_keys("self_attn.", cfg.add_qkv_bias, ("q_proj", "k_proj", "v_proj"))
     if cfg.is_moe_layer(layer_idx):
         return [p + k for k in keys] + _experts_hf_keys(p, cfg)
@@ -890,25 +970,34 @@ def dropped_hf_keys(keys, cfg: ModelConfig) -> List[str]:
 
 
 # ===================================================================== fused QKV: group layout
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """Separate q [a*d, ...], k [g*d, ...], v [g*d, ...] (rows = heads in order) -> megalite's
-    fused [g * (a/g + 2) * d, ...] (docs/models.md, "Fused QKV, per query group")."""
-    g, d = cfg.num_query_groups, cfg.kv_channels
-    hpg = cfg.num_attention_heads // g
-    rest = tuple(q.shape[1:])
-    fused = torch.cat([q.reshape((g, hpg * d) + rest), k.reshape((g, d) + rest),
-                       v.reshape((g, d) + rest)], dim=1)
-    return fused.reshape((g * (hpg + 2) * d,) + rest).contiguous()
+def group_cat(parts: Sequence[torch.Tensor], g: int) -> torch.Tensor:
+    """Tensors [g*w_i, ...] of g groups each -> one new [g * sum(w_i), ...], the parts' rows of
+    group 0, then of group 1, ..."""
+    rest = tuple(parts[0].shape[1:])
+    return torch.cat([t.reshape((g, -1) + rest) for t in parts], 1).reshape((-1,) + rest)
+
+
+def group_split(t: torch.Tensor, widths: Sequence[int], g: int) -> List[torch.Tensor]:
+    """Inverse of :func:`group_cat` (each part contiguous)."""
+    rest = tuple(t.shape[1:])
+    return [x.reshape((-1,) + rest).contiguous()
+            for x in t.reshape((g, -1) + rest).split(list(widths), 1)]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig,
+             gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Separate q [a*d, ...], k [g*d, ...], v [g*d, ...] (rows = heads in order; ``gate``
+    [a*d, ...] with --attention-output-gate) -> megalite's fused [g * (a/g + 2) * d, ...]
+    (docs/models.md, "Fused QKV, per query group")."""
+    parts = [q, k, v] + ([gate] if gate is not None else [])
+    return group_cat(parts, cfg.num_query_groups)
 
 
 def split_qkv(qkv: torch.Tensor, cfg: ModelConfig):
-    """Inverse of :func:`fuse_qkv`: returns (q, k, v) with rows in head order."""
+    """Inverse of :func:`fuse_qkv`: returns (q, k, v) with rows in head order (and the gate)."""
     g, d = cfg.num_query_groups, cfg.kv_channels
     hpg = cfg.num_attention_heads // g
-    rest = tuple(qkv.shape[1:])
-    q, k, v = qkv.reshape((g, (hpg + 2) * d) + rest).split([hpg * d, d, d], dim=1)
-    return (q.reshape((g * hpg * d,) + rest).contiguous(), k.reshape((g * d,) + rest).contiguous(),
-            v.reshape((g * d,) + rest).contiguous())
+    return group_split(qkv, [hpg * d, d, d] + [hpg * d] * cfg.attention_output_gate, g)
 
 
 def _get(tensors: Mapping[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
@@ -980,6 +1069,36 @@ def _experts_to_hf(t, in_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
     return out
 
 
+def _linear_from_hf(t, p: str, ml_p: str, cfg: ModelConfig, where: str) -> dict:
+    """HF's Gated DeltaNet in projections and conv1d under ``p`` -> megalite's, regrouped per
+    key-head group (docs/models.md, "Hybrid families")."""
+    g, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    dv = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    ins = [_get(t, f"{p}{n}.weight", where) for n in _linear_in(cfg)]
+    if len(ins) == 4:  # split by kind: q, k, v of every head in one, then z, b, a
+        ins = list(ins[0].split([g * dk, g * dk, dv])) + ins[1:]
+    conv = _get(t, p + "conv1d.weight", where)[:, 0]  # [channels, 1, width]: one filter each
+    return {ml_p + "in_proj.weight": group_cat(ins, g),
+            ml_p + "conv_weight": group_cat(conv.split([g * dk, g * dk, dv]), g)}
+
+
+def _linear_to_hf(t, ml_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
+    """Inverse of :func:`_linear_from_hf`."""
+    g, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    r = cfg.linear_num_value_heads // g
+    rdv = r * cfg.linear_value_head_dim
+    w, names = _get(t, ml_p + "in_proj.weight", where), _linear_in(cfg)
+    if len(names) == 2:  # fused: per group [q, k, v, z] and [b, a]
+        parts = group_split(w, [2 * dk + 2 * rdv, 2 * r], g)
+    else:
+        q, k, v, *parts = group_split(w, [dk, dk, rdv, rdv, r, r], g)
+        parts = [torch.cat([q, k, v])] + parts
+    conv = group_split(_get(t, ml_p + "conv_weight", where), [dk, dk, rdv], g)
+    out = {f"{p}{n}.weight": x for n, x in zip(names, parts)}
+    out[p + "conv1d.weight"] = torch.cat(conv).unsqueeze(1)
+    return out
+
+
 def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.Tensor],
                                  cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """HF tensors of layer ``layer_idx`` (full HF names, see :func:`hf_layer_keys`; other keys are
@@ -997,10 +1116,17 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
             out[f"{out_p}self_attention.linear_qkv.{kind}"] = fuse_qkv(
                 *c_attn.split(cfg.hidden_size, 0), cfg)
         return out
-    if not cfg.multi_latent_attention:
+    if cfg.is_linear_attention_layer(layer_idx):
+        out.update(_linear_from_hf(hf_tensors, p + "linear_attn.", out_p + "self_attention.",
+                                   cfg, where))
+    elif not cfg.multi_latent_attention:
         for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
             q, k, v = (_get(hf_tensors, f"{p}self_attn.{x}_proj.{kind}", where) for x in "qkv")
-            out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg)
+            gate = None
+            if cfg.attention_output_gate:  # HF's q_proj rows: per head [q (d), gate (d)]
+                heads = q.reshape((cfg.num_attention_heads, 2, -1) + q.shape[1:])
+                q, gate = heads[:, 0].flatten(0, 1), heads[:, 1].flatten(0, 1)
+            out[out_p + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, cfg, gate)
     if cfg.is_moe_layer(layer_idx):
         out.update(_experts_from_hf(hf_tensors, p, out_p, cfg, where))
     else:
@@ -1024,10 +1150,17 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
             c_attn = torch.cat(split_qkv(qkv, cfg), 0)
             out[f"{p}attn.c_attn.{kind}"] = c_attn.t().contiguous() if kind == "weight" else c_attn
         return out
-    if not cfg.multi_latent_attention:
+    if cfg.is_linear_attention_layer(layer_idx):
+        out.update(_linear_to_hf(ml_tensors, in_p + "self_attention.", p + "linear_attn.", cfg,
+                                 where))
+    elif not cfg.multi_latent_attention:
         for kind in ["weight"] + (["bias"] if cfg.add_qkv_bias else []):
             qkv = _get(ml_tensors, in_p + f"self_attention.linear_qkv.{kind}", where)
-            for name, t in zip("qkv", split_qkv(qkv, cfg)):
+            q, k, v, *gate = split_qkv(qkv, cfg)
+            if gate:  # back to HF's per-head [q, gate] rows
+                heads = (cfg.num_attention_heads, -1) + tuple(q.shape[1:])
+                q = torch.stack([q.reshape(heads), gate[0].reshape(heads)], 1).flatten(0, 2)
+            for name, t in zip("qkv", (q, k, v)):
                 out[f"{p}self_attn.{name}_proj.{kind}"] = t
     if cfg.is_moe_layer(layer_idx):
         out.update(_experts_to_hf(ml_tensors, in_p, p, cfg, where))
@@ -1080,8 +1213,11 @@ def _normalize_hf_keys(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConf
             return dict(hf_state_dict)
         return {(k if k.startswith("lm_head.") else "transformer." + k): v
                 for k, v in hf_state_dict.items()}
+    # a vision-language wrapper's text model (WRAPPERS)
+    hf_state_dict = {k.replace("model.language_model.", "model.", 1): v
+                     for k, v in hf_state_dict.items()}
     if cfg.num_experts is None:
-        return dict(hf_state_dict)
+        return hf_state_dict
     m, out = _moe_spec(cfg), {}
     f, h = cfg.moe_ffn_hidden_size, cfg.hidden_size
     for k, v in hf_state_dict.items():

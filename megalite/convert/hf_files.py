@@ -11,8 +11,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 
 from megalite.config import ConfigError
-from megalite.convert.hf import (FAMILY_OF_MODEL_TYPE, IGNORED_HF_SUFFIXES, SUPPORTED_ARCHITECTURES,
-                                 check_hf_weight_names, convert_layer_hf_to_megalite,
+from megalite.convert.hf import (FAMILY_OF_MODEL_TYPE, IGNORED_HF_SUFFIXES, IMPORTED_ARCHITECTURES,
+                                 SUPPORTED_ARCHITECTURES, check_hf_weight_names,
+                                 convert_layer_hf_to_megalite,
                                  convert_non_layer_hf_to_megalite, dropped_hf_keys,
                                  hf_config_to_model_config, hf_family, hf_layer_keys,
                                  hf_non_layer_keys, hf_to_megalite_state_dict,
@@ -51,7 +52,7 @@ class HFSource:
             raise ConfigError(f"{self.what}: {refusal}")
         # Checked before AutoConfig, whose error for an unknown model_type is long and vague.
         # GPT2Model (no LM head) is accepted: its keys lack only the "transformer." prefix.
-        ok = SUPPORTED_ARCHITECTURES + ("GPT2Model",)
+        ok = IMPORTED_ARCHITECTURES + ("GPT2Model",)
         archs = raw.get("architectures") or []
         if raw.get("model_type") not in FAMILY_OF_MODEL_TYPE or any(a not in ok for a in archs):
             bad = next((a for a in archs if a not in ok), raw.get("model_type"))
@@ -74,6 +75,9 @@ class HFSource:
             # GPT2Model checkpoints (e.g. the original "gpt2" upload) lack the LM-head prefix
             self._alias = {"transformer." + k: k for k in self.key_file
                            if not k.startswith("lm_head.")}
+        wrapped = "model.language_model."  # a vision-language wrapper's text model (WRAPPERS)
+        self._alias.update({"model." + k[len(wrapped):]: k for k in self.key_file
+                            if k.startswith(wrapped)})
         self.used: set = set()
 
     def _index_weights(self) -> Dict[str, str]:
@@ -228,7 +232,7 @@ def from_hf(hf_model_or_dir, **config_overrides):
         cfg, hf_sd = src.model_cfg, src.get(list(src.key_file), "weights")
     else:
         name = type(hf_model_or_dir).__name__
-        if name not in SUPPORTED_ARCHITECTURES:
+        if name not in IMPORTED_ARCHITECTURES:
             raise unsupported_architecture(name)
         cfg = hf_config_to_model_config(hf_model_or_dir.config, **config_overrides)
         hf_sd = hf_model_or_dir.state_dict()
