@@ -6,6 +6,8 @@ import shutil
 
 import torch
 
+from megalite.checkpoint.convert import reshard
+from megalite.checkpoint.layout import Layout
 from pretrain_utils import flags, run_cli, train_losses
 
 ZERO1 = ("--zero-stage", "1")
@@ -68,6 +70,10 @@ def test_a_perturbed_model_file_is_refused_at_zero0(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(flags(*tp2, train_iters=3, load=ck), 2)
     assert proc.returncode == 0 and "verified the load" in proc.stdout, proc.stderr[-3000:]
+    # the offline resharder carries the record as it is (test_reshard_load.py loads such copies)
+    reshard(str(ck), str(tmp_path / "tp1"), Layout(1, 1))
+    record = "iter_0000002/verify.pt"
+    assert (tmp_path / "tp1" / record).read_bytes() == (ck / record).read_bytes()
 
     path = ck / "iter_0000002" / "mp_rank_01_000" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=True)
