@@ -520,12 +520,13 @@ class ModelConfig(_Section):
         return self.linear_attention_pattern()[layer_number]
 
     def linear_attention_weights(self) -> int:
-        """Matmul weights of one Gated DeltaNet layer: the in projection (q, k, v, z, b, a) and
-        the out projection (the convolution and the per-head vectors aside)."""
+        """Weights of one Gated DeltaNet layer that each token multiplies once (2 FLOPs each): the
+        in projection (q, k, v, z, b, a), the depthwise convolution over q, k, v and the out
+        projection (the per-head vectors and the norm aside)."""
         dk = self.linear_num_key_heads * self.linear_key_head_dim
         dv = self.linear_num_value_heads * self.linear_value_head_dim
         return self.hidden_size * (2 * dk + 2 * dv + 2 * self.linear_num_value_heads) \
-            + dv * self.hidden_size
+            + (2 * dk + dv) * self.linear_conv_kernel_dim + dv * self.hidden_size
 
     def validate(self, tensor_model_parallel_size: int = 1) -> "ModelConfig":
         t = tensor_model_parallel_size
@@ -658,7 +659,8 @@ class ModelConfig(_Section):
         h, n = self.hidden_size, self.num_attention_heads
         if not self.multi_latent_attention:
             q, kv = n * self.kv_channels, self.num_query_groups * self.kv_channels
-            return h * (q + 2 * kv) + q * h
+            gate = q if self.attention_output_gate else 0  # a gate per head and channel
+            return h * (q + gate + 2 * kv) + q * h
         qk, rq, rkv = self.attention_widths()[0], self.q_lora_rank, self.kv_lora_rank
         q = h * qk if rq is None else h * rq + rq * qk
         kv = h * (rkv + self.qk_pos_emb_head_dim) + rkv * n * (self.qk_head_dim + self.v_head_dim)
@@ -700,7 +702,11 @@ class ModelConfig(_Section):
         qk_norm = (2 * d if self.qk_layernorm_scope == "head" else q + kv // 2)
         per_layer = attn + 2 * norm + (qk_norm if self.qk_layernorm else 0)
         moe_layers = sum(self.moe_layer_pattern())
-        total = L * per_layer + (L - moe_layers) * mlp(f) + norm
+        linear = sum(self.linear_attention_pattern())
+        # a Gated DeltaNet layer: its weights, A_log and dt_bias per value head, the output norm
+        linear_layer = self.linear_attention_weights() + 2 * self.linear_num_value_heads \
+            + self.linear_value_head_dim + 2 * norm
+        total = (L - linear) * per_layer + linear * linear_layer + (L - moe_layers) * mlp(f) + norm
         if moe_layers:
             fs = self.moe_shared_expert_intermediate_size
             shared = (mlp(fs) + (h if self.moe_shared_expert_gate else 0)) if fs else 0
@@ -868,6 +874,9 @@ class OptimizerConfig(_Section):
     # Data parallelism / ZeRO (docs/data_parallel.md); --use-distributed-optimizer means stage 1
     zero_stage: int = setting(0, choices=(0, 1, 2, 3), group="data parallelism and ZeRO",
                               layout=True)  # 0 DDP, 1 optimizer states, 2 + grads, 3 + params
+    num_distributed_optimizer_instances: int = setting(  # R: HSDP (docs/data_parallel.md)
+        1, "shard the ZeRO state inside each of R instances of DP/R consecutive ranks (a node's "
+        "worth), replicated across them", group="data parallelism and ZeRO", bound=AT_LEAST_ONE)
     overlap_grad_reduce: bool = setting(False, group="data parallelism and ZeRO")
     overlap_param_gather: bool = setting(False, group="data parallelism and ZeRO")
     ddp_bucket_size: Optional[int] = setting(  # elements; None = one bucket per ~40M elements
@@ -884,6 +893,9 @@ class OptimizerConfig(_Section):
         if self.zero_stage >= 1 and self.optimizer not in ("adam", "adamw"):
             raise ConfigError(f"--optimizer {self.optimizer}: the distributed optimizer (ZeRO) "
                               f"implements adam (AdamW); use --zero-stage 0 for sgd")
+        if self.num_distributed_optimizer_instances > 1 and self.zero_stage == 0:
+            raise ConfigError("--num-distributed-optimizer-instances > 1 shards the ZeRO state "
+                              "inside each instance: it needs --zero-stage 1, 2 or 3")
         if self.overlap_param_gather and self.zero_stage == 0:
             raise ConfigError("--overlap-param-gather needs the distributed optimizer "
                               "(--use-distributed-optimizer or --zero-stage 1/2/3)")
@@ -1231,6 +1243,10 @@ class MegaliteConfig(_Section):
                               tr.decoder_last_pipeline_num_layers,
                               p > 1 and tr.pipeline_schedule in V_SCHEDULES)
         check_zero3_schedule(self.optimizer.zero_stage, tr.pipeline_schedule)
+        hsdp = self.optimizer.num_distributed_optimizer_instances > 1
+        if hsdp and self.model.num_experts is not None:
+            raise ConfigError("--num-distributed-optimizer-instances > 1 with --num-experts: "
+                              "expert weights shard over their own group, not an instance; use 1")
         if world_size is not None and p > 1 and tr.global_batch_size is not None:
             # m, p, v and the schedule must fit together, before any model is built
             check_pipeline_args(p, tr.num_micro_batches(par.data_parallel_size(world_size)), v,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from megalite.config import MegaliteConfig, ModelConfig
+from megalite.models.linear_attention import CHUNK
 
 
 def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
@@ -34,17 +35,25 @@ def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None)
         shared = cfg.moe_shared_expert_intermediate_size
         moe = (2 * h * cfg.num_experts + cfg.moe_router_topk * mlp(cfg.moe_ffn_hidden_size)
                + (mlp(shared) + (2 * h if cfg.moe_shared_expert_gate else 0) if shared else 0))
-    fwd = L * 2 * cfg.attention_weights() + (L - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
+    n_lin = sum(cfg.linear_attention_pattern())
+    fwd = (L - n_lin) * 2 * cfg.attention_weights() + n_lin * 2 * cfg.linear_attention_weights() \
+        + (L - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
     per_token = 3 * (fwd + 2 * h * V)
     return float(per_token * s) + attention_flops(cfg)
 
 
 def attention_flops(cfg: ModelConfig) -> float:
     """The attention core's FLOPs (forward + backward) for one sequence: min(W, s) keys per query
-    under a sliding window of W, no halving for causality (docs/theory.md, "FLOPs and MFU")."""
+    under a sliding window of W, no halving for causality; a Gated DeltaNet layer's chunked rule
+    instead, per token and value head c(5dk + 3dv) within its chunk of c and 6dk·dv with the
+    state (docs/theory.md, "FLOPs and MFU" and "Linear attention")."""
     s, (qk, v) = cfg.seq_length, cfg.attention_widths()
-    keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers))
-    return float(3 * 2 * (qk + v) * keys * s)
+    linear = cfg.linear_attention_pattern()
+    keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers)
+               if not linear[i])
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rule = cfg.linear_num_value_heads * (CHUNK * (5 * dk + 3 * dv) + 6 * dk * dv)
+    return float(3 * 2 * (qk + v) * keys * s + 3 * sum(linear) * -(-s // CHUNK) * CHUNK * rule)
 
 
 def causal_pairs(lengths, window: Optional[int] = None) -> float:

@@ -16,6 +16,7 @@ from megalite.config import V_SCHEDULES, ModelConfig, default_schedule
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, causal_pairs, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
+from megalite.models.linear_attention import CHUNK
 from megalite.pipeline_parallel.schedules import schedule_order
 from megalite.tensor_parallel.cross_entropy import CPU_BLOCK_ELEMENTS
 
@@ -139,25 +140,29 @@ class Model:
         return _document_share(cfg.seq_length, L, tuple(cfg.attention_window(i)
                                                          for i in range(cfg.num_layers)))
 
-    def layer_params(self) -> int:
-        """Parameters of one dense layer (attention, norms, MLP)."""
+    def layer_params(self) -> float:
+        """Parameters of one dense layer (attention, norms, MLP): of a hybrid's layers, their mean
+        (softmax and linear attention)."""
         if "layer" not in self.memo:
-            n = [dataclasses.replace(self.cfg, num_layers=k, num_experts=None).num_parameters(False)
-                 for k in (0, 1)]
-            self.memo["layer"] = n[1] - n[0]
+            dense = dataclasses.replace(self.cfg, num_experts=None)
+            empty = dataclasses.replace(dense, num_layers=0, linear_attention_freq=None)
+            self.memo["layer"] = (dense.num_parameters(False) - empty.num_parameters(False)) \
+                / self.cfg.num_layers
         return self.memo["layer"]
 
     def moe_layer_params(self) -> Dict[str, float]:
         """One MoE layer's parameters by how they are split: ``common`` (over TP), ``router``
         (replicated) and ``expert`` (one expert's MLP, over ETP)."""
         if "moe" not in self.memo:
-            one = dataclasses.replace(self.cfg, num_layers=1, moe_layer_freq="1")
-            empty = dataclasses.replace(one, num_layers=0).num_parameters(False)
+            # every layer MoE, per layer: attention as layer_params's mean
+            one, L = dataclasses.replace(self.cfg, moe_layer_freq="1"), self.cfg.num_layers
+            empty = dataclasses.replace(one, num_layers=0, linear_attention_freq=None) \
+                .num_parameters(False)
             every, none = one.num_parameters(False), \
                 dataclasses.replace(one, moe_router_topk=0).num_active_parameters(False)
             router = self.cfg.num_experts * self.cfg.hidden_size
-            self.memo["moe"] = {"common": none - empty - router, "router": router,
-                                "expert": (every - none) / self.cfg.num_experts}
+            self.memo["moe"] = {"common": (none - empty) / L - router, "router": router,
+                                "expert": (every - none) / L / self.cfg.num_experts}
         return self.memo["moe"]
 
     def moe_before(self) -> List[int]:
@@ -185,6 +190,7 @@ class Model:
         attn = 4 * q if kv < q else 2 * q + 2 * kv + (q + kv) * rope
         attn += 2 * q * (not self.flash_attention and self.device == "cpu"
                          and recompute != "selective")
+        attn += 3 * q * cfg.attention_output_gate  # the gate's sigmoid, the output it scales
         mlp = 4 * cfg.ffn_hidden_size if cfg.swiglu else 2 * cfg.ffn_hidden_size  # (+ silu)
         return 8 * (cfg.normalization == "RMSNorm"), attn, mlp
 
@@ -324,7 +330,25 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
         scores = s * b * a * 4  # log-sum-exp per row, fp32
     else:  # softmax output, dropout mask and output: Korthikanti's 5as/h at E = 2
         scores = a * s * s * b * (E + (m.mask_bytes + E) * (cfg.attention_dropout > 0))
-    return outside + (s * b * (attn + mlp) * E + scores) / t
+    mixer = (s * b * attn * E + scores) / t
+    share = sum(cfg.linear_attention_pattern()) / cfg.num_layers
+    if share:  # a hybrid: its layers' mean (exact for a stage holding whole periods of them)
+        mixer = (1 - share) * mixer + share * linear_attention_bytes(m, b, t)
+    return outside + s * b * mlp * E / t + mixer
+
+
+def linear_attention_bytes(m: Model, b: int, t: int) -> float:
+    """Bytes a Gated DeltaNet mixer keeps for backward per micro-batch on one of t TP ranks, as
+    models/linear_attention.py saves them (docs/planner.md, "Linear attention"): its conv's
+    input, output and SiLU in the activations' dtype; in fp32 the rule's 5 c x c matrices and
+    6 k-wide, 3 v-wide and 4 scalar channels per value head and padded token, a state per chunk,
+    and per token the q/k norms, gates and the output norm's 6 v-wide copies."""
+    cfg, E = m.cfg, m.bytes_per_value
+    s, G, H = cfg.seq_length, cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, n = cfg.linear_key_head_dim, cfg.linear_value_head_dim, -(-cfg.seq_length // CHUNK)
+    conv = (3 * s + cfg.linear_conv_kernel_dim - 1) * (2 * G * dk + H * dv) * E
+    rule = n * H * (CHUNK * (5 * CHUNK + 6 * dk + 3 * dv + 4) + dk * dv)
+    return b * (conv + 4 * (rule + s * (2 * G + 4 * H + 6 * H * dv))) / t
 
 
 def _router_bytes(cfg: ModelConfig) -> int:
