@@ -6,6 +6,7 @@ the context-parallel block kernels, and the summary. Each subcommand writes one 
     python benchmarks/gpu_check.py correctness --device cuda --result corr.json
     python benchmarks/gpu_check.py cp_blocks --device cuda --result cp_blocks.json
     python benchmarks/gpu_check.py doc_attention --device cuda --result doc_attention.json
+    python benchmarks/gpu_check.py linear_attention --device cuda --result linear_attention.json
     python benchmarks/gpu_check.py syncs --device cuda --result syncs.json
     python benchmarks/gpu_check.py summarize --work DIR --out DIR
 """
@@ -348,6 +349,85 @@ def cmd_doc_attention(args):
     return 0 if res["pass"] else 1
 
 
+# ------------------------------------------------------------------------------ linear_attention
+LINEAR_TOLERANCE = {"float32": 2e-3, "bfloat16": 2e-2}  # models/linear_attention.py's self-check
+
+
+def fla_rule(q, k, v, g, beta):
+    """fla's chunk_gated_delta_rule on megalite's [b, h, s, d] layout (q arrives scaled)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, _ = chunk_gated_delta_rule(*(t.transpose(1, 2).contiguous() for t in (q, k, v, g, beta)),
+                                  scale=1.0)
+    return o.transpose(1, 2)
+
+
+def linear_attention_cases(kernel, device, dtypes=("bfloat16", "float32"),
+                           head_dims=(64, 128), seq=1000, heads=4):
+    """``kernel(q, k, v, g, beta)`` against megalite's exact chunked rule
+    (models/linear_attention.gated_delta_rule) in fp32 on the same inputs rounded to the dtype:
+    the output and the gradients of q, k, v, g and beta relative to the reference's largest
+    value, per dtype and head dim; ``seq`` not a multiple of the chunk (the padded tail)."""
+    from megalite.models.linear_attention import gated_delta_rule, l2_normalize
+
+    cases, gen = [], torch.Generator(device=device).manual_seed(0)
+    for dtype in dtypes:
+        for d in head_dims:
+            def rand(*shape):
+                return torch.randn(2, heads, seq, *shape, device=device, generator=gen)
+            q, k = (l2_normalize(rand(d)) for _ in range(2))
+            v, do = rand(d), rand(d)
+            g = -0.5 * torch.rand(2, heads, seq, device=device, generator=gen)
+            beta = torch.rand(2, heads, seq, device=device, generator=gen)
+            ins = [t.to(getattr(torch, dtype)) for t in (q * d ** -0.5, k, v)] + [g, beta]
+            case = {"dtype": dtype, "head_dim": d}
+            try:
+                got = _rule_grads(kernel, ins, do)
+            except Exception as ex:  # noqa: BLE001 - a kernel that fails is a failure
+                cases.append({**case, "status": "fail",
+                              "error": f"{type(ex).__name__}: {ex}"[:300]})
+                continue
+            ref = _rule_grads(gated_delta_rule, [t.float() for t in ins], do)
+            errs = {name: float((a.float() - b).abs().max() / b.abs().max())
+                    for name, a, b in zip(("out", "dq", "dk", "dv", "dg", "dbeta"), got, ref)}
+            worst = max(errs.values())
+            ok = worst <= LINEAR_TOLERANCE[dtype]  # NaN fails too
+            cases.append({**case, "status": "pass" if ok else "fail", "max_error": worst,
+                          "errors": errs})
+    return cases
+
+
+def _rule_grads(rule, ins, do):
+    ins = [t.detach().requires_grad_() for t in ins]
+    out = rule(*ins)
+    return (out.detach(), *torch.autograd.grad(out, ins, do.to(out.dtype)))
+
+
+def cmd_linear_attention(args):
+    """fla's chunk_gated_delta_rule (the CUDA kernel --linear-attention-freq layers take after
+    their self-check) against megalite's torch rule on CUDA, forward and backward, bf16 and
+    fp32. Pass: every case within tolerance. Without CUDA or without fla: NOT_RUN."""
+    import importlib.util
+
+    reason = None
+    if torch.device(args.device).type != "cuda" or not torch.cuda.is_available():
+        reason = "no CUDA device: the fla kernel was not checked (the torch rule is tested)"
+    elif importlib.util.find_spec("fla") is None:
+        reason = "fla is not installed (pip install megalite[fla]): nothing to check"
+    if reason is not None:
+        _write(args.result, {"ran": False, "pass": False, "device": args.device,
+                             "reason": reason})
+        return NOT_RUN
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference in fp32 means fp32
+    cases = linear_attention_cases(fla_rule, args.device)
+    res = {"ran": True, "device": torch.cuda.get_device_name(0),
+           "tolerance": LINEAR_TOLERANCE, "cases": cases,
+           "passed": sum(c["status"] == "pass" for c in cases), "checked": len(cases),
+           "pass": all(c["status"] == "pass" for c in cases)}
+    _write(args.result, res)
+    return 0 if res["pass"] else 1
+
+
 # ----------------------------------------------------------------------------------------- syncs
 def cmd_syncs(args):
     """Host synchronisations of pretrain.py (bf16, 5 iterations, --log-interval 4): megalite's
@@ -450,7 +530,8 @@ def cmd_summarize(args):
                 f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
                 f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
                 for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
-        elif s["step"] in ("cp_blocks", "doc_attention") and r.get("ran") is False:
+        elif s["step"] in ("cp_blocks", "doc_attention", "linear_attention") \
+                and r.get("ran") is False:
             detail = f"NOT RUN: {r['reason']}"
         elif s["step"] == "doc_attention" and "cases" in r:
             paths = {dt: sorted({c["path"] for c in r["cases"] if c["dtype"] == dt})
@@ -459,6 +540,9 @@ def cmd_summarize(args):
                       f"{max(c.get('max_error', float('inf')) for c in r['cases']):.1e}; "
                       + ", ".join(f"{dt}: {'/'.join(p)}" for dt, p in paths.items())
                       + f"  {detail}")
+        elif s["step"] == "linear_attention" and "cases" in r:
+            detail = (f"{r['passed']}/{r['checked']} cases pass; worst error "
+                      f"{max(c.get('max_error', float('inf')) for c in r['cases']):.1e}  {detail}")
         elif s["step"] == "cp_blocks" and "cases" in r:
             worst = {dt: max((c.get("max_error", float("inf")) for c in r["cases"]
                               if c["dtype"] == dt and c["status"] != "n/a"), default=None)
@@ -504,6 +588,9 @@ def main(argv=None):
     a = sub.add_parser("doc_attention")
     a.add_argument("--device", default="cuda")
     a.add_argument("--result", required=True)
+    la = sub.add_parser("linear_attention")
+    la.add_argument("--device", default="cuda")
+    la.add_argument("--result", required=True)
     y = sub.add_parser("syncs")
     y.add_argument("--device", default="cuda")
     y.add_argument("--result", required=True)
@@ -513,7 +600,8 @@ def main(argv=None):
     s.add_argument("--mode", default="gpu")
     args = p.parse_args(argv)
     return {"env": cmd_env, "correctness": cmd_correctness, "cp_blocks": cmd_cp_blocks,
-            "doc_attention": cmd_doc_attention, "syncs": cmd_syncs,
+            "doc_attention": cmd_doc_attention, "linear_attention": cmd_linear_attention,
+            "syncs": cmd_syncs,
             "summarize": cmd_summarize}[args.cmd](args)
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh's context-parallel block and document kernel steps without a GPU:
+"""benchmarks/gpu_check.sh's context-parallel block, document kernel and fla steps without a GPU:
 they report that they did not run, never a pass, and their comparison harnesses tell a good
 kernel from broken ones."""
 
@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -74,3 +76,22 @@ def test_doc_attention_harness_passes_the_cpu_path_and_fails_one_ignoring_docume
                             q, k, v, window, **kw))
     bad = gpu_check.doc_attention_cases("cpu", **small)
     assert all(c["status"] == "fail" and c["max_error"] > 1e-2 for c in bad), bad
+
+
+def test_linear_attention_harness_passes_the_torch_rule_and_fails_a_broken_one(tmp_path):
+    """The fla step's comparison (benchmarks/gpu_check.py linear_attention): the exact rule in
+    16 bits passes, one without the decay fails; without CUDA the step reports not run."""
+    from megalite.models.linear_attention import gated_delta_rule
+
+    def no_decay(q, k, v, g, beta):
+        return gated_delta_rule(q, k, v, torch.zeros_like(g), beta)
+
+    small = dict(dtypes=("bfloat16",), head_dims=(8,), seq=80, heads=2)
+    good = gpu_check.linear_attention_cases(gated_delta_rule, "cpu", **small)
+    bad = gpu_check.linear_attention_cases(no_decay, "cpu", **small)
+    assert [c["status"] for c in good] == ["pass"] and len(good[0]["errors"]) == 6
+    assert [c["status"] for c in bad] == ["fail"]
+    result = tmp_path / "r.json"
+    assert gpu_check.main(["linear_attention", "--device", "cpu", "--result", str(result)]) \
+        == gpu_check.NOT_RUN
+    assert json.loads(result.read_text())["ran"] is False
