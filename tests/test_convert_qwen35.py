@@ -239,12 +239,19 @@ def test_the_vision_language_wrapper_imports_its_text_model(case, tmp_path):
     import transformers
     from safetensors.torch import load_file, save_file
 
+    from megalite.checkpoint import convert as ct
+    from megalite.checkpoint.layout import Layout
+
     text = make_hf(case)
     prefix = CASES[case][1].replace("ForCausalLM", "")
     config = getattr(transformers, prefix + "Config")(
         text_config=text.config.to_dict(), tie_word_embeddings=text.config.tie_word_embeddings,
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
                            out_hidden_size=32))
+    tied = config.tie_word_embeddings
+    config.text_config.tie_word_embeddings = not tied  # HF's wrapper ties by its own field
+    assert hf_config_to_model_config(config).tie_embeddings == tied
+    config.text_config.tie_word_embeddings = tied  # (and HF's text class by text_config's)
     wrapper = getattr(transformers, prefix + "ForConditionalGeneration")(config)
     wrapper.model.language_model.load_state_dict(text.model.state_dict())
     wrapper.lm_head.load_state_dict(text.lm_head.state_dict())
@@ -266,6 +273,13 @@ def test_the_vision_language_wrapper_imports_its_text_model(case, tmp_path):
             assert max_abs(ml(ids), text(ids).logits) <= TOL, form
     out = to_hf(ml, tmp_path / "export")
     assert json.loads((out / "config.json").read_text())["model_type"] == text.config.model_type
+    # the converter reads the wrapper's tensors one at a time, by their text-model names
+    ct.hf_to_megalite(str(tmp_path / "vl"), str(tmp_path / "ml"), Layout(1, 1))
+    back = load_file(ct.megalite_to_hf(str(tmp_path / "ml"), str(tmp_path / "back"))
+                     + "/model.safetensors")
+    text.save_pretrained(tmp_path / "hub")
+    want = load_file(tmp_path / "hub" / "model.safetensors")
+    assert set(back) == set(want) and all(torch.equal(back[k], v) for k, v in want.items())
 
 
 def test_mtp_layers_are_refused_by_name(tmp_path):

@@ -557,7 +557,9 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             norm_epsilon=c.rms_norm_eps, activation="silu", swiglu=True,
             add_bias_linear=linear_bias, add_qkv_bias=qkv_bias, qk_layernorm=qk_norm,
             qk_layernorm_scope=fam.qk_norm if qk_norm else "head",
-            untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", False),
+            # a wrapper ties by its own field, whatever its text_config says
+            untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings",
+                                                            False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
             **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family),
             **_linear(c, family))
