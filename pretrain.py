@@ -63,16 +63,20 @@ def write_collective_record(cfg, reason: str, wait_s: float = 0.0, prog: str = "
     rank, world, directory = dist.get_rank(), dist.get_world_size(), record_dir(cfg)
     collective_record.dump(directory, rank, world, f"pipeline stage {get_parallel_state().pp_rank}",
                            reason, flight_recorder(directory, rank))
+    if not wait_s:
+        return
     deadline = time.time() + wait_s
-    while True:
-        recs = collective_record.read(directory)
-        if len(recs) == world or time.time() >= deadline:
+    while True:  # by names: only the printer reads the files (about a MB each)
+        written = [int(n[5:-5]) for n in os.listdir(directory)
+                   if n.startswith("rank_") and n.endswith(".json")]
+        if len(written) == world or time.time() >= deadline:
             break
         time.sleep(0.2)
-    if wait_s and rank == min(r["rank"] for r in recs):
+    if rank == min(written):
+        recs = collective_record.read(directory)
         print(f"{prog}: collective record: {collective_record.verdict(recs)} (records: "
               f"{directory}, read by tools/hang_report.py)", flush=True)
-    elif wait_s:  # torchrun stops the job at the first rank's exit: let the printer print first
+    else:  # torchrun stops the job at the first rank's exit: let the printer print first
         time.sleep(1.0)
 
 

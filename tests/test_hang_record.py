@@ -155,3 +155,25 @@ def test_verdict_by_hand():
     assert R.verdict(recs).startswith(
         "ranks differ first at #7: rank 0 issued tp_all_reduce #7 (layer 2 forward) on ranks "
         "0-3, rank 1 issued dp_grad_all_reduce #7 (layer 1 forward) on ranks 0-3")
+
+
+def test_entries_carry_their_thread_s_labels(tmp_path):
+    """An entry keeps the label stack of the thread that issued it (an F&B pair's two sides run
+    on two threads); a synchronous call is completed when it returns, an async one never."""
+    import threading
+
+    import torch
+
+    with R.label("iteration 1"):
+        with R.label("layer 0"):
+            slot = R.issue("all_reduce", "tp_all_reduce", (0, 1), torch.Size([4]), torch.float32)
+        side = threading.Thread(target=lambda: R.complete(R.issue("p2p", "pp_p2p", (0, 1),
+                                                                  async_op=True)))
+        side.start()
+        side.join()
+    R.complete(slot)
+    R.dump(str(tmp_path), 0, 2, "pipeline stage 0", "test")
+    mine, theirs = R.read(str(tmp_path))[0]["entries"][-2:]
+    assert (mine["label"], mine["shape"], mine["dtype"]) == ("iteration 1, layer 0", [4], "float32")
+    assert mine["completed_at"] >= mine["issued_at"] > 0
+    assert theirs["label"] == "" and theirs["completed_at"] is None
