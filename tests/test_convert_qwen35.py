@@ -4,9 +4,9 @@ rule (megalite/models/linear_attention.py) against a recurrence written here and
 
 Each family is a tiny random HF model built here (3-4 layers, hidden 32; nothing is downloaded),
 every parameter re-drawn with a large std so that a misplaced or transposed tensor moves the
-logits far beyond the tolerance. Checked: logits against HF's, round trips to HF's hub files and
-through megalite checkpoints at TP2 and PP2 bit for bit, the vision-language wrapper's text
-model, the refusals, and a training run from --use-checkpoint-args alone.
+logits far beyond the tolerance. Checked: logits and gradients against HF's, round trips to HF's
+hub files and through megalite checkpoints at TP2 and PP2 bit for bit, the vision-language
+wrapper's text model, the refusals, and a training run from --use-checkpoint-args alone.
 """
 
 import copy
@@ -151,17 +151,29 @@ def test_gated_delta_rule_equals_hf_torch_chunk_rule_in_fp32():
 
 # ------------------------------------------------------------------------------ HF's logits
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_hf(case):
+def test_logits_and_gradients_match_hf(case):
+    """Forward (eval) logits within 1e-4 of HF's, then the training loss and every gradient:
+    HF's gradients, named as its parameters, go through the same conversion as the weights."""
     hf = make_hf(case)
     ml = from_hf(hf, make_vocab_size_divisible_by=8)
     c = ml.config
     assert (c.linear_attention_freq, c.attention_output_gate, c.apply_layernorm_1p,
             c.rotary_percent) == (CASES[case][3], True, True, 0.5)
-    ids = tokens()
+    ids, labels = tokens(), tokens(seed=2)
     with torch.no_grad():
         ref, got = hf(ids).logits, ml(ids)
     assert ref.abs().max().item() > 1.0  # the comparison is not between near-zero logits
     assert max_abs(got, ref) <= TOL, case
+
+    loss = ml.train()(ids, labels).mean()
+    loss.backward()
+    hf_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten())
+    hf_loss.backward()
+    assert abs(loss.item() - hf_loss.item()) <= TOL
+    want = hf_to_megalite_state_dict({n: p.grad for n, p in hf.named_parameters()}, ml.config)
+    for name, p in ml.named_parameters():
+        scale = max(want[name].norm().item(), 1e-6)
+        assert p.grad is not None and max_abs(p.grad, want[name]) <= 1e-4 * scale, name
 
 
 # ------------------------------------------------------------------------------- round trips
