@@ -61,7 +61,8 @@ def test_rank_asleep_in_its_data_loader_is_named(tmp_path):
     all-reduce: both exit within the timeout + 60 s, and the verdict names rank 1, the last
     collective it completed, and where rank 0 waits."""
     d = tmp_path / "rec"
-    argv = flags(*HANG, tensor_model_parallel_size=2, collective_record_dir=d)
+    argv = flags(*HANG, tensor_model_parallel_size=2, collective_record_dir=d,
+                 metrics_file=tmp_path / "m.jsonl")
     out = run_distributed(_main, 2, argv, 2, _sleep_on_rank_1, timeout=180)
     assert [o[0] for o in out] == [1, 1], out
     assert max(o[3] for o in out) - min(o[4] for o in out) < 60 * TIMEOUT_MIN + 60
@@ -99,7 +100,8 @@ def test_skipped_collective_names_first_difference(tmp_path):
     first differs from rank 2 (its stage's other rank) and both collectives."""
     d = tmp_path / "rec"
     argv = flags(*HANG, "--global-batch-size", "4", tensor_model_parallel_size=2,
-                 pipeline_model_parallel_size=2, collective_record_dir=d)
+                 pipeline_model_parallel_size=2, collective_record_dir=d,
+                 metrics_file=tmp_path / "m.jsonl")
     out = run_distributed(_skip_grad_norm, 4, argv, timeout=180)
     assert [o[0] for o in out] == [1] * 4, out
     recs = {r["rank"]: r for r in R.read(str(d))}
@@ -121,7 +123,8 @@ def test_killed_rank_peers_write_records(tmp_path):
     """TP2: rank 1 is killed between steps; rank 0's next collective fails at once, it writes
     its record, and the report names rank 1 as the one that wrote none."""
     d = tmp_path / "rec"
-    argv = flags(*HANG, tensor_model_parallel_size=2, collective_record_dir=d)
+    argv = flags(*HANG, tensor_model_parallel_size=2, collective_record_dir=d,
+                 metrics_file=tmp_path / "m.jsonl")
     with pytest.raises(RuntimeError, match=r"ranks \[1\] died"):
         run_distributed(_main, 2, argv, 2, _kill_rank_1, timeout=120)
     line = _report(d)
