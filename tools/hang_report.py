@@ -28,7 +28,13 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.dir):
         print(f"hang_report.py: error: {args.dir} is not a directory", file=sys.stderr)
         return 2
-    recs = collective_record.read(args.dir)
+    try:
+        recs = collective_record.read(args.dir)
+        line = collective_record.verdict([dict(r) for r in recs]) if recs else ""
+    except (ValueError, KeyError, TypeError, IndexError) as e:  # a damaged or foreign file
+        print(f"hang_report.py: error: a rank_<r>.json in {args.dir} is not a collective record "
+              f"({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
     if not recs:
         print(f"hang_report.py: error: no rank_<r>.json records in {args.dir}", file=sys.stderr)
         return 2
@@ -39,7 +45,7 @@ def main(argv=None) -> int:
                 "completed" if e["completed_at"] else "waiting")
             print(f"  #{e['seq']} {e['kind']} {e['tag']} on ranks {e['group']} {e['shape']} "
                   f"{e['dtype']} {state} ({e['label']})")
-    print(collective_record.verdict(recs))
+    print(line)
     return 0
 
 
