@@ -882,6 +882,12 @@ class OptimizerConfig(_Section):
     ddp_bucket_size: Optional[int] = setting(  # elements; None = one bucket per ~40M elements
         None, group="data parallelism and ZeRO", bound=POSITIVE_INT)
     zero3_prefetch_depth: int = setting(1, group="data parallelism and ZeRO", bound=NON_NEGATIVE)
+    optimizer_cpu_offload: bool = setting(  # docs/offload.md
+        False, "fp32 masters and Adam moments in host memory, stepped by torch's CPU AdamW",
+        group="data parallelism and ZeRO")
+    optimizer_offload_fraction: float = setting(
+        1.0, "with --optimizer-cpu-offload: the share of the optimizer's elements on the host, in "
+        "(0, 1]", group="data parallelism and ZeRO")
 
     def validate(self) -> "OptimizerConfig":
         self._check_choices()
@@ -902,6 +908,12 @@ class OptimizerConfig(_Section):
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
             raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got "
                               f"{self.lr_warmup_fraction}")
+        if not 0 < self.optimizer_offload_fraction <= 1:
+            raise ConfigError(f"--optimizer-offload-fraction must be in (0, 1], got "
+                              f"{self.optimizer_offload_fraction}")
+        if self.optimizer_cpu_offload and self.optimizer == "sgd":
+            raise ConfigError("--optimizer-cpu-offload steps torch's AdamW on the host: it "
+                              "cannot be combined with --optimizer sgd")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
             raise ConfigError("--lr-decay-style WSD needs --lr-wsd-decay-iters N")
         return self

@@ -98,6 +98,9 @@ class DistributedOptimizer(ShardedAdamW):
                           for s, e in zip(self.shards, self.shard_is_expert)]
         self.expert_norm_runs = [[(g.lo, g.hi) for g in s.segments] if e else []
                                  for s, e in zip(self.shards, self.shard_is_expert)]
+        for i in self._offload([s.model_param_shard for s in self.shards]):
+            s = self.shards[i]  # the host holds the master: the model shard stands in (no copy)
+            s.master, s.exp_avg, s.exp_avg_sq = s.model_param_shard, None, None
 
     # ------------------------------------------------------------------------------ layout
     def _key(self, ci: int, name: str) -> str:
@@ -158,6 +161,8 @@ class DistributedOptimizer(ShardedAdamW):
         for s in self.shards:
             if s.master.data_ptr() != s.model_param_shard.data_ptr():
                 s.master.copy_(s.model_param_shard.float())
+        if self.host is not None:
+            self.host.reload()
 
     # -------------------------------------------------------------------------- checkpoints
     def sync_model_params(self) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from megalite.optimizer.clip_grads import clip_grads_by_norm, grad_norm_squared, split_counted
 from megalite.optimizer.grad_scaler import build_grad_scaler, found_inf_flag
+from megalite.optimizer.offload import HostAdamW, host_units
 from megalite.param_meta import grad_of
 
 # The ZeRO step's piece size (elements): what it holds aside to mask an update is five pieces
@@ -99,6 +100,14 @@ class MixedPrecisionOptimizer(_LossScaling):
                 self.masters.append(m)
         self.loose = [(p, m) for p, m in zip(self.model_params, self.masters)
                       if m is not p and p not in in_buffer]  # copied back one by one
+        self.host = None
+        if opt_cfg.optimizer_cpu_offload:  # docs/offload.md: the device master is the landing
+            self.host = HostAdamW(opt_cfg, ps.device)
+            for i in host_units([m.numel() for m in self.masters],
+                                opt_cfg.optimizer_offload_fraction):
+                p = self.model_params[i]
+                self.masters[i] = self.host.add(self.masters[i], self.masters[i],
+                                                [(0, p.numel(), int(p.dim() <= 1))], False)[0]
         decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() > 1]
         no_decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() <= 1]
         groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
@@ -119,6 +128,8 @@ class MixedPrecisionOptimizer(_LossScaling):
                                            betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
                                            eps=opt_cfg.adam_eps,
                                            weight_decay=opt_cfg.weight_decay, fused=True)
+        if self.host is not None:  # one torch state for all masters: one file format
+            self.host.build(self.inner.state)
         # the lr tensor the scheduler hands over: the CUDA fused kernels read a float32 one, the
         # CPU kernels a double (the host float's value, exactly)
         self.lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
@@ -141,7 +152,9 @@ class MixedPrecisionOptimizer(_LossScaling):
         grads = []
         for p, m in zip(self.model_params, self.masters):
             g = grad_of(p)
-            if m is p:
+            if self.host is not None and self.host.holds(m):  # stepped on the host
+                grads.append(None if g is None else g.float())
+            elif m is p:
                 if g is not None and p.grad is None:
                     p.grad = g  # main_grad (fp32) owned by a DP wrapper
                 grads.append(p.grad)
@@ -162,7 +175,13 @@ class MixedPrecisionOptimizer(_LossScaling):
         if self.cfg.clip_grad > 0:
             clip_grads_by_norm(present, grad_norm, self.cfg.clip_grad)
         self.inner.found_inf = found_inf  # read by torch's fused step, as GradScaler sets it
-        self.inner.step()
+        if self.host is not None:
+            self.host.download([g for g, m in zip(grads, self.masters) if self.host.holds(m)],
+                               found_inf, self.inner.param_groups[0]["lr"])
+        self.inner.step()  # (the host masters have no .grad here: it steps the device's)
+        if self.host is not None:
+            self.host.step()
+            self.host.upload()  # into the device masters, rounded into the model below
         # (after a skipped step this copies back the values the model already holds)
         for model_flat, master_flat in self.flat_masters:
             model_flat.copy_(master_flat)  # rounds the fp32 masters into the 16-bit model
@@ -177,6 +196,8 @@ class MixedPrecisionOptimizer(_LossScaling):
             master_flat.copy_(model_flat)
         for p, m in self.loose:
             m.data.copy_(p.data.float())
+        if self.host is not None:
+            self.host.reload()
 
     def state_dict(self) -> dict:
         inner = self.inner.state_dict()
@@ -207,6 +228,8 @@ class MixedPrecisionOptimizer(_LossScaling):
                     raise ValueError("optimizer state does not match the model's parameters")
                 for m, s in zip(self.masters, saved):
                     m.data.copy_(s)
+        elif self.host is not None:  # fp32: the model weights, loaded already, are the masters
+            self.host.reload()
 
 
 class ShardedAdamW(_LossScaling):
@@ -223,6 +246,7 @@ class ShardedAdamW(_LossScaling):
     ``zero_grad``."""
 
     sharded_state_dict_per_dp_rank = True
+    host: Optional[HostAdamW] = None  # the shards stepped on the host (docs/offload.md)
     expert_norm_runs: Sequence = ()
     shard_is_expert: Sequence[bool] = ()
 
@@ -247,11 +271,37 @@ class ShardedAdamW(_LossScaling):
         applied = found_inf == 0
         clip_grads_by_norm(grads, grad_norm, self.cfg.clip_grad)
         self.step_count = self.step_count + applied
+        host = self.host
+        if host is not None:  # the copies down run beside the device's step
+            host.download([g for g, m in zip(grads, self.masters) if host.holds(m)], found_inf,
+                          self.param_groups[0]["lr"])
         self._adamw(grads, applied)
+        if host is not None:
+            host.step()
+            host.upload()
         self._publish()  # (after a skipped step: the values the model already holds)
         return applied, grad_norm, None
 
     def _publish(self) -> None:
+        self._copy_masters_to_model()
+
+    def _offload(self, landings: List[torch.Tensor]) -> List[int]:
+        """--optimizer-cpu-offload: the first shards up to the fraction move to the host, each
+        updating ``landings[i]`` (its model shard); returns their indices, whose device masters
+        the subclass lets go."""
+        if not self.cfg.optimizer_cpu_offload:
+            return []
+        self.host = HostAdamW(self.cfg, self.ps.device)
+        chosen = host_units([m.numel() for m in self.masters], self.cfg.optimizer_offload_fraction)
+        for i in chosen:
+            self.masters[i], self.exp_avg[i], self.exp_avg_sq[i] = self.host.add(
+                self.masters[i], landings[i], self.runs[i], True)
+        self.host.build()
+        return chosen
+
+    def _to_model(self) -> None:
+        if self.host is not None:
+            self.host.upload()
         self._copy_masters_to_model()
 
     def _wait_param_sync(self) -> None:
@@ -284,6 +334,8 @@ class ShardedAdamW(_LossScaling):
         same = len({id(g["lr"]) if torch.is_tensor(g["lr"]) else g["lr"] for g in groups}) == 1
         for p, m, v, g, runs in zip(self.masters, self.exp_avg, self.exp_avg_sq, grads,
                                     self.runs):
+            if self.host is not None and self.host.holds(p):
+                continue  # stepped on the host
             for lo in range(0, p.numel(), _CHUNK):
                 hi = min(lo + _CHUNK, p.numel())
                 piece = [(max(a, lo) - lo, min(b, hi) - lo, gi) for a, b, gi in runs
@@ -323,6 +375,8 @@ class ShardedAdamW(_LossScaling):
             g["lr"] = saved["lr"]  # weight decay stays this run's flag
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
+        if self.host is not None:
+            self.host.set_step(int(sd["step"]))
 
     def _local(self):
         return zip(self.segments, zip(self.masters, self.exp_avg, self.exp_avg_sq))
@@ -375,7 +429,7 @@ class ShardedAdamW(_LossScaling):
         for saved, (_, ts) in zip(sd["shards"], self._local()):
             for k, t in zip(ADAM_KINDS, ts):
                 t.copy_(saved[k])
-        self._copy_masters_to_model()
+        self._to_model()
         self._load_common(sd)
 
     @torch.no_grad()
@@ -415,10 +469,12 @@ class ShardedAdamW(_LossScaling):
         self._load_common(full)
 
     def _load_full_model(self, params: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        self._copy_masters_to_model()
+        self._to_model()
 
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """The tensors megalite/memory.py counts as masters and optimizer states."""
-        return {"master_params": list(self.masters),
-                "optimizer_states": list(self.exp_avg) + list(self.exp_avg_sq)}
+        on_device = [t for t in (*self.masters, *self.exp_avg, *self.exp_avg_sq)
+                     if self.host is None or not self.host.holds(t)]  # (host memory: not counted)
+        n = len(self.masters) - len(self.host.units if self.host is not None else ())
+        return {"master_params": on_device[:n], "optimizer_states": on_device[n:]}
 

@@ -54,6 +54,8 @@ class Zero3Optimizer(ShardedAdamW):
         self.zero_stage = 3
         self.dp_size = C.group_size(ps.dp_cp_group)  # the file's rank (experts: per unit)
         self.dp_rank = C.group_rank(ps.dp_cp_group)
+        for i in self._offload([u.shard for u in self.units]):
+            self.units[i].main = self.units[i].shard  # the fp32 master lives on the host
 
     # ------------------------------------------------------------------------------ interface
     def zero_grad(self) -> None:
@@ -61,7 +63,9 @@ class Zero3Optimizer(ShardedAdamW):
             c.zero_grad_shards()
 
     def reload_model_params(self) -> None:
-        """The masters live in the model's units (shared), so there is nothing to copy."""
+        """The masters live in the model's units (shared): only the host's are copies."""
+        if self.host is not None:
+            self.host.reload()
 
     def _finish_grads(self) -> None:
         for c in self.chunks:

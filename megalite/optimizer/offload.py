@@ -1,0 +1,152 @@
+"""Optimizer state on the host (``--optimizer-cpu-offload``): the fp32 masters and Adam moments of
+the first units of an optimizer (parameters at ZeRO 0, shards at ZeRO 1-3) that together hold
+``--optimizer-offload-fraction`` of its elements live in host memory and step there with torch's
+own CPU AdamW (docs/offload.md). The gradients go down and the updated weights come back on a side
+stream (pinned buffers and events on CUDA; on CPU the same copies, host to host)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+
+def host_units(sizes: Sequence[int], fraction: float) -> List[int]:
+    """The first units (by index) that together hold at least ``fraction`` of the elements."""
+    goal, held, out = fraction * sum(sizes), 0, []
+    for i, n in enumerate(sizes):
+        if held >= goal:
+            break
+        out.append(i)
+        held += n
+    return out
+
+
+class HostAdamW:
+    """torch.optim.AdamW (fused, on the CPU) over host copies of some units' fp32 masters.
+
+    Per step: :meth:`download` queues the device gradients, the skip flag and the lr into pinned
+    host buffers; :meth:`step` waits for them and steps (the fused kernel takes ``found_inf`` as
+    a host tensor, so a skipped step is skipped there, its step count taken back, and nothing is
+    read on the host); :meth:`upload` queues the weights back into each unit's device tensor."""
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.done = torch.cuda.Event() if self.stream is not None else None
+        self.groups: Tuple[list, list] = ([], [])  # the views that decay, those that do not
+        self.grads: list = []  # per unit: its host gradient and [(view, view's gradient)]
+        self.units: list = []  # per unit: (host master, staging, device landing)
+        self.moments: dict = {}  # the sharded units' torch state, views of flat moments
+        self.flag = self._pinned(())
+        self.lr = self._pinned((), torch.float64)
+        self.opt: Optional[torch.optim.AdamW] = None
+        self.ids: set = set()  # the host masters and moments, by id
+        self.present: List[bool] = []  # per unit: whether this step's gradient exists
+
+    def _pinned(self, shape, dtype=torch.float32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, pin_memory=self.stream is not None)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        return id(t) in self.ids
+
+    @torch.no_grad()
+    def add(self, master: torch.Tensor, landing: torch.Tensor, runs, sharded: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A unit: its fp32 ``master`` values move to the host; ``landing`` (device) receives the
+        updated weights; ``runs`` ``[(lo, hi, group)]`` (group 0 decays). ``sharded``: a flat
+        shard, whose moments are flat host tensors the runs view (the ZeRO files' layout); else
+        one parameter, whose moments torch's state holds. Returns (master, moments) on the host."""
+        host = self._pinned(master.shape)
+        host.copy_(master)
+        grad = self._pinned(master.shape)
+        staging = host if landing.dtype == torch.float32 else self._pinned(master.shape,
+                                                                           landing.dtype)
+        moments = (torch.zeros_like(host), torch.zeros_like(host)) if sharded else (None, None)
+        pairs = []
+        for lo, hi, group in runs:
+            view = host[lo:hi] if sharded else host
+            self.groups[group].append(view)
+            pairs.append((view, grad[lo:hi] if sharded else grad))
+            if sharded:
+                self.moments[view] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": moments[0][lo:hi],
+                                      "exp_avg_sq": moments[1][lo:hi]}
+        self.grads.append((grad, pairs))
+        self.units.append((host, staging, landing))
+        self.ids.update(id(t) for t in (host, *moments) if t is not None)
+        return (host, *moments)
+
+    def build(self, state=None) -> None:
+        """The CPU AdamW over every unit added; ``state``: a torch optimizer's state to share
+        (ZeRO 0: its files keep one state for all parameters)."""
+        cfg = self.cfg
+        groups = [{"params": ps, "weight_decay": wd} for ps, wd in
+                  zip(self.groups, (cfg.weight_decay, 0.0)) if ps]
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                     eps=cfg.adam_eps, fused=True)
+        if state is not None:
+            self.opt.state = state
+        self.opt.state.update(self.moments)
+
+    def set_step(self, step: int) -> None:
+        for st in self.moments.values():
+            st["step"].fill_(step)
+
+    def _on_side(self):
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    @torch.no_grad()
+    def download(self, grads: List[Optional[torch.Tensor]], found_inf: torch.Tensor,
+                 lr) -> None:
+        """Queue the device gradients of the units (in order; None: a parameter without one,
+        which the step leaves alone as torch's does), the skip flag and the lr to the host."""
+        with self._on_side():
+            self.present = [g is not None for g in grads]
+            for (buf, _), g in zip(self.grads, grads):
+                if g is not None:
+                    if self.stream is not None:
+                        g.record_stream(self.stream)  # (a 16-bit gradient's fp32 copy is new)
+                    buf.copy_(g.reshape(buf.shape), non_blocking=True)
+            self.flag.copy_(found_inf, non_blocking=True)
+            lr_now = lr if torch.is_tensor(lr) else torch.full((), lr, dtype=torch.float64)
+            self.lr.copy_(lr_now, non_blocking=True)
+            if self.done is not None:
+                self.done.record(self.stream)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()  # the gradients are on the host (a wait, not a read)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+        for (_, pairs), present in zip(self.grads, self.present):
+            for view, grad in pairs:  # (set here: ZeRO 0's device step sees the same masters)
+                view.grad = grad if present else None
+        self.opt.found_inf = self.flag  # read by the fused kernel, on the host
+        self.opt.step()
+        for _, pairs in self.grads:
+            for view, _ in pairs:
+                view.grad = None
+
+    @torch.no_grad()
+    def upload(self) -> None:
+        """Queue the host masters into the device landings (rounded on the host for 16-bit
+        landings: half the bytes); the device's next work waits for them."""
+        with self._on_side():
+            for host, staging, landing in self.units:
+                if staging is not host:
+                    staging.copy_(host)
+                landing.copy_(staging.view_as(landing), non_blocking=True)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        """Host masters <- device landings (after model weights were loaded without state)."""
+        for host, _, landing in self.units:
+            host.copy_(landing.reshape(host.shape))
