@@ -149,8 +149,7 @@ def verdict(recs: list) -> str:
     if not recs:
         return "no collective records"
     cutoff = min(r["written_at"] for r in recs)
-    for r in recs:
-        r["entries"] = [e for e in r["entries"] if e["issued_at"] <= cutoff]
+    recs = [dict(r, entries=[e for e in r["entries"] if e["issued_at"] <= cutoff]) for r in recs]
     found = _mismatch(recs)
     if found:
         return found

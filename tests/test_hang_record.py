@@ -149,7 +149,7 @@ def test_verdict_by_hand():
     late["issued_at"] = 150.0  # after the first rank gave up: left out
     recs = [_rec(r, [_entry(6), _entry(7, label="layer 2 forward", done=False)]) for r in (0, 2)]
     recs.append(_rec(1, [_entry(6), late], written_at=160.0))
-    assert R.verdict([dict(r) for r in recs]) == (
+    assert R.verdict(recs) == (
         "ranks 0,2 wait in tp_all_reduce #7 (layer 2 forward); rank 1 last completed "
         "tp_all_reduce #6 (layer 1 forward) and issued nothing since; rank 3 wrote no record "
         "(killed, or stuck where no signal reached it); the last collective it joined: "

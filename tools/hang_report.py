@@ -30,7 +30,7 @@ def main(argv=None) -> int:
         return 2
     try:
         recs = collective_record.read(args.dir)
-        line = collective_record.verdict([dict(r) for r in recs]) if recs else ""
+        line = collective_record.verdict(recs) if recs else ""
     except (ValueError, KeyError, TypeError, IndexError) as e:  # a damaged or foreign file
         print(f"hang_report.py: error: a rank_<r>.json in {args.dir} is not a collective record "
               f"({type(e).__name__}: {e})", file=sys.stderr)
