@@ -135,7 +135,8 @@ def _stage_loss_worker(rank, world, ckpt_dir, ids):
     tokens, labels = ids[:, :-1], ids[:, 1:]
     mask = torch.ones_like(labels, dtype=torch.float32)
     # one sequence per micro-batch: 1F1B needs at least pp micro-batches
-    batch = [(tokens[i:i + 1], labels[i:i + 1], mask[i:i + 1], None) for i in range(len(ids))]
+    batch = [(tokens[i:i + 1], labels[i:i + 1], mask[i:i + 1], None, None)
+             for i in range(len(ids))]
     fb = get_forward_backward_func(ps.pp_size, None)
     with torch.no_grad():
         stats = fb(forward_step_func=partial(_forward_step, mask.sum()),
