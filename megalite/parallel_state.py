@@ -80,6 +80,13 @@ class ParallelState:
     cp_ranks: List[int] = field(default_factory=lambda: [0])
     cp_dp_ranks: List[int] = field(default_factory=lambda: [0])
     embedding_ranks: List[int] = field(default_factory=lambda: [0])
+    # HSDP (--num-distributed-optimizer-instances): DP x CP cut into instances of consecutive
+    # ranks; the ZeRO state is sharded inside one (shard group), replicated across (replicate).
+    instances: int = 1
+    shard_group: Optional[dist.ProcessGroup] = None
+    shard_ranks: List[int] = field(default_factory=lambda: [0])
+    replicate_group: Optional[dist.ProcessGroup] = None
+    replicate_ranks: List[int] = field(default_factory=lambda: [0])
     # The expert grid (MoE): ETP x EP x EDP over each stage's ranks; groups of one are None.
     ep_size: int = 1
     ep_rank: int = 0
@@ -136,6 +143,19 @@ class ParallelState:
     def dp_cp_size(self) -> int:
         return self.dp_size * self.cp_size
 
+    # The ZeRO shards' group: DP x CP, or one instance of it under HSDP.
+    @property
+    def zero_group(self) -> Optional[dist.ProcessGroup]:
+        return self.shard_group if self.instances > 1 else self.dp_cp_group
+
+    @property
+    def zero_size(self) -> int:
+        return self.dp_cp_size // self.instances
+
+    @property
+    def zero_rank(self) -> int:
+        return self.dp_cp_rank % self.zero_size
+
     def describe(self) -> str:
         cp = f"cp {self.cp_rank}/{self.cp_size} " if self.cp_size > 1 else ""
         expert = (f" | etp {self.etp_rank}/{self.etp_size} ep {self.ep_rank}/{self.ep_size} "
@@ -176,6 +196,25 @@ def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1):
     return dp, groups("t"), groups("d"), groups("p"), groups("pt"), groups("c"), groups("dc")
 
 
+def instance_groups(dp_cp_groups: List[List[int]], dp: int, instances: int, span: int,
+                    node_size: Optional[int]):
+    """HSDP's (shard groups, replicate groups) (pure function): each DP x CP group cut into
+    ``instances`` runs of consecutive ranks, and the ranks of one shard index across them. An
+    instance covers ``span`` consecutive ranks (TP peers included): whole nodes, or inside one."""
+    flag = f"--num-distributed-optimizer-instances {instances}"
+    if dp % instances:
+        raise ConfigError(f"{flag} must divide the data-parallel size ({dp}): an instance holds "
+                          f"DP/R whole data-parallel ranks")
+    if node_size and span % node_size and node_size % span:
+        raise ConfigError(f"{flag}: an instance spans {span} ranks (TP x CP x DP/R), which "
+                          f"straddles the nodes of {node_size} ranks (LOCAL_WORLD_SIZE); choose "
+                          f"R so that an instance is whole nodes or fits in one")
+    size = len(dp_cp_groups[0]) // instances
+    shard = [g[i:i + size] for g in dp_cp_groups for i in range(0, len(g), size)]
+    replicate = [g[j::size] for g in dp_cp_groups for j in range(size)]
+    return shard, replicate
+
+
 def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
     """The expert grid over the same ranks (pure function): expert-tensor (ETP, fastest) ->
     expert (EP) -> expert-data (EDP) -> pp. Returns (edp, etp_groups, ep_groups, edp_groups,
@@ -193,6 +232,7 @@ def initialize_model_parallel(
     cp_comm_type: str = "p2p",
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
+    distributed_optimizer_instances: int = 1,
     backend: Optional[str] = None,
     device: Optional[str] = None,
     timeout_minutes: float = 10.0,
@@ -213,6 +253,10 @@ def initialize_model_parallel(
     cp = context_parallel_size
     dp, tp_groups, dp_groups, pp_groups, mp_groups, cp_groups, dp_cp_groups = rank_grid(
         world_size, tp, pp, cp)
+    instances = distributed_optimizer_instances
+    shard_groups, replicate_groups = instance_groups(
+        dp_cp_groups, dp, instances, world_size // (pp * instances),
+        int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
     ep, etp = expert_model_parallel_size, expert_tensor_parallel_size or tp
     edp, etp_groups, ep_groups, edp_groups, _ = expert_rank_grid(world_size, etp, ep, pp)
 
@@ -245,7 +289,7 @@ def initialize_model_parallel(
 
     state = ParallelState(rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
                           cp_size=cp, cp_comm_type=cp_comm_type, device=dev, backend=backend,
-                          ep_size=ep, etp_size=etp, edp_size=edp)
+                          ep_size=ep, etp_size=etp, edp_size=edp, instances=instances)
 
     # Every rank must create every group, in the same order (a torch.distributed rule). An expert
     # group with the ranks of a group made before (ETP = TP, and EDP = DP x CP by default; ETP x
@@ -270,6 +314,9 @@ def initialize_model_parallel(
     make(cp_groups, "cp_group", "cp_ranks")
     if cp > 1:  # (at cp 1 the same ranks as dp: one group, not two communicators)
         make(dp_cp_groups, "cp_dp_group", "cp_dp_ranks")
+    if instances > 1:
+        make(shard_groups, "shard_group", "shard_ranks")
+        make(replicate_groups, "replicate_group", "replicate_ranks")
     # Embedding group: first and last stage of each pipeline (tied input/output embeddings).
     embedding_groups = [sorted({g[0], g[-1]}) for g in pp_groups]
     make(embedding_groups, "embedding_group", "embedding_ranks")

@@ -67,7 +67,7 @@ def _load_dp_sharded_optimizer_state(it_dir: str, optimizer, ps, what: str) -> d
     ZeRO stage, EP size), every DP rank's file merged into the unsharded state, which the
     optimizer re-splits (docs/data_parallel.md, "resharding")."""
     shard = os.path.join(it_dir, shard_dir_name(ps.tp_rank, ps.pp_rank))
-    own = os.path.join(shard, distrib_optim_name(ps.dp_cp_rank))
+    own = os.path.join(shard, distrib_optim_name(ps.zero_rank))
     if os.path.exists(own):
         sd = load_file(own, what, mmap=True)  # read whole only if it fits (load_state_dict copies)
         if optimizer.shard_fits(sd):

@@ -331,7 +331,7 @@ def load_resharded(load_dir: str, iteration: int, cfg: MegaliteConfig, ps, with_
     optim = (src.optim_for(cfg.optimizer.zero_stage, "pass --no-load-optim or --finetune")
              if with_optim else None)
     # DP 1's one shard holds every parameter of the rank: merged, it is the unsharded state
-    dp, d = (1, 0) if experts_apart else (ps.dp_cp_size, ps.dp_cp_rank)
+    dp, d = (1, 0) if experts_apart else (ps.zero_size, ps.zero_rank)
     (files,) = assemble_stage(cfg, Layout.of_config(cfg), ps.pp_rank, src.iteration,
                               src.read_group, tp_ranks=[ps.tp_rank], dp_ranks=[d],
                               consumed=src.consumed_samples, optim=optim, common=src.optim_common,

@@ -106,8 +106,8 @@ def _plan_save(save_dir: str, iteration: int, model_chunks, optimizer, scheduler
             if not per_dp:
                 state["optimizer"] = with_full_experts(optimizer.state_dict(), experts)
         files.append((os.path.join(shard, MODEL_FILE), state))
-    if save_optim and per_dp:
-        files.append((os.path.join(shard, distrib_optim_name(ps.dp_cp_rank)),
+    if save_optim and per_dp and ps.dp_cp_rank < ps.zero_size:  # HSDP: instance 0's, as DP/R's
+        files.append((os.path.join(shard, distrib_optim_name(ps.zero_rank)),
                       optimizer.state_dict()))
     if record is not None and ps.rank == 0:
         files.append((os.path.join(tmp, RECORD_FILE), record))
@@ -148,9 +148,9 @@ def snapshot_share_bytes(cfg: MegaliteConfig, ps) -> int:
     """Host bytes of one snapshot of this rank's share (docs/checkpoints.md, "Memory" of
     "Asynchronous saves")."""
     psi = cfg.model.num_parameters() / (ps.tp_size * ps.pp_size)
-    st = theoretical_model_state_bytes(int(psi), ps.dp_cp_size, cfg.optimizer.zero_stage,
+    st = theoretical_model_state_bytes(int(psi), ps.zero_size, cfg.optimizer.zero_stage,
                                        cfg.model.params_dtype)
-    weights = st["params_bytes"] * (ps.dp_cp_size if cfg.optimizer.zero_stage >= 3 else 1)
+    weights = st["params_bytes"] * (ps.zero_size if cfg.optimizer.zero_stage >= 3 else 1)
     optim = 0 if cfg.checkpoint.no_save_optim else (st["master_params_bytes"]
                                                     + st["optimizer_states_bytes"])
     return int(weights + optim)

@@ -42,7 +42,10 @@ class DistributedDataParallel(nn.Module):
         self.zero_stage = config.zero_stage  # 0-2 (stage 3 is megalite/distributed/zero3.py)
         size = bucket_size if bucket_size is not None else config.ddp_bucket_size
         self.bucket_size = size if size is not None else DEFAULT_BUCKET_SIZE
-        self.dp_group = parallel_state.dp_cp_group  # CP ranks hold the same parameters
+        # CP ranks hold the same parameters; under HSDP the buckets are sharded inside an
+        # instance, and each shard summed across the instances (finish_grad_sync)
+        self.dp_group = parallel_state.zero_group
+        self.replicate_group = parallel_state.replicate_group
         self.dp_size = C.group_size(self.dp_group)
         self.overlap_grad_reduce = config.overlap_grad_reduce
         self.overlap_param_gather = config.overlap_param_gather
@@ -210,6 +213,7 @@ class DistributedDataParallel(nn.Module):
         if self._synced:
             return
         self.start_grad_sync()
+        across = []  # HSDP: a bucket's shard crosses the instances while the next one finishes
         for buf in self.grad_buffers:
             for b in buf.buckets:
                 if buf.zero_stage == 2:
@@ -219,6 +223,11 @@ class DistributedDataParallel(nn.Module):
                     b.grad_handle = None
                 b.launched = False
                 b.ready.clear()
+                across.append(C.all_reduce(buf.grad_shard(b), group=self.replicate_group,
+                                           async_op=True, tag="dp_replicate"))
+        for work in across:
+            if work is not None:
+                work.wait()
         self._synced = True
 
     def zero_grad_buffer(self) -> None:

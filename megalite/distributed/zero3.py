@@ -64,9 +64,10 @@ class ShardedUnit:
         self.shapes = [p.shape for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.numel = sum(self.numels)
-        # over DP x CP; an expert unit over the expert-data-parallel group (docs/zero3.md)
+        # over DP x CP (HSDP: one instance of it); an expert unit over the expert-data-parallel
+        # group (docs/zero3.md)
         self.expert = expert
-        self.dp_group = ps.edp_group if expert else ps.dp_cp_group
+        self.dp_group = ps.edp_group if expert else ps.zero_group
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
         # equal shards for all-gather/reduce-scatter; the zero padding stays zero under AdamW
@@ -241,7 +242,7 @@ class Zero3Model(nn.Module):
         self.module = model
         self.ps = ps
         self.zero_stage = 3
-        self.dp_size = C.group_size(ps.dp_cp_group)
+        self.dp_size = C.group_size(ps.zero_group)
         # --zero3-prefetch-depth (docs/zero3.md, "Prefetching and overlap"); 0: all blocking
         self.prefetch_depth = int(opt_cfg.zero3_prefetch_depth)
         self.overlap = self.prefetch_depth > 0
@@ -473,6 +474,12 @@ class Zero3Model(nn.Module):
         if self._grads_finalized:
             return
         self._complete_reduce_scatters()
+        # HSDP: each shard summed across the instances once a step, after the last micro-batch
+        across = [C.all_reduce(u.grad, group=self.ps.replicate_group, async_op=True,
+                               tag="dp_replicate") for u in self.units]
+        for work in across:
+            if work is not None:
+                work.wait()
         pieces = [u.grad[s.start:s.end] for u in self.units for s in u.segments
                   if param_meta(u.params[s.param_index]).grad_partial_over_tp]
         all_reduce_coalesced(pieces, self.ps.tp_group, "tp_sp_grad_all_reduce")

@@ -55,7 +55,8 @@ def grad_norm_squared(counted: Sequence[torch.Tensor], ps, dp_sharded: bool = Fa
     (``split_counted``), with ``dp_sharded`` this rank's shards of them over the EDP group."""
     sq = _sum_of_squares(counted, ps.device)
     if dp_sharded:
-        C.all_reduce(sq, group=ps.dp_cp_group, tag="grad_norm_all_reduce")  # ZeRO: DP x CP
+        # ZeRO: DP x CP (HSDP: one instance, whose shards every instance holds alike)
+        C.all_reduce(sq, group=ps.zero_group, tag="grad_norm_all_reduce")
     if ps.experts_apart:
         e = _sum_of_squares(expert, ps.device)
         if dp_sharded:

@@ -71,8 +71,9 @@ class DistributedOptimizer(ShardedAdamW):
         self._init_shared(config, ps, next(chunks[0].parameters()).dtype)
         self.chunks = chunks
         self.zero_stage = config.zero_stage
-        # the file is named by this rank of DP x CP (the expert buffers: their own dp_group)
-        self.dp_group = ps.dp_cp_group
+        # the file is named by this rank of DP x CP, of one instance under HSDP (the expert
+        # buffers: their own dp_group)
+        self.dp_group = ps.zero_group
         self.dp_size = C.group_size(self.dp_group)
         self.dp_rank = C.group_rank(self.dp_group)
         names: Dict[str, nn.Parameter] = {}

@@ -52,8 +52,8 @@ class Zero3Optimizer(ShardedAdamW):
                            list(u.shapes[s.param_index])] for s in u.segments]
                          for u in self.units]
         self.zero_stage = 3
-        self.dp_size = C.group_size(ps.dp_cp_group)  # the file's rank (experts: per unit)
-        self.dp_rank = C.group_rank(ps.dp_cp_group)
+        self.dp_size = C.group_size(ps.zero_group)  # the file's rank (experts: per unit)
+        self.dp_rank = C.group_rank(ps.zero_group)
         for i in self._offload([u.shard for u in self.units]):
             self.units[i].main = self.units[i].shard  # the fp32 master lives on the host
 

@@ -1,0 +1,109 @@
+"""HSDP (--num-distributed-optimizer-instances R, docs/data_parallel.md): the ZeRO state sharded
+inside each of R instances of DP/R ranks and replicated across them equals one process, sends
+only each rank's shard across the instances, and its checkpoints load at another R and stage.
+
+All the pretrain.py runs of one world size share one spawn (tests/pretrain_utils.pretrain_cases,
+strict mode); TP2 x DP2 R2 stands for TP2 x DP4 R2, whose 8 ranks are too many for the suite's
+two cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import test_zero3 as z3
+from dist_utils import run_distributed
+from pretrain_utils import assert_same_run, flags, pretrain_cases, read_metrics, run_main
+from test_zero import BUCKET, assert_params_close, opt_config, parity_config, reference_run, train
+
+from megalite import collectives as C
+from megalite.arguments import parse_args
+from megalite.config import ConfigError
+from megalite.parallel_state import initialize_model_parallel, instance_groups
+
+ITERS = 4
+
+
+def _flags(stage: int, metrics, *extra, r: int = 2, **kw):
+    return flags("--zero-stage", stage, "--num-distributed-optimizer-instances", r,
+                 "--overlap-grad-reduce", "--ddp-bucket-size", "4000", *extra,
+                 train_iters=ITERS, metrics_file=metrics, **kw)
+
+
+def _traffic_worker(rank, world_size):
+    """DP4 R2 at ZeRO 1 through the test loop of test_zero.py: the parameters equal one process's
+    and each step's bytes are the ring accounting of docs/data_parallel.md, "HSDP"."""
+    cfg = parity_config()
+    _, ref_params = reference_run(cfg, opt_config(), ITERS)
+    ps = initialize_model_parallel(1, 1, distributed_optimizer_instances=2, backend="gloo",
+                                   device="cpu", set_default=False)
+    assert (ps.zero_size, ps.shard_ranks, ps.replicate_ranks) == (
+        2, [rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2])
+    out = train(ps, cfg, opt_config(zero_stage=1, overlap_grad_reduce=True), ITERS,
+                bucket_size=BUCKET)
+    assert_params_close(out["params"], ref_params, 1e-5, "dp4 r2 zero1")
+    g = sum(b.numel for b in out["chunks"][0].buckets) * 4  # fp32 gradient bytes, padded
+    # ZeRO-3: the units' shards cross the instances once a step, after the last micro-batch
+    model, opt = z3._build(z3.tiny_config(), ps)
+    C.reset_bytes_sent()
+    z3._assert_parity(z3._train(model, opt, ps, 2), z3._reference(z3.tiny_config(), 2),
+                      "dp4 r2 zero3", 1e-5)
+    sent, expect = C.bytes_sent(), model.expected_step_bytes(2)
+    assert {k: sent[k] for k in expect} == {k: 2 * v for k, v in expect.items()}
+    shards = sum(u.shard_size for u in model.units) * 4
+    assert sent["dp_replicate"] == 2 * shards and all(u.dp_size == 2 for u in model.units)
+    return out["bytes"][-1], g
+
+
+def test_hsdp_cross_instance_traffic_is_the_shard_all_reduce():
+    sent, g = run_distributed(_traffic_worker, 4)[0]
+    dp, r = 4, 2
+    # inside the instance: a reduce-scatter over DP/R; across: the all-reduce of the G/(DP/R) shard
+    assert sent["dp_grad_reduce_scatter"] == (dp // r - 1) * g // (dp // r)
+    assert sent["dp_replicate"] == 2 * (r - 1) * g // (r * (dp // r)) == g // 2
+    assert sent["dp_replicate"] < 3 * g // 4  # a flat reduce-scatter over DP4 sends 3G/4
+
+
+def test_hsdp_equals_one_process_and_its_checkpoints_load_at_other_r_and_stage(tmp_path):
+    ref = tmp_path / "ref.jsonl"
+    assert run_main(flags(train_iters=ITERS, metrics_file=ref)) == 0
+    ck = tmp_path / "ck"
+    runs = {f"dp4 r2 zero{s}": _flags(s, tmp_path / f"z{s}.jsonl", "--overlap-param-gather")
+            for s in (1, 2)}
+    runs["dp4 r2 zero3"] = _flags(3, tmp_path / "z3.jsonl")
+    runs["tp2 dp2 r2 zero1"] = _flags(1, tmp_path / "tp.jsonl", "--sequence-parallel",
+                                      tensor_model_parallel_size=2)
+    runs["pp2 dp2 r2 zero1"] = _flags(1, tmp_path / "pp.jsonl", pipeline_model_parallel_size=2)
+    runs["save"] = _flags(1, tmp_path / "save.jsonl", save=ck, exit_interval=2)
+    runs["resume r1 zero1"] = _flags(1, tmp_path / "r1.jsonl", r=1, load=ck)
+    runs["resume r2 zero3"] = _flags(3, tmp_path / "r2z3.jsonl", load=ck)
+    assert all(run_distributed(pretrain_cases, 4, list(runs.values()), timeout=400))
+    want = read_metrics(ref)
+    for name, argv in runs.items():
+        got = read_metrics(argv[argv.index("--metrics-file") + 1])
+        if name.startswith("resume"):  # iterations 3 and 4, after the save at 2
+            assert [r["iteration"] for r in got] == [3, 4], name
+            got = want[:2] + got
+        assert_same_run(want, got[:ITERS] if name != "save" else got + want[2:], ITERS,
+                        name=name)
+    # instance 0's shards, written as a DP/R = 2 run writes them: two files, no trace of R
+    shard = ck / "iter_0000002" / "mp_rank_00_000"
+    assert sorted(p.name for p in shard.iterdir() if p.name.startswith("distrib")) == [
+        "distrib_optim_dp000.pt", "distrib_optim_dp001.pt"]
+    assert torch.load(shard / "distrib_optim_dp000.pt", weights_only=False)["dp_size"] == 2
+
+
+def test_hsdp_bad_input_is_one_line():
+    with pytest.raises(ConfigError, match="needs --zero-stage 1, 2 or 3"):
+        parse_args(flags("--num-distributed-optimizer-instances", "2"))
+    with pytest.raises(ConfigError, match="with --num-experts"):
+        parse_args(flags("--num-distributed-optimizer-instances", "2", "--zero-stage", "1",
+                         "--num-experts", "4"))
+    dp_cp = [[0, 1, 2, 3, 4, 5]]
+    with pytest.raises(ConfigError, match=r"instances 4 must divide the data-parallel size \(6"):
+        instance_groups(dp_cp, 6, 4, 1, None)
+    with pytest.raises(ConfigError, match="straddles the nodes of 4 ranks"):
+        instance_groups(dp_cp, 6, 2, 3, 4)  # instances of 3 ranks on nodes of 4
+    shard, replicate = instance_groups(dp_cp, 6, 3, 2, 8)
+    assert shard == [[0, 1], [2, 3], [4, 5]] and replicate == [[0, 2, 4], [1, 3, 5]]
