@@ -65,10 +65,13 @@ def test_a_perturbed_model_file_is_refused_at_zero0(tmp_path):
     """TP 2, ZeRO 0: a clean resume passes; one tensor of the model file scaled by 1 + 1e-3 is
     refused naming it (an fp32 model's weights are its masters); --no-verify-load loads it."""
     ck = tmp_path / "ck"
-    tp2 = ("--tensor-model-parallel-size", 2)
+    tp2 = ("--tensor-model-parallel-size", 2, "--max-position-embeddings", 16)
     proc = run_cli(flags(*tp2, train_iters=3, exit_interval=2, save=ck), 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(flags(*tp2, train_iters=3, load=ck), 2)
+    assert proc.returncode == 0 and "verified the load" in proc.stdout, proc.stderr[-3000:]
+    # another sequence length makes another probe: the norms are still compared, the loss not
+    proc = run_cli(flags(*tp2, "--seq-length", 8, train_iters=3, load=ck), 2)
     assert proc.returncode == 0 and "verified the load" in proc.stdout, proc.stderr[-3000:]
     # the offline resharder carries the record as it is (test_reshard_load.py loads such copies)
     reshard(str(ck), str(tmp_path / "tp1"), Layout(1, 1))
