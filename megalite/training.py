@@ -659,6 +659,7 @@ def pretrain(cfg: MegaliteConfig, ps: Optional[ParallelState] = None, stream=Non
             context_parallel_size=par.context_parallel_size, cp_comm_type=par.cp_comm_type,
             expert_model_parallel_size=par.expert_model_parallel_size,
             expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+            distributed_optimizer_instances=cfg.optimizer.num_distributed_optimizer_instances,
             backend=par.distributed_backend, device=par.device,
             timeout_minutes=par.distributed_timeout_minutes)
     t_start = time.time()

@@ -39,6 +39,8 @@ def _counted_state(model_chunks, optimizer, ps):
     """(name, kind, tensor) of the optimizer state this rank counts, so that the world counts
     each element once: the gradient norm's rule (clip_grads), plus DP rank 0 of replicas."""
     if getattr(optimizer, "sharded_state_dict_per_dp_rank", False):  # ZeRO: disjoint over DP
+        if ps.dp_cp_rank >= ps.zero_size:  # HSDP: instance 0's shards (the others are copies)
+            return
         for i, segments in enumerate(optimizer.segments):
             runs = {tuple(r) for r in (*optimizer.norm_runs[i], *optimizer.expert_norm_runs[i])}
             state = (optimizer.masters[i], optimizer.exp_avg[i], optimizer.exp_avg_sq[i])
