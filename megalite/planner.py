@@ -339,7 +339,7 @@ def layer_activation_bytes(m: Model, b: int, t: int, sp: bool, recompute: str = 
 
 def linear_attention_bytes(m: Model, b: int, t: int) -> float:
     """Bytes a Gated DeltaNet mixer keeps for backward per micro-batch on one of t TP ranks, as
-    models/linear_attention.py saves them (docs/planner.md, "Linear attention"): its conv's
+    models/linear_attention.py saves them (docs/theory.md, "Linear attention"): its conv's
     input, output and SiLU in the activations' dtype; in fp32 the rule's 5 c x c matrices and
     6 k-wide, 3 v-wide and 4 scalar channels per value head and padded token, a state per chunk,
     and per token the q/k norms, gates and the output norm's 6 v-wide copies."""
