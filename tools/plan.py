@@ -73,7 +73,8 @@ _PINNED = layout_flags()
 # the planner's own inputs (no pretrain.py flag) added since tests/fixtures/cli/flags_before.json
 PLANNER_ONLY_FLAGS = ("--moe-imbalance-factor", "--activation-model",
                       "--account-for-embedding-in-pipeline-split",
-                      "--account-for-loss-in-pipeline-split", "--precision")
+                      "--account-for-loss-in-pipeline-split", "--precision",
+                      "--mean-document-length")
 
 
 def short(lay: Layout) -> str:
