@@ -8,6 +8,7 @@ the context-parallel block kernels, and the summary. Each subcommand writes one 
     python benchmarks/gpu_check.py doc_attention --device cuda --result doc_attention.json
     python benchmarks/gpu_check.py linear_attention --device cuda --result linear_attention.json
     python benchmarks/gpu_check.py syncs --device cuda --result syncs.json
+    python benchmarks/gpu_check.py offload --device cuda --result offload.json
     python benchmarks/gpu_check.py summarize --work DIR --out DIR
 """
 
@@ -467,6 +468,61 @@ def cmd_syncs(args):
     return 0 if res["pass"] else 1
 
 
+# --------------------------------------------------------------------------------------- offload
+def _offload_run(device, offload: bool, iters: int = 3):
+    """Device bytes held after the steps (model states) and the peak, a bf16 model at ZeRO 0,
+    with or without --optimizer-cpu-offload (docs/offload.md); and the last step's weights."""
+    from megalite.config import OptimizerConfig
+    from megalite.distributed.ddp import wrap_chunks
+    from megalite.models import GPTModel
+    from megalite.optimizer import build_optimizer
+    from megalite.parallel_state import ParallelState
+
+    ps = ParallelState(device=torch.device(device))
+    cfg = _model_config("llama", "bfloat16")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    opt_cfg = OptimizerConfig(optimizer_cpu_offload=offload).validate()
+    model = GPTModel(cfg, ps, seed=1, device=torch.device(device))
+    chunks, _, _ = wrap_chunks([model], opt_cfg, ps)
+    opt = build_optimizer(chunks, opt_cfg, ps)
+    g = torch.Generator().manual_seed(0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        ids = torch.randint(0, cfg.vocab_size, (2, 129), generator=g).to(device)
+        opt.zero_grad()
+        chunks[0](ids[:, :-1], labels=ids[:, 1:]).float().mean().backward()
+        chunks[0].finish_grad_sync()
+        opt.step()
+    torch.cuda.synchronize()
+    return {"held_bytes": torch.cuda.memory_allocated() - base,
+            "peak_bytes": torch.cuda.max_memory_allocated() - base,
+            "step_s": (time.perf_counter() - start) / iters,
+            "elements": sum(p.numel() for p in opt.model_params)}, \
+        torch.cat([p.detach().float().reshape(-1).cpu() for p in opt.model_params])
+
+
+def cmd_offload(args):
+    """Device memory with and without --optimizer-cpu-offload (f = 1, ZeRO 0, bf16): the Adam
+    moments (8 bytes per parameter) leave the device, the weights stay as without it. Pass: the
+    held bytes drop by at least 90% of 8 bytes per parameter and the weights agree (bf16, 1e-2).
+    Without CUDA: NOT_RUN."""
+    if torch.device(args.device).type != "cuda" or not torch.cuda.is_available():
+        _write(args.result, {"ran": False, "pass": False, "device": args.device,
+                             "reason": "no CUDA device: offload's device memory not measured"})
+        return NOT_RUN
+    (off, w_off), (on, w_on) = (_offload_run(args.device, o) for o in (False, True))
+    saved = off["held_bytes"] - on["held_bytes"]
+    diff = ((w_on - w_off).abs().max() / w_off.abs().max()).item()
+    res = {"ran": True, "device": torch.cuda.get_device_name(0), "without": off, "with": on,
+           "saved_bytes": saved, "expected_bytes": 8 * off["elements"], "weights_rel": diff,
+           "pass": saved >= 0.9 * 8 * off["elements"] and diff <= 1e-2}
+    _write(args.result, res)
+    return 0 if res["pass"] else 1
+
+
 # ------------------------------------------------------------------------------------- summarize
 def _train_stats(path):
     recs = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -594,6 +650,9 @@ def main(argv=None):
     y = sub.add_parser("syncs")
     y.add_argument("--device", default="cuda")
     y.add_argument("--result", required=True)
+    o = sub.add_parser("offload")
+    o.add_argument("--device", default="cuda")
+    o.add_argument("--result", required=True)
     s = sub.add_parser("summarize")
     s.add_argument("--work", required=True)
     s.add_argument("--out", required=True)
@@ -601,7 +660,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     return {"env": cmd_env, "correctness": cmd_correctness, "cp_blocks": cmd_cp_blocks,
             "doc_attention": cmd_doc_attention, "linear_attention": cmd_linear_attention,
-            "syncs": cmd_syncs,
+            "syncs": cmd_syncs, "offload": cmd_offload,
             "summarize": cmd_summarize}[args.cmd](args)
 
 

@@ -43,6 +43,10 @@ GROUPED_GEMM_EFFICIENCY = 1.0  # grouped expert GEMMs against a dense GEMM of th
 # exposed host seconds per per-expert kernel of a dropless MoE layer at EP > 1 (the layer reads
 # its split sizes on the host, so the host cannot run ahead); fitted on the MoE fit set only
 MOE_EXPERT_KERNEL_HOST_S = 54e-6
+# --optimizer-cpu-offload (docs/offload.md): host-device copies (PCIe 4.0 x16, per direction,
+# as measured of pinned copies) and torch's fused CPU AdamW (elements per second, one socket)
+PCIE_BANDWIDTH_GBPS = 25.0
+HOST_ADAMW_ELEMENTS_PER_S = 1e9
 
 
 @dataclass
@@ -78,6 +82,7 @@ class Layout:
     # the folded expert grid of an MoE model (docs/moe.md): EP x ETP of each stage's ranks
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
+    optimizer_offload_fraction: float = 0.0  # --optimizer-cpu-offload's fraction (0: off)
 
     def files(self) -> FileLayout:
         """The file cut this plan's checkpoints have: the loader's and the resharder's type."""
@@ -512,10 +517,16 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
             unit = max(unit, (m.moe_layer_params()["common"] / t + m.moe_layer_params()["router"]
                               + psi_e / sum(moe)))
         act += max(unit, vt * h * (r in (0, p - 1))) * (E + 4) + unit * E
+    # offload: the moments and the 16-bit model's masters leave the device (ZeRO 0 keeps its
+    # masters, the host step's landing); the host holds fp32 masters, moments and gradients
+    f, local = lay.optimizer_offload_fraction, st["optimizer_states_bytes"] / 8
+    moved = f * (st["optimizer_states_bytes"] + st["master_params_bytes"] * (lay.zero_stage > 0))
     out = {"params": st["params_bytes"], "grads": grads,
-           "optimizer": st["master_params_bytes"] + st["optimizer_states_bytes"],
+           "optimizer": st["master_params_bytes"] + st["optimizer_states_bytes"] - moved,
            "activations": act + max(work)}
     out["total"] = sum(out.values())
+    if f:  # (ZeRO 1-3: a staging copy in the 16-bit model's dtype, the weights go up rounded)
+        out["host_offload"] = f * local * (16 + E * (E < 4) * (lay.zero_stage > 0))
     return out
 
 
@@ -722,11 +733,18 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     # optimizer step: one read and one write of this GPU's model states
     compute += 2 * sum(theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] for n, size in groups) / hbm
-    total = compute + tp + bubble + dp + cp + ep
+    # offload: the gradients down in fp32 and the weights up in the model's dtype (ZeRO 0: into
+    # its fp32 masters), and the host's AdamW, exposed (the next forward needs the weights)
+    local = sum(n / (size if lay.zero_stage else 1) for n, size in groups)
+    offload = lay.optimizer_offload_fraction * local * (
+        (4 + (E if lay.zero_stage else 4)) / (PCIE_BANDWIDTH_GBPS * 1e9)
+        + 1 / HOST_ADAMW_ELEMENTS_PER_S)
+    total = compute + tp + bubble + dp + cp + ep + offload
     extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / cfg.num_layers * sum(
         recomputed(lay, x) for rank in chunks for x in rank)
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
-            "cp_comm_s": cp, "ep_comm_s": ep, "step_time_s": total, "num_micro": num_micro,
+            "cp_comm_s": cp, "ep_comm_s": ep, "offload_s": offload, "step_time_s": total,
+            "num_micro": num_micro,
             "tflops_per_gpu": (fl["total"] + extra) * gbs / cl.num_gpus / total / 1e12,
             "mfu": fl["total"] * gbs / cl.num_gpus / total / (gpu.peak_tflops * 1e12)}
 
@@ -745,7 +763,8 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int,
                  tr.pipeline_schedule or default_schedule(v), c, par.cp_comm_type,
                  ex.recompute_method, ex.recompute_num_layers,
                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers,
-                 par.expert_model_parallel_size, par.expert_tp_size if moe else 1)
+                 par.expert_model_parallel_size, par.expert_tp_size if moe else 1,
+                 opt.optimizer_offload_fraction * opt.optimizer_cpu_offload)
     model = Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance,
                               moe_overlap=tr.overlap_moe_expert_parallel_comm)
     return memory(model, lay, tr.global_batch_size, stage)

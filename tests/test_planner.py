@@ -368,7 +368,7 @@ def test_json_schema_and_single_layout(capsys):
             "pipeline_schedule", "context_parallel_size", "cp_comm_type", "recompute_method",
             "recompute_num_layers", "decoder_first_pipeline_num_layers",
             "decoder_last_pipeline_num_layers", "expert_model_parallel_size",
-            "expert_tensor_parallel_size", "fits",
+            "expert_tensor_parallel_size", "optimizer_offload_fraction", "fits",
             "memory_gib", "step_time_s", "tflops_per_gpu", "mfu", "time_s"]
     times = []
     for lay in out["layouts"]:

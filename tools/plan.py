@@ -95,7 +95,8 @@ def short(lay: Layout) -> str:
             f"{f'x{v}' if v > 1 and lay.pipeline_schedule == 'interleaved' else ''}"
             f"{name.get(lay.pipeline_schedule, '')} DP{lay.data_parallel_size}{experts} "
             f"ZeRO{lay.zero_stage} mb{lay.micro_batch_size} "
-            f"recompute {lay.recompute_granularity}{partial}")
+            f"recompute {lay.recompute_granularity}{partial}"
+            f"{' optimizer offload' if lay.optimizer_offload_fraction else ''}")
 
 
 
@@ -194,9 +195,13 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
             lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp)
             if all(getattr(lay, k) == x for k, x in fixed.items()) \
                     and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
-                mem = memory(m, lay, gbs)
-                out.append(Plan(lay, mem, step_time(m, lay, cl, gbs),
-                                mem["total"] <= cl.gpu.memory_gib * GiB * USABLE_MEMORY_FRACTION))
+                usable, mem = cl.gpu.memory_gib * GiB * USABLE_MEMORY_FRACTION, memory(m, lay, gbs)
+                if mem["total"] > usable and "optimizer_offload_fraction" not in fixed:
+                    # too big: proposed with the optimizer state on the host (docs/offload.md)
+                    off = dataclasses.replace(lay, optimizer_offload_fraction=1.0)
+                    if memory(m, off, gbs)["total"] <= usable:
+                        lay, mem = off, memory(m, off, gbs)
+                out.append(Plan(lay, mem, step_time(m, lay, cl, gbs), mem["total"] <= usable))
     rank = {"none": 0, "selective": 1, "full": 2}
     out.sort(key=lambda pl: (not pl.fits, round(math.log(pl.time["step_time_s"]) / 1e-3)
                              if pl.fits else pl.memory["total"], pl.layout.zero_stage,
@@ -215,7 +220,8 @@ def as_json(pl: Plan) -> dict:
         step_time_s=round(pl.time["step_time_s"], 4),
         tflops_per_gpu=round(pl.time["tflops_per_gpu"], 1), mfu=round(pl.time["mfu"], 4),
         time_s={k: round(pl.time[k], 4) for k in ("compute_s", "tp_comm_s", "bubble_s",
-                                                   "dp_comm_s", "cp_comm_s", "ep_comm_s")})
+                                                   "dp_comm_s", "cp_comm_s", "ep_comm_s",
+                                                   "offload_s")})
     return out
 
 

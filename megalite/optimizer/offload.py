@@ -7,7 +7,7 @@ stream (pinned buffers and events on CUDA; on CPU the same copies, host to host)
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
@@ -35,14 +35,12 @@ class HostAdamW:
         self.cfg, self.device = cfg, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.done = torch.cuda.Event() if self.stream is not None else None
-        self.groups: Tuple[list, list] = ([], [])  # the views that decay, those that do not
+        self.groups = ([], [])  # the views that decay, those that do not
         self.grads: list = []  # per unit: its host gradient and [(view, view's gradient)]
         self.units: list = []  # per unit: (host master, staging, device landing)
         self.moments: dict = {}  # the sharded units' torch state, views of flat moments
-        self.flag = self._pinned(())
-        self.lr = self._pinned((), torch.float64)
-        self.opt: Optional[torch.optim.AdamW] = None
         self.ids: set = set()  # the host masters and moments, by id
+        self.flag, self.lr = self._pinned(()), self._pinned((), torch.float64)
         self.present: List[bool] = []  # per unit: whether this step's gradient exists
 
     def _pinned(self, shape, dtype=torch.float32) -> torch.Tensor:
@@ -52,16 +50,14 @@ class HostAdamW:
         return id(t) in self.ids
 
     @torch.no_grad()
-    def add(self, master: torch.Tensor, landing: torch.Tensor, runs, sharded: bool
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def add(self, master: torch.Tensor, landing: torch.Tensor, runs, sharded: bool) -> tuple:
         """A unit: its fp32 ``master`` values move to the host; ``landing`` (device) receives the
         updated weights; ``runs`` ``[(lo, hi, group)]`` (group 0 decays). ``sharded``: a flat
         shard, whose moments are flat host tensors the runs view (the ZeRO files' layout); else
         one parameter, whose moments torch's state holds. Returns (master, moments) on the host."""
-        host = self._pinned(master.shape)
+        host, grad = self._pinned(master.shape), self._pinned(master.shape)
         host.copy_(master)
-        grad = self._pinned(master.shape)
-        staging = host if landing.dtype == torch.float32 else self._pinned(master.shape,
+        staging = host if landing.dtype == torch.float32 else self._pinned(host.shape,
                                                                            landing.dtype)
         moments = (torch.zeros_like(host), torch.zeros_like(host)) if sharded else (None, None)
         pairs = []
@@ -86,8 +82,7 @@ class HostAdamW:
                   zip(self.groups, (cfg.weight_decay, 0.0)) if ps]
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      eps=cfg.adam_eps, fused=True)
-        if state is not None:
-            self.opt.state = state
+        self.opt.state = self.opt.state if state is None else state
         self.opt.state.update(self.moments)
 
     def set_step(self, step: int) -> None:
@@ -101,20 +96,17 @@ class HostAdamW:
         return torch.cuda.stream(self.stream)
 
     @torch.no_grad()
-    def download(self, grads: List[Optional[torch.Tensor]], found_inf: torch.Tensor,
-                 lr) -> None:
+    def download(self, grads: list, found_inf: torch.Tensor, lr) -> None:
         """Queue the device gradients of the units (in order; None: a parameter without one,
         which the step leaves alone as torch's does), the skip flag and the lr to the host."""
+        lr = lr if torch.is_tensor(lr) else torch.full((), lr, dtype=torch.float64)
+        self.present = [g is not None for g in grads]
+        copies = [(buf, g) for (buf, _), g in zip(self.grads, grads) if g is not None]
         with self._on_side():
-            self.present = [g is not None for g in grads]
-            for (buf, _), g in zip(self.grads, grads):
-                if g is not None:
-                    if self.stream is not None:
-                        g.record_stream(self.stream)  # (a 16-bit gradient's fp32 copy is new)
-                    buf.copy_(g.reshape(buf.shape), non_blocking=True)
-            self.flag.copy_(found_inf, non_blocking=True)
-            lr_now = lr if torch.is_tensor(lr) else torch.full((), lr, dtype=torch.float64)
-            self.lr.copy_(lr_now, non_blocking=True)
+            for buf, src in copies + [(self.flag, found_inf), (self.lr, lr)]:
+                if src.is_cuda:  # (the main stream may free it meanwhile: a 16-bit's fp32 copy)
+                    src.record_stream(self.stream)
+                buf.copy_(src.reshape(buf.shape), non_blocking=True)
             if self.done is not None:
                 self.done.record(self.stream)
 
