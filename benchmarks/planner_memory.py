@@ -48,6 +48,10 @@ CASES = [  # name, processes, flags
     ("DP2 ZeRO-1", 2, ["--zero-stage", "1", "--global-batch-size", "8"]),
     ("DP2 ZeRO-2", 2, ["--zero-stage", "2", "--global-batch-size", "8"]),
     ("DP2 ZeRO-3", 2, ["--zero-stage", "3", "--global-batch-size", "8"]),
+    # HSDP: ZeRO inside each of 2 instances of DP/2 ranks (the states of DP2's ZeRO per rank)
+    *[(f"DP4 ZeRO-{z} HSDP R2", 4, ["--zero-stage", str(z), "--global-batch-size", "8",
+                                     "--num-distributed-optimizer-instances", "2"])
+      for z in (1, 3)],
     ("selective recompute", 1, ["--recompute-granularity", "selective",
                                 "--global-batch-size", "4"]),
     ("full recompute", 1, ["--recompute-granularity", "full", "--global-batch-size", "4"]),

@@ -876,7 +876,8 @@ class OptimizerConfig(_Section):
                               layout=True)  # 0 DDP, 1 optimizer states, 2 + grads, 3 + params
     num_distributed_optimizer_instances: int = setting(  # R: HSDP (docs/data_parallel.md)
         1, "shard the ZeRO state inside each of R instances of DP/R consecutive ranks (a node's "
-        "worth), replicated across them", group="data parallelism and ZeRO", bound=AT_LEAST_ONE)
+        "worth), replicated across them", group="data parallelism and ZeRO", layout=True,
+        bound=AT_LEAST_ONE)
     overlap_grad_reduce: bool = setting(False, group="data parallelism and ZeRO")
     overlap_param_gather: bool = setting(False, group="data parallelism and ZeRO")
     ddp_bucket_size: Optional[int] = setting(  # elements; None = one bucket per ~40M elements

@@ -83,6 +83,7 @@ class Layout:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
     optimizer_offload_fraction: float = 0.0  # --optimizer-cpu-offload's fraction (0: off)
+    num_distributed_optimizer_instances: int = 1  # R: HSDP, ZeRO over DP x CP / R
 
     def files(self) -> FileLayout:
         """The file cut this plan's checkpoints have: the loader's and the resharder's type."""
@@ -467,9 +468,11 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     ep, etp, d = lay.expert_model_parallel_size, lay.expert_tensor_parallel_size, \
         lay.data_parallel_size * lay.context_parallel_size
     psi, psi_e = stage_params(m, lay, r), stage_expert_params(m, lay, r)
-    # ZeRO over DP x CP; the experts over the expert-data-parallel group, t d / (ETP x EP)
+    # ZeRO over DP x CP (HSDP: one of R instances); the experts over the expert-data-parallel
+    # group, t d / (ETP x EP)
+    shard = d // lay.num_distributed_optimizer_instances
     parts = [theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)
-             for n, size in ((psi - psi_e, d), (psi_e, t * d // (etp * ep))) if n]
+             for n, size in ((psi - psi_e, shard), (psi_e, t * d // (etp * ep))) if n]
     st = {k: sum(x[k] for x in parts) for k in parts[0]}
     num_micro = max(gbs // (lay.data_parallel_size * b), 1)
     paired = m.moe_overlap and ep > 1  # the F&B pairs hold one micro-batch more (in_flight)
@@ -712,10 +715,14 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     # the last backward (+ the first forward for the parameter gather); ZeRO-3 gathers twice and
     # reduce-scatters every micro-batch, hidden by prefetch but for each pass's first unit.
     # Expert parameters go over the expert-data-parallel group instead.
-    d *= c  # gradients are reduced, and ZeRO shards, over DP x CP
+    # HSDP: ZeRO inside an instance of d/R ranks, then each rank's fp32 gradient shard
+    # all-reduced across the R instances after the backward (docs/data_parallel.md, "HSDP")
+    d, r_inst = d * c, lay.num_distributed_optimizer_instances  # over DP x CP
     big = max(range(p), key=lambda r: stage_params(m, lay, r))
-    psi, psi_e, link = stage_params(m, lay, big), stage_expert_params(m, lay, big), cl.link(t * d)
-    groups = [(n, size) for n, size in ((psi - psi_e, d), (psi_e, t * d // (
+    psi, psi_e, link = stage_params(m, lay, big), stage_expert_params(m, lay, big), \
+        cl.link(t * d // r_inst)
+    across = 4 * (psi - psi_e) * r_inst / d
+    groups = [(n, size) for n, size in ((psi - psi_e, d // r_inst), (psi_e, t * d // (
         lay.expert_tensor_parallel_size * lay.expert_model_parallel_size))) if n]
 
     def over_groups(all_reduce: bool, per_param: int) -> float:
@@ -727,9 +734,10 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         overlap = per_micro - logits
     else:
         one = 2 * over_groups(False, E) + over_groups(False, 4)
-        first = 2 * _coll_s(False, E * m.layer_params() / t, d, link)
+        first = 2 * _coll_s(False, E * m.layer_params() / t, d // r_inst, link)
         dp, overlap = num_micro * (max(one, 0.9 * per_micro) + first), compute
-    dp = max(0.0, dp - 0.9 * overlap)
+    replicate = _coll_s(True, across, r_inst, cl.link(t * d))
+    dp = max(0.0, dp - 0.9 * overlap) + replicate
     # optimizer step: one read and one write of this GPU's model states
     compute += 2 * sum(theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] for n, size in groups) / hbm
@@ -744,6 +752,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         recomputed(lay, x) for rank in chunks for x in rank)
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
             "cp_comm_s": cp, "ep_comm_s": ep, "offload_s": offload, "step_time_s": total,
+            "dp_replicate_s": replicate, "dp_replicate_bytes": 2 * (r_inst - 1) / r_inst * across,
             "num_micro": num_micro,
             "tflops_per_gpu": (fl["total"] + extra) * gbs / cl.num_gpus / total / 1e12,
             "mfu": fl["total"] * gbs / cl.num_gpus / total / (gpu.peak_tflops * 1e12)}
@@ -764,7 +773,8 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int,
                  ex.recompute_method, ex.recompute_num_layers,
                  tr.decoder_first_pipeline_num_layers, tr.decoder_last_pipeline_num_layers,
                  par.expert_model_parallel_size, par.expert_tp_size if moe else 1,
-                 opt.optimizer_offload_fraction * opt.optimizer_cpu_offload)
+                 opt.optimizer_offload_fraction * opt.optimizer_cpu_offload,
+                 opt.num_distributed_optimizer_instances)
     model = Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance,
                               moe_overlap=tr.overlap_moe_expert_parallel_comm)
     return memory(model, lay, tr.global_batch_size, stage)

@@ -31,7 +31,7 @@ def _flags(stage: int, metrics, *extra, r: int = 2, **kw):
                  train_iters=ITERS, metrics_file=metrics, **kw)
 
 
-def _traffic_worker(rank, world_size):
+def _traffic(rank):
     """DP4 R2 at ZeRO 1 through the test loop of test_zero.py: the parameters equal one process's
     and each step's bytes are the ring accounting of docs/data_parallel.md, "HSDP"."""
     cfg = parity_config()
@@ -56,16 +56,14 @@ def _traffic_worker(rank, world_size):
     return out["bytes"][-1], g
 
 
-def test_hsdp_cross_instance_traffic_is_the_shard_all_reduce():
-    sent, g = run_distributed(_traffic_worker, 4)[0]
-    dp, r = 4, 2
-    # inside the instance: a reduce-scatter over DP/R; across: the all-reduce of the G/(DP/R) shard
-    assert sent["dp_grad_reduce_scatter"] == (dp // r - 1) * g // (dp // r)
-    assert sent["dp_replicate"] == 2 * (r - 1) * g // (r * (dp // r)) == g // 2
-    assert sent["dp_replicate"] < 3 * g // 4  # a flat reduce-scatter over DP4 sends 3G/4
+def _world4_worker(rank, world_size, runs):
+    traffic = _traffic(rank)
+    pretrain_cases(rank, world_size, runs)
+    return traffic
 
 
-def test_hsdp_equals_one_process_and_its_checkpoints_load_at_other_r_and_stage(tmp_path):
+def test_hsdp_equals_one_process_sends_the_shard_and_its_checkpoints_load_at_other_r_and_stage(
+        tmp_path):
     ref = tmp_path / "ref.jsonl"
     assert run_main(flags(train_iters=ITERS, metrics_file=ref)) == 0
     ck = tmp_path / "ck"
@@ -78,7 +76,7 @@ def test_hsdp_equals_one_process_and_its_checkpoints_load_at_other_r_and_stage(t
     runs["save"] = _flags(1, tmp_path / "save.jsonl", save=ck, exit_interval=2)
     runs["resume r1 zero1"] = _flags(1, tmp_path / "r1.jsonl", r=1, load=ck)
     runs["resume r2 zero3"] = _flags(3, tmp_path / "r2z3.jsonl", load=ck)
-    assert all(run_distributed(pretrain_cases, 4, list(runs.values()), timeout=400))
+    sent, g = run_distributed(_world4_worker, 4, list(runs.values()), timeout=400)[0]
     want = read_metrics(ref)
     for name, argv in runs.items():
         got = read_metrics(argv[argv.index("--metrics-file") + 1])
@@ -92,6 +90,11 @@ def test_hsdp_equals_one_process_and_its_checkpoints_load_at_other_r_and_stage(t
     assert sorted(p.name for p in shard.iterdir() if p.name.startswith("distrib")) == [
         "distrib_optim_dp000.pt", "distrib_optim_dp001.pt"]
     assert torch.load(shard / "distrib_optim_dp000.pt", weights_only=False)["dp_size"] == 2
+    dp, r = 4, 2
+    # inside the instance: a reduce-scatter over DP/R; across: the all-reduce of the G/(DP/R) shard
+    assert sent["dp_grad_reduce_scatter"] == (dp // r - 1) * g // (dp // r)
+    assert sent["dp_replicate"] == 2 * (r - 1) * g // (r * (dp // r)) == g // 2
+    assert sent["dp_replicate"] < 3 * g // 4  # a flat reduce-scatter over DP4 sends 3G/4
 
 
 def test_hsdp_bad_input_is_one_line():
@@ -107,3 +110,24 @@ def test_hsdp_bad_input_is_one_line():
         instance_groups(dp_cp, 6, 2, 3, 4)  # instances of 3 ranks on nodes of 4
     shard, replicate = instance_groups(dp_cp, 6, 3, 2, 8)
     assert shard == [[0, 1], [2, 3], [4, 5]] and replicate == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_planner_models_hsdp():
+    """R instances of a node each: the states of a ZeRO run of DP/R ranks, and the shard's
+    all-reduce over the network, 2(R-1)/R x G/(DP/R) bytes, in the DP time."""
+    from megalite.config import ModelConfig
+    from megalite.planner import GPUS, Cluster, Layout, Model, memory, step_time
+
+    m = Model.from_config(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                      seq_length=1024, vocab_size=32000))
+    cl = Cluster(32, 8, GPUS["H100-80GB"])
+    flat, node = Layout(data_parallel_size=32, zero_stage=1), Layout(data_parallel_size=8,
+                                                                      zero_stage=1)
+    hsdp = Layout(data_parallel_size=32, zero_stage=1, num_distributed_optimizer_instances=4)
+    assert memory(m, hsdp, 64)["optimizer"] == memory(m, node, 64)["optimizer"] \
+        > memory(m, flat, 64)["optimizer"]
+    t = step_time(m, hsdp, cl, 64)
+    g = 4 * m.cfg.num_parameters()
+    assert t["dp_replicate_bytes"] == pytest.approx(2 * 3 / 4 * g / 8)
+    assert 0 < t["dp_replicate_s"] <= t["dp_comm_s"] and step_time(m, flat, cl, 64)[
+        "dp_replicate_s"] == 0

@@ -96,7 +96,8 @@ def short(lay: Layout) -> str:
             f"{name.get(lay.pipeline_schedule, '')} DP{lay.data_parallel_size}{experts} "
             f"ZeRO{lay.zero_stage} mb{lay.micro_batch_size} "
             f"recompute {lay.recompute_granularity}{partial}"
-            f"{' optimizer offload' if lay.optimizer_offload_fraction else ''}")
+            f"{' optimizer offload' if lay.optimizer_offload_fraction else ''}"
+            f"{f' HSDP R{r}' if (r := lay.num_distributed_optimizer_instances) > 1 else ''}")
 
 
 
@@ -118,10 +119,12 @@ def check_layout(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Optional[str]:
     if (t * c * p * d != cl.num_gpus or (v > 1 and m.pipeline_slots(p) % (p * v))
             or gbs % (d * b) or (sched == "interleaved" and num_micro % p)
             or (lay.zero_stage and d * c == 1)
+            or d % lay.num_distributed_optimizer_instances
+            or (lay.num_distributed_optimizer_instances > 1 and not lay.zero_stage)
             or (sched in V_SCHEDULES and (v != 2 or p == 1 or num_micro < 2 * p))):
         return ("TP x CP x PP x DP must be the GPUs, PP x VPP divide the layers, DP x mb the "
                 "batch, PP the micro-batches when interleaved, 2 PP of them in a V; ZeRO needs "
-                "DP x CP > 1")
+                "DP x CP > 1, and HSDP ZeRO and R dividing DP")
     return None
 
 
@@ -192,7 +195,9 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                 only("sequence_parallel", (False, True)),
                 only("recompute_granularity", ("none", "selective", "full")),
                 CP_COMM_TYPES if c > 1 else ("p2p",), grid):
-            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp)
+            lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp,
+                         num_distributed_optimizer_instances=fixed.get(
+                             "num_distributed_optimizer_instances", 1))
             if all(getattr(lay, k) == x for k, x in fixed.items()) \
                     and (t > 1 or not sp) and check_layout(m, lay, cl, gbs) is None:
                 usable, mem = cl.gpu.memory_gib * GiB * USABLE_MEMORY_FRACTION, memory(m, lay, gbs)
@@ -202,6 +207,14 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                     if memory(m, off, gbs)["total"] <= usable:
                         lay, mem = off, memory(m, off, gbs)
                 out.append(Plan(lay, mem, step_time(m, lay, cl, gbs), mem["total"] <= usable))
+                # HSDP: ZeRO inside each node, replicated across the nodes (data_parallel.md)
+                r = t * c * d // cl.gpus_per_node
+                if z and r > 1 and d % r == 0 and (t * c * d) % cl.gpus_per_node == 0 \
+                        and num_experts is None and "num_distributed_optimizer_instances" \
+                        not in fixed:
+                    hs = dataclasses.replace(lay, num_distributed_optimizer_instances=r)
+                    mem = memory(m, hs, gbs)
+                    out.append(Plan(hs, mem, step_time(m, hs, cl, gbs), mem["total"] <= usable))
     rank = {"none": 0, "selective": 1, "full": 2}
     out.sort(key=lambda pl: (not pl.fits, round(math.log(pl.time["step_time_s"]) / 1e-3)
                              if pl.fits else pl.memory["total"], pl.layout.zero_stage,
@@ -221,7 +234,7 @@ def as_json(pl: Plan) -> dict:
         tflops_per_gpu=round(pl.time["tflops_per_gpu"], 1), mfu=round(pl.time["mfu"], 4),
         time_s={k: round(pl.time[k], 4) for k in ("compute_s", "tp_comm_s", "bubble_s",
                                                    "dp_comm_s", "cp_comm_s", "ep_comm_s",
-                                                   "offload_s")})
+                                                   "offload_s", "dp_replicate_s")})
     return out
 
 
