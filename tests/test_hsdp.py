@@ -1,6 +1,7 @@
 """HSDP (--num-distributed-optimizer-instances R, docs/data_parallel.md): the ZeRO state sharded
-inside each of R instances of DP/R ranks and replicated across them equals one process, sends
-only each rank's shard across the instances, and its checkpoints load at another R and stage.
+inside each of R instances of DP/R ranks and replicated across them equals one process (also
+with half the optimizer state offloaded to the host), sends only each rank's shard across the
+instances, and its checkpoints load at another R and stage; the planner models it.
 
 All the pretrain.py runs of one world size share one spawn (tests/pretrain_utils.pretrain_cases,
 strict mode); TP2 x DP2 R2 stands for TP2 x DP4 R2, whose 8 ranks are too many for the suite's
@@ -70,6 +71,8 @@ def test_hsdp_equals_one_process_sends_the_shard_and_its_checkpoints_load_at_oth
     runs = {f"dp4 r2 zero{s}": _flags(s, tmp_path / f"z{s}.jsonl", "--overlap-param-gather")
             for s in (1, 2)}
     runs["dp4 r2 zero3"] = _flags(3, tmp_path / "z3.jsonl")
+    runs["dp4 r2 zero1 offload"] = _flags(1, tmp_path / "off.jsonl", "--optimizer-cpu-offload",
+                                          optimizer_offload_fraction=0.5)
     runs["tp2 dp2 r2 zero1"] = _flags(1, tmp_path / "tp.jsonl", "--sequence-parallel",
                                       tensor_model_parallel_size=2)
     runs["pp2 dp2 r2 zero1"] = _flags(1, tmp_path / "pp.jsonl", pipeline_model_parallel_size=2)
