@@ -75,6 +75,7 @@ def test_hsdp_equals_one_process_sends_the_shard_and_its_checkpoints_load_at_oth
                                           optimizer_offload_fraction=0.5)
     runs["tp2 dp2 r2 zero1"] = _flags(1, tmp_path / "tp.jsonl", "--sequence-parallel",
                                       tensor_model_parallel_size=2)
+    runs["cp2 dp2 r2 zero2"] = _flags(2, tmp_path / "cp.jsonl", context_parallel_size=2)
     runs["pp2 dp2 r2 zero1"] = _flags(1, tmp_path / "pp.jsonl", pipeline_model_parallel_size=2)
     runs["save"] = _flags(1, tmp_path / "save.jsonl", save=ck, exit_interval=2)
     runs["resume r1 zero1"] = _flags(1, tmp_path / "r1.jsonl", r=1, load=ck)
