@@ -80,6 +80,10 @@ def test_offload_equals_device_optimizer(tmp_path):
             names.append((zero, name, d))
             runs.append(flags(*FP16, *BUCKET, *extra, "--save", d, "--save-interval", 5,
                               "--metrics-file", f"{d}.jsonl", train_iters=5, zero_stage=zero))
+        for name in ("none", "f05"):  # resumed from the unoffloaded files, to iteration 7
+            runs.append(flags(*FP16, *BUCKET, *OFFLOAD[name], "--load", tmp_path / f"z{zero}none",
+                              "--metrics-file", tmp_path / f"z{zero}{name}_resumed.jsonl",
+                              train_iters=7, zero_stage=zero))
     run_distributed(pretrain_cases, 2, runs)
     for zero, name, d in names:
         recs = read_metrics(f"{d}.jsonl")
@@ -87,6 +91,11 @@ def test_offload_equals_device_optimizer(tmp_path):
         ref = read_metrics(tmp_path / f"z{zero}none.jsonl")
         assert [r["lm_loss"] for r in recs] == pytest.approx([r["lm_loss"] for r in ref],
                                                               rel=1e-6), (zero, name)
+        if name == "f05":
+            resumed = [read_metrics(tmp_path / f"z{zero}{n}_resumed.jsonl") for n in (name, "none")]
+            assert [r["iteration"] for r in resumed[0]] == [6, 7], zero
+            assert [r["lm_loss"] for r in resumed[0]] == pytest.approx(
+                [r["lm_loss"] for r in resumed[1]], rel=1e-6), zero
         if name != "none":
             _assert_same_files(_files(d), _files(tmp_path / f"z{zero}none"), zero == 0,
                                f"zero {zero} {name}")
@@ -95,9 +104,10 @@ def test_offload_equals_device_optimizer(tmp_path):
 def test_offload_fraction_and_bad_input():
     """The first units holding at least f of the elements; f = 0.5 of a real model's optimizer
     puts part of it on the host, not all; a fraction outside (0, 1] and sgd are refused."""
-    assert host_units([4, 4, 4, 4], 0.5) == [0, 1]
-    assert host_units([4, 4, 4, 4], 0.3) == [0, 1]
-    assert host_units([4, 4, 4, 4], 1.0) == [0, 1, 2, 3]
+    for f, units in ((0.5, [0, 1]), (0.3, [0, 1]), (1.0, [0, 1, 2, 3])):
+        cfg = OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=f)
+        assert host_units([4, 4, 4, 4], cfg) == units
+    assert host_units([4, 4, 4, 4], OptimizerConfig()) == []  # no offload, whatever f
     ps = ParallelState()
     for zero in (0, 1):
         cfg = OptimizerConfig(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5,

@@ -162,8 +162,7 @@ class DistributedOptimizer(ShardedAdamW):
         for s in self.shards:
             if s.master.data_ptr() != s.model_param_shard.data_ptr():
                 s.master.copy_(s.model_param_shard.float())
-        if self.host is not None:
-            self.host.reload()
+        self.host.reload()
 
     # -------------------------------------------------------------------------- checkpoints
     def sync_model_params(self) -> None:

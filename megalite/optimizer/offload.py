@@ -7,33 +7,30 @@ stream (pinned buffers and events on CUDA; on CPU the same copies, host to host)
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import List, Sequence
 
 import torch
 
 
-def host_units(sizes: Sequence[int], fraction: float) -> List[int]:
-    """The first units (by index) that together hold at least ``fraction`` of the elements."""
-    goal, held, out = fraction * sum(sizes), 0, []
-    for i, n in enumerate(sizes):
-        if held >= goal:
-            break
-        out.append(i)
-        held += n
-    return out
+def host_units(sizes: Sequence[int], cfg) -> List[int]:
+    """The first units (by index) that together hold at least the offloaded fraction of the
+    elements (none without --optimizer-cpu-offload)."""
+    goal = sum(sizes) * cfg.optimizer_offload_fraction * cfg.optimizer_cpu_offload
+    return [i for i, before in enumerate(itertools.accumulate([0, *sizes[:-1]])) if before < goal]
 
 
 class HostAdamW:
-    """torch.optim.AdamW (fused, on the CPU) over host copies of some units' fp32 masters.
-
-    Per step: :meth:`download` queues the device gradients, the skip flag and the lr into pinned
-    host buffers; :meth:`step` waits for them and steps (the fused kernel takes ``found_inf`` as
-    a host tensor, so a skipped step is skipped there, its step count taken back, and nothing is
-    read on the host); :meth:`upload` queues the weights back into each unit's device tensor."""
+    """torch.optim.AdamW (fused, on the CPU) over host copies of some units' fp32 masters; with
+    none added, every method does nothing. Per step: :meth:`download` queues the gradients, the
+    skip flag and the lr into pinned host buffers; :meth:`step` waits for them, steps (the fused
+    kernel takes ``found_inf`` as a host tensor: a skipped step is skipped there and its count
+    taken back, with no read on the host) and queues the weights back (:meth:`upload`)."""
 
     def __init__(self, cfg, device: torch.device):
-        self.cfg, self.device = cfg, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.cfg, self.device, self.opt = cfg, device, None
+        cuda = device.type == "cuda" and cfg.optimizer_cpu_offload
+        self.stream = torch.cuda.Stream(device) if cuda else None
         self.done = torch.cuda.Event() if self.stream is not None else None
         self.groups = ([], [])  # the views that decay, those that do not
         self.grads: list = []  # per unit: its host gradient and [(view, view's gradient)]
@@ -80,10 +77,11 @@ class HostAdamW:
         cfg = self.cfg
         groups = [{"params": ps, "weight_decay": wd} for ps, wd in
                   zip(self.groups, (cfg.weight_decay, 0.0)) if ps]
-        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                     eps=cfg.adam_eps, fused=True)
-        self.opt.state = self.opt.state if state is None else state
-        self.opt.state.update(self.moments)
+        if groups:
+            self.opt = torch.optim.AdamW(groups, lr=cfg.lr, eps=cfg.adam_eps, fused=True,
+                                         betas=(cfg.adam_beta1, cfg.adam_beta2))
+            self.opt.state = self.opt.state if state is None else state
+            self.opt.state.update(self.moments)
 
     def set_step(self, step: int) -> None:
         for st in self.moments.values():
@@ -99,6 +97,8 @@ class HostAdamW:
     def download(self, grads: list, found_inf: torch.Tensor, lr) -> None:
         """Queue the device gradients of the units (in order; None: a parameter without one,
         which the step leaves alone as torch's does), the skip flag and the lr to the host."""
+        if self.opt is None:
+            return
         lr = lr if torch.is_tensor(lr) else torch.full((), lr, dtype=torch.float64)
         self.present = [g is not None for g in grads]
         copies = [(buf, g) for (buf, _), g in zip(self.grads, grads) if g is not None]
@@ -112,18 +112,21 @@ class HostAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.opt is None:
+            return
         if self.done is not None:
             self.done.synchronize()  # the gradients are on the host (a wait, not a read)
         for group in self.opt.param_groups:
             group["lr"] = self.lr
-        for (_, pairs), present in zip(self.grads, self.present):
-            for view, grad in pairs:  # (set here: ZeRO 0's device step sees the same masters)
-                view.grad = grad if present else None
+        views = [(v, g if present else None) for (_, pairs), present in
+                 zip(self.grads, self.present) for v, g in pairs]
+        for view, grad in views:  # (only now: ZeRO 0's device step sees the same masters)
+            view.grad = grad
         self.opt.found_inf = self.flag  # read by the fused kernel, on the host
         self.opt.step()
-        for _, pairs in self.grads:
-            for view, _ in pairs:
-                view.grad = None
+        for view, _ in views:
+            view.grad = None
+        self.upload()
 
     @torch.no_grad()
     def upload(self) -> None:

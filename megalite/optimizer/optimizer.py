@@ -100,14 +100,11 @@ class MixedPrecisionOptimizer(_LossScaling):
                 self.masters.append(m)
         self.loose = [(p, m) for p, m in zip(self.model_params, self.masters)
                       if m is not p and p not in in_buffer]  # copied back one by one
-        self.host = None
-        if opt_cfg.optimizer_cpu_offload:  # docs/offload.md: the device master is the landing
-            self.host = HostAdamW(opt_cfg, ps.device)
-            for i in host_units([m.numel() for m in self.masters],
-                                opt_cfg.optimizer_offload_fraction):
-                p = self.model_params[i]
-                self.masters[i] = self.host.add(self.masters[i], self.masters[i],
-                                                [(0, p.numel(), int(p.dim() <= 1))], False)[0]
+        self.host = HostAdamW(opt_cfg, ps.device)  # docs/offload.md: the device master lands
+        for i in host_units([m.numel() for m in self.masters], opt_cfg):
+            p = self.model_params[i]
+            self.masters[i] = self.host.add(self.masters[i], self.masters[i],
+                                            [(0, p.numel(), int(p.dim() <= 1))], False)[0]
         decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() > 1]
         no_decay = [m for p, m in zip(self.model_params, self.masters) if p.dim() <= 1]
         groups = [{"params": decay, "weight_decay": opt_cfg.weight_decay},
@@ -128,8 +125,7 @@ class MixedPrecisionOptimizer(_LossScaling):
                                            betas=(opt_cfg.adam_beta1, opt_cfg.adam_beta2),
                                            eps=opt_cfg.adam_eps,
                                            weight_decay=opt_cfg.weight_decay, fused=True)
-        if self.host is not None:  # one torch state for all masters: one file format
-            self.host.build(self.inner.state)
+        self.host.build(self.inner.state)  # one torch state for all masters: one file format
         # the lr tensor the scheduler hands over: the CUDA fused kernels read a float32 one, the
         # CPU kernels a double (the host float's value, exactly)
         self.lr_dtype = torch.float32 if device.type == "cuda" else torch.float64
@@ -152,7 +148,7 @@ class MixedPrecisionOptimizer(_LossScaling):
         grads = []
         for p, m in zip(self.model_params, self.masters):
             g = grad_of(p)
-            if self.host is not None and self.host.holds(m):  # stepped on the host
+            if self.host.holds(m):  # stepped on the host
                 grads.append(None if g is None else g.float())
             elif m is p:
                 if g is not None and p.grad is None:
@@ -175,13 +171,10 @@ class MixedPrecisionOptimizer(_LossScaling):
         if self.cfg.clip_grad > 0:
             clip_grads_by_norm(present, grad_norm, self.cfg.clip_grad)
         self.inner.found_inf = found_inf  # read by torch's fused step, as GradScaler sets it
-        if self.host is not None:
-            self.host.download([g for g, m in zip(grads, self.masters) if self.host.holds(m)],
-                               found_inf, self.inner.param_groups[0]["lr"])
+        self.host.download([g for g, m in zip(grads, self.masters) if self.host.holds(m)],
+                           found_inf, self.inner.param_groups[0]["lr"])
         self.inner.step()  # (the host masters have no .grad here: it steps the device's)
-        if self.host is not None:
-            self.host.step()
-            self.host.upload()  # into the device masters, rounded into the model below
+        self.host.step()  # into the device masters, rounded into the model below
         # (after a skipped step this copies back the values the model already holds)
         for model_flat, master_flat in self.flat_masters:
             model_flat.copy_(master_flat)  # rounds the fp32 masters into the 16-bit model
@@ -196,8 +189,7 @@ class MixedPrecisionOptimizer(_LossScaling):
             master_flat.copy_(model_flat)
         for p, m in self.loose:
             m.data.copy_(p.data.float())
-        if self.host is not None:
-            self.host.reload()
+        self.host.reload()
 
     def state_dict(self) -> dict:
         inner = self.inner.state_dict()
@@ -215,6 +207,7 @@ class MixedPrecisionOptimizer(_LossScaling):
         # eps, weight decay; the LR schedule sets lr), as the ZeRO optimizers read them from cfg.
         flags = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         self.inner.load_state_dict(sd["optimizer"])
+        self.host.build(self.inner.state)  # (torch made a new state dict: share that one)
         for group, hyper in zip(self.inner.param_groups, flags):
             group.update(hyper)
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
@@ -228,7 +221,7 @@ class MixedPrecisionOptimizer(_LossScaling):
                     raise ValueError("optimizer state does not match the model's parameters")
                 for m, s in zip(self.masters, saved):
                     m.data.copy_(s)
-        elif self.host is not None:  # fp32: the model weights, loaded already, are the masters
+        else:  # fp32: the model weights, loaded already, are the masters (offloaded: copies)
             self.host.reload()
 
 
@@ -246,7 +239,6 @@ class ShardedAdamW(_LossScaling):
     ``zero_grad``."""
 
     sharded_state_dict_per_dp_rank = True
-    host: Optional[HostAdamW] = None  # the shards stepped on the host (docs/offload.md)
     expert_norm_runs: Sequence = ()
     shard_is_expert: Sequence[bool] = ()
 
@@ -256,6 +248,7 @@ class ShardedAdamW(_LossScaling):
         # step's own device flag, so a skipped step leaves it as it was without a host read
         self.step_count = torch.zeros((), dtype=torch.float64, device=ps.device)
         self.grad_scaler = build_grad_scaler(cfg, params_dtype, ps.device)
+        self.host = HostAdamW(cfg, ps.device)  # the shards stepped on the host (docs/offload.md)
         self.param_groups = [{"name": "decay", "lr": cfg.lr, "weight_decay": cfg.weight_decay},
                              {"name": "no_decay", "lr": cfg.lr, "weight_decay": 0.0}]
 
@@ -271,14 +264,11 @@ class ShardedAdamW(_LossScaling):
         applied = found_inf == 0
         clip_grads_by_norm(grads, grad_norm, self.cfg.clip_grad)
         self.step_count = self.step_count + applied
-        host = self.host
-        if host is not None:  # the copies down run beside the device's step
-            host.download([g for g, m in zip(grads, self.masters) if host.holds(m)], found_inf,
-                          self.param_groups[0]["lr"])
+        # the copies down run beside the device's step
+        self.host.download([g for g, m in zip(grads, self.masters) if self.host.holds(m)],
+                           found_inf, self.param_groups[0]["lr"])
         self._adamw(grads, applied)
-        if host is not None:
-            host.step()
-            host.upload()
+        self.host.step()
         self._publish()  # (after a skipped step: the values the model already holds)
         return applied, grad_norm, None
 
@@ -289,10 +279,7 @@ class ShardedAdamW(_LossScaling):
         """--optimizer-cpu-offload: the first shards up to the fraction move to the host, each
         updating ``landings[i]`` (its model shard); returns their indices, whose device masters
         the subclass lets go."""
-        if not self.cfg.optimizer_cpu_offload:
-            return []
-        self.host = HostAdamW(self.cfg, self.ps.device)
-        chosen = host_units([m.numel() for m in self.masters], self.cfg.optimizer_offload_fraction)
+        chosen = host_units([m.numel() for m in self.masters], self.cfg)
         for i in chosen:
             self.masters[i], self.exp_avg[i], self.exp_avg_sq[i] = self.host.add(
                 self.masters[i], landings[i], self.runs[i], True)
@@ -300,8 +287,7 @@ class ShardedAdamW(_LossScaling):
         return chosen
 
     def _to_model(self) -> None:
-        if self.host is not None:
-            self.host.upload()
+        self.host.upload()
         self._copy_masters_to_model()
 
     def _wait_param_sync(self) -> None:
@@ -334,7 +320,7 @@ class ShardedAdamW(_LossScaling):
         same = len({id(g["lr"]) if torch.is_tensor(g["lr"]) else g["lr"] for g in groups}) == 1
         for p, m, v, g, runs in zip(self.masters, self.exp_avg, self.exp_avg_sq, grads,
                                     self.runs):
-            if self.host is not None and self.host.holds(p):
+            if self.host.holds(p):
                 continue  # stepped on the host
             for lo in range(0, p.numel(), _CHUNK):
                 hi = min(lo + _CHUNK, p.numel())
@@ -375,8 +361,7 @@ class ShardedAdamW(_LossScaling):
             g["lr"] = saved["lr"]  # weight decay stays this run's flag
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
-        if self.host is not None:
-            self.host.set_step(int(sd["step"]))
+        self.host.set_step(int(sd["step"]))
 
     def _local(self):
         return zip(self.segments, zip(self.masters, self.exp_avg, self.exp_avg_sq))
@@ -474,7 +459,7 @@ class ShardedAdamW(_LossScaling):
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """The tensors megalite/memory.py counts as masters and optimizer states."""
         on_device = [t for t in (*self.masters, *self.exp_avg, *self.exp_avg_sq)
-                     if self.host is None or not self.host.holds(t)]  # (host memory: not counted)
-        n = len(self.masters) - len(self.host.units if self.host is not None else ())
+                     if not self.host.holds(t)]  # (host memory: not counted)
+        n = len(self.masters) - len(self.host.units)
         return {"master_params": on_device[:n], "optimizer_states": on_device[n:]}
 

@@ -64,8 +64,7 @@ class Zero3Optimizer(ShardedAdamW):
 
     def reload_model_params(self) -> None:
         """The masters live in the model's units (shared): only the host's are copies."""
-        if self.host is not None:
-            self.host.reload()
+        self.host.reload()
 
     def _finish_grads(self) -> None:
         for c in self.chunks:
