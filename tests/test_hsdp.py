@@ -4,8 +4,7 @@ with half the optimizer state offloaded to the host), sends only each rank's sha
 instances, and its checkpoints load at another R and stage; the planner models it.
 
 All the pretrain.py runs of one world size share one spawn (tests/pretrain_utils.pretrain_cases,
-strict mode); TP2 x DP2 R2 stands for TP2 x DP4 R2, whose 8 ranks are too many for the suite's
-two cores.
+strict mode), and every run equals one process's run of the same flags.
 """
 
 from __future__ import annotations
@@ -24,6 +23,14 @@ from megalite.config import ConfigError
 from megalite.parallel_state import initialize_model_parallel, instance_groups
 
 ITERS = 4
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The training records of one process (ZeRO 0, no HSDP) of the runs' model and data."""
+    ref = tmp_path_factory.mktemp("one") / "ref.jsonl"
+    assert run_main(flags(train_iters=ITERS, metrics_file=ref)) == 0
+    return read_metrics(ref)
 
 
 def _flags(stage: int, metrics, *extra, r: int = 2, **kw):
@@ -64,24 +71,20 @@ def _world4_worker(rank, world_size, runs):
 
 
 def test_hsdp_equals_one_process_sends_the_shard_and_its_checkpoints_load_at_other_r_and_stage(
-        tmp_path):
-    ref = tmp_path / "ref.jsonl"
-    assert run_main(flags(train_iters=ITERS, metrics_file=ref)) == 0
+        tmp_path, one_process):
     ck = tmp_path / "ck"
     runs = {f"dp4 r2 zero{s}": _flags(s, tmp_path / f"z{s}.jsonl", "--overlap-param-gather")
             for s in (1, 2)}
     runs["dp4 r2 zero3"] = _flags(3, tmp_path / "z3.jsonl")
     runs["dp4 r2 zero1 offload"] = _flags(1, tmp_path / "off.jsonl", "--optimizer-cpu-offload",
                                           optimizer_offload_fraction=0.5)
-    runs["tp2 dp2 r2 zero1"] = _flags(1, tmp_path / "tp.jsonl", "--sequence-parallel",
-                                      tensor_model_parallel_size=2)
     runs["cp2 dp2 r2 zero2"] = _flags(2, tmp_path / "cp.jsonl", context_parallel_size=2)
     runs["pp2 dp2 r2 zero1"] = _flags(1, tmp_path / "pp.jsonl", pipeline_model_parallel_size=2)
     runs["save"] = _flags(1, tmp_path / "save.jsonl", save=ck, exit_interval=2)
     runs["resume r1 zero1"] = _flags(1, tmp_path / "r1.jsonl", r=1, load=ck)
     runs["resume r2 zero3"] = _flags(3, tmp_path / "r2z3.jsonl", load=ck)
     sent, g = run_distributed(_world4_worker, 4, list(runs.values()), timeout=400)[0]
-    want = read_metrics(ref)
+    want = one_process
     for name, argv in runs.items():
         got = read_metrics(argv[argv.index("--metrics-file") + 1])
         if name.startswith("resume"):  # iterations 3 and 4, after the save at 2
@@ -99,6 +102,16 @@ def test_hsdp_equals_one_process_sends_the_shard_and_its_checkpoints_load_at_oth
     assert sent["dp_grad_reduce_scatter"] == (dp // r - 1) * g // (dp // r)
     assert sent["dp_replicate"] == 2 * (r - 1) * g // (r * (dp // r)) == g // 2
     assert sent["dp_replicate"] < 3 * g // 4  # a flat reduce-scatter over DP4 sends 3G/4
+
+
+def test_tp2_dp4_r2_equals_one_process(tmp_path, one_process):
+    """TP 2 x DP 4 with R 2 (8 ranks): each instance is a node's TP 2 x DP 2."""
+    runs = {z: _flags(z, tmp_path / f"z{z}.jsonl", "--sequence-parallel",
+                      tensor_model_parallel_size=2) for z in (1, 3)}
+    assert all(run_distributed(pretrain_cases, 8, list(runs.values()), timeout=400))
+    for z, argv in runs.items():
+        assert_same_run(one_process, read_metrics(argv[argv.index("--metrics-file") + 1]), ITERS,
+                        name=f"tp2 dp4 r2 zero{z}")
 
 
 def test_hsdp_bad_input_is_one_line():
