@@ -3,6 +3,7 @@ the same checkpoint files as without it, at ZeRO 0, 1 and 3, skipped fp16 steps 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -16,6 +17,8 @@ from megalite.models import GPTModel
 from megalite.optimizer import build_optimizer
 from megalite.optimizer.offload import host_units
 from megalite.parallel_state import ParallelState
+from megalite.planner import (GPUS, HOST_ADAMW_ELEMENTS_PER_S, PCIE_BANDWIDTH_GBPS, Cluster,
+                              Layout, Model, memory, step_time)
 
 from dist_utils import run_distributed
 from model_utils import tiny_config
@@ -124,3 +127,21 @@ def test_offload_fraction_and_bad_input():
         with pytest.raises(ConfigError, match=r"--optimizer-.*" + what.replace("(", r"\(")
                            .replace("]", r"\]")):
             parse_args(flags(*bad))
+
+
+def test_planner_offload_terms():
+    """The planner's offload terms (docs/offload.md): bf16 at ZeRO 1 over DP 4, f = 1 moves the
+    moments and masters (12 bytes per local element) to the host, which holds 18 (master, moments,
+    gradient, staging); the step pays 6 bytes per local element over PCIe and the host AdamW."""
+    m = Model.from_config(tiny_config(params_dtype="bfloat16"))
+    lay = Layout(data_parallel_size=4, zero_stage=1)
+    off = dataclasses.replace(lay, optimizer_offload_fraction=1.0)
+    cl = Cluster(4, 8, GPUS["H100-80GB"])
+    before, after = memory(m, lay, 8), memory(m, off, 8)
+    local = before["optimizer"] / 12  # 4 B master + 8 B moments per local element
+    assert before["optimizer"] - after["optimizer"] == pytest.approx(12 * local)
+    assert after["host_offload"] == pytest.approx(18 * local) and "host_offload" not in before
+    want = local * (6 / (PCIE_BANDWIDTH_GBPS * 1e9) + 1 / HOST_ADAMW_ELEMENTS_PER_S)
+    got = step_time(m, off, cl, 8)
+    assert got["offload_s"] == pytest.approx(want)
+    assert got["step_time_s"] - step_time(m, lay, cl, 8)["step_time_s"] == pytest.approx(want)
