@@ -92,6 +92,10 @@ def test_hsdp_equals_one_process_sends_the_shard_and_its_checkpoints_load_at_oth
             got = want[:2] + got
         assert_same_run(want, got[:ITERS] if name != "save" else got + want[2:], ITERS,
                         name=name)
+    # the states are sharded over an instance: measured == docs/theory.md's bytes at N = DP/R
+    for z in (1, 2, 3):
+        mem = read_metrics(tmp_path / f"z{z}.jsonl", split="memory")[0]
+        assert mem["dp_size"] == 2 and mem["mem_total_bytes"] == mem["mem_theory_total_bytes"], z
     # instance 0's shards, written as a DP/R = 2 run writes them: two files, no trace of R
     shard = ck / "iter_0000002" / "mp_rank_00_000"
     assert sorted(p.name for p in shard.iterdir() if p.name.startswith("distrib")) == [
