@@ -14,8 +14,7 @@ import torch
 
 
 def host_units(sizes: Sequence[int], cfg) -> List[int]:
-    """The first units (by index) that together hold at least the offloaded fraction of the
-    elements (none without --optimizer-cpu-offload)."""
+    """The first units (by index) holding at least the offloaded fraction of the elements."""
     goal = sum(sizes) * cfg.optimizer_offload_fraction * cfg.optimizer_cpu_offload
     return [i for i, before in enumerate(itertools.accumulate([0, *sizes[:-1]])) if before < goal]
 
@@ -72,8 +71,7 @@ class HostAdamW:
         return (host, *moments)
 
     def build(self, state=None) -> None:
-        """The CPU AdamW over every unit added; ``state``: a torch optimizer's state to share
-        (ZeRO 0: its files keep one state for all parameters)."""
+        """The CPU AdamW over the units added, sharing ``state`` if given (ZeRO 0's torch one)."""
         cfg = self.cfg
         groups = [{"params": ps, "weight_decay": wd} for ps, wd in
                   zip(self.groups, (cfg.weight_decay, 0.0)) if ps]
@@ -82,10 +80,6 @@ class HostAdamW:
                                          betas=(cfg.adam_beta1, cfg.adam_beta2))
             self.opt.state = self.opt.state if state is None else state
             self.opt.state.update(self.moments)
-
-    def set_step(self, step: int) -> None:
-        for st in self.moments.values():
-            st["step"].fill_(step)
 
     def _on_side(self):
         if self.stream is None:

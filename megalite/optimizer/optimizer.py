@@ -277,18 +277,13 @@ class ShardedAdamW(_LossScaling):
 
     def _offload(self, landings: List[torch.Tensor]) -> List[int]:
         """--optimizer-cpu-offload: the first shards up to the fraction move to the host, each
-        updating ``landings[i]`` (its model shard); returns their indices, whose device masters
-        the subclass lets go."""
+        updating ``landings[i]``; returns their indices (the subclass lets their masters go)."""
         chosen = host_units([m.numel() for m in self.masters], self.cfg)
         for i in chosen:
             self.masters[i], self.exp_avg[i], self.exp_avg_sq[i] = self.host.add(
                 self.masters[i], landings[i], self.runs[i], True)
         self.host.build()
         return chosen
-
-    def _to_model(self) -> None:
-        self.host.upload()
-        self._copy_masters_to_model()
 
     def _wait_param_sync(self) -> None:
         """Never read or write the params while a gather of them is in flight (ZeRO-1/2)."""
@@ -361,7 +356,8 @@ class ShardedAdamW(_LossScaling):
             g["lr"] = saved["lr"]  # weight decay stays this run's flag
         if self.grad_scaler is not None and sd.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(sd["grad_scaler"])
-        self.host.set_step(int(sd["step"]))
+        for st in self.host.moments.values():  # the host AdamW's own counts
+            st["step"].fill_(int(sd["step"]))
 
     def _local(self):
         return zip(self.segments, zip(self.masters, self.exp_avg, self.exp_avg_sq))
@@ -414,7 +410,8 @@ class ShardedAdamW(_LossScaling):
         for saved, (_, ts) in zip(sd["shards"], self._local()):
             for k, t in zip(ADAM_KINDS, ts):
                 t.copy_(saved[k])
-        self._to_model()
+        self.host.upload()
+        self._copy_masters_to_model()
         self._load_common(sd)
 
     @torch.no_grad()
@@ -454,7 +451,8 @@ class ShardedAdamW(_LossScaling):
         self._load_common(full)
 
     def _load_full_model(self, params: Dict[str, Dict[str, torch.Tensor]]) -> None:
-        self._to_model()
+        self.host.upload()
+        self._copy_masters_to_model()
 
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """The tensors megalite/memory.py counts as masters and optimizer states."""
