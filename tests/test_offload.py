@@ -145,3 +145,15 @@ def test_planner_offload_terms():
     got = step_time(m, off, cl, 8)
     assert got["offload_s"] == pytest.approx(want)
     assert got["step_time_s"] - step_time(m, lay, cl, 8)["step_time_s"] == pytest.approx(want)
+
+
+def test_offload_with_hsdp(tmp_path):
+    """HSDP (DP 4 as 2 instances of 2, ZeRO 3): f = 0.5 trains as without offload, the
+    overflowed first step skipped."""
+    hsdp = ["--num-distributed-optimizer-instances", "2"]
+    runs = [flags(*FP16, *hsdp, *OFFLOAD[name], "--metrics-file", tmp_path / f"{name}.jsonl",
+                  train_iters=3, zero_stage=3) for name in ("none", "f05")]
+    run_distributed(pretrain_cases, 4, runs)
+    ref, got = (read_metrics(tmp_path / f"{name}.jsonl") for name in ("none", "f05"))
+    assert [r["skipped_iterations"] for r in got] == [1, 0, 0]
+    assert [r["lm_loss"] for r in got] == pytest.approx([r["lm_loss"] for r in ref], rel=1e-6)
