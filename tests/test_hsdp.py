@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import test_zero
 import test_zero3 as z3
 from dist_utils import run_distributed
 from pretrain_utils import assert_same_run, flags, pretrain_cases, read_metrics, run_main
@@ -52,6 +53,14 @@ def _traffic(rank):
                 bucket_size=BUCKET)
     assert_params_close(out["params"], ref_params, 1e-5, "dp4 r2 zero1")
     g = sum(b.numel for b in out["chunks"][0].buckets) * 4  # fp32 gradient bytes, padded
+    # overlapped: bucket 0's shard crosses the instances before the backward's last gradient
+    ddp = out["chunks"][0]
+    ddp.record_events = True
+    tokens, labels = test_zero.global_batch(0)
+    (ddp(tokens[:2], labels=labels[:2]).sum() / labels.numel()).backward()
+    events = [(kind, what) for kind, what, _ in ddp.events]
+    assert events.index(("cross", 0)) < max(i for i, e in enumerate(events) if e[0] == "hook")
+    ddp.finish_grad_sync()
     # ZeRO-3: the units' shards cross the instances once a step, after the last micro-batch
     model, opt = z3._build(z3.tiny_config(), ps)
     C.reset_bytes_sent()

@@ -170,6 +170,23 @@ class DistributedDataParallel(nn.Module):
                 bucket.pending_out, bucket.grad_data, group=buf.dp_group, async_op=async_op,
                 tag="dp_grad_reduce_scatter")
         bucket.launched = True
+        if buf.zero_stage == 1 and async_op and self.replicate_group is not None:
+            # HSDP: the buckets launched before this one had a bucket's backward to finish their
+            # reduce-scatters, so their shards cross the instances now, behind the backward
+            for b in buf.buckets:
+                if b.launched and b is not bucket and b.replicate_handle is None:
+                    self._cross(buf, b)
+
+    def _cross(self, buf: ParamAndGradBuffer, bucket: Bucket) -> None:
+        """Wait for the bucket's reduction, then (HSDP) all-reduce its shard across the
+        instances, in flight until finish_grad_sync."""
+        if bucket.grad_handle is not None:
+            bucket.grad_handle.wait()
+            bucket.grad_handle = None
+        bucket.replicate_handle = C.all_reduce(buf.grad_shard(bucket), async_op=True,
+                                               group=self.replicate_group, tag="dp_replicate")
+        if self.replicate_group is not None:
+            self._record("cross", bucket.index)
 
     def _complete_stage2(self, bucket: Bucket) -> None:
         if bucket.pending_out is None:
@@ -213,30 +230,28 @@ class DistributedDataParallel(nn.Module):
         if self._synced:
             return
         self.start_grad_sync()
-        across = []  # HSDP: a bucket's shard crosses the instances while the next one finishes
         for buf in self.grad_buffers:
             for b in buf.buckets:
                 if buf.zero_stage == 2:
                     self._complete_stage2(b)
-                elif b.grad_handle is not None:
-                    b.grad_handle.wait()
-                    b.grad_handle = None
+                if b.replicate_handle is None:  # (a bucket's shard crosses while the next waits)
+                    self._cross(buf, b)
                 b.launched = False
                 b.ready.clear()
-                across.append(C.all_reduce(buf.grad_shard(b), group=self.replicate_group,
-                                           async_op=True, tag="dp_replicate"))
-        for work in across:
-            if work is not None:
-                work.wait()
+        for b in self.buckets:
+            if b.replicate_handle is not None:
+                b.replicate_handle.wait()
+                b.replicate_handle = None
         self._synced = True
 
     def zero_grad_buffer(self) -> None:
         """Zero the gradients for a new iteration (waits for anything still in flight)."""
         for buf in self.grad_buffers:
             for b in buf.buckets:
-                if b.grad_handle is not None:
-                    b.grad_handle.wait()
-                    b.grad_handle = None
+                for work in (b.grad_handle, b.replicate_handle):
+                    if work is not None:
+                        work.wait()
+                b.grad_handle = b.replicate_handle = None
                 b.pending_out = None
             buf.zero_grad()
         for p in self.param_to_buffer:

@@ -51,6 +51,7 @@ class Bucket:
         self.launched = False  # grad collective issued in this iteration (stages 0/1)
         self.grad_handle = None
         self.pending_out: Optional[torch.Tensor] = None  # stage 2: reduce-scatter output
+        self.replicate_handle = None  # HSDP: the shard's all-reduce across the instances
         self.param_handle = None  # async all-gather of params (overlap_param_gather)
 
 
