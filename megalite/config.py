@@ -1142,6 +1142,9 @@ class ExecutionConfig(_Section):
         "auto", "context-parallel attention blocks: auto (fused: the CPU flash kernel; on CUDA "
         "flash, cuDNN or memory-efficient SDPA, self-checked) or math (exact fp32)",
         choices=("auto", "math"), group="parallelism")
+    cross_entropy_chunk_tokens: int = setting(
+        256, "the output layer and loss fused, this many tokens' logits at a time (the logits "
+        "never whole; 0: whole, the old path; docs/tensor_parallel.md)", bound=NON_NEGATIVE)
     moe_grouped_gemm: bool = moe_setting(  # the loop needs each expert's row count on the host
         True, "all local experts in one grouped GEMM; --no-moe-grouped-gemm: a loop over them, "
         "which reads the row counts on the host every layer (Megatron's default is the loop)")

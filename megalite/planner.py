@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.checkpoint.layout import Layout as FileLayout
-from megalite.config import V_SCHEDULES, ModelConfig, default_schedule
+from megalite.config import V_SCHEDULES, ExecutionConfig, ModelConfig, default_schedule
 from megalite.distributed.ddp import DEFAULT_BUCKET_SIZE
 from megalite.logging import attention_flops, causal_pairs, model_flops_per_sequence
 from megalite.memory import theoretical_model_state_bytes
@@ -114,6 +114,8 @@ class Model:
     # --overlap-moe-expert-parallel-comm: the all-to-alls behind the paired micro-batch's compute
     moe_overlap: bool = False
     mean_document_length: Optional[int] = None  # packed documents (--reset-attention-mask)
+    # --cross-entropy-chunk-tokens: the logits of this many tokens at a time (0: whole logits)
+    loss_chunk_tokens: int = ExecutionConfig.cross_entropy_chunk_tokens
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -382,6 +384,12 @@ def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
     forward to its backward, before any layer's backward: a working set of its own)."""
     cfg, E = m.cfg, m.bytes_per_value
     n, h, vt = cfg.seq_length * b, cfg.hidden_size, cfg.padded_vocab_size(t) // t
+    if m.loss_chunk_tokens:  # chunked: one chunk's cross entropy with its gradient made in
+        # place of its logits, the others' per-token values, dX (+ the re-gathered input, SP) and
+        # the weight gradient summed into
+        c = min(n, m.loss_chunk_tokens)
+        return m.cross_entropy_bytes(c, vt)[0] - c * vt * E + (n - c) * 21 \
+            + n * h * E * (1 + sp) + vt * h * E
     # then the output layer's backward, the logits freed: their gradient, the [V/t, h] weight
     # gradient, the input gradient (+ the re-gathered input, SP)
     return max(m.cross_entropy_bytes(n, vt)[0], n * vt * E + vt * h * E + n * h * E * (1 + sp))
@@ -651,7 +659,8 @@ def _layer_s(m: Model, lay: Layout, cl: Cluster) -> Dict[str, float]:
         out["fwd_moe"] = attn_gemms + attn + norms + out["moe"]["compute"]
         out["w_moe"] = attn_gemms + out["moe"]["w"]
     vt = cfg.padded_vocab_size(t) / t
-    out["logits"] = 3 * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) \
+    # chunked (docs/tensor_parallel.md): backward recomputes the logits, a fourth GEMM
+    out["logits"] = (3 + (m.loss_chunk_tokens > 0)) * _gemm_s(2 * M * h * vt, (M, h, vt), gpu) \
         + m.cross_entropy_bytes(M, vt)[1] * M * vt / hbm
     return out
 
@@ -776,5 +785,6 @@ def estimate_for_run(cfg, world_size: int, device: str, stage: int,
                  opt.optimizer_offload_fraction * opt.optimizer_cpu_offload,
                  opt.num_distributed_optimizer_instances)
     model = Model.from_config(cfg.model, device, moe_imbalance=moe_imbalance,
-                              moe_overlap=tr.overlap_moe_expert_parallel_comm)
+                              moe_overlap=tr.overlap_moe_expert_parallel_comm,
+                              loss_chunk_tokens=ex.cross_entropy_chunk_tokens)
     return memory(model, lay, tr.global_batch_size, stage)

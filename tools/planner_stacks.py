@@ -52,6 +52,7 @@ class Stack(Model):
     embedding_slot: bool = False
     loss_slot: bool = False
     precision: str = "bf16"  # bf16 | fp8
+    loss_chunk_tokens: int = 0  # the published rows' stacks made their logits whole
 
     def pipeline_slots(self, p: int) -> int:
         return self.cfg.num_layers + (p > 1) * (self.embedding_slot + self.loss_slot)

@@ -22,7 +22,10 @@ from megalite.models.transformer import TransformerLayer, hidden_dropout
 from megalite.moe.layer import MoEGroups
 from megalite.param_meta import set_param_meta
 from megalite.parallel_state import ParallelState, get_parallel_state
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.cross_entropy import (
+    linear_cross_entropy,
+    vocab_parallel_cross_entropy,
+)
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -185,7 +188,14 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
-        logits = self.output_layer(x, self._output_weight())  # [s, b, Vp/t]
+        chunk, out = self.execution.cross_entropy_chunk_tokens, self.output_layer
+        if labels is not None and chunk:  # the logits never whole (docs/tensor_parallel.md)
+            loss = linear_cross_entropy(
+                x, self._output_weight(), labels.t(), self.tp_group,
+                self.config.output_vocab_size, chunk_tokens=chunk,
+                sequence_parallel=out.sequence_parallel, store=out.weight_grad_store)
+            return loss.t()  # [b, s]
+        logits = out(x, self._output_weight())  # [s, b, Vp/t]
         if labels is not None:
             loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group,
                                                 vocab_size=self.config.output_vocab_size)

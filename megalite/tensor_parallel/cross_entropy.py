@@ -15,6 +15,11 @@ import torch
 
 from megalite import collectives as C
 from megalite.compiled import compile_or_eager
+from megalite.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_first_dim,
+    gather_from_sequence_parallel_region,
+)
 
 BLOCK_ELEMENTS = 1 << 24  # logits upcast to fp32 at a time (64 MiB) at most
 # On the CPU, blocks small enough to stay in a core's L2 cache (4 MiB in fp32) through the eager
@@ -47,11 +52,12 @@ def block_grad(out: torch.Tensor, x: torch.Tensor, log_sum_exp: torch.Tensor, g:
     """Write (softmax - smooth) * g into ``out`` for one block; return the target column's value
     (the same minus its one-hot weight, fp32), for the caller to scatter (a scatter inside would
     make a fused kernel keep an fp32 copy of the block)."""
+    # the target column first: ``out`` may be ``x`` (the chunked loss head's in-place gradient)
+    at_target = (x.gather(-1, local_target[:, None]).float() - log_sum_exp[:, None]).exp_()
     p = (x.float() - log_sum_exp[:, None]).exp_()
     if smooth:
         p.sub_(smooth)
     out.copy_(p.mul_(g[:, None]))
-    at_target = (x.gather(-1, local_target[:, None]).float() - log_sum_exp[:, None]).exp_()
     return (at_target - smooth) * g[:, None] - onehot[:, None]
 
 
@@ -66,40 +72,64 @@ def _maybe_compiled(fn, x: torch.Tensor):
     return _compiled(fn) if use and not torch.compiler.is_compiling() else fn
 
 
+def _local_targets(target: torch.Tensor, start: int, part: int):
+    """(target column on this rank, 0 where another rank holds it; that mask) per token."""
+    outside = (target < start) | (target >= start + part)
+    return (target - start).masked_fill(outside, 0), outside
+
+
+def _local_stats(x: torch.Tensor, local_target: torch.Tensor, real: int, k: int) -> torch.Tensor:
+    """[k, rows] fp32 of this rank's logit rows ``x``: block_stats over its ``real`` columns."""
+    if real == 0:  # no real column on this rank
+        stats = torch.zeros(k, x.shape[0], dtype=torch.float32, device=x.device)
+        stats[0] = float("-inf")
+        return stats
+    stats_fn = _maybe_compiled(block_stats, x)
+    parts = [stats_fn(x[r, :real], local_target[r], k == 4) for r in _blocks(x)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _combine(stats, outside, group, vocab_size: int, label_smoothing: float):
+    """(per-token loss, log-sum-exp) from every rank's stats: the two all-reduces."""
+    local_max, sums = stats[0], stats[1:]
+    sums[1].masked_fill_(outside, 0.0)
+    row_max = local_max.clone()
+    C.all_reduce(row_max, group=group, op=C.ReduceOp.MAX, tag="tp_all_reduce")
+    sums[0].mul_((local_max - row_max).exp_())  # exp(-inf) = 0 where a rank has no real vocab
+    C.all_reduce(sums, group=group, tag="tp_all_reduce")
+    log_sum_exp = row_max + sums[0].log()
+    loss = log_sum_exp - sums[1]
+    if label_smoothing > 0:  # mean over the real vocab of -log p = log_sum_exp - mean(x)
+        smooth_loss = log_sum_exp - sums[2] / vocab_size
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth_loss
+    return loss, log_sum_exp
+
+
+def _grad_logits(out, x, log_sum_exp, g, local_target, onehot, real: int, smooth: float):
+    """Write the gradient of logit rows ``x`` into ``out`` (which may be ``x`` itself)."""
+    out[:, real:] = 0.0  # padded columns: probability exactly 0
+    if real == 0:
+        return
+    grad_fn = _maybe_compiled(block_grad, x)
+    for r in _blocks(x):
+        o = out[r, :real]
+        at_target = grad_fn(o, x[r, :real], log_sum_exp[r], g[r], local_target[r], onehot[r],
+                            smooth)
+        o.scatter_(-1, local_target[r, None], at_target.to(o.dtype))
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
-        rank = C.group_rank(group)
         part = logits.shape[-1]
-        start = rank * part
+        start = C.group_rank(group) * part
         # Only the last ranks can hold padding; a rank may hold none of the real vocab at all.
         real = max(0, min(part, vocab_size - start))
-        x, tgt = logits.reshape(-1, part), target.reshape(-1)
-        n = x.shape[0]
-        outside = (tgt < start) | (tgt >= start + part)
-        local_target = (tgt - start).masked_fill(outside, 0)
-
+        x = logits.reshape(-1, part)
+        local_target, outside = _local_targets(target.reshape(-1), start, part)
         # rows: local max, sum exp(x - local max), target logit[, sum x]
-        k = 4 if label_smoothing > 0 else 3
-        if real > 0:
-            stats_fn = _maybe_compiled(block_stats, x)
-            parts = [stats_fn(x[r, :real], local_target[r], k == 4) for r in _blocks(x)]
-            stats = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        else:  # no real column on this rank
-            stats = torch.zeros(k, n, dtype=torch.float32, device=x.device)
-            stats[0] = float("-inf")
-        local_max, sums = stats[0], stats[1:]
-        sums[1].masked_fill_(outside, 0.0)
-        row_max = local_max.clone()
-        C.all_reduce(row_max, group=group, op=C.ReduceOp.MAX, tag="tp_all_reduce")
-        sums[0].mul_((local_max - row_max).exp_())  # exp(-inf) = 0 where a rank has no real vocab
-        C.all_reduce(sums, group=group, tag="tp_all_reduce")
-        log_sum_exp = row_max + sums[0].log()
-        loss = log_sum_exp - sums[1]
-        if label_smoothing > 0:  # mean over the real vocab of -log p = log_sum_exp - mean(x)
-            smooth_loss = log_sum_exp - sums[2] / vocab_size
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * smooth_loss
-
+        stats = _local_stats(x, local_target, real, 4 if label_smoothing > 0 else 3)
+        loss, log_sum_exp = _combine(stats, outside, group, vocab_size, label_smoothing)
         ctx.save_for_backward(logits, log_sum_exp, local_target, outside)
         ctx.label_smoothing, ctx.vocab_size, ctx.real = label_smoothing, vocab_size, real
         return loss.view(target.shape)
@@ -107,20 +137,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         logits, log_sum_exp, local_target, outside = ctx.saved_tensors
-        eps, real = ctx.label_smoothing, ctx.real
-        part = logits.shape[-1]
-        x = logits.reshape(-1, part)
+        eps = ctx.label_smoothing
+        x = logits.reshape(-1, logits.shape[-1])
         grad = torch.empty_like(x)
-        grad[:, real:] = 0.0  # padded columns: probability exactly 0
         g = grad_loss.reshape(-1).float()
         onehot = (1.0 - eps) * (~outside).float() * g
-        if real > 0:
-            grad_fn = _maybe_compiled(block_grad, x)
-            for r in _blocks(x):
-                out = grad[r, :real]
-                at_target = grad_fn(out, x[r, :real], log_sum_exp[r], g[r], local_target[r],
-                                    onehot[r], eps / ctx.vocab_size)
-                out.scatter_(-1, local_target[r, None], at_target.to(out.dtype))
+        _grad_logits(grad, x, log_sum_exp, g, local_target, onehot, ctx.real,
+                     eps / ctx.vocab_size)
         return grad.view(logits.shape), None, None, None, None
 
 
@@ -132,3 +155,91 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     if vocab_size is None:
         vocab_size = logits.shape[-1] * C.group_size(group)
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, label_smoothing)
+
+
+@torch.no_grad()  # a deferred W runs outside backward: no graph
+def _chunk_grads(x, weight, log_sum_exp, g, local_target, outside, chunk, real, eps, vocab_size,
+                 grad_x=None, with_w=True):
+    """Recompute each chunk's logits, turn them into their gradient in place, and from it write
+    the chunk's rows of dX into ``grad_x`` (if given) and add its part of dW (returned if
+    ``with_w``; summed in the weight's dtype: 16-bit weights take one rounding per chunk rather
+    than a dW-sized fp32 buffer)."""
+    grad_w = torch.zeros_like(weight) if with_w else None
+    onehot = (1.0 - eps) * (~outside).float() * g
+    for r, logits in _chunk_logits(x, weight, chunk):
+        _grad_logits(logits, logits, log_sum_exp[r], g[r], local_target[r], onehot[r], real,
+                     eps / vocab_size)
+        if grad_x is not None:
+            torch.matmul(logits, weight, out=grad_x[r])
+        if with_w:
+            grad_w.addmm_(logits.t(), x[r])
+    return grad_w
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, chunk: int):
+    """(rows, their logits) chunk by chunk, in one reused buffer: a chunk's logits are gone
+    when the next one's are made (and the CPU does not page in a fresh buffer per chunk)."""
+    buf = x.new_empty(min(chunk, x.shape[0]), weight.shape[0])
+    for i in range(0, x.shape[0], chunk):
+        r = slice(i, i + chunk)
+        yield r, torch.matmul(x[r], weight.t(), out=buf[:x[r].shape[0]])
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """logits = x W^T and their cross entropy, ``chunk`` token rows at a time: forward keeps x
+    (this rank's SP shard of it) and the per-token log-sum-exp; backward recomputes the logits
+    chunk by chunk (docs/tensor_parallel.md, "The chunked loss head")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, local_x, group, vocab_size, label_smoothing, chunk,
+                store):
+        part = weight.shape[0]
+        start = C.group_rank(group) * part
+        real = max(0, min(part, vocab_size - start))
+        xs = x.reshape(-1, x.shape[-1])
+        local_target, outside = _local_targets(target.reshape(-1), start, part)
+        k = 4 if label_smoothing > 0 else 3
+        # every chunk's local stats first, then the same two all-reduces as unchunked
+        stats = torch.cat([_local_stats(logits, local_target[r], real, k)
+                           for r, logits in _chunk_logits(xs, weight, chunk)], dim=1)
+        loss, log_sum_exp = _combine(stats, outside, group, vocab_size, label_smoothing)
+        ctx.gathered = local_x is not None
+        ctx.save_for_backward(local_x if ctx.gathered else x, weight, log_sum_exp, local_target,
+                              outside)
+        ctx.args = (chunk, real, label_smoothing, vocab_size)
+        ctx.group, ctx.store, ctx.weight = group, store, weight
+        return loss.view(target.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved, weight, log_sum_exp, local_target, outside = ctx.saved_tensors
+        x = gather_first_dim(saved, ctx.group) if ctx.gathered else saved
+        xs = x.reshape(-1, x.shape[-1])
+        g = grad_loss.reshape(-1).float()
+        grad_x = torch.empty_like(xs)
+        tensors = (xs, weight, log_sum_exp, g, local_target, outside)
+        want_w = ctx.needs_input_grad[1]
+        defer = want_w and ctx.store is not None and ctx.store.capturing  # a B: W recomputes
+        grad_w = _chunk_grads(*tensors, *ctx.args, grad_x=grad_x, with_w=want_w and not defer)
+        if defer:
+            ctx.store.put(ctx.weight, lambda: _chunk_grads(*tensors, *ctx.args))
+        return grad_x.view(x.shape), grad_w, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         group=None, vocab_size: Optional[int] = None, *, chunk_tokens: int,
+                         label_smoothing: float = 0.0, sequence_parallel: bool = False,
+                         store=None) -> torch.Tensor:
+    """The output layer (a ColumnParallelLinear without bias, ``weight`` [V/t, h]) fused with
+    vocab_parallel_cross_entropy: x [s, b, h] ([s/t, b, h] gathered, ``sequence_parallel``) to
+    the per-token loss [s, b], never more than ``chunk_tokens`` rows of logits at once;
+    ``store``: a WeightGradStore the weight gradient may be deferred to."""
+    if vocab_size is None:
+        vocab_size = weight.shape[0] * C.group_size(group)
+    sp = sequence_parallel and C.group_size(group) > 1
+    if sp:  # as ColumnParallelLinear: all-gather along s, reduce-scatter dX in backward
+        total, local_x = gather_from_sequence_parallel_region(x, group), x
+    else:  # all-reduce dX in backward
+        total, local_x = copy_to_tensor_model_parallel_region(x, group), None
+    return _LinearCrossEntropy.apply(total, weight, target, local_x, group, vocab_size,
+                                     label_smoothing, chunk_tokens, store)
