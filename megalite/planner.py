@@ -745,8 +745,10 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         one = 2 * over_groups(False, E) + over_groups(False, 4)
         first = 2 * _coll_s(False, E * m.layer_params() / t, d // r_inst, link)
         dp, overlap = num_micro * (max(one, 0.9 * per_micro) + first), compute
+    # (at ZeRO 1 it overlaps the backward with the buckets' reductions; at 2 and 3 it follows)
     replicate = _coll_s(True, across, r_inst, cl.link(t * d))
-    dp = max(0.0, dp - 0.9 * overlap) + replicate
+    hidden = replicate if lay.zero_stage == 1 else 0.0
+    dp = max(0.0, dp + hidden - 0.9 * overlap) + replicate - hidden
     # optimizer step: one read and one write of this GPU's model states
     compute += 2 * sum(theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] for n, size in groups) / hbm

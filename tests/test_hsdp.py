@@ -159,5 +159,6 @@ def test_planner_models_hsdp():
     t = step_time(m, hsdp, cl, 64)
     g = 4 * m.cfg.num_parameters()
     assert t["dp_replicate_bytes"] == pytest.approx(2 * 3 / 4 * g / 8)
-    assert 0 < t["dp_replicate_s"] <= t["dp_comm_s"] and step_time(m, flat, cl, 64)[
-        "dp_replicate_s"] == 0
+    slow = step_time(m, flat, cl, 64)  # flat ZeRO: every ring crosses the nodes
+    assert 0 < t["dp_replicate_s"] <= t["dp_comm_s"] < slow["dp_comm_s"]
+    assert slow["dp_replicate_s"] == 0
