@@ -665,6 +665,15 @@ def _layer_s(m: Model, lay: Layout, cl: Cluster) -> Dict[str, float]:
     return out
 
 
+def offload_s(lay: Layout, local: float, E: int) -> float:
+    """--optimizer-cpu-offload's seconds per step for ``local`` optimizer elements: gradients
+    down in fp32, weights up in the model's dtype (ZeRO 0: into its fp32 masters), the host's
+    AdamW; exposed, as the next forward needs the weights (docs/offload.md)."""
+    return lay.optimizer_offload_fraction * local * (
+        (4 + (E if lay.zero_stage else 4)) / (PCIE_BANDWIDTH_GBPS * 1e9)
+        + 1 / HOST_ADAMW_ELEMENTS_PER_S)
+
+
 def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     """Seconds per step: compute, exposed TP, CP and EP comm, bubble (with p2p), exposed DP/ZeRO
     comm (docs/planner.md, "Step time"). Under CP a GPU computes s/C tokens."""
@@ -752,12 +761,7 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     # optimizer step: one read and one write of this GPU's model states
     compute += 2 * sum(theoretical_model_state_bytes(n, size, lay.zero_stage, cfg.params_dtype)[
         "total_bytes"] for n, size in groups) / hbm
-    # offload: the gradients down in fp32 and the weights up in the model's dtype (ZeRO 0: into
-    # its fp32 masters), and the host's AdamW, exposed (the next forward needs the weights)
-    local = sum(n / (size if lay.zero_stage else 1) for n, size in groups)
-    offload = lay.optimizer_offload_fraction * local * (
-        (4 + (E if lay.zero_stage else 4)) / (PCIE_BANDWIDTH_GBPS * 1e9)
-        + 1 / HOST_ADAMW_ELEMENTS_PER_S)
+    offload = offload_s(lay, sum(n / (size if lay.zero_stage else 1) for n, size in groups), E)
     total = compute + tp + bubble + dp + cp + ep + offload
     extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / cfg.num_layers * sum(
         recomputed(lay, x) for rank in chunks for x in rank)

@@ -196,6 +196,7 @@ def plan(m: Model, cl: Cluster, gbs: int, fixed: Optional[dict] = None) -> List[
                 only("recompute_granularity", ("none", "selective", "full")),
                 CP_COMM_TYPES if c > 1 else ("p2p",), grid):
             lay = Layout(t, p, v, d, z, sp, rc, b, sched, c, ct, *extra, ep, etp,
+                         optimizer_offload_fraction=fixed.get("optimizer_offload_fraction", 0.0),
                          num_distributed_optimizer_instances=fixed.get(
                              "num_distributed_optimizer_instances", 1))
             if all(getattr(lay, k) == x for k, x in fixed.items()) \
@@ -386,6 +387,8 @@ def parse(argv):
                             "recompute_granularity": cfg.execution.recompute_granularity,
                             "pipeline_schedule": cfg.training.pipeline_schedule,
                             }.get(field, getattr(ns, field, None))
+    if cfg.optimizer.optimizer_cpu_offload:  # pinned as given (docs/offload.md)
+        fixed["optimizer_offload_fraction"] = cfg.optimizer.validate().optimizer_offload_fraction
     if "virtual_pipeline_model_parallel_size" in fixed and "pipeline_schedule" not in fixed:
         v = fixed["virtual_pipeline_model_parallel_size"]  # pretrain.py's default schedule for v
         fixed["pipeline_schedule"] = default_schedule(v)
