@@ -586,7 +586,7 @@ def cmd_summarize(args):
                 f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
                 f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
                 for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
-        elif s["step"] in ("cp_blocks", "doc_attention", "linear_attention") \
+        elif s["step"] in ("cp_blocks", "doc_attention", "linear_attention", "offload") \
                 and r.get("ran") is False:
             detail = f"NOT RUN: {r['reason']}"
         elif s["step"] == "doc_attention" and "cases" in r:
@@ -596,6 +596,11 @@ def cmd_summarize(args):
                       f"{max(c.get('max_error', float('inf')) for c in r['cases']):.1e}; "
                       + ", ".join(f"{dt}: {'/'.join(p)}" for dt, p in paths.items())
                       + f"  {detail}")
+        elif s["step"] == "offload" and "saved_bytes" in r:
+            detail = (f"device {r['saved_bytes'] / 2**20:.1f} MiB less (Adam moments: "
+                      f"{r['expected_bytes'] / 2**20:.1f}); weights {r['weights_rel']:.1e}; step "
+                      f"{r['without']['step_s'] * 1e3:.0f} -> {r['with']['step_s'] * 1e3:.0f} ms"
+                      f"  {detail}")
         elif s["step"] == "linear_attention" and "cases" in r:
             detail = (f"{r['passed']}/{r['checked']} cases pass; worst error "
                       f"{max(c.get('max_error', float('inf')) for c in r['cases']):.1e}  {detail}")

@@ -7,7 +7,8 @@
 # Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | cp_blocks (context-parallel block kernels vs
 # the math path; not run without CUDA) | doc_attention (the CUDA document kernel vs the masked
 # SDPA; not run without CUDA) | linear_attention (fla's gated delta rule vs megalite's torch rule;
-# not run without CUDA or fla) | host syncs per iteration | train x3 (pretrain.py bf16,
+# not run without CUDA or fla) | host syncs per iteration | offload (device memory with and without
+# --optimizer-cpu-offload; not run without CUDA) | train x3 (pretrain.py bf16,
 # no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU: it has no device flag).
 # Each step has its own timeout, all capped by a total time limit (GC_TIME_LIMIT seconds, default
 # 420), so one hang does not lose the rest. Writes summary.txt (also printed), summary.json and
@@ -27,7 +28,7 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_check.sh: unknown argument '$1'; valid: --dry-run, --out DIR, --only STEPS, --help" >&2; exit 2;;
   esac
 done
-STEPS="env correctness cp_blocks doc_attention linear_attention host_syncs train_none train_selective train_full gloo_tp_parity single_device_vs_hf nccl_multi_rank"
+STEPS="env correctness cp_blocks doc_attention linear_attention host_syncs offload train_none train_selective train_full gloo_tp_parity single_device_vs_hf nccl_multi_rank"
 for n in $(echo "${ONLY//,/ }"); do
   case " $STEPS " in *" $n "*) ;; *) echo "gpu_check.sh: --only: unknown step '$n'; valid: ${STEPS// /, }" >&2; exit 2;; esac
 done
@@ -96,6 +97,8 @@ step linear_attention 90 "fla gated delta rule vs megalite's torch rule, fwd+bwd
   $PY benchmarks/gpu_check.py linear_attention --device cuda --result "$WORK/linear_attention.json"
 step host_syncs 150 "per iteration, 2 vs 8 layers and micro-batches" \
   $PY benchmarks/gpu_check.py syncs --device $DEV --result "$WORK/host_syncs.json"
+step offload 120 "device memory with and without --optimizer-cpu-offload, bf16 ZeRO 0" \
+  $PY benchmarks/gpu_check.py offload --device cuda --result "$WORK/offload.json"
 for g in none selective full; do
   extra=""; [ $g != none ] && extra="--recompute-granularity $g"
   step "train_$g" 150 "pretrain.py $DEV recompute=$g" \

@@ -18,22 +18,23 @@ from megalite.context_parallel import blocks as B  # noqa: E402
 
 
 def test_cuda_kernel_steps_without_cuda_report_not_run(tmp_path):
-    """The CP block kernels' step and the document kernel's."""
+    """The CP block kernels' step, the document kernel's and offload's device memory."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run",
-                           "--only", "cp_blocks,doc_attention", "--out", str(tmp_path)], env=env,
+                           "--only", "cp_blocks,doc_attention,offload", "--out", str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for step, name in zip(summary["steps"], ["cp_blocks", "doc_attention"], strict=True):
+    names = ["cp_blocks", "doc_attention", "offload"]
+    for step, name in zip(summary["steps"], names, strict=True):
         assert step["step"] == name and step["status"] == "skip" and step["rc"] == 77
         assert step["result"]["ran"] is False and step["result"]["pass"] is False
-    assert summary["not_run"] == ["cp_blocks", "doc_attention"]
+    assert summary["not_run"] == names
     # nothing ran, so the whole check is no pass either
     assert proc.returncode == 1 and summary["all_pass"] is False
     text = (tmp_path / "summary.txt").read_text()
     rows = [line.split(None, 3) for line in text.splitlines()
-            if line.startswith(("cp_blocks ", "doc_attention "))]
-    assert [(r[0], r[1]) for r in rows] == [("cp_blocks", "skip"), ("doc_attention", "skip")]
+            if line.startswith(tuple(n + " " for n in names))]
+    assert [(r[0], r[1]) for r in rows] == [(n, "skip") for n in names]
     assert all(r[3].startswith("NOT RUN: no CUDA device") for r in rows), text
 
 
