@@ -187,6 +187,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     added |= {"--no-verify-load"}  # docs/checkpoints.md, "Loads that prove themselves"
     added |= {"--num-distributed-optimizer-instances"}  # docs/data_parallel.md, "HSDP"
     added |= {"--optimizer-cpu-offload", "--optimizer-offload-fraction"}  # docs/offload.md
+    added |= {"--cross-entropy-chunk-tokens"}  # docs/tensor_parallel.md, chunked loss head
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)
