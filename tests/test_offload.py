@@ -43,10 +43,10 @@ def _flat(x, key=""):
         yield key, x
 
 
-def _files(run: str) -> dict:
-    """{file/key: value} of the iteration-5 checkpoint."""
+def _files(run: str, iteration: int = 5) -> dict:
+    """{file/key: value} of the checkpoint of ``iteration``."""
     out = {}
-    for f in glob.glob(f"{run}/iter_0000005/**/*.pt", recursive=True):
+    for f in glob.glob(f"{run}/iter_{iteration:07d}/**/*.pt", recursive=True):
         rel = os.path.relpath(f, run)
         out.update({f"{rel}{k}": v for k, v in _flat(torch.load(f, weights_only=False))})
     return out
@@ -87,7 +87,15 @@ def test_offload_equals_device_optimizer(tmp_path):
             runs.append(flags(*FP16, *BUCKET, *OFFLOAD[name], "--load", tmp_path / f"z{zero}none",
                               "--metrics-file", tmp_path / f"z{zero}{name}_resumed.jsonl",
                               train_iters=7, zero_stage=zero))
+    # experts over EP 2 at ZeRO 0: the checkpoint gathers the offloaded (host) expert state on
+    # the device path (strict mode refuses a host tensor there, as NCCL would)
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "24",
+           "--expert-model-parallel-size", "2"]
+    for name in ("none", "f1"):
+        runs.append(flags(*moe, *OFFLOAD[name], "--save", tmp_path / f"ep{name}",
+                          "--save-interval", 2, train_iters=2))
     run_distributed(pretrain_cases, 2, runs)
+    _assert_same_files(_files(tmp_path / "epf1", 2), _files(tmp_path / "epnone", 2), True, "EP 2")
     for zero, name, d in names:
         recs = read_metrics(f"{d}.jsonl")
         assert [r["skipped_iterations"] for r in recs] == [1, 0, 0, 0, 0], (zero, name)

@@ -299,7 +299,7 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
             st = optimizer.inner.state.get(m, {})
             jobs += [(("state", j, k), lambda t=st[k]: t, st[k].dtype, e)
                      for k in sorted(st) if torch.is_tensor(st[k]) and st[k].shape == m.shape]
-            if m is not e.param:  # a 16-bit model's fp32 master
+            if m.dtype != e.param.dtype:  # a 16-bit model's fp32 master (not an offloaded copy)
                 jobs.append((("master", i), lambda m=m: m, m.dtype, e))
     keep = ps.dp_cp_rank == 0
 
@@ -324,8 +324,8 @@ def _gather_experts(model_chunks, optimizer, with_optim: bool, ps, iteration: in
             local.update({(i, k): v.to(chunk.compute_dtype)
                           for k, v in chunk.split_flat(u, flat).items()})
             del flat
-        for where, tensor, _, e in jobs:
-            full = gather_whole(tensor().detach().contiguous(), e, ps)
+        for where, tensor, _, e in jobs:  # (on the device: offloaded state is on the host)
+            full = gather_whole(tensor().detach().contiguous().to(ps.device), e, ps)
             if keep:
                 out[where] = full
     return {"model": {w: t for w, t in out.items() if w[0] == "model"},

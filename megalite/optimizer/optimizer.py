@@ -421,7 +421,8 @@ class ShardedAdamW(_LossScaling):
         self._wait_param_sync()
         params: Dict[str, Dict[str, torch.Tensor]] = {}
         for i, ts in enumerate(zip(self.masters, self.exp_avg, self.exp_avg_sq)):
-            full = [self._gather_flat(i, t.detach()) for t in ts]
+            # (on the device, which the gather serves: offloaded state lives on the host)
+            full = [self._gather_flat(i, t.detach().to(self.ps.device)) for t in ts]
             for name, off, shape in self._flat_slots(i):
                 n = math.prod(shape)
                 params[name] = {k: f[off:off + n].view(shape).clone()
