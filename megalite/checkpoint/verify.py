@@ -67,7 +67,8 @@ def fingerprint(model_chunks, optimizer, ps) -> Dict[str, Dict[str, float]]:
     # (float64, in pieces of 2^24: an fp32 norm of 5e7 elements is 1e-3 off, by the cut's amount)
     squares = [sum(torch.linalg.vector_norm(x, dtype=torch.float64) ** 2
                    for x in t.detach().reshape(-1).split(1 << 24)) for _, _, t in counted]
-    squares = torch.stack(squares).tolist() if squares else []
+    # (one device: offloaded optimizer state's squares are on the host)
+    squares = torch.stack([s.to(ps.device) for s in squares]).tolist() if squares else []
     total: Dict[str, Dict[str, float]] = {}
     local = [(name, kind, sq) for (name, kind, _), sq in zip(counted, squares)]
     for part in C.all_gather_object(local, C.world_group()):
