@@ -129,6 +129,9 @@ def test_offload_fraction_and_bad_input():
         held = sum(h.numel() for h, _, _ in opt.host.units)
         assert 0.5 * sum(sizes) <= held < sum(sizes), (zero, held, sizes)
         assert len(opt.host.units) < len(sizes)
+        if zero:  # the memory record counts the device's state only
+            counted = [t for ts in opt.model_state_tensors().values() for t in ts]
+            assert len(counted) == 3 * (len(sizes) - len(opt.host.units)), zero
     for bad, what in ((["--optimizer-offload-fraction", "0"], "(0, 1]"),
                       (["--optimizer-offload-fraction", "1.5"], "(0, 1]"),
                       (["--optimizer-cpu-offload", "--optimizer", "sgd"], "sgd")):

@@ -457,8 +457,7 @@ class ShardedAdamW(_LossScaling):
 
     def model_state_tensors(self) -> Dict[str, List[torch.Tensor]]:
         """The tensors megalite/memory.py counts as masters and optimizer states."""
-        on_device = [t for t in (*self.masters, *self.exp_avg, *self.exp_avg_sq)
-                     if not self.host.holds(t)]  # (host memory: not counted)
-        n = len(self.masters) - len(self.host.units)
-        return {"master_params": on_device[:n], "optimizer_states": on_device[n:]}
+        device = [t for t in self.masters if not self.host.holds(t)]  # (the host's: not counted)
+        return {"master_params": device, "optimizer_states": [
+            t for t in (*self.exp_avg, *self.exp_avg_sq) if not self.host.holds(t)]}
 
