@@ -224,6 +224,23 @@ def expert_rank_grid(world_size: int, etp: int, ep: int, pp: int):
     return edp, groups("t"), groups("e"), groups("d"), groups("p")
 
 
+def _init_world(backend: str, rank: int, world_size: int, timeout, init_method, dev):
+    """The world group (unless one exists); returns (rank, world size). With NCCL it also gets
+    gloo for CPU tensors: the host path of megalite.collectives (run id, error agreement) is legal
+    there; every other group is NCCL-only, so a CPU tensor on it fails (and strict mode says so
+    on any machine)."""
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+    kwargs = dict(backend=world_backend, rank=rank, world_size=world_size, timeout=timeout)
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev
+    dist.init_process_group(**kwargs)
+    return rank, world_size
+
+
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
@@ -271,21 +288,9 @@ def initialize_model_parallel(
             set_parallel_state(state)
         return state
 
-    # With NCCL the world group also gets gloo for CPU tensors: the host path of
-    # megalite.collectives (run id, error agreement) is legal there; every other group is
-    # NCCL-only, so a CPU tensor on it fails (and strict mode says so on any machine).
-    world_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     dev = C.configure(dev)
     timeout = datetime.timedelta(minutes=timeout_minutes)  # subgroups default to 30 min otherwise
-    if not dist.is_initialized():
-        kwargs = dict(backend=world_backend, rank=rank, world_size=world_size, timeout=timeout)
-        if init_method is not None:
-            kwargs["init_method"] = init_method
-        if dev.type == "cuda":
-            kwargs["device_id"] = dev
-        dist.init_process_group(**kwargs)
-    else:
-        rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank, world_size = _init_world(backend, rank, world_size, timeout, init_method, dev)
 
     state = ParallelState(rank=rank, world_size=world_size, tp_size=tp, pp_size=pp, dp_size=dp,
                           cp_size=cp, cp_comm_type=cp_comm_type, device=dev, backend=backend,
