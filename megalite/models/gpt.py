@@ -22,10 +22,7 @@ from megalite.models.transformer import TransformerLayer, hidden_dropout
 from megalite.moe.layer import MoEGroups
 from megalite.param_meta import set_param_meta
 from megalite.parallel_state import ParallelState, get_parallel_state
-from megalite.tensor_parallel.cross_entropy import (
-    linear_cross_entropy,
-    vocab_parallel_cross_entropy,
-)
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -190,10 +187,8 @@ class GPTModel(nn.Module):
         x = self.final_layernorm(x)
         chunk, out = self.execution.cross_entropy_chunk_tokens, self.output_layer
         if labels is not None and chunk:  # the logits never whole (docs/tensor_parallel.md)
-            loss = linear_cross_entropy(
-                x, self._output_weight(), labels.t(), self.tp_group,
-                self.config.output_vocab_size, chunk_tokens=chunk,
-                sequence_parallel=out.sequence_parallel, store=out.weight_grad_store)
+            loss = out(x, self._output_weight(), labels.t(),
+                       vocab_size=self.config.output_vocab_size, chunk_tokens=chunk)
             return loss.t()  # [b, s]
         logits = out(x, self._output_weight())  # [s, b, Vp/t]
         if labels is not None:

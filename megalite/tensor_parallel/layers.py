@@ -20,6 +20,7 @@ from megalite.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from megalite.overlap import WeightGradStore
+from megalite.tensor_parallel.cross_entropy import linear_cross_entropy
 from megalite.param_meta import set_param_meta
 from megalite.tensor_parallel.utils import divide
 
@@ -107,8 +108,15 @@ class ColumnParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                target: Optional[torch.Tensor] = None, **loss) -> torch.Tensor:
+        """``target`` (an output layer without bias): the per-token loss instead of the logits,
+        which are never whole (cross_entropy.linear_cross_entropy; ``loss``: its keywords)."""
         weight = self.weight if weight is None else weight
+        if target is not None:  # a module call still, so that ZeRO-3's hooks see it
+            return linear_cross_entropy(x, weight, target, self.tp_group, **loss,
+                                        sequence_parallel=self.sequence_parallel,
+                                        store=self.weight_grad_store)
         if self.sequence_parallel:  # SP's g: all-gather along s, reduce-scatter dX in backward
             total = gather_from_sequence_parallel_region(x, self.tp_group)
             out = linear(total, weight, self.bias, local_x=x, group=self.tp_group,
