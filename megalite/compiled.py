@@ -6,10 +6,26 @@ eager function raises as well is a real one and propagates.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 
 from megalite.collectives import one_line
+
+
+def self_checked(what: str, then: str, error, tolerance: float) -> bool:
+    """Whether a fast kernel may be used: ``error()`` runs it against the exact path on a small
+    problem and returns the max relative error; an exception or an error over ``tolerance``
+    means no, with one warning line naming ``what`` and what runs instead (``then``)."""
+    try:
+        err = error()
+        why = None if err <= tolerance else f"max relative error {err:.1e}"
+    except Exception as e:  # noqa: BLE001 - any failure of the kernel means: do not use it
+        why = one_line(e, 200)
+    if why is not None:
+        warnings.warn(f"{what} failed its self-check ({why}); using {then}", RuntimeWarning,
+                      stacklevel=3)
+    return why is None
 
 
 class compile_or_eager:  # noqa: N801 - used like torch.compile

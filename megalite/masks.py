@@ -4,13 +4,14 @@ attention on one device under those masks (docs/data.md, "Packed documents"; doc
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from megalite.compiled import self_checked
 
 
 def sliding_window_attention(q, k, v, window: int, **kw) -> torch.Tensor:
@@ -178,15 +179,12 @@ def _varlen_ok(q, k, window) -> bool:
                   for _ in range(2))
         qq, kk, vv = (t.to(q.dtype) for t in (qq, kk, vv))
         docs = Documents.of(np.tile(np.arange(96) // 40, (2, 1))).to(q.device)
-        try:
+
+        def error():
             got = _varlen(qq, kk, vv, docs, window, enable_gqa=gqa)
             ref = _per_document(qq.float(), kk.float(), vv.float(), docs, window, enable_gqa=gqa)
-            err = float((got.float() - ref).abs().max() / ref.abs().max())
-            why = None if err < 3e-2 else f"max relative error {err:.1e}"
-        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-        if why is not None:
-            warnings.warn(f"document attention: torch's varlen kernel failed its self-check "
-                          f"({why}); using SDPA per document", RuntimeWarning, stacklevel=3)
-        _VARLEN_CHECKED[key] = why is None
+            return float((got.float() - ref).abs().max() / ref.abs().max())
+
+        _VARLEN_CHECKED[key] = self_checked("document attention: torch's varlen kernel",
+                                            "SDPA per document", error, 3e-2)
     return _VARLEN_CHECKED[key]

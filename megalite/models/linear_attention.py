@@ -10,13 +10,13 @@ value heads per key head, the convolution's channels [q, k, v] of each group."""
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite import collectives as C
+from megalite.compiled import self_checked
 from megalite.config import ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import reshard_to_heads
 from megalite.param_meta import set_param_meta
@@ -99,19 +99,16 @@ def _fla_matches(device, dtype, dk: int, dv: int) -> bool:
         g = -torch.rand(shape, device=device, generator=gen)
         beta = torch.rand(shape, device=device, generator=gen)
         ref = gated_delta_rule(q * dk ** -0.5, k, v, g, beta)
-        try:
+
+        def error():
             args = [t.transpose(1, 2).to(dtype).contiguous() for t in (q * dk ** -0.5, k, v)]
             o, _ = chunk_gated_delta_rule(*args, g.transpose(1, 2).contiguous(),
                                           beta.transpose(1, 2).contiguous(), scale=1.0)
-            err = float((o.transpose(1, 2).float() - ref).abs().max() / ref.abs().max())
-            why = None if err <= (2e-3 if dtype == torch.float32 else 2e-2) else \
-                f"max relative error {err:.1e}"
-        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-        if why is not None:
-            warnings.warn(f"linear attention: fla's chunk_gated_delta_rule failed its self-check "
-                          f"({why}); using the torch rule", RuntimeWarning, stacklevel=3)
-        _FLA_CHECKED[key] = why is None
+            return float((o.transpose(1, 2).float() - ref).abs().max() / ref.abs().max())
+
+        _FLA_CHECKED[key] = self_checked(
+            "linear attention: fla's chunk_gated_delta_rule", "the torch rule", error,
+            2e-3 if dtype == torch.float32 else 2e-2)
     return _FLA_CHECKED[key]
 
 
