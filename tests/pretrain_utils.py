@@ -96,6 +96,21 @@ def pretrain_cases(rank: int, world_size: int, runs: List[List[str]]) -> bool:
     return True
 
 
+def train_in_worker(argv: List[str]):
+    """pretrain(argv) in a run_distributed worker (strict mode on): its training losses and
+    what it printed, once every rank is done."""
+    import io
+
+    from megalite import collectives as C
+    from megalite.arguments import parse_args
+    from megalite.training import pretrain
+
+    out = io.StringIO()
+    summary = pretrain(parse_args([str(a) for a in argv]), stream=out)
+    C.barrier()
+    return summary["train_losses"], out.getvalue()
+
+
 def read_metrics(path: str, split: str = "train") -> List[dict]:
     with open(path) as f:
         return [r for r in map(json.loads, f) if r.get("split") == split]

@@ -29,6 +29,7 @@ from megalite.convert import (
 from megalite.models import GPTModel
 from megalite.models.linear_attention import gated_delta_rule, l2_normalize
 from megalite.parallel_state import ParallelState
+from test_convert_hf_moe import max_abs, tokens  # the same VOCAB and SEQ
 
 VOCAB, SEQ, TOL = 100, 16, 1e-4
 LIN, FULL = "linear_attention", "full_attention"
@@ -73,15 +74,6 @@ def make_hf(case: str, seed: int = 0, vocab: int = VOCAB):
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     return model.eval()
-
-
-def tokens(seed: int = 1, b: int = 2):
-    return torch.randint(0, VOCAB, (b, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def max_abs(a, b) -> float:
-    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
-    return (a - b).abs().max().item()
 
 
 # ---------------------------------------------------------------------------- the delta rule

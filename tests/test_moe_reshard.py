@@ -6,11 +6,10 @@ TP 2), each rank assembles the unsharded state of its (TP, PP) rank, keeps its e
 re-splits them: the next losses are those of the run that never stopped (fp32, 1e-5). One spawn
 of 4 ranks runs every case, in strict mode."""
 
-import io
 import os
 
 from dist_utils import run_distributed
-from pretrain_utils import flags
+from pretrain_utils import flags, train_in_worker
 
 ITERS, SAVE_AT = 6, 3
 MOE = flags("--num-experts", 4, "--moe-router-topk", 2, "--moe-ffn-hidden-size", 24,
@@ -40,17 +39,10 @@ def _cases(rank, world, root):
     import strict_collectives
 
     from megalite import collectives as C
-    from megalite.arguments import parse_args
-    from megalite.training import pretrain
 
     strict_collectives.enable()
 
-    def run(argv):
-        out = io.StringIO()
-        summary = pretrain(parse_args([str(a) for a in argv]), stream=out)
-        C.barrier()
-        return summary["train_losses"], out.getvalue()
-
+    run = train_in_worker
     got = {}
     for name, (src, targets) in CASES.items():
         ck = os.path.join(root, name)

@@ -8,13 +8,12 @@ collective on a tensor its group cannot carry on NCCL fails), the sources saved 
 between the cases that start from them.
 """
 
-import io
 import os
 
 import pytest
 
 from dist_utils import run_distributed
-from pretrain_utils import flags
+from pretrain_utils import flags, train_in_worker
 
 from megalite.checkpoint.layout import Layout
 
@@ -63,18 +62,11 @@ def _cases(rank, world, root, cases):
     import strict_collectives
 
     from megalite import collectives as C
-    from megalite.arguments import parse_args
     from megalite.checkpoint import convert as ct
-    from megalite.training import pretrain
 
     strict_collectives.enable()
 
-    def run(argv):
-        out = io.StringIO()
-        summary = pretrain(parse_args([str(a) for a in argv]), stream=out)
-        C.barrier()
-        return summary["train_losses"], out.getvalue()
-
+    run = train_in_worker
     got = {}
     for name, (src, targets) in cases.items():
         ck = os.path.join(root, name)
