@@ -274,8 +274,12 @@ class Trainer:
             while self.iteration < tr.train_iters:
                 start = time.perf_counter()
                 m = tr.num_micro_batches(self.ps.dp_size)
+                batches = self._micro_batches(data_it, m)
+                # --reset-attention-mask: the samples' document lengths, for the log line
+                self.documents += [row for b in batches if b[-1] is not None
+                                   for row in b[-1].lengths]
                 with R.label(f"iteration {self.iteration + 1}"):  # the collective record's
-                    self._record(self._measured_train_step(self._micro_batches(data_it, m)))
+                    self._record(self._measured_train_step(batches))
                 interval.add(start, self.host_queue_s)
                 if self._logs_at(self.iteration):
                     interval.pause(self.ps.device)  # closed at the log line
@@ -313,7 +317,6 @@ class Trainer:
         ``memory_estimate``'s figures (docs/planner.md, "Memory of real runs")."""
         cfg, ps = self.cfg, self.ps
         it = self.iteration + 1
-        self.documents += [row for b in batches if b[-1] is not None for row in b[-1].lengths]
         first = next((i for i in range(2, cfg.training.train_iters + 1) if self._logs_at(i)), 1)
         if it != first or not cfg.logging.log_memory_peak:
             return self.train_step(batches)
