@@ -231,34 +231,6 @@ def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(case, tmp_path):
             assert got[k].dtype == hub[k].dtype and torch.equal(got[k], hub[k]), (name, k)
 
 
-@pytest.mark.parametrize("case", ["glm4_moe", "deepseek_v3"])
-def test_mtp_layers_are_dropped_with_one_warning(tmp_path, case):
-    """GLM-4.5 and DeepSeek-V3 hub files carry num_nextn_predict_layers multi-token-prediction
-    layers after the last one; HF drops them on load, and so does the import (a warning), from a
-    state dict and from a directory; none is exported."""
-    from safetensors.torch import load_file, save_file
-
-    from megalite.checkpoint import convert as ct
-
-    hf = make_hf(case)
-    hf.config.num_nextn_predict_layers = 1
-    hf.save_pretrained(tmp_path / "hf")
-    weights = tmp_path / "hf" / "model.safetensors"
-    sd = load_file(weights)
-    sd["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # layer 3 of 3: the MTP layer
-    save_file(sd, weights, metadata={"format": "pt"})
-    cfg = hf_config_to_model_config(hf.config)
-    with pytest.warns(UserWarning, match="multi-token-prediction"):
-        hf_to_megalite_state_dict(sd, cfg)
-    with pytest.warns(UserWarning, match="multi-token-prediction"):
-        from_hf(tmp_path / "hf")
-    src = ct.HFSource(str(tmp_path / "hf"))  # the streaming reader: left out, not unused
-    assert src.dropped() == ["model.layers.3.eh_proj.weight"] and src.unused() != []
-    src.get([k for k in src.key_file if k not in src.dropped()], "all")
-    assert src.unused() == []
-    assert model_config_to_hf_config(cfg).num_nextn_predict_layers == 0
-
-
 # ------------------------------------------------------------------------- the layer pattern
 @pytest.mark.parametrize("hf_fields, freq", [
     (dict(decoder_sparse_step=1, mlp_only_layers=[]), "1"),

@@ -295,7 +295,7 @@ def test_mtp_layers_are_refused_by_name(tmp_path):
     cfg = hf_config_to_model_config(hf.config)
     hf.config.mtp_num_hidden_layers = 1
     with pytest.raises(ConfigError, match="qwen3_5_text mtp_num_hidden_layers=1 is not "
-                                          "supported: megalite trains no multi-token-prediction"):
+                                          "supported: megalite reads multi-token-prediction"):
         hf_config_to_model_config(hf.config)
     sd = dict(hf.state_dict(), **{"mtp.fc.weight": torch.zeros(32, 64)})
     with pytest.raises(ConfigError, match=r"mtp\.fc\.weight is not supported"):

@@ -184,10 +184,7 @@ def hf_to_megalite(hf_dir: str, save_dir: str, layout: Layout, *,
         _write_stages(tmp, cfg, layout, 0, read_group, optim="fresh",
                       weight_dtype=dtype_from_name(m.params_dtype),
                       what=f"{src.what} (config.json and weights disagree)", log=log)
-        unused, dropped = src.unused(), src.dropped()
-        if dropped:
-            log(f" note: {len(dropped)} tensor(s) of the multi-token-prediction layer(s) after "
-                f"layer {m.num_layers - 1} are not imported (HF drops them on load too)")
+        unused = src.unused()
         if unused:
             raise CheckpointError(f"{src.what}: {len(unused)} tensor(s) in the weights map to "
                                   f"nothing in a {m.num_layers}-layer model (config.json and "

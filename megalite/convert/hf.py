@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import warnings
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -56,7 +55,7 @@ class Family:
     qk_norm_field: Optional[str] = None  # the config field that switches it (else always on)
     window: Optional[str] = None  # how a sliding window is configured: "mistral" or "qwen"
     partial_rotary: bool = False  # its attention honours partial_rotary_factor
-    # config field counting the multi-token-prediction layers after the last layer: dropped
+    # config field counting the multi-token-prediction layers after the last layer (mtp.*)
     mtp_field: Optional[str] = None
     refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
     moe: Optional[MoeSpec] = None
@@ -471,8 +470,9 @@ def _linear(c, family: str) -> dict:
         return {}
     if getattr(c, "mtp_num_hidden_layers", 0):
         raise ConfigError(f"{family} mtp_num_hidden_layers={c.mtp_num_hidden_layers} is not "
-                          f"supported: megalite trains no multi-token-prediction layers (mtp.*);"
-                          f" set it to 0 and leave their tensors out")
+                          f"supported: megalite reads multi-token-prediction layers in "
+                          f"DeepSeek-V3's layout only, not Qwen's mtp.*; set it to 0 and leave "
+                          f"their tensors out")
     unknown = sorted(set(c.layer_types) - {"linear_attention", "full_attention"})
     if unknown:
         raise ConfigError(f"{family} layer_types {unknown} are not supported (linear_attention "
@@ -563,7 +563,8 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
             **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family),
             **_linear(c, family))
-    kwargs.update(vocab_size=c.vocab_size, init_method_std=c.initializer_range)
+    kwargs.update(vocab_size=c.vocab_size, init_method_std=c.initializer_range,
+                  mtp_num_layers=(fam.mtp_field and getattr(c, fam.mtp_field)) or None)
     kwargs.update(hf_architecture=fam.architecture, **overrides)
     return ModelConfig(**kwargs).validate()
 
@@ -625,9 +626,10 @@ def hf_architecture(cfg: ModelConfig) -> str:
     """The HF class a megalite model exports as: the one it was imported from
     (``cfg.hf_architecture``), else the first family of :data:`FAMILIES` that holds it."""
     if model_family(cfg) == "gpt2":
-        if cfg.qk_layernorm or cfg.sliding_window is not None:
-            raise ConfigError("GPT2LMHeadModel has no q/k norm and no sliding window: drop "
-                              "--qk-layernorm / --sliding-window to export as GPT-2")
+        if cfg.qk_layernorm or cfg.sliding_window is not None or cfg.mtp_num_layers:
+            raise ConfigError("GPT2LMHeadModel has no q/k norm, sliding window or MTP layers: "
+                              "drop --qk-layernorm / --sliding-window / --mtp-num-layers to "
+                              "export as GPT-2")
         if cfg.num_experts is not None:
             raise ConfigError("GPT2LMHeadModel has no experts: a mixture-of-experts model "
                               "exports as a Llama-layout family (rope, RMSNorm, SwiGLU)")
@@ -684,7 +686,7 @@ def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
     if fam.moe is not None and cfg.num_experts is not None:
         kwargs.update(_hf_moe(cfg, fam.moe, arch))
     if fam.mtp_field:
-        kwargs[fam.mtp_field] = 0  # none are exported
+        kwargs[fam.mtp_field] = cfg.mtp_num_layers or 0
     if fam.linear:
         kwargs.update(layer_types=["linear_attention" if x else "full_attention"
                                    for x in cfg.linear_attention_pattern()],
@@ -756,6 +758,9 @@ _LINEAR_LAYER = {  # a Gated DeltaNet layer's tensors that map one to one
     "self_attention.out_proj.weight": "linear_attn.out_proj.weight",
 }
 _LINEAR_REGROUPED = ("in_proj.weight", "conv_weight")  # per key-head group: _linear_from_hf
+# an MTP depth's own tensors, megalite -> HF (docs/models.md, "Multi-token prediction")
+_MTP = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
+        "final_layernorm": "shared_head.norm"}
 _MLA_LAYER = {  # DeepSeek-V3's attention, one to one (RoPE rows permuted: _rope_pairs)
     "self_attention.mla.linear_q_proj.weight": "self_attn.q_proj.weight",  # no q latent
     "self_attention.mla.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
@@ -769,6 +774,19 @@ _MLA_LAYER = {  # DeepSeek-V3's attention, one to one (RoPE rows permuted: _rope
 
 def _hf_layer_prefix(family: str, i: int) -> str:
     return f"transformer.h.{i}." if family == "gpt2" else f"model.layers.{i}."
+
+
+def _layer_prefix(i: int, cfg: ModelConfig) -> str:
+    """megalite's prefix of global layer i: past the last, MTP depth i - L's transformer layer
+    (HF numbers it as one more decoder layer)."""
+    k = i - cfg.num_layers
+    return f"layers.{i}." if k < 0 else f"mtp.layers.{k}.transformer_layer."
+
+
+def _mtp_layers(cfg: ModelConfig, names: Optional[Sequence[str]] = None) -> List[int]:
+    """Global numbers L + k of the MTP depths' transformer layers (those ``names`` asks for)."""
+    return [i for i in range(cfg.num_layers, cfg.num_layers + (cfg.mtp_num_layers or 0))
+            if names is None or any(n.startswith(_layer_prefix(i, cfg)) for n in names)]
 
 
 def _has_bias(cfg: ModelConfig, megalite_suffix: str) -> bool:
@@ -845,7 +863,7 @@ def megalite_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
         suffixes += _moe_suffixes(cfg)
     else:
         suffixes += [s for s in _MLP_SUFFIXES if _has_bias(cfg, s)]
-    return [f"layers.{layer_idx}.{s}" for s in suffixes]
+    return [_layer_prefix(layer_idx, cfg) + s for s in suffixes]
 
 
 @lru_cache(maxsize=64)
@@ -938,6 +956,9 @@ def megalite_non_layer_keys(cfg: ModelConfig) -> List[str]:
         keys.append("final_layernorm.bias")
     if cfg.untie_embeddings_and_output_weights:
         keys.append(OUTPUT_WEIGHT_NAME)
+    for i in _mtp_layers(cfg):  # each MTP depth's norms and projection, then its layer
+        keys += [f"mtp.layers.{i - cfg.num_layers}.{n}.weight" for n in _MTP]
+        keys += megalite_layer_keys(i, cfg)
     return keys
 
 
@@ -953,22 +974,26 @@ def _non_layer_map(cfg: ModelConfig) -> Dict[str, str]:
         m = {EMBEDDING_WEIGHT_NAME: "model.embed_tokens.weight",
              "final_layernorm.weight": "model.norm.weight",
              OUTPUT_WEIGHT_NAME: "lm_head.weight"}
-    return {k: m[k] for k in megalite_non_layer_keys(cfg)}
+        m.update({f"mtp.layers.{i - cfg.num_layers}.{ml}.weight": f"model.layers.{i}.{hf}.weight"
+                  for i in _mtp_layers(cfg) for ml, hf in _MTP.items()})
+    return {k: m[k] for k in megalite_non_layer_keys(cfg) if k in m}
 
 
 def hf_non_layer_keys(cfg: ModelConfig, names: Optional[Sequence[str]] = None) -> List[str]:
     """HF names of the non-layer tensors (of megalite ``names`` only, if given)."""
     m = _non_layer_map(cfg)
-    return [m[k] for k in (m if names is None else names) if k in m]
+    keys = [m[k] for k in (m if names is None else names) if k in m]
+    return keys + [k for i in _mtp_layers(cfg, names) for k in hf_layer_keys(i, cfg)]
 
 
-def dropped_hf_keys(keys, cfg: ModelConfig) -> List[str]:
-    """The keys of a family's multi-token-prediction layers (``model.layers.{i}`` past the last)."""
-    fam = FAMILIES.get(_FAMILY_OF_ARCHITECTURE.get(cfg.hf_architecture))
-    if fam is None or fam.mtp_field is None:
-        return []
-    layer = re.compile(r"model\.layers\.(\d+)\.")
-    return [k for k in keys if (m := layer.match(k)) and int(m.group(1)) >= cfg.num_layers]
+def mtp_copies(cfg: ModelConfig) -> Dict[str, str]:
+    """HF name -> HF name of the tensor it repeats: the embedding and output head that DeepSeek's
+    hub files hold again in each MTP layer. The import reads the model's own; the export writes
+    the copies back."""
+    embedding = "model.embed_tokens.weight"
+    head = embedding if cfg.tie_embeddings else "lm_head.weight"
+    return {f"model.layers.{i}.{n}": main for i in _mtp_layers(cfg) for n, main in
+            (("embed_tokens.weight", embedding), ("shared_head.head.weight", head))}
 
 
 # ===================================================================== fused QKV: group layout
@@ -1106,7 +1131,7 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
     """HF tensors of layer ``layer_idx`` (full HF names, see :func:`hf_layer_keys`; other keys are
     ignored) -> megalite tensors of that layer (full names, :func:`megalite_layer_keys`)."""
     family = model_family(cfg)
-    p, out_p = _hf_layer_prefix(family, layer_idx), f"layers.{layer_idx}."
+    p, out_p = _hf_layer_prefix(family, layer_idx), _layer_prefix(layer_idx, cfg)
     where = f"HF layer {layer_idx}"
     out = {out_p + ml: _one_to_one(_get(hf_tensors, p + hf, where), ml, cfg)
            for ml, hf in _layer_pairs(layer_idx, cfg)}
@@ -1142,7 +1167,7 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
     """Inverse of :func:`convert_layer_hf_to_megalite` (full megalite names in, HF names out; the
     experts in the per-expert form of hub files)."""
     family = model_family(cfg)
-    p, in_p = _hf_layer_prefix(family, layer_idx), f"layers.{layer_idx}."
+    p, in_p = _hf_layer_prefix(family, layer_idx), _layer_prefix(layer_idx, cfg)
     where = f"megalite layer {layer_idx}"
     out = {p + hf: _one_to_one(_get(ml_tensors, in_p + ml, where), ml, cfg, back=True)
            for ml, hf in _layer_pairs(layer_idx, cfg)}
@@ -1185,6 +1210,8 @@ def convert_non_layer_hf_to_megalite(hf_tensors: Mapping[str, torch.Tensor],
         if ml in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME):
             t = pad_vocab(t, cfg.vocab_size, cfg.padded_vocab_size(1))
         out[ml] = t
+    for i in _mtp_layers(cfg, names):
+        out.update(convert_layer_hf_to_megalite(i, hf_tensors, cfg))
     return out
 
 
@@ -1198,6 +1225,9 @@ def convert_non_layer_megalite_to_hf(ml_tensors: Mapping[str, torch.Tensor],
             # A slice would keep the padded storage alive (and safetensors saves whole storages).
             t = t[: cfg.vocab_size].clone()
         out[hf] = t
+    for i in _mtp_layers(cfg):
+        out.update(convert_layer_megalite_to_hf(i, ml_tensors, cfg))
+    out.update({k: out[main].clone() for k, main in mtp_copies(cfg).items()})
     return out
 
 
@@ -1260,12 +1290,12 @@ def hf_to_megalite_state_dict(hf_state_dict: Mapping[str, torch.Tensor],
         used.update(hf_layer_keys(i, cfg))
     if cfg.tie_embeddings:
         used.add("lm_head.weight")
-    dropped = dropped_hf_keys(sd, cfg)
-    if dropped:
-        warnings.warn(f"{cfg.hf_architecture}: {len(dropped)} tensor(s) of the multi-token-"
-                      f"prediction layer(s) after layer {cfg.num_layers - 1} are not imported "
-                      f"(HF drops them on load too; megalite does not train MTP)", stacklevel=2)
-    used.update(dropped)
+    copies = mtp_copies(cfg)
+    differ = next((k for k, main in copies.items() if k in sd and not sd[k].equal(sd[main])), None)
+    if differ is not None:
+        raise ValueError(f"HF state dict: {differ} differs from {copies[differ]}, which "
+                         f"megalite's MTP layers share")
+    used.update(copies)
     unused = [k for k in sd if k not in used and not k.endswith(IGNORED_HF_SUFFIXES)]
     if unused:
         raise ValueError(f"HF state dict has {len(unused)} tensor(s) megalite does not map "

@@ -14,11 +14,12 @@ from megalite.config import ConfigError
 from megalite.convert.hf import (FAMILY_OF_MODEL_TYPE, IGNORED_HF_SUFFIXES, IMPORTED_ARCHITECTURES,
                                  SUPPORTED_ARCHITECTURES, check_hf_weight_names,
                                  convert_layer_hf_to_megalite,
-                                 convert_non_layer_hf_to_megalite, dropped_hf_keys,
+                                 convert_non_layer_hf_to_megalite,
                                  hf_config_to_model_config, hf_family, hf_layer_keys,
                                  hf_non_layer_keys, hf_to_megalite_state_dict,
                                  megalite_to_hf_state_dict, model_config_to_hf_config,
-                                 refused_hf_config, special_token_ids, unsupported_architecture)
+                                 mtp_copies, refused_hf_config, special_token_ids,
+                                 unsupported_architecture)
 from megalite.convert.sharding import (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, full_state_dict,
                                        load_full_state_dict_into)
 
@@ -70,6 +71,11 @@ class HFSource:
         self.model_cfg = hf_config_to_model_config(self.hf_config, **config_overrides)
         self.key_file = self._index_weights()
         check_hf_weight_names(self.key_file, self.what)
+        mtp = f"model.layers.{self.model_cfg.num_layers}.eh_proj.weight"
+        if self.model_cfg.mtp_num_layers and mtp not in self.key_file:
+            # HF's save_pretrained leaves the MTP layers out, num_nextn_predict_layers in
+            self.model_cfg = hf_config_to_model_config(
+                self.hf_config, **{**config_overrides, "mtp_num_layers": None})
         self._alias: Dict[str, str] = {}
         if self.family == "gpt2" and not any(k.startswith("transformer.") for k in self.key_file):
             # GPT2Model checkpoints (e.g. the original "gpt2" upload) lack the LM-head prefix
@@ -168,13 +174,9 @@ class HFSource:
 
     def unused(self) -> List[str]:
         skip = {"lm_head.weight"} if self.model_cfg.tie_embeddings else set()
-        skip.update(self.dropped())
+        skip.update(mtp_copies(self.model_cfg))  # the MTP layers' copies of embedding and head
         return [k for k in self.key_file if k not in self.used and k not in skip
                 and not k.endswith(IGNORED_HF_SUFFIXES)]
-
-    def dropped(self) -> List[str]:
-        """Tensors the import leaves out on purpose (multi-token-prediction layers)."""
-        return dropped_hf_keys(self.key_file, self.model_cfg)
 
     def read_layer(self, i: int) -> Dict[str, torch.Tensor]:
         where = f"layer {i}"
@@ -234,7 +236,9 @@ def from_hf(hf_model_or_dir, **config_overrides):
         name = type(hf_model_or_dir).__name__
         if name not in IMPORTED_ARCHITECTURES:
             raise unsupported_architecture(name)
-        cfg = hf_config_to_model_config(hf_model_or_dir.config, **config_overrides)
+        # HF's model classes hold no MTP layers (num_nextn_predict_layers is only recorded)
+        cfg = hf_config_to_model_config(hf_model_or_dir.config,
+                                        **{**config_overrides, "mtp_num_layers": None})
         hf_sd = hf_model_or_dir.state_dict()
     model = GPTModel(cfg, ParallelState(), seed=None)  # every parameter comes from the checkpoint
     sd = hf_to_megalite_state_dict(hf_sd, cfg)
