@@ -294,6 +294,9 @@ class ModelConfig(_Section):
     max_window_layers: int = setting(
         0, "with --sliding-window: the first N layers keep full attention", role=CHECKPOINT_ARG,
         bound=NON_NEGATIVE)
+    window_attn_skip_freq: Optional[int] = setting(
+        None, "with --sliding-window: layer n (from 1) is full attention when N divides n "
+        "(GPT-OSS: 2)", role=CHECKPOINT_ARG, bound=POSITIVE_INT)
     # YaRN RoPE scaling with Megatron's names (docs/models.md, "Multi-latent attention")
     rope_type: str = setting(
         "rope", "rope, or yarn (Megatron's default for MLA; at --rotary-scaling-factor 1 the two "
@@ -308,6 +311,9 @@ class ModelConfig(_Section):
                             "(0.1 m_all ln s + 1)", role=CHECKPOINT_ARG, feature=YARN)
     mscale_all_dim: float = setting(0.0, "yarn: m_all; MLA also scales its softmax by "
                                     "(0.1 m_all ln s + 1)^2", role=CHECKPOINT_ARG, feature=YARN)
+    rope_yarn_truncate: bool = setting(
+        True, "yarn: floor/ceil the correction range to whole dims (--no-rope-yarn-truncate: "
+        "GPT-OSS's truncate false)", role=CHECKPOINT_ARG, feature=YARN)
     # Multi-latent attention (DeepSeek-V2/V3; models/mla.py, docs/models.md).
     multi_latent_attention: bool = setting(
         False, "MLA: q and k/v from low-rank latents, one RoPE key shared by the heads",
@@ -349,6 +355,8 @@ class ModelConfig(_Section):
     apply_layernorm_1p: bool = setting(
         False, "zero-centred norm weights: the norms scale by 1 + w, w starting at 0 (Qwen3-Next,"
         " Qwen3.5; weight decay pulls the scale towards 1)", role=SHAPE)
+    attention_sinks: bool = setting(
+        False, "a learned logit per head in every softmax denominator (GPT-OSS)", role=SHAPE)
     mtp_num_layers: Optional[int] = setting(
         None, "multi-token prediction layers: not implemented (refused)", role=SHAPE)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
@@ -356,6 +364,10 @@ class ModelConfig(_Section):
     activation: str = setting("gelu", choices=("gelu", "gelu_tanh", "silu", "relu"),
                               role=CHECKPOINT_ARG, no_flag="gelu, silu with --swiglu; HF sets it")
     swiglu: bool = setting(False, role=SHAPE)
+    swiglu_limit: Optional[float] = setting(
+        None, "clamped SwiGLU (GPT-OSS: 7): gate <= L, -L <= up <= L, out (up + 1) * gate * "
+        "sigmoid(alpha * gate)", role=CHECKPOINT_ARG, bound=POSITIVE)
+    swiglu_alpha: float = setting(1.702, "alpha of --swiglu-limit's gate", role=CHECKPOINT_ARG)
     add_bias_linear: bool = setting(True, role=SHAPE, no_flag="--disable-bias-linear")
     add_qkv_bias: Optional[bool] = setting(  # None: same as add_bias_linear
         None, role=SHAPE, no_flag="--add-qkv-bias", shown="--disable-bias-linear / --add-qkv-bias")
@@ -405,6 +417,9 @@ class ModelConfig(_Section):
         role=RUN)
     moe_router_enable_expert_bias: bool = moe_setting(  # SHAPE: the bias is a buffer it adds
         False, "loss-free balancing: a per-expert bias for the choice only (sigmoid scores)",
+        role=SHAPE)
+    moe_router_linear_bias: bool = moe_setting(
+        False, "the router's linear layer has a bias: it moves the choice and the gates (GPT-OSS)",
         role=SHAPE)
     moe_router_bias_update_rate: float = moe_setting(
         1e-3, "step of the expert-bias update", role=RUN)
@@ -466,6 +481,8 @@ class ModelConfig(_Section):
         """W if global layer ``layer_number`` (0-based) attends to a sliding window of W keys,
         None if it attends to every earlier position."""
         if self.sliding_window is None or layer_number < self.max_window_layers:
+            return None
+        if self.window_attn_skip_freq and (layer_number + 1) % self.window_attn_skip_freq == 0:
             return None
         return self.sliding_window
 
@@ -578,6 +595,14 @@ class ModelConfig(_Section):
             raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction is "
                               f"not implemented; megalite trains the next-token loss only (an HF "
                               f"import drops a checkpoint's MTP layers)")
+        if self.swiglu_limit is not None and not self.swiglu:
+            raise ConfigError("--swiglu-limit needs --swiglu (it clamps SwiGLU's gate and up)")
+        if self.window_attn_skip_freq and self.sliding_window is None:
+            raise ConfigError("--window-attn-skip-freq needs --sliding-window (the window of the "
+                              "layers it does not make full)")
+        if self.attention_sinks and (self.multi_latent_attention or self.attention_dropout > 0):
+            raise ConfigError("--attention-sinks needs softmax attention without dropout: drop "
+                              "--multi-latent-attention and --attention-dropout")
         check_features(self, self)
         self._validate_linear_attention(t)
         self._validate_moe()
@@ -701,6 +726,7 @@ class ModelConfig(_Section):
             attn += (self.q_lora_rank or 0) + self.kv_lora_rank
         qk_norm = (2 * d if self.qk_layernorm_scope == "head" else q + kv // 2)
         per_layer = attn + 2 * norm + (qk_norm if self.qk_layernorm else 0)
+        per_layer += self.num_attention_heads if self.attention_sinks else 0
         moe_layers = sum(self.moe_layer_pattern())
         linear = sum(self.linear_attention_pattern())
         # a Gated DeltaNet layer: its weights, A_log and dt_bias per value head, the output norm
@@ -710,7 +736,8 @@ class ModelConfig(_Section):
         if moe_layers:
             fs = self.moe_shared_expert_intermediate_size
             shared = (mlp(fs) + (h if self.moe_shared_expert_gate else 0)) if fs else 0
-            total += moe_layers * (self.num_experts * h + experts * mlp(self.moe_ffn_hidden_size)
+            router = self.num_experts * (h + 1 if self.moe_router_linear_bias else h)
+            total += moe_layers * (router + experts * mlp(self.moe_ffn_hidden_size)
                                    + shared)
         if include_embeddings:
             total += self.vocab_size * h
@@ -833,6 +860,9 @@ class ParallelConfig(_Section):
                 f"the Gated DeltaNet recurrence runs along the whole sequence, so it needs a2a "
                 f"with the {model.linear_num_key_heads // t} linear key heads per TP rank "
                 f"divisible by {c}")
+        if model.attention_sinks:
+            raise ConfigError(f"--attention-sinks with --context-parallel-size {c}: CP attention "
+                              f"has no sink yet; use --context-parallel-size 1")
         windowed = [i for i in range(model.num_layers) if model.attention_window(i) is not None]
         if windowed and kind != "a2a":
             raise ConfigError(

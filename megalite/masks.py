@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.compiled import self_checked
+from megalite.context_parallel import blocks
 
 
 def sliding_window_attention(q, k, v, window: int, **kw) -> torch.Tensor:
@@ -45,6 +46,60 @@ def causal_attention(q, k, v, window: Optional[int] = None, **kw) -> torch.Tenso
     if window is not None and window < q.shape[2]:
         return sliding_window_attention(q, k, v, window, **kw)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
+
+
+def apply_attention_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
+    """The output of a softmax with one more logit, ``sink`` [n] per head, of value 0, in its
+    denominator, from ``out`` [b, n, s, d] and its log-sum-exp ``lse`` [b, n, s] without it:
+    out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink), in fp32."""
+    return out.float() * torch.sigmoid(lse.float() - sink.float()[:, None]).unsqueeze(-1)
+
+
+def attention_sink_grad(dout, out, lse, sink) -> torch.Tensor:
+    """The sink's gradient [n] from the output's, ``out`` and ``lse`` being the attention's with
+    the sink: a key of value 0 whose probability is exp(sink - lse), so its softmax gradient is
+    -exp(sink - lse) (dout . out), summed over the batch and the queries."""
+    p = (sink.float()[:, None] - lse.float()).exp()
+    return -(p * (dout.float() * out.float()).sum(-1)).sum((0, 2)).to(sink.dtype)
+
+
+class _SinkAttention(torch.autograd.Function):
+    """A block kernel's attention with a sink: its backward is the kernel's given the output and
+    log-sum-exp with the sink (the sink a key of value 0), plus the sink's own gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, kernel, mask, scale):
+        out, lse = kernel.fwd(q, k, v, mask, scale)
+        lse_sink = torch.logaddexp(lse, sink.float()[:, None])
+        out, lse = apply_attention_sink(out, lse, sink).to(q.dtype), lse_sink
+        ctx.kernel, ctx.mask, ctx.scale = kernel, mask, scale
+        ctx.save_for_backward(q, k, v, sink, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, sink, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        grads = ctx.kernel.bwd(dout, q, k, v, out, lse, ctx.mask, ctx.scale)
+        return (*grads, attention_sink_grad(dout, out, lse, sink), None, None, None)
+
+
+def sink_attention(q, k, v, sink, window=None, docs=None, scale=None, kernel: str = "auto"):
+    """Causal attention (within ``window``, within ``docs``' documents) with a sink per head: a
+    block kernel that returns the log-sum-exp (context_parallel/blocks.py; ``kernel``:
+    --cp-attention-kernel), then apply_attention_sink. q [b, n, s, d], k, v [b, g, s, d]."""
+    s, mask = q.shape[2], True  # True: the kernel's own causal mask
+    if docs is not None or (window is not None and window < s):
+        pos = torch.arange(s)
+        if docs is not None:
+            mask = docs.mask(pos, pos, window)
+        else:  # [1, 1, s, s], broadcast over the batch
+            gap = (pos[:, None] - pos[None, :]).to(q.device)
+            mask = ((gap >= 0) & (gap < window))[None, None]
+    chosen = blocks.select(q, k, kernel)
+    chosen = chosen if mask is True else blocks.masked(chosen)
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return _SinkAttention.apply(q, k, v, sink, chosen, mask, scale or q.shape[-1] ** -0.5)
 
 
 def document_ids(tokens: np.ndarray, eod: int):

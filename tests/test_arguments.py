@@ -188,6 +188,8 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     added |= {"--num-distributed-optimizer-instances"}  # docs/data_parallel.md, "HSDP"
     added |= {"--optimizer-cpu-offload", "--optimizer-offload-fraction"}  # docs/offload.md
     added |= {"--cross-entropy-chunk-tokens"}  # docs/tensor_parallel.md, chunked loss head
+    added |= {"--attention-sinks", "--swiglu-limit", "--swiglu-alpha",  # docs/models.md,
+              "--window-attn-skip-freq", "--rope-yarn-truncate"}  # "GPT-OSS"
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

@@ -40,7 +40,7 @@ def test_flags_reach_the_config_with_their_roles():
     roles = {f.name: f.metadata["role"] for f in MOE_FIELDS}
     shape = {"num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
              "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
-             "moe_shared_expert_gate"}
+             "moe_shared_expert_gate", "moe_router_linear_bias"}
     assert {n for n, r in roles.items() if r == "shape"} == shape <= set(MODEL_SHAPE_FIELDS)
     assert {"moe_router_topk", "moe_router_score_function", "moe_router_group_score",
             "moe_router_pre_softmax"} <= set(CHECKPOINT_ARGS_FIELDS) - set(MODEL_SHAPE_FIELDS)

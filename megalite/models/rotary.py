@@ -29,15 +29,18 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_inv_freq(head_dim: int, base: float, factor: float, original_max_positions: int,
-                  beta_fast: float, beta_slow: float) -> torch.Tensor:
+                  beta_fast: float, beta_slow: float, truncate: bool = True) -> torch.Tensor:
     """YaRN's "NTK-by-parts" inverse frequencies: kept, interpolated (f / s) or ramped between, by
-    how often each dim pair turns over the original context (docs/models.md, "YaRN RoPE")."""
+    how often each dim pair turns over the original context (docs/models.md, "YaRN RoPE");
+    ``truncate``: the ramp's ends rounded out to whole pairs (GPT-OSS keeps them fractional)."""
     def dim_turning(turns: float) -> float:  # the pair index 2i / 2 whose wavelength fits L/turns
         return (head_dim * math.log(original_max_positions / (turns * 2 * math.pi))
                 / (2 * math.log(base)))
 
-    low = max(math.floor(dim_turning(beta_fast)), 0)
-    high = min(math.ceil(dim_turning(beta_slow)), head_dim - 1)
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low)
             / ((high - low) or 0.001)).clamp(0, 1)  # 0: extrapolate (keep), 1: interpolate
     pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -49,7 +52,8 @@ def rotary_embedding(config, head_dim: int) -> "RotaryEmbedding":
     if config.rope_type == "yarn":
         return RotaryEmbedding(head_dim, config.rotary_base, yarn=(
             config.rotary_scaling_factor, config.rope_original_max_position_embeddings,
-            config.beta_fast, config.beta_slow, config.mscale, config.mscale_all_dim))
+            config.beta_fast, config.beta_slow, config.mscale, config.mscale_all_dim,
+            config.rope_yarn_truncate))
     scaling = None if config.rope_scaling_factor is None else (
         config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor,
         config.rope_original_max_position_embeddings)
@@ -63,15 +67,16 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None, yarn=None):
         # llama3_scaling: None or llama3_scaled's arguments after inv_freq; yarn: None or
-        # (factor, original max positions, beta_fast, beta_slow, mscale, mscale_all_dim)
+        # (factor, original max positions, beta_fast, beta_slow, mscale, mscale_all_dim,
+        # truncate)
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if llama3_scaling is not None:
             inv_freq = llama3_scaled(inv_freq, *llama3_scaling)
         self.attention_factor = 1.0  # YaRN multiplies cos and sin by its temperature ratio
         if yarn is not None:
-            factor, original, fast, slow, mscale, mscale_all_dim = yarn
-            inv_freq = yarn_inv_freq(head_dim, base, factor, original, fast, slow)
+            factor, original, fast, slow, mscale, mscale_all_dim, truncate = yarn
+            inv_freq = yarn_inv_freq(head_dim, base, factor, original, fast, slow, truncate)
             self.attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor,
                                                                                mscale_all_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)

@@ -19,12 +19,13 @@ from megalite.compiled import compile_or_eager
 from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.attention import context_parallel_attention
 from megalite.context_parallel.sharding import positions as cp_positions
-from megalite.masks import Documents, causal_attention, document_attention
+from megalite.masks import Documents, causal_attention, document_attention, sink_attention
 from megalite.models.linear_attention import GatedDeltaNet
 from megalite.models.norms import ProjectionRMSNorm, RMSNorm, build_norm
 from megalite.models.mla import MultiLatentQKV, softmax_scale
 from megalite.models.rotary import apply_rotary, rotary_embedding
 from megalite.moe.layer import MoEGroups, MoELayer
+from megalite.param_meta import set_param_meta
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.tensor_parallel.random import checkpoint, get_rng_tracker
 from megalite.tensor_parallel.utils import divide
@@ -52,6 +53,7 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel:
 _cp_attention = torch.compiler.disable(context_parallel_attention)
 # Likewise attention within documents: its loop runs over the micro-batch's host-side lengths.
 _document_attention = torch.compiler.disable(document_attention)
+_sink_attention = torch.compiler.disable(sink_attention)  # its kernel is chosen by a self-check
 
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": partial(F.gelu, approximate="tanh"), "silu": F.silu,
@@ -103,6 +105,11 @@ class SelfAttention(nn.Module):
         self.selective_recompute = execution.recompute_granularity == "selective"
         self.cp_attention_kernel = execution.cp_attention_kernel
         self.window = config.attention_window(layer_number)
+        self.sinks = None
+        if config.attention_sinks:  # GPT-OSS: one logit per head, split over TP as the heads
+            self.sinks = nn.Parameter(torch.empty(self.num_heads_local, dtype=dtype, device=device))
+            set_param_meta(self.sinks, tp_split=True,
+                           init_method=("normal", config.init_method_std))
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm and config.qk_layernorm_scope == "projection":  # OLMoE
             self.q_layernorm, self.k_layernorm = (
@@ -138,6 +145,9 @@ class SelfAttention(nn.Module):
             return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, self.softmax_scale,
                                  local_attention=local, kernel=self.cp_attention_kernel,
                                  documents=documents)[..., :dv]
+        if self.sinks is not None:  # config.py: no dropout
+            return _sink_attention(q, k, v, self.sinks, self.window, documents, self.softmax_scale,
+                                   self.cp_attention_kernel)
         p = self.config.attention_dropout if self.training else 0.0
         kw = dict(dropout_p=p, scale=self.softmax_scale, window=self.window, **gqa)
         attend = causal_attention
@@ -227,11 +237,21 @@ def swiglu_fused(h: torch.Tensor) -> torch.Tensor:
     return swiglu(h)
 
 
+def clamped_swiglu(h: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's SwiGLU (docs/models.md, "GPT-OSS"): gate <= limit, up in [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
+
+
 def mlp_activation(config: ModelConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """fc1's output -> fc2's input (dense MLP and experts): the activation, or act(gate) * up."""
     act = _ACTIVATIONS.get(config.activation)
     if act is None:
         raise ValueError(f"unknown activation {config.activation!r}")
+    if config.swiglu_limit is not None:  # config.py: only with --swiglu
+        return partial(clamped_swiglu, limit=config.swiglu_limit, alpha=config.swiglu_alpha)
     if config.swiglu and act is F.silu:
         return swiglu_fused
     return partial(swiglu, act=act) if config.swiglu else act

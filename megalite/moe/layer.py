@@ -147,6 +147,11 @@ class MoELayer(nn.Module):
         self.router = nn.Parameter(torch.empty(c.num_experts, h, dtype=dtype, device=device))
         set_param_meta(self.router, grad_partial_over_tp=sequence_parallel,
                        init_method=("normal", c.init_method_std))
+        self.router_bias = None
+        if c.moe_router_linear_bias:  # GPT-OSS: replicated and reduced as the router
+            self.router_bias = nn.Parameter(torch.zeros(c.num_experts, dtype=dtype, device=device))
+            set_param_meta(self.router_bias, grad_partial_over_tp=sequence_parallel,
+                           init_method=("zeros",))
         if c.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(c.num_experts, device=device))
             self.register_buffer("local_tokens_per_expert",
@@ -201,7 +206,8 @@ class MoELayer(nn.Module):
     def _route(self, tokens: torch.Tensor):
         c = self.config
         dtype = torch.float64 if c.moe_router_dtype == "fp64" else torch.float32
-        logits = F.linear(tokens.to(dtype), self.router.to(dtype))
+        bias = None if self.router_bias is None else self.router_bias.to(dtype)
+        logits = F.linear(tokens.to(dtype), self.router.to(dtype), bias)
         if c.moe_router_force_load_balancing:  # benchmarks: every expert equally likely
             logits = torch.randn_like(logits)
         probs, routing_map = R.route(
