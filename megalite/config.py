@@ -860,16 +860,6 @@ class ParallelConfig(_Section):
                 f"the Gated DeltaNet recurrence runs along the whole sequence, so it needs a2a "
                 f"with the {model.linear_num_key_heads // t} linear key heads per TP rank "
                 f"divisible by {c}")
-        if model.attention_sinks:
-            raise ConfigError(f"--attention-sinks with --context-parallel-size {c}: CP attention "
-                              f"has no sink yet; use --context-parallel-size 1")
-        windowed = [i for i in range(model.num_layers) if model.attention_window(i) is not None]
-        if windowed and kind != "a2a":
-            raise ConfigError(
-                f"--sliding-window {model.sliding_window} with --cp-comm-type {kind}: its CP "
-                f"attention has no window (layers {windowed[0]}.. are windowed); use "
-                f"--cp-comm-type a2a (each rank attends over the whole sequence for its heads) or "
-                f"--context-parallel-size 1")
 
 
 @dataclass

@@ -152,26 +152,36 @@ class Documents:
         ok = (gap >= 0) if window is None else (gap >= 0) & (gap < window)
         return ((ids[:, q_pos, None] == ids[:, None, k_pos]) & ok).unsqueeze(1)
 
-    def block(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool):
-        """How a CP block of queries at global positions ``q_pos`` (host) against keys at
-        ``k_pos`` runs: "skip" (no query sees a key), None (the kernel's own mask, causal or
-        full, is exact) or the [b, 1, sq, sk] mask. Decided on the host, once per micro-batch,
-        in numpy: the values read are host ones, never a device's (torch reads, even of host
-        tensors, would look like device syncs to tests/host_reads.py)."""
-        q, k = q_pos.numpy(), k_pos.numpy()
-        # a block's rows and keys are one or two whole chunks: ends and count name them
-        key = (int(q[0]), int(q[-1]), len(q), int(k[0]), int(k[-1]), len(k), causal)
-        if key not in self._blocks:
-            host = self.mask(q_pos, k_pos, ids=self.host_ids)
-            m = host.numpy()
-            if not m.any():
-                self._blocks[key] = "skip"
-            elif m.all() or (causal and (m == np.tri(*m.shape[-2:], dtype=bool)).all()):
-                self._blocks[key] = None
-            else:  # on the CPU the host mask is the one to use
-                same = self.ids.device == self.host_ids.device
-                self._blocks[key] = host if same else self.mask(q_pos, k_pos)
-        return self._blocks[key]
+
+_WINDOW_BLOCKS: dict = {}  # decisions without documents: fixed by positions, kept for good
+
+
+def block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Optional[int] = None,
+          documents: Optional[Documents] = None, device=None):
+    """How a CP block of queries at global positions ``q_pos`` (host) against keys at ``k_pos``
+    runs under ``window`` and ``documents``: "skip" (no query sees a key), None (the kernel's own
+    mask, causal or full, is exact) or the [b or 1, 1, sq, sk] bool mask, on ``device`` (with
+    documents, theirs). Decided on the host, in numpy, once per micro-batch with documents and
+    once for good without: the values read are host ones, never a device's (torch reads, even of
+    host tensors, would look like device syncs to tests/host_reads.py)."""
+    q, k = q_pos.numpy(), k_pos.numpy()
+    # a block's rows and keys are one or two whole chunks: ends and count name them
+    key = (int(q[0]), int(q[-1]), len(q), int(k[0]), int(k[-1]), len(k), causal, window)
+    cache = _WINDOW_BLOCKS if documents is None else documents._blocks
+    key, device = (key + (device,), device) if documents is None else (key, documents.ids.device)
+    if key not in cache:
+        gap = q[None, None, :, None] - k[None, None, None, :]
+        m = (gap >= 0) if window is None else (gap >= 0) & (gap < window)
+        if documents is not None:
+            ids = documents.host_ids.numpy()
+            m = m & (ids[:, None, q, None] == ids[:, None, None, k])
+        if not m.any():
+            cache[key] = "skip"
+        elif m.all() or (causal and (m == np.tri(*m.shape[-2:], dtype=bool)).all()):
+            cache[key] = None
+        else:
+            cache[key] = torch.from_numpy(m).to(device)
+    return cache[key]
 
 
 # One masked SDPA per sample instead of an SDPA per document when a sample holds more documents

@@ -29,9 +29,6 @@ _BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-atten
     (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--group-query-attention",
       "--num-query-groups", "1"], "1 query groups"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout 0.1"),
-    (["--context-parallel-size", "2", "--sliding-window", "8"], "use --cp-comm-type a2a"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "allgather", "--sliding-window", "8"],
-     "--cp-comm-type allgather: its CP attention has no window"),
     (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1"),
 ])
 def test_bad_context_parallel_layouts_fail_in_one_line(extra, expect):

@@ -164,7 +164,8 @@ def test_no_host_read_with_packed_documents(tmp_path):
     for rec in recs:
         assert 0 < rec["document_attention_fraction"] < 0.5, rec  # documents of 2-6 of 16
         assert rec["attention_tflops_needed"] > 0, rec
-    cp2 = ["--context-parallel-size", "2", "--cp-comm-type"]
+    # a window under CP too: its blocks are decided on the host with the documents'
+    cp2 = ["--context-parallel-size", "2", "--sliding-window", "5", "--cp-comm-type"]
     runs = [argv + cp2 + [comm] for comm in ("p2p", "allgather", "a2a")]
     for rank in run_distributed(_pp2, 2, runs):
         for run, (got, where) in zip(runs, rank):

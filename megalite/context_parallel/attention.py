@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megalite import collectives as C
 from megalite.context_parallel import blocks
 from megalite.context_parallel.sharding import chunk_ids, chunk_owner, positions, shard
-from megalite.masks import Documents
+from megalite.masks import Documents, apply_attention_sink, attention_sink_grad, block
 
 
 # ---- merging blocks (each block's kernel: blocks.py) ----
@@ -81,14 +81,19 @@ def _ring_block(rank, src, half):
             slice(None, half) if src < rank else slice(None))
 
 
-def _documents_block(documents, rank, src, size, rows, keys, causal: bool):
-    """The block's run under ``documents`` (Documents.block: "skip", None or a mask), or None
-    (the kernel's own mask) without them. The ring still passes skipped K/V on: the next rank
-    needs them."""
-    if documents is None:
+def _decide(masks, q_pos, k_pos, causal: bool):
+    """The block's run under ``masks``, (window, documents, device) (masks.block: "skip", None or
+    a mask), or None (the kernel's own mask) without a window or documents."""
+    window, documents, device = masks
+    if window is None and documents is None:
         return None
-    s = documents.host_ids.shape[1]
-    return documents.block(positions(s, rank, size)[rows], positions(s, src, size)[keys], causal)
+    return block(q_pos, k_pos, causal, window, documents, device)
+
+
+def _ring_decision(masks, rank, src, size, s, rows, keys, causal: bool):
+    """_decide for the ring's block of this rank's ``rows`` against ``src``'s ``keys``. The ring
+    still passes skipped K/V on: the next rank needs them."""
+    return _decide(masks, positions(s, rank, size)[rows], positions(s, src, size)[keys], causal)
 
 
 def _block_fwd(kernel, q, k, v, causal, scale, how):
@@ -104,14 +109,14 @@ def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale, how):
     return blocks.masked(kernel).bwd(dout, q, k, v, out, lse, how, scale)
 
 
-def _ring_fwd(q, k, v, group, scale, kernel, documents):
+def _ring_fwd(q, k, v, group, scale, kernel, masks):
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, out, lse = torch.stack([k, v]), None, None
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
         src = (rank - step) % size
         rows, keys = _ring_block(rank, src, half)
-        how = _documents_block(documents, rank, src, size, rows, keys, step == 0)
+        how = _ring_decision(masks, rank, src, size, size * q.shape[2], rows, keys, step == 0)
         if how == "skip":  # no query here sees a key there: nothing to compute
             _wait(reqs)
             kv = nxt
@@ -124,10 +129,10 @@ def _ring_fwd(q, k, v, group, scale, kernel, documents):
             _merge(out[:, :, rows], lse[:, :, rows], o, l)
         _wait(reqs)
         kv = nxt
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel, documents):
+def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel, masks):
     """K/V go round again with an fp32 dK/dV each rank adds to; after C steps it is home."""
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
     kv, dq = torch.stack([k, v]), torch.zeros_like(q, dtype=torch.float32)
@@ -136,7 +141,7 @@ def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel, documents):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
         src = (rank - step) % size
         rows, keys = _ring_block(rank, src, half)
-        how = _documents_block(documents, rank, src, size, rows, keys, step == 0)
+        how = _ring_decision(masks, rank, src, size, size * q.shape[2], rows, keys, step == 0)
         if how != "skip":
             g = _block_bwd(kernel, dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
                            kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], step == 0, scale,
@@ -164,56 +169,57 @@ def _gather_kv(k, v, group):
     return _natural(list(full.view((-1,) + kv.shape).unbind(0)), dim=3)
 
 
-def _prefix_blocks(rank, size, chunk, documents=None):
+def _prefix_blocks(rank, size, chunk, masks):
     """(local query rows, key range of the non-causal prefix, key range of the causal diagonal)
     for each of this rank's two chunks: chunk c sees keys [0, c*chunk) whole, its own causally.
-    With ``documents`` the prefix starts at the chunk where the first document reaching into c
-    starts (in any sample): no query of c sees a key before it."""
+    The prefix starts at the chunk holding the first key any query of c sees: under a window of W
+    that is c*chunk - W + 1; under ``documents``, the start of the first document reaching into c
+    (in any sample)."""
+    window, documents, _ = masks
     for i, c in enumerate(chunk_ids(rank, size)):
-        first = 0
+        first = 0 if window is None else max(0, c * chunk - window + 1)
         if documents is not None:  # ids rise along a sample: a document starts at its first id
             ids = documents.host_ids.numpy()
-            first = min(int(np.searchsorted(row, row[c * chunk])) for row in ids) // chunk
+            first = max(first, min(int(np.searchsorted(row, row[c * chunk])) for row in ids))
+        first //= chunk
         yield slice(i * chunk, (i + 1) * chunk), slice(first * chunk, c * chunk), slice(
             c * chunk, (c + 1) * chunk)
 
 
-def _gathered_block(documents, diag: slice, keys: slice, causal: bool):
-    """As _documents_block, for a chunk's queries (global ``diag``) against gathered ``keys``."""
-    if documents is None:
-        return None
-    return documents.block(torch.arange(diag.start, diag.stop),
-                           torch.arange(keys.start, keys.stop), causal)
+def _gathered_block(masks, diag: slice, keys: slice, causal: bool):
+    """_decide for a chunk's queries (global ``diag``) against gathered ``keys``."""
+    return _decide(masks, torch.arange(diag.start, diag.stop), torch.arange(keys.start, keys.stop),
+                   causal)
 
 
-def _allgather_fwd(q, k, v, group, scale, kernel, documents):
+def _allgather_fwd(q, k, v, group, scale, kernel, masks):
     kv = _gather_kv(k, v, group)
     out = torch.empty_like(q, dtype=torch.float32)
     lse = out.new_empty(q.shape[:3])
     for rows, pre, diag in _prefix_blocks(C.group_rank(group), C.group_size(group),
-                                          q.shape[2] // 2, documents):
-        how = _gathered_block(documents, diag, diag, True)
+                                          q.shape[2] // 2, masks):
+        how = _gathered_block(masks, diag, diag, True)
         o, l = _block_fwd(kernel, q[:, :, rows], kv[0][:, :, diag], kv[1][:, :, diag], True,
                           scale, how)
         out[:, :, rows], lse[:, :, rows] = o.float(), l
-        how = _gathered_block(documents, diag, pre, False) if pre.stop > pre.start else "skip"
+        how = _gathered_block(masks, diag, pre, False) if pre.stop > pre.start else "skip"
         if how != "skip":
             _merge(out[:, :, rows], lse[:, :, rows],
                    *_block_fwd(kernel, q[:, :, rows], kv[0][:, :, pre], kv[1][:, :, pre], False,
                                scale, how))
-    return out.to(q.dtype), lse
+    return out, lse
 
 
-def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel, documents):
+def _allgather_bwd(dout, q, k, v, out, lse, group, scale, kernel, masks):
     """K/V gathered again, not kept (the memory CP saves); dK/dV reduce-scattered to owners."""
     size = C.group_size(group)
     kv = _gather_kv(k, v, group)
     chunk = q.shape[2] // 2
     dq = torch.zeros_like(q, dtype=torch.float32)
     dkv = kv.new_zeros((size, 2) + tuple(k.shape), dtype=torch.float32)  # [owner rank, k|v, ...]
-    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk, documents):
+    for rows, pre, diag in _prefix_blocks(C.group_rank(group), size, chunk, masks):
         for keys, causal in [(diag, True)] + ([(pre, False)] if pre.stop > pre.start else []):
-            how = _gathered_block(documents, diag, keys, causal)
+            how = _gathered_block(masks, diag, keys, causal)
             if how == "skip":
                 continue
             g = _block_bwd(kernel, dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
@@ -270,31 +276,41 @@ def reshard_to_heads(t: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
 class _Attention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, group, comm_type, scale, kernel, documents):
+    def forward(ctx, q, k, v, sink, group, comm_type, scale, kernel, masks):
         ctx.group, ctx.comm_type, ctx.scale, ctx.kernel = group, comm_type, scale, kernel
-        ctx.documents = documents
+        ctx.masks = masks
         fwd = _ring_fwd if comm_type == "p2p" else _allgather_fwd
-        out, lse = fwd(q, k, v, group, scale, kernel, documents)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse = fwd(q, k, v, group, scale, kernel, masks)
+        if sink is not None:  # once per query, on the merged blocks ("Attention sinks")
+            out = apply_attention_sink(out, lse, sink)
+            # the sink's logit joins lse: the blocks' backward then gives the sink's softmax
+            lse = torch.logaddexp(lse, sink.float()[:, None])
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         bwd = _ring_bwd if ctx.comm_type == "p2p" else _allgather_bwd
-        grads = bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale, ctx.kernel,
-                    ctx.documents)
-        return (*grads, None, None, None, None, None)
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        grads = bwd(dout.contiguous(), q, k, v, out, lse, ctx.group, ctx.scale, ctx.kernel,
+                    ctx.masks)
+        dsink = None if sink is None else attention_sink_grad(dout, out, lse, sink)
+        return (*grads, dsink, None, None, None, None, None)
 
 
 def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=None,
                                local_attention=None, kernel: str = "auto",
-                               documents: Optional[Documents] = None):
+                               documents: Optional[Documents] = None,
+                               window: Optional[int] = None, sink: Optional[torch.Tensor] = None):
     """q [b, n, s/C, d], k, v [b, g, s/C, d] (g divides n) -> [b, n, s/C, d] in q's dtype.
     ``local_attention(q, k, v)``: a2a only, one head shard's attention over the whole sequence
-    (default causal SDPA; with ``documents`` the caller's document attention). ``kernel``:
-    --cp-attention-kernel. ``documents``: the ring and all-gather mask their blocks by them and
-    skip those no query sees (docs/context_parallel.md, "Packed documents"). Its preconditions
-    are checked once by ``ParallelConfig.check_context_parallel``, not here."""
+    (default causal SDPA; with ``documents`` the caller's document attention; with ``sink``,
+    taking its heads' sinks as ``sink=``). ``kernel``: --cp-attention-kernel. ``documents``,
+    ``window`` (this layer's): the ring and all-gather mask their blocks by them and skip those no
+    query sees (docs/context_parallel.md, "Packed documents", "Sliding window"). ``sink`` [n]:
+    the heads' attention sinks. Its preconditions are checked once by
+    ``ParallelConfig.check_context_parallel``, not here."""
     size, gqa = C.group_size(cp_group), k.shape[1] != q.shape[1]
     if size == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=softmax_scale,
@@ -305,8 +321,13 @@ def context_parallel_attention(q, k, v, cp_group, comm_type: str, softmax_scale=
                                     v.contiguous())
         attend = local_attention or partial(F.scaled_dot_product_attention, is_causal=True,
                                             scale=scale, enable_gqa=gqa)
+        if sink is not None:  # this rank's heads after the reshard: the C-th part it was sent
+            attend = partial(attend, sink=sink.chunk(size)[C.group_rank(cp_group)])
         with sdpa_kernel(SDPBackend.MATH) if kernel == "math" else nullcontext():
             oh = attend(qh, kh, vh)
         return _Reshard.apply(cp_group, False, oh.contiguous())[0]
-    return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), cp_group, comm_type,
-                            scale, blocks.select(q, k, kernel), documents)
+    if window is not None and window >= q.shape[2] * size:
+        window = None  # every earlier key is in it
+    return _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sink, cp_group,
+                            comm_type, scale, blocks.select(q, k, kernel),
+                            (window, documents, q.device))

@@ -136,7 +136,10 @@ class SelfAttention(nn.Module):
                                 scale=self.softmax_scale, **gqa)
             elif self.window is not None and self.window < q.shape[2] * self.cp_size:
                 local = partial(causal_attention, window=self.window, scale=self.softmax_scale,
-                                **gqa)  # config.py: only a2a takes a window
+                                **gqa)
+            if self.sinks is not None:  # a2a: the CP call hands it its heads' sinks (sink=)
+                local = partial(_sink_attention, window=self.window, docs=documents,
+                                scale=self.softmax_scale, kernel=self.cp_attention_kernel)
             dv = v.shape[-1]
             if self.cp_comm_type != "a2a" and dv < k.shape[-1]:
                 # the ring and all-gather move K and V as one stacked tensor (and the CPU flash
@@ -144,7 +147,8 @@ class SelfAttention(nn.Module):
                 v = F.pad(v, (0, k.shape[-1] - dv))
             return _cp_attention(q, k, v, self.cp_group, self.cp_comm_type, self.softmax_scale,
                                  local_attention=local, kernel=self.cp_attention_kernel,
-                                 documents=documents)[..., :dv]
+                                 documents=documents, window=self.window,
+                                 sink=self.sinks)[..., :dv]
         if self.sinks is not None:  # config.py: no dropout
             return _sink_attention(q, k, v, self.sinks, self.window, documents, self.softmax_scale,
                                    self.cp_attention_kernel)
