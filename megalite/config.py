@@ -1317,12 +1317,6 @@ class MegaliteConfig(_Section):
         if t > 1 and not par.sequence_parallel:  # as Megatron: each TP rank routes its own tokens
             raise ConfigError(f"--num-experts with --tensor-model-parallel-size {t} needs "
                               f"--sequence-parallel (every TP rank must route different tokens)")
-        if etp > 1 and m.add_bias_linear:
-            # an expert's output bias would be added once per ETP slice (as Megatron's grouped
-            # experts, which take no bias)
-            raise ConfigError(f"--expert-tensor-parallel-size {etp} with expert biases: pass "
-                              f"--disable-bias-linear, or --expert-tensor-parallel-size 1 (its "
-                              f"default is --tensor-model-parallel-size, {t})")
 
     def _check_moe_overlap(self) -> None:
         """What the combined 1F1B (docs/moe.md, "Hiding the all-to-alls") composes with."""

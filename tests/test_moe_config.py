@@ -244,8 +244,6 @@ def test_library_config_validates_like_the_cli():
 
 @pytest.mark.parametrize("extra,needle", [
     (["--tensor-model-parallel-size", "2"], "needs --sequence-parallel"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # ETP = TP by default
-     "--expert-tensor-parallel-size 2 with expert biases: pass --disable-bias-linear"),
 ])
 def test_what_moe_does_not_do_yet_is_refused_in_one_line(extra, needle):
     from megalite.arguments import parse_args

@@ -154,17 +154,15 @@ def merge_shard_state_dicts(own: List[dict], stage: Sequence[dict] = (),
         parts = {te: merge_pieces(pieces(sds, True), want) for te, sds in grid.items()}
         for name in parts[(0, 0)]:
             m = meta_of(name)
-            # (the partition dim, not tp_split: this run may hold the expert whole, ETP 1)
-            if etp > 1 and m.partition_dim == 0:
-                raise ValueError(f"the optimizer state of {name} is split over {etp} expert-"
-                                 f"tensor-parallel ranks, but the parameter declares no "
-                                 f"partition dim for its slices")
+            # (the partition dim, not tp_split: this run may hold the expert whole, ETP 1); dim 0
+            # is the expert index, so none: whole on every ETP rank (fc2's bias, docs/moe.md)
+            split = etp > 1 and m.partition_dim > 0
             params[name] = {}
             for k in ADAM_KINDS:
                 slices = [torch.cat([parts[(t, e)][name][k] for e in range(ep)])
                           for t in range(etp)]
                 params[name][k] = (unshard_tensors(slices, m.partition_dim, m.partition_stride)
-                                   if etp > 1 else slices[0])
+                                   if split else slices[0])
     return {"format": FULL_FORMAT, "step": first["step"], "param_groups": first["param_groups"],
             "grad_scaler": first.get("grad_scaler"), "params": params}
 

@@ -52,8 +52,9 @@ def _counted_state(model_chunks, optimizer, ps):
     names = {p: n for c in model_chunks for n, p in getattr(c, "module", c).named_parameters()}
     for p, m in zip(optimizer.model_params, optimizer.masters):
         expert = ps.experts_apart and param_meta(p).expert  # (replicated over EDP only)
-        if ps.edp_rank == 0 if expert else ps.dp_cp_rank == 0 and counts_for_norm(
-                p, ps.tp_rank, ps.is_pipeline_first_stage):
+        mine = (ps.edp_rank == 0 and counts_for_norm(p, ps.etp_rank, True) if expert else
+                ps.dp_cp_rank == 0 and counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage))
+        if mine:
             st = sorted(optimizer.inner.state.get(m, {}).items())  # the moments (not "step")
             yield from ((names[p], k, t) for k, t in [("master", m), *st]
                         if torch.is_tensor(t) and t.shape == m.shape)

@@ -174,11 +174,13 @@ class MoELayer(nn.Module):
         set_param_meta(self.weight2, expert=True, tp_split=split, partition_dim=1,
                        init_method=("normal_experts", out_std, first))
         self.bias1 = self.bias2 = None
-        if c.add_bias_linear:  # (refused with ETP > 1: config._check_experts)
-            self.bias1 = nn.Parameter(torch.zeros(e, fc1, dtype=dtype, device=device))
+        self.etp_rank = C.group_rank(groups.etp)
+        if c.add_bias_linear:  # fc1's split with its columns, fc2's whole on every ETP rank
+            self.bias1 = nn.Parameter(torch.zeros(e, fc1 // etp, dtype=dtype, device=device))
             self.bias2 = nn.Parameter(torch.zeros(e, h, dtype=dtype, device=device))
-            for b in (self.bias1, self.bias2):
-                set_param_meta(b, expert=True, init_method=("zeros",))
+            set_param_meta(self.bias1, expert=True, tp_split=split, partition_dim=1,
+                           partition_stride=stride, init_method=("zeros",))
+            set_param_meta(self.bias2, expert=True, init_method=("zeros",))
         self.shared_expert = shared_expert
         self.shared_gate = None
         if shared_expert is not None and c.moe_shared_expert_gate:
@@ -277,7 +279,12 @@ class MoELayer(nn.Module):
             h = h + self.bias1.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         h = grouped_expert_mm(self.act(h), self.weight2, counts, grouped, store)
         if self.bias2 is not None:
-            h = h + self.bias2.repeat_interleave(counts, dim=0, output_size=x.shape[0])
+            # under ETP these rows are partial sums that the combine (or the allgather
+            # dispatcher's reduce-scatter) adds up: the bias enters on ETP rank 0 only. The
+            # others add b - b.detach(), zero but with b's gradient: each ETP rank sees the same
+            # rows and their gradients, so each holds the whole one (docs/moe.md)
+            b2 = self.bias2 if self.etp_rank == 0 else self.bias2 - self.bias2.detach()
+            h = h + b2.repeat_interleave(counts, dim=0, output_size=x.shape[0])
         return h
 
     def _allgather_experts(self, tokens, probs, routing_map, rows):

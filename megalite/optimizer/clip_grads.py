@@ -17,7 +17,8 @@ from megalite.param_meta import param_meta
 def counts_for_norm(param: torch.Tensor, tp_rank: int, is_first_pp_stage: bool) -> bool:
     """Whether this rank's copy of ``param`` is the one that counts in the global norm: a
     TP-sharded one on every TP rank, a replicated one on TP rank 0, a tied embedding on the first
-    stage only, and there (zb-v, dualpipev: both copies) not the output layer's local copy."""
+    stage only, and there (zb-v, dualpipev: both copies) not the output layer's local copy. An
+    expert tensor with experts apart: pass the ETP rank (fc2's bias is whole on each)."""
     meta = param_meta(param)
     if meta.tied_embedding and (not is_first_pp_stage or meta.local_tied_copy):
         return False
@@ -34,7 +35,8 @@ def split_counted(params: Sequence[torch.Tensor], grads: Sequence, ps):
         if g is None:
             continue
         if ps.experts_apart and param_meta(p).expert:
-            expert.append(g)
+            if counts_for_norm(p, ps.etp_rank, True):
+                expert.append(g)
         elif counts_for_norm(p, ps.tp_rank, ps.is_pipeline_first_stage):
             dense.append(g)
     return dense, expert

@@ -97,7 +97,8 @@ class DistributedOptimizer(ShardedAdamW):
         self.norm_runs = [[(g.lo, g.hi) for g in s.segments if not e and
                            counts_for_norm(g.param, ps.tp_rank, ps.is_pipeline_first_stage)]
                           for s, e in zip(self.shards, self.shard_is_expert)]
-        self.expert_norm_runs = [[(g.lo, g.hi) for g in s.segments] if e else []
+        self.expert_norm_runs = [[(g.lo, g.hi) for g in s.segments
+                                  if counts_for_norm(g.param, ps.etp_rank, True)] if e else []
                                  for s, e in zip(self.shards, self.shard_is_expert)]
         for i in self._offload([s.model_param_shard for s in self.shards]):
             s = self.shards[i]  # the host holds the master: the model shard stands in (no copy)

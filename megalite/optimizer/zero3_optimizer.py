@@ -46,7 +46,8 @@ class Zero3Optimizer(ShardedAdamW):
                                            ps.is_pipeline_first_stage)] for u in self.units]
         # EP > 1: the expert units' squares are summed over their own groups (clip_grads)
         self.shard_is_expert = [u.expert for u in self.units]
-        self.expert_norm_runs = [[(s.start, s.end) for s in u.segments] if u.expert else []
+        self.expert_norm_runs = [[(s.start, s.end) for s in u.segments if counts_for_norm(
+            u.params[s.param_index], ps.etp_rank, True)] if u.expert else []
                                  for u in self.units]
         self.segments = [[[u.names[s.param_index], s.start, s.end, s.param_start,
                            list(u.shapes[s.param_index])] for s in u.segments]
