@@ -2,7 +2,8 @@
 against a softmax written out with one more column, the clamped SwiGLU and the biased router
 against transformers' GPT-OSS modules, the alternating window pattern against its config's
 layer types, YaRN without truncation against transformers' YaRN; and a tiny model with all of
-them at TP2 + SP (ETP 2) and EP2 equal to one process (fp32, 1e-5, strict mode)."""
+them at TP2 + SP (ETP 2), EP2 and DP2 ZeRO-3 with selective recompute equal to one process
+(fp32, 1e-5, strict mode)."""
 
 import numpy as np
 import pytest
@@ -154,7 +155,9 @@ GPT_OSS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "-
            "--moe-ffn-hidden-size", "24", "--moe-router-linear-bias",
            "--untie-embeddings-and-output-weights"]
 LAYOUTS = {"tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-           "ep2": ["--expert-model-parallel-size", "2"]}
+           "ep2": ["--expert-model-parallel-size", "2"],
+           # the sinks inside the recomputed attention core, gathered by ZeRO-3
+           "dp2_zero3_selective": ["--zero-stage", "3", "--recompute-granularity", "selective"]}
 ITERS = 3
 
 

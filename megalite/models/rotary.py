@@ -67,8 +67,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, head_dim: int, base: float = 10000.0, llama3_scaling=None, yarn=None):
         # llama3_scaling: None or llama3_scaled's arguments after inv_freq; yarn: None or
-        # (factor, original max positions, beta_fast, beta_slow, mscale, mscale_all_dim,
-        # truncate)
+        # (factor, original max positions, beta fast and slow, mscale, mscale_all_dim, truncate)
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         if llama3_scaling is not None:
