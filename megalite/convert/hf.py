@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import inspect
 import re
+import warnings
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from megalite.config import CHECKPOINT_ARG, SHAPE, ConfigError, ModelConfig
+from megalite.config import CHECKPOINT_ARG, SHAPE, ConfigError, ModelConfig, dtype_from_name
+from megalite.convert.mxfp4 import dequantize_mxfp4
 from megalite.convert.sharding import (
     EMBEDDING_WEIGHT_NAME,
     OUTPUT_WEIGHT_NAME,
@@ -34,6 +36,10 @@ class MoeSpec:
     expert_names: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
     norm_topk_prob: Optional[str] = "norm_topk_prob"  # None: the k gates are always renormalised
     router: str = "softmax"  # or "deepseek" (sigmoid; docs/models.md, "Routing")
+    gate: str = "gate"  # the router's module
+    # GPT-OSS: hub files hold the experts stacked (gate_up_proj [E, h, 2f], gate and up columns
+    # interleaved; down_proj [E, f, h]), each with a bias, and the router has a bias
+    stacked: bool = False
     shared: Optional[str] = None  # module of the shared expert
     shared_gate: Optional[str] = None  # module of its sigmoid gate (Qwen2-MoE)
     shared_size: Optional[str] = None  # config field of its width, or
@@ -53,8 +59,10 @@ class Family:
     linear_bias: bool = False  # Llama: attention_bias biases o_proj as well (with mlp_bias)
     qk_norm: Optional[str] = None  # "head" or "projection" (ModelConfig.qk_layernorm_scope)
     qk_norm_field: Optional[str] = None  # the config field that switches it (else always on)
-    window: Optional[str] = None  # how a sliding window is configured: "mistral" or "qwen"
+    # how a sliding window is configured: "mistral", "qwen" or "skip" (GPT-OSS's layer_types)
+    window: Optional[str] = None
     partial_rotary: bool = False  # its attention honours partial_rotary_factor
+    sinks: bool = False  # a learned logit per head in every softmax (self_attn.sinks)
     # config field counting the multi-token-prediction layers after the last layer (mtp.*)
     mtp_field: Optional[str] = None
     refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
@@ -107,6 +115,9 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_5_moe_text": Family("Qwen3_5MoeForCausalLM", **_HYBRID, linear="split",
                                moe=MoeSpec("num_experts", "moe_intermediate_size",
                                            norm_topk_prob=None, **_QWEN_SHARED)),
+    "gpt_oss": Family("GptOssForCausalLM", linear_bias=True, window="skip", sinks=True,
+                      moe=MoeSpec("num_local_experts", "intermediate_size", gate="router",
+                                  norm_topk_prob=None, stacked=True)),
 }
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 # vision-language wrappers: their text model imports (config under text_config, weights under
@@ -136,10 +147,6 @@ def refused_hf_config(raw: Mapping) -> Optional[str]:
     """Why a config.json (as a dict) of a family megalite knows of but cannot hold is refused,
     naming the field, or None (docs/models.md, "Refused families")."""
     model_type = raw.get("model_type")
-    if model_type == "gpt_oss":
-        return (f"gpt_oss is not supported: its attention sinks (self_attn.sinks, a learned "
-                f"logit per head in every softmax) and clamped SwiGLU (swiglu_limit="
-                f"{raw.get('swiglu_limit')}) have no megalite equivalent")
     if model_type in ("llama4", "llama4_text"):
         text = raw.get("text_config") or raw
         nope = [i for i, rope in enumerate(text.get("no_rope_layers") or []) if not rope]
@@ -147,9 +154,8 @@ def refused_hf_config(raw: Mapping) -> Optional[str]:
                 f"{text.get('attention_chunk_size')}) and NoPE layers (no_rope_layers: "
                 f"{len(nope)} layer(s) without RoPE) have no megalite equivalent")
     q = raw.get("quantization_config")
-    if q:
-        method = q.get("quant_method") if isinstance(q, Mapping) else getattr(
-            q, "quant_method", q)
+    method = q.get("quant_method") if isinstance(q, Mapping) else getattr(q, "quant_method", q)
+    if q and method != "mxfp4":  # MXFP4 experts (GPT-OSS) are dequantised: convert/mxfp4.py
         return (f"{model_type} quantization_config (quant_method {method!r}) is not supported: "
                 f"megalite imports unquantised weights (dequantise the checkpoint to bf16 first)")
     return None
@@ -232,10 +238,9 @@ def _rope(hf_config, family: str) -> dict:
 
 def _yarn(params: dict, hf_config) -> dict:
     """HF's yarn ``rope_parameters`` as ModelConfig fields (docs/models.md, "YaRN RoPE")."""
-    if params.get("attention_factor") is not None or params.get("truncate", True) is not True:
-        raise ConfigError("yarn rope_parameters attention_factor and truncate=False are not "
-                          "supported: megalite derives the cos/sin factor from mscale and "
-                          "mscale_all_dim and rounds the ramp's ends (Megatron's YaRN)")
+    if params.get("attention_factor") is not None:
+        raise ConfigError("yarn rope_parameters attention_factor is not supported: megalite "
+                          "derives the cos/sin factor from mscale and mscale_all_dim")
     # as HF's config standardisation and _compute_yarn_parameters fill them in
     original = params.get("original_max_position_embeddings") or hf_config.max_position_embeddings
     factor = params.get("factor") or hf_config.max_position_embeddings / original
@@ -249,7 +254,8 @@ def _yarn(params: dict, hf_config) -> dict:
                 rope_original_max_position_embeddings=int(original),
                 beta_fast=float(params.get("beta_fast") or 32),
                 beta_slow=float(params.get("beta_slow") or 1), mscale=float(mscale),
-                mscale_all_dim=float(mscale_all_dim))
+                mscale_all_dim=float(mscale_all_dim),
+                rope_yarn_truncate=params.get("truncate") is not False)
 
 
 def _hf_rope(cfg: ModelConfig, config_cls, fam: Family) -> dict:
@@ -265,8 +271,11 @@ def _hf_rope(cfg: ModelConfig, config_cls, fam: Family) -> dict:
                               f"ratio only when both are non-zero, else mscale 1")
         params.update(rope_type="yarn", factor=cfg.rotary_scaling_factor,
                       original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
-                      beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow, mscale=cfg.mscale,
-                      mscale_all_dim=cfg.mscale_all_dim)
+                      beta_fast=cfg.beta_fast, beta_slow=cfg.beta_slow)
+        if (m, m_all) != (1.0, 0.0):  # else HF's default factor, as GPT-OSS's config leaves it
+            params.update(mscale=m, mscale_all_dim=m_all)
+        if not cfg.rope_yarn_truncate:
+            params["truncate"] = False
     partial = {"partial_rotary_factor": cfg.rotary_percent} if fam.partial_rotary else {}
     # transformers >= 5 takes rope_parameters; older versions take rope_theta and rope_scaling.
     if _accepts(config_cls, "rope_parameters"):
@@ -292,6 +301,17 @@ def _sliding_window(c, family: str) -> dict:
                               f"(alternating attention) are not supported: megalite windows "
                               f"every layer")
         return {"sliding_window": window, "max_window_layers": 0}
+    if rule == "skip":  # GPT-OSS: layer n (from 1) full when N divides n, windowed otherwise
+        types, n = list(c.layer_types), c.num_hidden_layers
+        if window is None and "sliding_attention" not in types:
+            return {"sliding_window": None}
+        freq = next((k for k in range(1, n + 2) if types == [
+            "sliding_attention" if (i + 1) % k else "full_attention" for i in range(n)]), None)
+        if window is None or freq is None:
+            raise ConfigError(f"{family} layer_types {types} (sliding_window {window}) are not "
+                              f"supported: megalite makes every N-th layer full attention "
+                              f"(--window-attn-skip-freq N) and windows the others")
+        return {"sliding_window": window, "window_attn_skip_freq": freq if freq <= n else None}
     if rule != "qwen":
         return {}
     types = getattr(c, "layer_types", None) or [  # older transformers: no layer_types
@@ -317,6 +337,10 @@ def _hf_window(cfg: ModelConfig, fam: Family) -> dict:
         window = cfg.sliding_window is not None
         return {"use_sliding_window": window, "sliding_window": cfg.sliding_window,
                 "max_window_layers": cfg.max_window_layers if window else cfg.num_layers}
+    if fam.window == "skip":
+        return {"sliding_window": cfg.sliding_window, "layer_types": [
+            "full_attention" if cfg.attention_window(i) is None else "sliding_attention"
+            for i in range(cfg.num_layers)]}
     return {}
 
 
@@ -375,6 +399,8 @@ def _moe(c, family: str) -> dict:
     norm = True if m.norm_topk_prob is None else bool(getattr(c, m.norm_topk_prob))
     out = dict(num_experts=experts, moe_router_topk=k, moe_ffn_hidden_size=f,
                moe_layer_freq=layer_freq_text(_hf_moe_pattern(c, m)))
+    if m.stacked:
+        out["moe_router_linear_bias"] = True
     if m.router == "softmax":
         # renormalised softmax top-k = a softmax over the k chosen logits (megalite's default);
         # the plain top-k of a softmax over all experts is --moe-router-pre-softmax
@@ -521,10 +547,11 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
                                   f"equivalent; {name}={only!r} is)")
         attention_bias = bool(getattr(c, "attention_bias", False))
         if fam.linear_bias:
-            mlp_bias = bool(getattr(c, "mlp_bias", False))
+            # GPT-OSS has no mlp_bias: its experts always have biases
+            mlp_bias = bool(getattr(c, "mlp_bias", fam.moe is not None and fam.moe.stacked))
             if attention_bias != mlp_bias:
                 # one switch (add_bias_linear) biases o_proj and both MLP linears
-                raise ConfigError(f"Llama attention_bias={attention_bias} with mlp_bias="
+                raise ConfigError(f"{family} attention_bias={attention_bias} with mlp_bias="
                                   f"{mlp_bias} is not supported: megalite needs both equal "
                                   f"(add_bias_linear)")
             qkv_bias = linear_bias = attention_bias
@@ -561,6 +588,7 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings",
                                                             False),
             hidden_dropout=0.0, attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+            attention_sinks=fam.sinks, **{k: getattr(c, k) for k in _CLAMP if hasattr(c, k)},
             **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family),
             **_linear(c, family))
     kwargs.update(vocab_size=c.vocab_size, init_method_std=c.initializer_range,
@@ -569,6 +597,8 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
     return ModelConfig(**kwargs).validate()
 
 
+# GPT-OSS's clamped SwiGLU: one name on both sides
+_CLAMP = ("swiglu_limit", "swiglu_alpha")
 # The ModelConfig fields an HF config does not carry: they are the megalite run's own.
 _NOT_CARRIED = ("seq_length", "make_vocab_size_divisible_by", "hf_architecture")
 
@@ -583,7 +613,9 @@ def _carried(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling_factor is None:
         unused += [v for v in _LLAMA3_ROPE.values() if v != "rope_scaling_factor"]
     if cfg.sliding_window is None:
-        unused.append("max_window_layers")
+        unused += ["max_window_layers", "window_attn_skip_freq"]
+    if cfg.swiglu_limit is None:
+        unused.append("swiglu_alpha")
     if cfg.multi_latent_attention:
         unused.append("kv_channels")  # MLA's heads have their own widths
     out["linear_attention_freq"] = cfg.linear_attention_pattern()  # "2" is "[1,0]" at 2 layers
@@ -677,12 +709,16 @@ def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
     if fam.mla:
         kwargs.update(_hf_mla(cfg))
     if fam.linear_bias:
-        kwargs.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+        kwargs["attention_bias"] = cfg.add_bias_linear
+        if _accepts(config_cls, "mlp_bias"):
+            kwargs["mlp_bias"] = cfg.add_bias_linear
     elif isinstance(fam.qkv_bias, str):
         kwargs[fam.qkv_bias] = cfg.add_qkv_bias
     if fam.qk_norm_field:
         kwargs[fam.qk_norm_field] = cfg.qk_layernorm
     kwargs.update(_hf_window(cfg, fam))
+    kwargs.update({k: getattr(cfg, k) for k in _CLAMP
+                   if _accepts(config_cls, k) and getattr(cfg, k) is not None})
     if fam.moe is not None and cfg.num_experts is not None:
         kwargs.update(_hf_moe(cfg, fam.moe, arch))
     if fam.mtp_field:
@@ -709,6 +745,9 @@ def model_config_to_hf_config(cfg: ModelConfig, **hf_overrides):
     import transformers
 
     arch = hf_architecture(cfg)
+    if _FAMILY_OF_ARCHITECTURE.get(arch) == "gpt_oss":
+        warnings.warn(f"{arch}: the experts are written unquantised ({cfg.params_dtype}), not in "
+                      f"MXFP4 as OpenAI's hub files hold them", stacklevel=2)
     if model_family(cfg) != "gpt2":
         return _hf_config(cfg, _FAMILY_OF_ARCHITECTURE[arch], **hf_overrides)
     if cfg.num_query_groups != cfg.num_attention_heads:
@@ -750,7 +789,10 @@ _LLAMA_LAYER = {  # one-to-one tensors; qkv and the MLPs are fused / stacked bel
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.linear_proj.bias": "self_attn.o_proj.bias",
+    "self_attention.sinks": "self_attn.sinks",
 }
+_STACKED_EXPERTS = {"mlp.weight1": "experts.gate_up_proj", "mlp.bias1": "experts.gate_up_proj_bias",
+                    "mlp.weight2": "experts.down_proj", "mlp.bias2": "experts.down_proj_bias"}
 _SWIGLU = ("gate_proj", "up_proj", "down_proj")  # HF's dense and shared-expert MLP linears
 _LINEAR_LAYER = {  # a Gated DeltaNet layer's tensors that map one to one
     "self_attention.A_log": "linear_attn.A_log", "self_attention.dt_bias": "linear_attn.dt_bias",
@@ -793,6 +835,8 @@ def _has_bias(cfg: ModelConfig, megalite_suffix: str) -> bool:
     """Whether the tensor exists in this model (named for the biases, most of which may not)."""
     if "q_layernorm" in megalite_suffix or "k_layernorm" in megalite_suffix:
         return cfg.qk_layernorm
+    if megalite_suffix.endswith("sinks"):
+        return cfg.attention_sinks
     if megalite_suffix.endswith(".weight"):
         return True
     if "layernorm" in megalite_suffix:
@@ -806,6 +850,7 @@ _ATTENTION_SUFFIXES = (
     "input_layernorm.weight", "input_layernorm.bias",
     "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
     "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+    "self_attention.sinks",
     "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight",
     "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias")
 _MLP_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
@@ -814,7 +859,8 @@ _MLP_SUFFIXES = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
 
 def _moe_suffixes(cfg: ModelConfig) -> List[str]:
     """megalite/moe/layer.py's tensors of an MoE layer (the expert bias is a buffer)."""
-    out = ["mlp.router"] + (["mlp.expert_bias"] if cfg.moe_router_enable_expert_bias else [])
+    out = ["mlp.router"] + (["mlp.router_bias"] if cfg.moe_router_linear_bias else [])
+    out += ["mlp.expert_bias"] if cfg.moe_router_enable_expert_bias else []
     out += ["mlp.weight1", "mlp.weight2"] + (["mlp.bias1", "mlp.bias2"] if cfg.add_bias_linear
                                              else [])
     if cfg.moe_shared_expert_intermediate_size:
@@ -908,7 +954,12 @@ def _layer_pairs(layer_idx: int, cfg: ModelConfig) -> List[Tuple[str, str]]:
     pairs += list(_LINEAR_LAYER.items()) if linear else []
     if cfg.is_moe_layer(layer_idx):
         m = _moe_spec(cfg)
-        pairs.append(("mlp.router", f"{m.block}.gate.weight"))
+        pairs.append(("mlp.router", f"{m.block}.{m.gate}.weight"))
+        if cfg.moe_router_linear_bias:
+            pairs.append(("mlp.router_bias", f"{m.block}.{m.gate}.bias"))
+        if m.stacked:  # GPT-OSS's experts: one tensor each (gate and up interleaved: _one_to_one)
+            pairs += [(ml, f"{m.block}.{hf}") for ml, hf in _STACKED_EXPERTS.items()
+                      if "weight" in ml or cfg.add_bias_linear]
         if cfg.moe_router_enable_expert_bias:
             pairs.append(("mlp.expert_bias", f"{m.block}.gate.e_score_correction_bias"))
         if cfg.moe_shared_expert_intermediate_size and cfg.moe_shared_expert_gate:
@@ -919,13 +970,16 @@ def _layer_pairs(layer_idx: int, cfg: ModelConfig) -> List[Tuple[str, str]]:
 def _one_to_one(t: torch.Tensor, ml: str, cfg: ModelConfig, back: bool = False) -> torch.Tensor:
     if model_family(cfg) == "gpt2":
         return t.t().contiguous() if _GPT2_LAYER[ml][1] else t
+    if ml.endswith(("weight1", "bias1")):  # GPT-OSS's [g0, u0, g1, u1, ...] <-> [gate | up]
+        return (torch.stack(t.chunk(2, -1), -1).flatten(-2) if back
+                else torch.cat([t[..., ::2], t[..., 1::2]], -1))
     return _rope_pairs(t, cfg, ml, back) if cfg.multi_latent_attention else t
 
 
 def _experts_hf_keys(p: str, cfg: ModelConfig) -> List[str]:
     m = _moe_spec(cfg)
     keys = [f"{p}{m.block}.experts.{e}.{n}.weight" for e in range(cfg.num_experts)
-            for n in m.expert_names]
+            for n in m.expert_names if not m.stacked]
     if cfg.moe_shared_expert_intermediate_size:
         keys += _linear_keys(f"{p}{m.block}.{m.shared}.", cfg.add_bias_linear)
     return keys
@@ -1060,6 +1114,8 @@ def _swiglu_to_hf(t, ml_p: str, hf_p: str, bias: bool, where: str) -> dict:
 def _experts_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dict:
     """HF experts and shared expert -> MoELayer's tensors (docs/models.md, "Experts' tensors")."""
     m = _moe_spec(cfg)
+    if m.stacked:  # one to one (_layer_pairs), no shared expert
+        return {}
     b = f"{p}{m.block}."
     # copied expert by expert into the stacked tensors: no [gate; up] copies beside them, so a
     # layer of experts is held twice at most (docs/models.md, "Converter memory")
@@ -1083,6 +1139,8 @@ def _experts_from_hf(t, p: str, out_p: str, cfg: ModelConfig, where: str) -> dic
 def _experts_to_hf(t, in_p: str, p: str, cfg: ModelConfig, where: str) -> dict:
     """Inverse of :func:`_experts_from_hf`."""
     m = _moe_spec(cfg)
+    if m.stacked:
+        return {}
     b = f"{p}{m.block}."
     out = {}
     w1, w2 = _get(t, in_p + "mlp.weight1", where), _get(t, in_p + "mlp.weight2", where)
@@ -1248,7 +1306,11 @@ def _normalize_hf_keys(hf_state_dict: Mapping[str, torch.Tensor], cfg: ModelConf
     # a vision-language wrapper's text model (WRAPPERS)
     hf_state_dict = {k.replace("model.language_model.", "model.", 1): v
                      for k, v in hf_state_dict.items()}
-    if cfg.num_experts is None:
+    for k in [k for k in hf_state_dict if k.endswith("_blocks")]:  # MXFP4 (GPT-OSS's experts)
+        name = k[: -len("_blocks")]
+        hf_state_dict[name] = dequantize_mxfp4(hf_state_dict.pop(k), hf_state_dict.pop(
+            name + "_scales"), dtype_from_name(cfg.params_dtype))
+    if cfg.num_experts is None or _moe_spec(cfg).stacked:
         return hf_state_dict
     m, out = _moe_spec(cfg), {}
     f, h = cfg.moe_ffn_hidden_size, cfg.hidden_size

@@ -10,7 +10,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from megalite.config import ConfigError
+from megalite.config import ConfigError, dtype_from_name
 from megalite.convert.hf import (FAMILY_OF_MODEL_TYPE, IGNORED_HF_SUFFIXES, IMPORTED_ARCHITECTURES,
                                  SUPPORTED_ARCHITECTURES, check_hf_weight_names,
                                  convert_layer_hf_to_megalite,
@@ -20,6 +20,7 @@ from megalite.convert.hf import (FAMILY_OF_MODEL_TYPE, IGNORED_HF_SUFFIXES, IMPO
                                  megalite_to_hf_state_dict, model_config_to_hf_config,
                                  mtp_copies, refused_hf_config, special_token_ids,
                                  unsupported_architecture)
+from megalite.convert.mxfp4 import dequantize_mxfp4
 from megalite.convert.sharding import (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME, full_state_dict,
                                        load_full_state_dict_into)
 
@@ -48,7 +49,7 @@ class HFSource:
                 raw = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"{self.what}: config.json is not valid JSON ({e})")
-        refusal = refused_hf_config(raw)  # GPT-OSS, Llama 4, FP8: the field that is refused
+        refusal = refused_hf_config(raw)  # Llama 4, FP8: the field that is refused
         if refusal is not None:
             raise ConfigError(f"{self.what}: {refusal}")
         # Checked before AutoConfig, whose error for an unknown model_type is long and vague.
@@ -133,18 +134,26 @@ class HFSource:
                 raise ConfigError(f"{self.what}: {os.path.basename(path)} cannot be loaded "
                                   f"({brief(e)})")
 
+    def _stored(self, k: str) -> Tuple[str, ...]:
+        """The stored tensor(s) HF name ``k`` is read from: an MXFP4 one's blocks and scales."""
+        s = self._alias.get(k, k)
+        packed = s not in self.key_file and s + "_blocks" in self.key_file
+        return (s + "_blocks", s + "_scales") if packed else (s,)
+
     def get(self, keys: Sequence[str], where: str) -> Dict[str, torch.Tensor]:
-        """Copies of the named tensors (HF LM-head names), reading only those; each file is
-        closed (unmapped) again once they are copied out."""
+        """Copies of the named tensors (HF LM-head names; MXFP4 ones dequantised to
+        --params-dtype), reading only those; each file is closed (unmapped) again once they are
+        copied out."""
         from safetensors import safe_open
 
         by_file: Dict[str, List[Tuple[str, str]]] = {}
         for k in keys:
-            stored = self._alias.get(k, k)
-            if stored not in self.key_file:
-                raise ConfigError(f"{self.what}: tensor {k} ({where}) is missing from the "
-                                  f"weights; config.json and the weights disagree")
-            by_file.setdefault(self.key_file[stored], []).append((k, stored))
+            for stored in self._stored(k):
+                if stored not in self.key_file:
+                    raise ConfigError(f"{self.what}: tensor {stored} ({where}) is missing from "
+                                      f"the weights; config.json and the weights disagree")
+                name = k if stored == self._alias.get(k, k) else stored
+                by_file.setdefault(self.key_file[stored], []).append((name, stored))
         out = {}
         for path, pairs in by_file.items():
             if path.endswith(".safetensors"):
@@ -161,13 +170,17 @@ class HFSource:
                     out[k] = sd[stored].clone()
                 del sd
             self.used.update(stored for _, stored in pairs)
+        for k in keys:
+            if len(parts := self._stored(k)) == 2:
+                out[k] = dequantize_mxfp4(out.pop(parts[0]), out.pop(parts[1]),
+                                          dtype_from_name(self.model_cfg.params_dtype))
         return out
 
     def lazy(self, keys: Sequence[str], where: str) -> "_LazyTensors":
         """The named tensors as a mapping that reads each when it is looked up and keeps none (the
         stacked experts are filled one hub tensor at a time)."""
         for k in keys:
-            if self._alias.get(k, k) not in self.key_file:
+            if any(s not in self.key_file for s in self._stored(k)):
                 raise ConfigError(f"{self.what}: tensor {k} ({where}) is missing from the "
                                   f"weights; config.json and the weights disagree")
         return _LazyTensors(self, keys, where)
