@@ -38,9 +38,8 @@ class MTPLayer(nn.Module):
     final_layernorm(h_k) for the output head, both returned from one call (a ZeRO-3 unit is
     gathered around a module's call)."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, tp_group, device,
-                 sequence_parallel: bool, cp_group, cp_comm_type: str,
-                 moe_groups: Optional[MoEGroups], execution: ExecutionConfig):
+    def __init__(self, config: ModelConfig, layer_number: int, ps, device,
+                 sequence_parallel: bool, execution: ExecutionConfig):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
         norms = [build_norm(config, sequence_parallel, dtype, device, execution.use_apex)
@@ -52,9 +51,9 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False, dtype=dtype, device=device)
         set_param_meta(self.eh_proj.weight, init_method=("normal", config.init_method_std),
                        grad_partial_over_tp=sequence_parallel)
-        self.transformer_layer = TransformerLayer(config, layer_number, tp_group, device,
-                                                  sequence_parallel, cp_group, cp_comm_type,
-                                                  moe_groups, execution)
+        self.transformer_layer = TransformerLayer(config, layer_number, ps.tp_group, device,
+                                                  sequence_parallel, ps.cp_group,
+                                                  ps.cp_comm_type, MoEGroups.of(ps), execution)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor,
                 position_ids: Optional[torch.Tensor] = None,
@@ -73,6 +72,5 @@ class MultiTokenPrediction(nn.Module):
                  execution: ExecutionConfig):
         super().__init__()
         self.layers = nn.ModuleList(
-            MTPLayer(config, config.num_layers + k, ps.tp_group, device, sequence_parallel,
-                     ps.cp_group, ps.cp_comm_type, MoEGroups.of(ps), execution)
+            MTPLayer(config, config.num_layers + k, ps, device, sequence_parallel, execution)
             for k in range(config.mtp_num_layers))
