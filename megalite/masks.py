@@ -88,16 +88,10 @@ def sink_attention(q, k, v, sink, window=None, docs=None, scale=None, kernel: st
     """Causal attention (within ``window``, within ``docs``' documents) with a sink per head: a
     block kernel that returns the log-sum-exp (context_parallel/blocks.py; ``kernel``:
     --cp-attention-kernel), then apply_attention_sink. q [b, n, s, d], k, v [b, g, s, d]."""
-    s, mask = q.shape[2], True  # True: the kernel's own causal mask
-    if docs is not None or (window is not None and window < s):
-        pos = torch.arange(s)
-        if docs is not None:
-            mask = docs.mask(pos, pos, window)
-        else:  # [1, 1, s, s], broadcast over the batch
-            gap = (pos[:, None] - pos[None, :]).to(q.device)
-            mask = ((gap >= 0) & (gap < window))[None, None]
+    pos = torch.arange(q.shape[2])
+    mask = block(pos, pos, True, window, docs, q.device)  # None: the kernel's causal mask
     chosen = blocks.select(q, k, kernel)
-    chosen = chosen if mask is True else blocks.masked(chosen)
+    chosen, mask = (chosen, True) if mask is None else (blocks.masked(chosen), mask)
     q, k, v = (t.contiguous() for t in (q, k, v))
     return _SinkAttention.apply(q, k, v, sink, chosen, mask, scale or q.shape[-1] ** -0.5)
 
