@@ -39,11 +39,13 @@ def parse_args(argv=None):
 
 
 def step(path: str, x, w, target, chunk: int) -> None:
+    """The training path: per-token weights (loss mask / token count) known up front."""
+    weights = torch.full(target.shape, 1.0 / target.numel())
     if path == "whole":
-        loss = ce.vocab_parallel_cross_entropy(x.matmul(w.t()), target)
+        loss = (ce.vocab_parallel_cross_entropy(x.matmul(w.t()), target) * weights).sum()
     else:
-        loss = ce.linear_cross_entropy(x, w, target, chunk_tokens=chunk)
-    loss.sum().backward()
+        loss, _ = ce.linear_cross_entropy(x, w, target, chunk_tokens=chunk, loss_weights=weights)
+    loss.backward()
 
 
 def main(argv=None) -> dict:

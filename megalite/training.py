@@ -23,6 +23,7 @@ from megalite.config import V_SCHEDULES, MegaliteConfig
 from megalite.context_parallel.sharding import shard as cp_shard
 from megalite.exit_conditions import ExitConditions
 from megalite.masks import Documents
+from megalite.models.gpt import LossOutput
 from megalite.logging import (
     MetricsLogger,
     CpuPeak,
@@ -95,20 +96,20 @@ class _CarryNonFinite(torch.autograd.Function):
         return grad + ctx.poison
 
 
-def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output: torch.Tensor,
+def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output: LossOutput,
                carry: bool = False):
-    """Contract loss: this micro-batch's summed token loss over the GLOBAL batch's token count."""
-    mask = loss_mask.to(output.dtype if output.is_floating_point() else torch.float32)
-    loss_sum = (output.float() * mask.float()).sum()
-    loss = loss_sum / num_global_tokens
-    if carry:
-        loss = _CarryNonFinite.apply(loss)
-    return loss, {"lm_loss_sum": loss_sum.detach(), "num_tokens": mask.sum().detach()}
+    """Contract loss: this micro-batch's summed token loss over the GLOBAL batch's token count,
+    formed by the model from its loss weights (mask / that count: _forward_step)."""
+    mask = loss_mask.float()
+    loss = _CarryNonFinite.apply(output.loss) if carry else output.loss
+    stats = {"lm_loss_sum": (output.token_loss * mask).sum(), "num_tokens": mask.sum()}
+    return loss, {**stats, **output.logged}
 
 
 def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: bool = False):
     tokens, labels, loss_mask, position_ids, documents = next(data_iterator)
-    output = model(tokens, labels=labels, position_ids=position_ids, documents=documents)
+    output = model(tokens, labels=labels, position_ids=position_ids, documents=documents,
+                   loss_weights=loss_mask.float() / num_global_tokens)
     return output, partial(_loss_func, loss_mask, num_global_tokens, carry=carry)
 
 

@@ -19,16 +19,22 @@ from megalite.tensor_parallel.cross_entropy import (
 )
 
 
-def _head(x, w, target, chunk, eps, store=None):
-    """(loss, dX, dW) under a non-uniform upstream gradient; chunk 0: whole logits."""
+def _head(x, w, target, chunk, eps, store=None, weighted=False):
+    """(loss, dX, dW) under a non-uniform upstream gradient; chunk 0: whole logits;
+    ``weighted``: the training path, the gradient formed in forward from the loss weights."""
     x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    weights = torch.linspace(0.5, 1.5, target.numel()).view(target.shape)
+    if weighted:
+        total, loss = linear_cross_entropy(x, w, target, vocab_size=37, label_smoothing=eps,
+                                           chunk_tokens=chunk, loss_weights=weights)
+        (2.0 * total).backward()  # an upstream scale (the fp16 loss scale's place)
+        return loss, x.grad / 2.0, w.grad / 2.0
     if chunk:
         loss = linear_cross_entropy(x, w, target, vocab_size=37, label_smoothing=eps,
                                     chunk_tokens=chunk, store=store)
     else:
         loss = vocab_parallel_cross_entropy(x @ w.t(), target, vocab_size=37,
                                             label_smoothing=eps)
-    weights = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)
     (loss * weights).sum().backward()
     return loss.detach(), x.grad, w.grad
 
@@ -45,11 +51,11 @@ def test_chunks_equal_whole_logits(dtype, tol):
     for eps in (0.0, 0.1):
         ref = _head(x, w, target, 0, eps)
         assert ref[2][37:].abs().max() == 0
-        for chunk in (1, 4, 21, 256):
-            got = _head(x, w, target, chunk, eps)
+        for chunk, weighted in ((1, False), (4, False), (21, True), (256, False), (4, True)):
+            got = _head(x, w, target, chunk, eps, weighted=weighted)
             for name, a, b in zip(("loss", "dX", "dW"), got, ref):
                 torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol,
-                                           msg=f"{name} chunk={chunk} eps={eps}")
+                                           msg=f"{name} chunk={chunk} eps={eps} {weighted=}")
 
 
 def test_weight_gradient_deferred_to_the_store():
@@ -87,8 +93,14 @@ def _tp_worker(rank, world_size):
             ps = initialize_model_parallel(2, 1, backend="gloo", device="cpu", set_default=False)
             model = GPTModel(tiny_config(family), ps, seed=7, sequence_parallel=sp,
                              execution=ExecutionConfig(cross_entropy_chunk_tokens=5))
-            loss = model(tokens, labels=labels)
-            (loss * torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape)).sum().backward()
+            weights = torch.linspace(0.5, 1.5, labels.numel()).view(labels.shape)
+            if sp:  # the training path: a LossOutput, gradients formed in forward
+                out = model(tokens, labels=labels, loss_weights=weights)
+                loss = out.token_loss
+                out.loss.backward()
+            else:
+                loss = model(tokens, labels=labels)
+                (loss * weights).sum().backward()
             finalize_model_grads(model, ps, data_parallel=False)
             where = f"{family} tp=2 sp={sp}"
             torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=where)
@@ -104,7 +116,8 @@ def test_tp2_chunked_equals_one_process_whole():
 @pytest.mark.parametrize("dtype,chunk", [("bfloat16", 64), ("float32", 100)])
 def test_planner_loss_head_bytes_chunked_measured(dtype, chunk):
     """planner.loss_head_bytes with chunks against the measured CPU tensor peak of the chunked
-    head, forward and backward (dX and dW made): within 10%."""
+    head on the training path (loss weights given), forward and backward (dX and dW made):
+    within 10%."""
     from megalite.config import ModelConfig
     from megalite.memory import PeakTensorMemory
     from megalite.planner import Model, loss_head_bytes
@@ -116,7 +129,8 @@ def test_planner_loss_head_bytes_chunked_measured(dtype, chunk):
     w = (0.02 * torch.randn(cfg.padded_vocab_size(1), 64, dtype=dt)).requires_grad_()
     target = torch.randint(8000, (256, 2))
     with PeakTensorMemory("cpu") as probe:
-        linear_cross_entropy(x, w, target, vocab_size=8000, chunk_tokens=chunk).sum().backward()
+        linear_cross_entropy(x, w, target, vocab_size=8000, chunk_tokens=chunk,
+                             loss_weights=torch.full((256, 2), 1 / 512))[0].backward()
     est = loss_head_bytes(Model.from_config(cfg, "cpu", loss_chunk_tokens=chunk), 2, 1, False)
     got = probe.peak_bytes - probe.baseline
     assert abs(got / est - 1) < 0.10, (got, est)

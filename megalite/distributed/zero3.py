@@ -356,8 +356,11 @@ class Zero3Model(nn.Module):
         self.phase = FORWARD
         self._grads_finalized = False if torch.is_grad_enabled() else self._grads_finalized
         out = self.module(*args, **kwargs)
-        if torch.is_tensor(out) and out.requires_grad:
-            out.register_hook(self._on_backward_begin)
+        # a tensor, or the loss stage's LossOutput (a tuple) whose scalar backward starts from
+        start = next((t for t in (out if isinstance(out, tuple) else (out,))
+                      if torch.is_tensor(t) and t.requires_grad), None)
+        if start is not None:
+            start.register_hook(self._on_backward_begin)
         else:
             self._reshard_all()
             self.phase = IDLE

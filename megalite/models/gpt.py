@@ -7,7 +7,7 @@ hidden states ``[s(/t), b, h]`` on any other stage. ``pre_process``, ``post_proc
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,6 +33,15 @@ from megalite.tensor_parallel.mappings import (
 from megalite.tensor_parallel.random import checkpoint
 
 EMBEDDING_WEIGHT_NAME = "embedding.word_embeddings.weight"
+
+
+class LossOutput(NamedTuple):
+    """The last stage's output given loss weights: the weighted loss with its gradients formed
+    in the loss head (docs/tensor_parallel.md, "The chunked loss head")."""
+
+    token_loss: torch.Tensor  # [b, s] per-token loss, detached: the logged statistics
+    loss: torch.Tensor  # scalar, sum of weight x token loss (+ added terms): backward from it
+    logged: Dict[str, torch.Tensor]  # further detached sums the step logs
 
 
 class Embedding(nn.Module):
@@ -166,10 +175,12 @@ class GPTModel(nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 decoder_input: Optional[torch.Tensor] = None,
-                documents: Optional[Documents] = None) -> torch.Tensor:
+                documents: Optional[Documents] = None,
+                loss_weights: Optional[torch.Tensor] = None):
         """``position_ids`` [b, s(/C)]: None for 0..s-1 (CP: this rank's global positions),
         else every position embedding (RoPE too) takes them; ``documents``: attention stays
-        within them (docs/data.md, "Packed documents")."""
+        within them (docs/data.md, "Packed documents"); ``loss_weights`` [b, s] (the training
+        path: loss mask / global token count): a LossOutput instead of per-token losses."""
         ps = self.parallel_state
         layer_positions = position_ids
         if self.pre_process and position_ids is None and ps.cp_size > 1:  # CP: global positions
@@ -185,15 +196,31 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
-        chunk, out = self.execution.cross_entropy_chunk_tokens, self.output_layer
-        if labels is not None and chunk:  # the logits never whole (docs/tensor_parallel.md)
-            loss = out(x, self._output_weight(), labels.t(),
-                       vocab_size=self.config.output_vocab_size, chunk_tokens=chunk)
-            return loss.t()  # [b, s]
-        logits = out(x, self._output_weight())  # [s, b, Vp/t]
-        if labels is not None:
-            loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group,
-                                                vocab_size=self.config.output_vocab_size)
-            return loss.t()  # [b, s]
-        logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
-        return logits[..., : self.config.output_vocab_size].transpose(0, 1).contiguous()
+        if labels is None:
+            logits = self.output_layer(x, self._output_weight())  # [s, b, Vp/t]
+            logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
+            return logits[..., : self.config.output_vocab_size].transpose(0, 1).contiguous()
+        if loss_weights is None:
+            return self.loss_head(x, labels)
+        token_loss, loss = self.loss_head(x, labels, loss_weights)
+        return LossOutput(token_loss, loss, {})
+
+    def loss_head(self, x: torch.Tensor, labels: torch.Tensor,
+                  loss_weights: Optional[torch.Tensor] = None):
+        """The output layer and its cross entropy on final-normed ``x`` [s, b, h]: the per-token
+        loss [b, s]; with ``loss_weights`` [b, s], (that loss detached, the differentiable sum
+        of weight x loss). Chunked, the logits are never whole (docs/tensor_parallel.md)."""
+        chunk, out, weight = (self.execution.cross_entropy_chunk_tokens, self.output_layer,
+                              self._output_weight())
+        vocab = self.config.output_vocab_size
+        if chunk:
+            kw = dict(vocab_size=vocab, chunk_tokens=chunk)
+            if loss_weights is None:
+                return out(x, weight, labels.t(), **kw).t()
+            loss, token_loss = out(x, weight, labels.t(), loss_weights=loss_weights.t(), **kw)
+            return token_loss.t(), loss
+        token_loss = vocab_parallel_cross_entropy(out(x, weight), labels.t(), self.tp_group,
+                                                  vocab_size=vocab).t()
+        if loss_weights is None:
+            return token_loss
+        return token_loss.detach(), (token_loss * loss_weights).sum()

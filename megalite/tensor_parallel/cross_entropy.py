@@ -226,14 +226,66 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_x.view(x.shape), grad_w, None, None, None, None, None, None, None
 
 
+class _WeightedLinearCrossEntropy(torch.autograd.Function):
+    """sum_t w_t loss_t of logits = x W^T, ``chunk`` token rows at a time, with both gradients
+    formed in forward: the per-token weights w (loss mask / token count) are known before the
+    loss is, so each chunk's logits turn into their gradient and meet x and W at once (three
+    GEMMs, as whole logits; no recompute). Backward scales them by the incoming scalar
+    (docs/tensor_parallel.md, "The chunked loss head")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, weights, group, vocab_size, label_smoothing, chunk,
+                want_x, want_w):
+        part = weight.shape[0]
+        start = C.group_rank(group) * part
+        real = max(0, min(part, vocab_size - start))
+        xs = x.reshape(-1, x.shape[-1])
+        local_target, outside = _local_targets(target.reshape(-1), start, part)
+        w = weights.reshape(-1).float()
+        k, eps = (4 if label_smoothing > 0 else 3), label_smoothing
+        onehot = (1.0 - eps) * (~outside).float() * w
+        grad_x = torch.empty_like(xs) if want_x else None
+        grad_w = torch.zeros_like(weight) if want_w else None
+        losses = []
+        for r, logits in _chunk_logits(xs, weight, chunk):
+            # the vocab-parallel all-reduces per chunk: its gradient needs the global
+            # log-sum-exp before the next chunk's logits overwrite the buffer
+            stats = _local_stats(logits, local_target[r], real, k)
+            loss, log_sum_exp = _combine(stats, outside[r], group, vocab_size, eps)
+            losses.append(loss)
+            if want_x or want_w:
+                _grad_logits(logits, logits, log_sum_exp, w[r], local_target[r], onehot[r],
+                             real, eps / vocab_size)
+            if want_x:
+                torch.matmul(logits, weight, out=grad_x[r])
+            if want_w:
+                grad_w.addmm_(logits.t(), xs[r])
+        token_loss = torch.cat(losses).view(target.shape)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.x_shape = x.shape
+        ctx.mark_non_differentiable(token_loss)
+        return (token_loss.view(-1) * w).sum(), token_loss
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_token_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        if grad_x is not None:
+            grad_x = grad_x.mul_(grad_total.to(grad_x.dtype)).view(ctx.x_shape)
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_total.to(grad_w.dtype))
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
+
+
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                          group=None, vocab_size: Optional[int] = None, *, chunk_tokens: int,
                          label_smoothing: float = 0.0, sequence_parallel: bool = False,
-                         store=None) -> torch.Tensor:
+                         store=None, loss_weights: Optional[torch.Tensor] = None):
     """The output layer (a ColumnParallelLinear without bias, ``weight`` [V/t, h]) fused with
     vocab_parallel_cross_entropy: x [s, b, h] ([s/t, b, h] gathered, ``sequence_parallel``) to
     the per-token loss [s, b], never more than ``chunk_tokens`` rows of logits at once;
-    ``store``: a WeightGradStore the weight gradient may be deferred to."""
+    ``store``: a WeightGradStore the weight gradient may be deferred to. With ``loss_weights``
+    [s, b]: (sum of weight x loss, the differentiable scalar; the per-token loss, detached),
+    the gradients formed in forward (the training path: no logits recomputed)."""
     if vocab_size is None:
         vocab_size = weight.shape[0] * C.group_size(group)
     sp = sequence_parallel and C.group_size(group) > 1
@@ -241,5 +293,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
         total, local_x = gather_from_sequence_parallel_region(x, group), x
     else:  # all-reduce dX in backward
         total, local_x = copy_to_tensor_model_parallel_region(x, group), None
+    if loss_weights is not None:
+        grad = torch.is_grad_enabled()  # Function.forward runs without it: ask here
+        return _WeightedLinearCrossEntropy.apply(
+            total, weight, target, loss_weights, group, vocab_size, label_smoothing,
+            chunk_tokens, grad and total.requires_grad, grad and weight.requires_grad)
     return _LinearCrossEntropy.apply(total, weight, target, local_x, group, vocab_size,
                                      label_smoothing, chunk_tokens, store)
