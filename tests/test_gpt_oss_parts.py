@@ -143,11 +143,11 @@ def test_yarn_inv_freq_equals_transformers(truncate):
     assert ours.attention_factor == pytest.approx(factor)
 
 
-# A tiny GPT-OSS: grouped queries with q/k/v biases, a sink per head, alternating windowed and
-# full layers, YaRN untruncated, 4 experts chosen by a biased router, SwiGLU clamped tightly
-# enough (0.1) that the clamps bite at this init.
+# A tiny GPT-OSS: grouped queries, biases everywhere (the experts' too: split over ETP at TP2), a
+# sink per head, alternating windowed and full layers, YaRN untruncated, 4 experts chosen by a
+# biased router, SwiGLU clamped tightly enough (0.1) that the clamps bite at this init.
 GPT_OSS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-           "--disable-bias-linear", "--add-qkv-bias", "--group-query-attention",
+           "--group-query-attention",
            "--num-query-groups", "2", "--attention-sinks", "--sliding-window", "4",
            "--window-attn-skip-freq", "2", "--rope-type", "yarn", "--rotary-scaling-factor", "4",
            "--rope-original-max-position-embeddings", "8", "--no-rope-yarn-truncate",
