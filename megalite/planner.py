@@ -251,6 +251,12 @@ def head_rank(lay: Layout) -> int:
     return 0 if lay.pipeline_schedule in V_SCHEDULES else lay.pipeline_model_parallel_size - 1
 
 
+def mtp_layers(m: Model, lay: Layout, r: int) -> tuple:
+    """(MTP depths, those MoE) on rank r: the head's, each a layer of the last one's kind."""
+    d = (m.cfg.mtp_num_layers or 0) * (r == head_rank(lay))
+    return d, d * m.cfg.is_moe_layer(m.cfg.num_layers)
+
+
 def stage_chunks(m: Model, lay: Layout) -> tuple:
     """Layers of each model chunk on each pipeline rank."""
     return tuple(tuple(len(c) for c in rank) for rank in m.stage_ranges(lay))
@@ -292,7 +298,7 @@ def chunk_activation_bytes(m: Model, lay: Layout, layers: range) -> float:
 
 def stage_expert_params(m: Model, lay: Layout, r: int) -> float:
     """Expert parameters one GPU of pipeline stage r holds: E/EP experts per MoE layer, over ETP."""
-    n = sum(moe_layers(m, c) for c in m.stage_ranges(lay)[r])
+    n = sum(moe_layers(m, c) for c in m.stage_ranges(lay)[r]) + mtp_layers(m, lay, r)[1]
     return n and n * m.cfg.num_experts / lay.expert_model_parallel_size \
         * m.moe_layer_params()["expert"] / lay.expert_tensor_parallel_size
 
@@ -300,18 +306,21 @@ def stage_expert_params(m: Model, lay: Layout, r: int) -> float:
 def stage_params(m: Model, lay: Layout, r: int) -> float:
     """Parameters one GPU of pipeline stage r holds."""
     cfg, t, p = m.cfg, lay.tensor_model_parallel_size, lay.pipeline_model_parallel_size
-    vh = cfg.padded_vocab_size(t) * cfg.hidden_size / t
-    layers = sum(stage_chunks(m, lay)[r])
+    vh, (d, d_moe) = cfg.padded_vocab_size(t) * cfg.hidden_size / t, mtp_layers(m, lay, r)
+    layers = sum(stage_chunks(m, lay)[r]) + d
     n = layers * m.layer_params() / t
     if cfg.num_experts is not None:
-        k, moe = sum(moe_layers(m, c) for c in m.stage_ranges(lay)[r]), m.moe_layer_params()
+        k, moe = sum(moe_layers(m, c) for c in m.stage_ranges(lay)[r]) + d_moe, m.moe_layer_params()
         n += k * ((moe["common"] - m.layer_params()) / t + moe["router"]) \
             + stage_expert_params(m, lay, r)
-    if r == 0:
-        n += vh + (cfg.max_position_embeddings * cfg.hidden_size
-                   if cfg.position_embedding_type == "learned_absolute" else 0)
-    if r == head_rank(lay):  # final norm; output layer (the tied embedding's copy when p > 1)
-        n += 2 * cfg.hidden_size + (vh if cfg.untie_embeddings_and_output_weights or p > 1 else 0)
+    emb = vh + (cfg.max_position_embeddings * cfg.hidden_size
+                if cfg.position_embedding_type == "learned_absolute" else 0)
+    n += emb * (r == 0)
+    if r == head_rank(lay):  # final norm; output layer (the tied embedding's copy when p > 1);
+        # MTP: per depth eh_proj (replicated) and 3 norms, an embedding of its own when p > 1
+        untied, h = cfg.untie_embeddings_and_output_weights, cfg.hidden_size
+        n += 2 * h + vh * (untied or (p > 1 and not d)) + emb * (p > 1 and d > 0) \
+            + d * (2 * h * h + 6 * h)
     return n
 
 
@@ -379,20 +388,21 @@ def moe_rows(m: Model, tokens: float, ep: int) -> tuple:
     return min(sent, cap), min(recv, cap)
 
 
-def loss_head_bytes(m: Model, b: int, t: int, sp: bool) -> float:
-    """Peak bytes of one micro-batch's logits and cross entropy (alive from the output layer's
-    forward to its backward, before any layer's backward: a working set of its own)."""
+def loss_head_bytes(m: Model, b: int, t: int, sp: bool, kept: bool = False) -> float:
+    """Peak bytes of one micro-batch's logits and cross entropy, a working set of its own; with
+    ``kept``, what stays from its forward to its backward (an MTP depth's, held meanwhile)."""
     cfg, E = m.cfg, m.bytes_per_value
     n, h, vt = cfg.seq_length * b, cfg.hidden_size, cfg.padded_vocab_size(t) // t
     if m.loss_chunk_tokens:  # chunked: one chunk's cross entropy with its gradient made in
         # place of its logits, the others' per-token values, dX (+ the re-gathered input, SP) and
         # the weight gradient summed into
         c = min(n, m.loss_chunk_tokens)
-        return m.cross_entropy_bytes(c, vt)[0] - c * vt * E + (n - c) * 21 \
+        return (not kept) * (m.cross_entropy_bytes(c, vt)[0] - c * vt * E - 21 * c) + n * 21 \
             + n * h * E * (1 + sp) + vt * h * E
     # then the output layer's backward, the logits freed: their gradient, the [V/t, h] weight
     # gradient, the input gradient (+ the re-gathered input, SP)
-    return max(m.cross_entropy_bytes(n, vt)[0], n * vt * E + vt * h * E + n * h * E * (1 + sp))
+    whole = m.cross_entropy_bytes(n, vt)[0]
+    return whole if kept else max(whole, n * vt * E + vt * h * E + n * h * E * (1 + sp))
 
 
 def in_flight(lay: Layout, num_micro: int, r: int = 0, paired: bool = False) -> float:
@@ -514,8 +524,13 @@ def _stage_memory(m: Model, lay: Layout, gbs: int, r: int) -> Dict:
     layer_work = max(s * b * (2 * fl + 2 * h) * E + fl * h * E if k is None else
                      moe_backward_bytes(m, s * b / (t if sp else 1), ep, etp) for k in kinds)
     work = [layer_work + cp_kv_bytes(m, lay) + max(0, again - n + recomputed(lay, n)) * biggest]
-    if r == head_rank(lay):  # the final norm's input and output are kept
-        act += s * b * 2 * h * E / (t if sp else 1)
+    if r == head_rank(lay):  # the final norm's input and output are kept; per MTP depth its
+        # layer, embedded tokens, [emb, h], norm output and its head's gradients (one micro-batch:
+        # at the head, a forward meets its backward)
+        d, d_moe = mtp_layers(m, lay, r)
+        act += s * b * 2 * h * E / (t if sp else 1) + d * (layer_activation_bytes(
+            m, b, t, sp, lay.recompute_granularity, (ep, etp) if d_moe else None)
+            + s * b * 5 * h * E / (t if sp else 1) + loss_head_bytes(m, b, t, sp, kept=True))
         work.append(loss_head_bytes(m, b, t, sp))
     if lay.pipeline_schedule == "zb-h1":  # the r deferred W's stage r holds (order_zb_h1)
         act += r * (sum(w_chunk) + w_head * (r == p - 1))
@@ -684,7 +699,10 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
     c, rc, fl = lay.context_parallel_size, lay.recompute_granularity, m.flops(t)
     M, hbm = cfg.seq_length * b / c, gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     lt = _layer_s(m, lay, cl)
-    fwd, gemm, logits, moe = lt["fwd"], lt["gemm"], lt["logits"], lt.get("moe")
+    fwd, gemm, moe, h = lt["fwd"], lt["gemm"], lt.get("moe"), cfg.hidden_size
+    # MTP: per depth one more output head, and eh_proj (replicated: under SP on M/t tokens)
+    toks, mtp = M / (t if lay.sequence_parallel else 1), cfg.mtp_num_layers or 0
+    logits = (1 + mtp) * lt["logits"] + mtp * 3 * _gemm_s(4 * toks * h * h, (toks, 2 * h, h), gpu)
     sel = lt["attn"] if rc == "selective" else 0.0  # the attention core again, every layer
     # TP: 2 all-reduces per layer and pass (SP: all-gather + reduce-scatter, the same bytes)
     ar, cp_pass = _coll_s(True, M * cfg.hidden_size * E, t, cl.link(t)), \
@@ -693,11 +711,12 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
 
     def stage(r):  # a micro-batch's F + B (backward = 2 x forward) + recompute, TP, CP, EP;
         # then the forward and the deferrable weight GEMMs of its layers
-        n, k = sum(chunks[r]), sum(recomputed(lay, x) for x in chunks[r])  # k: full recompute
+        dm, dm_moe = mtp_layers(m, lay, r)  # the head's MTP layers; k: full recompute
+        n, k = sum(chunks[r]) + dm, sum(recomputed(lay, x) for x in chunks[r]) + dm * (rc == "full")
         out = [n * (3 * fwd + sel) + k * fwd + logits * (r == head_rank(lay)),
                (4 * n + 2 * k) * ar, (3 * n + k + n * (sel > 0)) * cp_pass, 0.0, n * fwd,
                n * gemm]
-        n_moe = sum(moe_layers(m, x) for x in ranges[r])
+        n_moe = sum(moe_layers(m, x) for x in ranges[r]) + dm_moe
         if n_moe:  # MoE layers in place of dense ones (recomputed in proportion)
             k_moe, fwd_moe = k * n_moe / n, lt["fwd_moe"]
             out[0] += n_moe * 3 * (fwd_moe - fwd) + k_moe * (fwd_moe - fwd) \

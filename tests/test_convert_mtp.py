@@ -9,7 +9,8 @@ and the copies of the embedding and output head. Checked: the import keeps every
 models/mtp.py reads it, the main logits equal HF's, the export (to_hf, the state dicts and the
 offline converter at TP2 and PP2) gives back every hub tensor bit for bit with the config's
 num_nextn_predict_layers; HF's own files (no MTP tensors) import without MTP; bad input is one
-line.
+line. Then the planner (megalite/planner.py): its parameter count against the module's, its
+compute against the FLOPs the depths add, and its memory against a measured pretrain.py run.
 """
 
 import copy
@@ -167,3 +168,60 @@ def test_bad_input_is_one_line(hub):
     with pytest.raises(ConfigError, match="GPT2LMHeadModel has no q/k norm, sliding window or "
                                           "MTP layers"):
         hf_architecture(gpt2)
+
+
+# --------------------------------------------------------------------------------- the planner
+@pytest.mark.parametrize("kw", [{}, dict(untie_embeddings_and_output_weights=True),
+                                dict(num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2)],
+                         ids=["tied", "untied", "moe"])
+def test_planner_counts_the_mtp_modules_parameters(kw):
+    """stage_params with two MTP depths equals the parameters of the GPTModel pretrain.py builds:
+    one process, and the last of two stages (its depths, eh_proj, norms and the embedding's copy
+    the depths embed with; an MoE model's depths are MoE layers)."""
+    from megalite.models import GPTModel
+    from megalite.parallel_state import ParallelState
+    from megalite.planner import Layout, Model, stage_params
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                      vocab_size=500, mtp_num_layers=2, **kw)
+    m = Model.from_config(cfg, "cpu")
+    for lay, r, pre, layers in ((Layout(), 0, True, (0, 2)), (Layout(1, 2), 1, False, (1, 2))):
+        model = GPTModel(cfg, ParallelState(), pre_process=pre, post_process=True,
+                         layer_range=layers, seed=None, device="meta")
+        assert len(model.mtp.layers) == 2
+        assert stage_params(m, lay, r) == sum(p.numel() for p in model.parameters()), (lay, kw)
+
+
+def test_planner_step_time_grows_by_the_mtp_flops():
+    """One MTP depth of an 8-layer 7B-shaped model: the step's compute grows as the FLOPs grow,
+    a ninth layer, one more output head and eh_proj (6 x 2h x h per token), within 3%."""
+    import dataclasses
+
+    from megalite.logging import model_flops_per_sequence
+    from megalite.planner import GPUS, Cluster, Layout, Model, step_time
+
+    cfg = ModelConfig(num_layers=8, hidden_size=4096, num_attention_heads=32, seq_length=4096,
+                      vocab_size=128000, params_dtype="bfloat16", position_embedding_type="rope",
+                      normalization="RMSNorm", swiglu=True, ffn_hidden_size=11008)
+    lay, cl = Layout(2, 1, 1, 4, 1, True), Cluster(8, 8, GPUS["H100-80GB"])
+    one = dataclasses.replace(cfg, mtp_num_layers=1)
+    grown = (step_time(Model.from_config(one), lay, cl, 64)["compute_s"]
+             / step_time(Model.from_config(cfg), lay, cl, 64)["compute_s"])
+    V, h, s = cfg.padded_vocab_size(2), cfg.hidden_size, cfg.seq_length
+    flops = model_flops_per_sequence(cfg, V)
+    more = model_flops_per_sequence(dataclasses.replace(cfg, num_layers=9), V) - flops \
+        + 3 * 2 * h * V * s + 3 * 2 * 2 * h * h * s
+    assert abs(grown / (1 + more / flops) - 1) < 0.03, (grown, more / flops)
+
+
+def test_pretrain_estimate_with_mtp_within_5_percent(tmp_path):
+    """DualPipeV at PP 2 (2 processes): rank 0 holds the head, the MTP depth and the embedding's
+    copy it embeds with; its logged estimate is within 5% of the measured peak (without MTP's
+    terms, a one-process run's estimate was 20% below its peak)."""
+    from test_planner import _pretrain_estimate
+
+    est, got, _ = _pretrain_estimate(tmp_path, 2, "--micro-batch-size", "1",
+                                     "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                     "dualpipev", "--untie-embeddings-and-output-weights",
+                                     "--position-embedding-type", "rope", "--mtp-num-layers", "1")
+    assert abs(got / est - 1) < 0.05, (est, got)
