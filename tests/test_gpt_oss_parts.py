@@ -176,6 +176,17 @@ def test_model_holds_each_part():
     assert all(layer.mlp.router_bias.shape == (4,) for layer in layers)
 
 
+def test_a_step_reads_nothing_on_the_host():
+    """The sink's kernel is chosen and its masks decided on the host (masks.block), once: steps
+    2-4 read no device value (tests/host_reads.py; a log line at 4 only)."""
+    from host_reads import count_pretrain
+    from pretrain_utils import flags
+
+    counts = count_pretrain(flags(*GPT_OSS, "--log-interval", "4", "--global-batch-size", "2",
+                                  train_iters=5))
+    assert [sum(c.values()) for c in counts[1:4]] == [0, 0, 0], counts[1:4]
+
+
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
     from pretrain_utils import flags, pretrain_cases, run_main
