@@ -10,12 +10,14 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
-    lut = torch.tensor(_E2M1 + tuple(-v for v in _E2M1))
-    out = torch.empty(blocks.shape[:-2] + (blocks.shape[-2] * 32,), dtype=dtype)
-    # one leading index (an expert) at a time: the 64-bit indices are 16 times the packed bytes
-    for o, b, s in zip(out.view((-1,) + out.shape[-2:]), blocks.reshape((-1,) + blocks.shape[-3:]),
-                       scales.reshape((-1,) + scales.shape[-2:])):
-        b = b.long()
-        values = torch.stack([lut[b & 15], lut[b >> 4]], -1).flatten(-2)  # [n, G, 32]
-        o.copy_((values * torch.exp2(s.float() - 127).unsqueeze(-1)).flatten(-2))
-    return out.transpose(-1, -2).contiguous()
+    codes = torch.tensor(_E2M1 + tuple(-v for v in _E2M1), device=blocks.device)
+    pairs = torch.stack([codes.repeat(16), codes.repeat_interleave(16)], -1)  # byte -> lo, hi
+    *lead, n, g, b = blocks.shape
+    out = torch.empty(tuple(lead) + (g * 32, n), dtype=dtype, device=blocks.device)
+    # one leading index (an expert) at a time: its fp32 values take 8 times its packed bytes
+    for o, x, s in zip(out.view((-1, g * 32, n)), blocks.reshape((-1, n, g, b)),
+                       scales.reshape((-1, n, g))):
+        values = pairs.index_select(0, x.flatten().int()).view(n, g, 32)
+        values.mul_(torch.exp2(s.float() - 127).unsqueeze(-1))  # a power of two: exact
+        o.t().copy_(values.view(n, g * 32))  # written transposed: no second copy
+    return out
