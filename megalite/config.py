@@ -358,7 +358,11 @@ class ModelConfig(_Section):
     attention_sinks: bool = setting(
         False, "a learned logit per head in every softmax denominator (GPT-OSS)", role=SHAPE)
     mtp_num_layers: Optional[int] = setting(
-        None, "multi-token prediction layers: not implemented (refused)", role=SHAPE)
+        None, "multi-token prediction depths D (DeepSeek-V3's MTP, docs/models.md)", role=SHAPE,
+        bound=POSITIVE_INT)
+    mtp_loss_scaling_factor: float = setting(
+        0.1, "weight of the MTP losses' mean over depths in the training loss",
+        role=CHECKPOINT_ARG)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
     norm_epsilon: float = setting(1e-5, role=CHECKPOINT_ARG)
     activation: str = setting("gelu", choices=("gelu", "gelu_tanh", "silu", "relu"),
@@ -516,7 +520,8 @@ class ModelConfig(_Section):
         return [bool(x) for x in freq]
 
     def is_moe_layer(self, layer_number: int) -> bool:
-        return self.moe_layer_pattern()[layer_number]
+        """MTP's layers (numbers L..L+D-1, models/mtp.py) are of the last layer's kind."""
+        return self.moe_layer_pattern()[min(layer_number, self.num_layers - 1)]
 
     def linear_attention_pattern(self) -> List[bool]:
         """Per layer (0-based, global numbering), whether it is a Gated DeltaNet layer."""
@@ -534,7 +539,7 @@ class ModelConfig(_Section):
         return [bool(x) for x in freq]
 
     def is_linear_attention_layer(self, layer_number: int) -> bool:
-        return self.linear_attention_pattern()[layer_number]
+        return self.linear_attention_pattern()[min(layer_number, self.num_layers - 1)]
 
     def linear_attention_weights(self) -> int:
         """Weights of one Gated DeltaNet layer that each token multiplies once (2 FLOPs each): the
@@ -591,10 +596,6 @@ class ModelConfig(_Section):
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}")
-        if self.mtp_num_layers is not None:
-            raise ConfigError(f"--mtp-num-layers {self.mtp_num_layers}: multi-token prediction is "
-                              f"not implemented; megalite trains the next-token loss only (an HF "
-                              f"import drops a checkpoint's MTP layers)")
         if self.swiglu_limit is not None and not self.swiglu:
             raise ConfigError("--swiglu-limit needs --swiglu (it clamps SwiGLU's gate and up)")
         if self.window_attn_skip_freq and self.sliding_window is None:
@@ -1273,6 +1274,16 @@ class MegaliteConfig(_Section):
                                   "DeltaNet state would carry across documents; drop one of them")
             for section in (tr, self.execution):
                 check_features(section, self.model)
+            if self.model.mtp_num_layers and p > 1 and \
+                    self.model.position_embedding_type == "learned_absolute":
+                raise ConfigError("--mtp-num-layers with --pipeline-model-parallel-size > 1 needs "
+                                  "--position-embedding-type rope (the stages' copies of the "
+                                  "embedding are summed for the word embedding only)")
+            if self.model.mtp_num_layers and self.model.tie_embeddings and \
+                    self.optimizer.zero_stage == 3:
+                raise ConfigError("--mtp-num-layers with --zero-stage 3 needs "
+                                  "--untie-embeddings-and-output-weights (ZeRO-3 gathers a tied "
+                                  "embedding for the main head only), or --zero-stage 2")
             self._check_experts()
             check_layer_split(self.model.num_layers, p, self.layers_per_virtual_stage(),
                               tr.decoder_first_pipeline_num_layers,

@@ -216,6 +216,8 @@ def training_log_line(rec: dict, train_iters: int, eta_seconds: float) -> str:
              f"global batch size: {rec['global_batch_size']:5d}",
              f"lm loss: {rec['lm_loss']:.6E}" if rec.get("lm_loss") is not None else "lm loss: nan",
              f"loss scale: {rec['loss_scale']:.1f}"]
+    # multi-token prediction's losses, per depth (mtp_1_loss: "mtp_1 loss")
+    parts += [f"{k[:-5]} loss: {v:.6E}" for k, v in rec.items() if k.startswith("mtp_")]
     if rec.get("grad_norm") is not None:
         parts.append(f"grad norm: {rec['grad_norm']:.3f}")
     if rec.get("moe_load_balancing_loss") is not None:  # mean over MoE layers; worst layer

@@ -24,6 +24,7 @@ from megalite.context_parallel.sharding import shard as cp_shard
 from megalite.exit_conditions import ExitConditions
 from megalite.masks import Documents
 from megalite.models.gpt import LossOutput
+from megalite.models.mtp import mtp_targets
 from megalite.logging import (
     MetricsLogger,
     CpuPeak,
@@ -107,15 +108,18 @@ def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output:
 
 
 def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: bool = False):
-    tokens, labels, loss_mask, position_ids, documents = next(data_iterator)
+    tokens, labels, loss_mask, position_ids, *mtp, documents = next(data_iterator)
+    # MTP's depths: their labels and loss masks (Trainer._micro_batches), weighted as the main
+    mtp = {"mtp_targets": (mtp[0], mtp[1].float() / num_global_tokens)} if mtp else {}
     output = model(tokens, labels=labels, position_ids=position_ids, documents=documents,
-                   loss_weights=loss_mask.float() / num_global_tokens)
+                   loss_weights=loss_mask.float() / num_global_tokens, **mtp)
     return output, partial(_loss_func, loss_mask, num_global_tokens, carry=carry)
 
 
 class StepRecord(NamedTuple):
     """What one step leaves on the device until Trainer._drain reads it: this rank's [sum of
-    token losses, token count] (float64), the grad norm, whether it was applied, its lr."""
+    token losses, token count, MTP's losses] (float64), the grad norm, whether it was applied,
+    its lr."""
 
     sums: torch.Tensor
     grad_norm: torch.Tensor
@@ -156,6 +160,9 @@ class Trainer:
         self.skipped = 0
         self.pending: List[Tuple[int, StepRecord]] = []  # on the device, until _drain
         self.history: Dict[int, Tuple[float, float, bool, float]] = {}  # (loss, norm, applied, lr)
+        # the model's logged sums beside the loss (MTP's per depth) and their values per step
+        self.logged_keys = [f"mtp_{k + 1}_loss" for k in range(cfg.model.mtp_num_layers or 0)]
+        self.logged: Dict[int, List[float]] = {}
         self.loss_scale = 1.0  # as of the last _drain
         self.saved_at = None
         self.pending_save: Optional[checkpoint_save.PendingSave] = None  # --async-save in flight
@@ -436,7 +443,8 @@ class Trainer:
         recs = [r for _, r in self.pending]
         self.pending = []
         n = len(recs)
-        sums = torch.stack([r.sums for r in recs])  # [n, 2]
+        sums = torch.stack([r.sums for r in recs])  # [n, 2 + logged]
+        w = sums.shape[1]
         C.all_reduce(sums, group=C.world_group(), tag="loss_report")
         scale = self.optimizer.get_loss_scale()
         parts = [sums.flatten()] + [torch.stack([getattr(r, k) for r in recs]).double()
@@ -446,10 +454,11 @@ class Trainer:
         values = torch.cat(parts).tolist()  # the one host read
         if torch.is_tensor(scale):
             self.loss_scale = values.pop()
-        norms, applied, lrs = (values[2 * n + k * n:2 * n + (k + 1) * n] for k in range(3))
+        norms, applied, lrs = (values[w * n + k * n:w * n + (k + 1) * n] for k in range(3))
         for i, it in enumerate(its):
-            loss = values[2 * i] / max(values[2 * i + 1], 1.0)
+            loss = values[w * i] / max(values[w * i + 1], 1.0)
             self.history[it] = (loss, norms[i], bool(applied[i]), lrs[i])
+            self.logged[it] = values[w * i + 2:w * (i + 1)]
             self.skipped += not applied[i]
             for what, x in (("loss", loss), ("grad norm", norms[i])):
                 if self._check_finite and not math.isfinite(x):
@@ -461,8 +470,8 @@ class Trainer:
         self._settle_save(wait=False)  # a log line agrees on a background save's outcome
         gbs, t_it = tr.global_batch_size, interval.time / interval.n
         self.times += [t_it] * interval.n
-        steps = [self.history[it] for it in range(self.iteration - interval.n + 1,
-                                                   self.iteration + 1)]
+        its = range(self.iteration - interval.n + 1, self.iteration + 1)
+        steps = [self.history[it] for it in its]
         _, norm, applied, lr = steps[-1]
         rec = {"iteration": self.iteration, "consumed_samples": self.consumed,
                "lm_loss": sum(s[0] for s in steps) / interval.n, "lr": lr,
@@ -471,6 +480,8 @@ class Trainer:
                "host_queue_ms_per_iteration": 1000 * interval.host_queue / interval.n,
                "skipped_iterations": sum(not s[2] for s in steps),
                "peak_memory_bytes": peak_memory_bytes(ps.device)}
+        for k, key in enumerate(self.logged_keys):  # already over the global token count
+            rec[key] = sum(self.logged[it][k] for it in its) / interval.n
         if cfg.model.num_experts is not None:
             rec.update(moe_interval_metrics(
                 self.moe_layers, cfg.model,
@@ -576,7 +587,7 @@ class Trainer:
         else:
             it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank,
                                         ps.dp_size, num_workers=cfg.data.num_workers))
-        sums = torch.zeros(2, dtype=torch.float64, device=ps.device)
+        sums = torch.zeros(2 + len(self.logged_keys), dtype=torch.float64, device=ps.device)
         for _ in range(n):
             batches = self._micro_batches(it, m)
             stats = self._forward_backward(batches, self._global_token_count(batches),
@@ -586,7 +597,7 @@ class Trainer:
         for c in self.chunks:
             c.train()
         set_all_rng_states(rng, ps.device)
-        total, ntok = sums.tolist()
+        total, ntok = sums.tolist()[:2]
         loss = total / max(ntok, 1.0)
         return loss, math.exp(min(loss, 50.0))
 
@@ -598,6 +609,8 @@ class Trainer:
             *tensors, documents = self.get_batch(next(it), self.eod, data.eod_mask_loss,
                                                  data.reset_position_ids,
                                                  data.reset_attention_mask)
+            if self.cfg.model.mtp_num_layers:  # shifted while the sequence is whole (CP)
+                tensors += mtp_targets(tensors[1], tensors[2], self.cfg.model.mtp_num_layers)
             # documents stay whole: a CP rank's attention blocks meet every rank's chunks
             out.append(tuple(None if t is None else self._to_device(
                 cp_shard(t, ps.cp_rank, ps.cp_size, dim=1)) for t in tensors)
@@ -640,13 +653,14 @@ class Trainer:
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
     def _local_loss_sums(self, stats_list) -> torch.Tensor:
-        """This rank's [sum of token losses, token count] (float64, on the device). Only TP rank
-        0 of the loss stage contributes, so a SUM over the world gives the global batch's."""
-        t = torch.zeros(2, dtype=torch.float64, device=self.ps.device)
+        """This rank's [sum of token losses, token count, the logged sums] (float64, on the
+        device). Only TP rank 0 of the loss stage contributes, so a SUM over the world gives the
+        global batch's."""
+        keys = ["lm_loss_sum", "num_tokens"] + self.logged_keys
+        t = torch.zeros(len(keys), dtype=torch.float64, device=self.ps.device)
         if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage
             for s in stats_list:
-                t[0] += s["lm_loss_sum"].double()
-                t[1] += s["num_tokens"].double()
+                t += torch.stack([s[k].double() for k in keys])
         return t
 
 

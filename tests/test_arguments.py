@@ -150,7 +150,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     """pretrain.py and tools/plan.py keep every flag, default, kind and --help group they had
     (tests/fixtures/cli/flags_before.json, dumped from the hand-written parser). The changes:
     --optimizer offers sgd, which the optimizer always implemented, and the flags added since
-    are exactly the declared MoE and multi-latent attention settings, YaRN's, the refused
+    are exactly the declared MoE and multi-latent attention settings, YaRN's,
     --mtp-num-layers, the expert-parallel sizes and --async-save."""
     import json
     import os
@@ -190,6 +190,7 @@ def test_flags_and_defaults_are_those_recorded_before_the_declarations():
     added |= {"--cross-entropy-chunk-tokens"}  # docs/tensor_parallel.md, chunked loss head
     added |= {"--attention-sinks", "--swiglu-limit", "--swiglu-alpha",  # docs/models.md,
               "--window-attn-skip-freq", "--rope-yarn-truncate"}  # "GPT-OSS"
+    added |= {"--mtp-loss-scaling-factor"}  # docs/models.md, "Multi-token prediction"
     for tool, parser in (("pretrain.py", build_parser()), ("plan.py", build_plan_parser())):
         now, old = _describe(parser), before[tool]
         # (a key is an action's spellings: "--x --no-x" for a flag that defaults on)

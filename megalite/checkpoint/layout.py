@@ -149,9 +149,11 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
                      layer_range=layer_range, seed=None, device="meta")
     specs = {}
     for name, p in model.named_parameters():
-        # build_model_chunks flags both copies of a tied embedding when pp > 1
+        # build_model_chunks flags both copies of a tied embedding when pp > 1 (with MTP, the
+        # embedding's copies, an untied output layer not)
         vocab = name in (EMBEDDING_WEIGHT_NAME, OUTPUT_WEIGHT_NAME)
-        set_param_meta(p, tied_embedding=shared and vocab)
+        set_param_meta(p, tied_embedding=shared and vocab and (
+            cfg.tie_embeddings or name == EMBEDDING_WEIGHT_NAME))
         specs[name] = ParamSpec(name=name, shape=tuple(p.shape), dtype=p.dtype,
                                 meta=param_meta(p), is_vocab=vocab)
     state = tuple(specs.get(name) or ParamSpec(name=name, shape=tuple(t.shape), dtype=t.dtype,
@@ -164,7 +166,8 @@ def _meta_chunk(cfg_key: tuple, pre: bool, post: bool, layer_range: Tuple[int, i
 
 def meta_chunk(cfg: ModelConfig, chunk: Chunk, pp: int) -> MetaChunk:
     return _meta_chunk(tuple(sorted(cfg.to_dict().items())), chunk.pre, chunk.post,
-                       tuple(chunk.layer_range), cfg.tie_embeddings and pp > 1)
+                       tuple(chunk.layer_range),
+                       (cfg.tie_embeddings or bool(cfg.mtp_num_layers)) and pp > 1)
 
 
 def chunk_specs(cfg: ModelConfig, chunk: Chunk, pp: int) -> Tuple[ParamSpec, ...]:

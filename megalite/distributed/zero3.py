@@ -199,8 +199,9 @@ def unit_plan(model: nn.Module, split_experts: bool = False
     pre = getattr(model, "pre_process", True)
     post = getattr(model, "post_process", True)
     tied = pre and post and model.output_layer.weight is None
+    mtp = getattr(model, "mtp", None)  # MTP's depths: a unit each, after the layers
     units = []
-    if pre:
+    if pre or mtp is not None:  # (the last stage's copy of the embedding, for MTP)
         emb = params_of("embedding", model.embedding)
         if tied:
             head = (params_of("final_layernorm", model.final_layernorm)
@@ -214,16 +215,19 @@ def unit_plan(model: nn.Module, split_experts: bool = False
             rest = [np_ for np_ in emb if not param_meta(np_[1]).tied_embedding]
             units += [(name, [(model.embedding, model.embedding, nps)]) for name, nps in
                       (("embedding.word_embeddings", own), ("embedding", rest)) if nps]
-    for k, layer in model.layers.items():
-        nps = params_of(f"layers.{k}", layer)
+    layers = [(f"layers.{k}", layer) for k, layer in model.layers.items()]
+    layers += [(f"mtp.layers.{k}", layer) for k, layer in enumerate(mtp.layers if mtp else [])]
+    for prefix, layer in layers:
+        nps = params_of(prefix, layer)
         experts = [np_ for np_ in nps if split_experts and param_meta(np_[1]).expert]
         units += [(name, [(layer, layer, part)]) for name, part in (
-            (f"layers.{k}", [np_ for np_ in nps if np_ not in experts]),
-            (f"layers.{k}.experts", experts)) if part]
+            (prefix, [np_ for np_ in nps if np_ not in experts]),
+            (f"{prefix}.experts", experts)) if part]
     if post and not tied:
         norm, out = model.final_layernorm, model.output_layer
         norm_params, out_params = params_of("final_layernorm", norm), params_of("output_layer", out)
-        if any(param_meta(p).tied_embedding for _, p in out_params):  # the last stage's copy
+        # the last stage's copy, or a head MTP's depths call again: gathered at each call
+        if mtp is not None or any(param_meta(p).tied_embedding for _, p in out_params):
             if len(out_params) != 1:
                 raise RuntimeError("ZeRO-3: a shared output layer must hold its weight only")
             units += [("output", [(norm, norm, norm_params)]),

@@ -17,6 +17,7 @@ from megalite.config import ExecutionConfig, ModelConfig, dtype_from_name
 from megalite.context_parallel.sharding import positions as cp_positions
 from megalite.masks import Documents
 from megalite.models.init import initialize_parameters
+from megalite.models.mtp import MultiTokenPrediction
 from megalite.models.norms import build_norm
 from megalite.models.transformer import TransformerLayer, hidden_dropout
 from megalite.moe.layer import MoEGroups
@@ -105,7 +106,10 @@ class GPTModel(nn.Module):
         device = device if device is not None else ps.device
         dtype = dtype_from_name(config.params_dtype)
 
-        if pre_process:
+        # MTP's depths sit beside the output head and embed tokens: the last stage holds a copy
+        # of the embedding, summed with the first stage's as a tied one (partition.py)
+        self.mtp = None
+        if pre_process or (post_process and config.mtp_num_layers):
             self.embedding = Embedding(config, self.padded_vocab_size, ps.tp_group, device,
                                        self.sequence_parallel)
         start, end = self.layer_range
@@ -116,7 +120,7 @@ class GPTModel(nn.Module):
         if post_process:
             self.final_layernorm = build_norm(config, self.sequence_parallel, dtype, device,
                                               execution.use_apex)
-            share = config.tie_embeddings and pre_process
+            share = config.tie_embeddings and hasattr(self, "embedding")
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, self.padded_vocab_size, bias=False, gather_output=False,
                 tp_group=ps.tp_group, sequence_parallel=self.sequence_parallel,
@@ -130,6 +134,9 @@ class GPTModel(nn.Module):
                     # gradient summed with the first stage's every step (finalize_model_grads)
                     set_param_meta(self.output_layer.weight, init_seed_name=EMBEDDING_WEIGHT_NAME,
                                    tied_embedding=True)
+            if config.mtp_num_layers:
+                self.mtp = MultiTokenPrediction(config, ps, device, self.sequence_parallel,
+                                                execution)
         if pre_process and post_process is False and config.tie_embeddings:
             set_param_meta(self.embedding.word_embeddings.weight, tied_embedding=ps.pp_size > 1)
         self._input_tensor: Optional[torch.Tensor] = None
@@ -176,11 +183,12 @@ class GPTModel(nn.Module):
                 position_ids: Optional[torch.Tensor] = None,
                 decoder_input: Optional[torch.Tensor] = None,
                 documents: Optional[Documents] = None,
-                loss_weights: Optional[torch.Tensor] = None):
+                loss_weights: Optional[torch.Tensor] = None, mtp_targets=None):
         """``position_ids`` [b, s(/C)]: None for 0..s-1 (CP: this rank's global positions),
         else every position embedding (RoPE too) takes them; ``documents``: attention stays
         within them (docs/data.md, "Packed documents"); ``loss_weights`` [b, s] (the training
-        path: loss mask / global token count): a LossOutput instead of per-token losses."""
+        path: loss mask / global token count): a LossOutput instead of per-token losses, with
+        MTP's term when ``mtp_targets`` (models/mtp.py:mtp_targets, the weights as loss_weights)."""
         ps = self.parallel_state
         layer_positions = position_ids
         if self.pre_process and position_ids is None and ps.cp_size > 1:  # CP: global positions
@@ -195,7 +203,7 @@ class GPTModel(nn.Module):
         x = self._run_layers(x, layer_positions, documents)
         if not self.post_process:
             return x
-        x = self.final_layernorm(x)
+        hidden, x = x, self.final_layernorm(x)
         if labels is None:
             logits = self.output_layer(x, self._output_weight())  # [s, b, Vp/t]
             logits = gather_from_tensor_model_parallel_region(logits, self.tp_group)
@@ -203,7 +211,29 @@ class GPTModel(nn.Module):
         if loss_weights is None:
             return self.loss_head(x, labels)
         token_loss, loss = self.loss_head(x, labels, loss_weights)
-        return LossOutput(token_loss, loss, {})
+        if mtp_targets is None:
+            return LossOutput(token_loss, loss, {})
+        extra, logged = self._mtp_loss(hidden, labels, mtp_targets, position_ids,
+                                       (layer_positions, documents))
+        return LossOutput(token_loss, loss + extra, logged)
+
+    def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, targets, position_ids, extra):
+        """MTP's term of the loss, factor / D x sum_k L_k (docs/models.md, "Multi-token
+        prediction"), and each L_k detached as ``mtp_k_loss`` for the log. ``targets``: depth k's
+        labels and loss weights in column k - 1 ([b, s, D] each, models/mtp.py:mtp_targets)."""
+        mtp_labels, weights = targets
+        # depth k reads the token k positions further: the main labels, then depth k - 1's
+        inputs = torch.cat([labels.unsqueeze(-1), mtp_labels[..., :-1]], dim=-1)
+        full = self.execution.recompute_granularity == "full" and self.training
+        total, logged = 0.0, {}
+        for k, layer in enumerate(self.mtp.layers):
+            embedded = self.embedding(inputs[..., k], position_ids)
+            args = (h, embedded) + extra
+            h, normed = checkpoint(layer, h.device, *args) if full else layer(*args)
+            _, loss_k = self.loss_head(normed, mtp_labels[..., k], weights[..., k])
+            logged[f"mtp_{k + 1}_loss"] = loss_k.detach()
+            total = total + loss_k
+        return total * (self.config.mtp_loss_scaling_factor / len(self.mtp.layers)), logged
 
     def loss_head(self, x: torch.Tensor, labels: torch.Tensor,
                   loss_weights: Optional[torch.Tensor] = None):

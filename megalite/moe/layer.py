@@ -351,14 +351,16 @@ def moe_interval_metrics(layers: List[MoELayer], config: ModelConfig, micro_batc
     """Per MoE layer since the last log line: balancing and z losses per micro-batch, load
     imbalance, and their mean and worst over layers (docs/moe.md). Collective over the world
     (each layer lives on one stage); ``micro_batches``: the interval's, over every DP rank."""
-    rows = torch.zeros(config.num_layers, 2 + config.num_experts, device=ps.device)
+    # (MTP's layers numbered after the model's: models/mtp.py)
+    rows = torch.zeros(config.num_layers + (config.mtp_num_layers or 0), 2 + config.num_experts,
+                       device=ps.device)
     for m in layers:
         rows[m.layer_number] = m.interval_stats
         m.interval_stats.zero_()
     C.all_reduce(rows, group=C.world_group(), tag="moe_metrics")
-    out, pattern = {}, config.moe_layer_pattern()
+    out = {}
     for i, row in enumerate(rows.tolist()):
-        if not pattern[i]:
+        if not config.is_moe_layer(i):
             continue
         counts = row[2:]
         mean = sum(counts) / len(counts)

@@ -87,14 +87,16 @@ def build_model_chunks(model_config: ModelConfig, ps: ParallelState, seed: int =
         chunk = GPTModel(model_config, ps, pre_process=pre, post_process=post,
                          layer_range=layer_range, seed=seed, device=device,
                          sequence_parallel=sequence_parallel, execution=execution)
-        if model_config.tie_embeddings:
+        if model_config.tie_embeddings or model_config.mtp_num_layers:
             # both copies flagged, so finalize_model_grads sums their gradients every step; under
             # the V both sit on rank 0, and the norm counts the output copy once
-            # (docs/pipeline_parallel.md, "Stages and chunks")
+            # (docs/pipeline_parallel.md, "Stages and chunks"). With MTP the last stage's copy
+            # is an embedding (its depths embed tokens), shared by a tied output layer.
             if pre:
                 set_param_meta(chunk.embedding.word_embeddings.weight, tied_embedding=True)
             if post:
-                set_param_meta(chunk.output_layer.weight, tied_embedding=True,
-                               local_tied_copy=v_shape)
+                copy = (chunk.embedding.word_embeddings if chunk.mtp is not None
+                        else chunk.output_layer).weight
+                set_param_meta(copy, tied_embedding=True, local_tied_copy=v_shape)
         chunks.append(chunk)
     return chunks
