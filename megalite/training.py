@@ -117,9 +117,8 @@ def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: 
 
 
 class StepRecord(NamedTuple):
-    """What one step leaves on the device until Trainer._drain reads it: this rank's [sum of
-    token losses, token count, MTP's losses] (float64), the grad norm, whether it was applied,
-    its lr."""
+    """What one step leaves on the device until Trainer._drain reads it: this rank's [token loss
+    sum, token count, logged sums] (float64), the grad norm, whether it was applied, its lr."""
 
     sums: torch.Tensor
     grad_norm: torch.Tensor
@@ -653,9 +652,8 @@ class Trainer:
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
     def _local_loss_sums(self, stats_list) -> torch.Tensor:
-        """This rank's [sum of token losses, token count, the logged sums] (float64, on the
-        device). Only TP rank 0 of the loss stage contributes, so a SUM over the world gives the
-        global batch's."""
+        """This rank's [token loss sum, token count, logged sums] (float64, on the device). Only
+        TP rank 0 of the loss stage adds, so a SUM over the world gives the global batch's."""
         keys = ["lm_loss_sum", "num_tokens"] + self.logged_keys
         t = torch.zeros(len(keys), dtype=torch.float64, device=self.ps.device)
         if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage

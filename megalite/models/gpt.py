@@ -106,8 +106,7 @@ class GPTModel(nn.Module):
         device = device if device is not None else ps.device
         dtype = dtype_from_name(config.params_dtype)
 
-        # MTP's depths sit beside the output head and embed tokens: the last stage holds a copy
-        # of the embedding, summed with the first stage's as a tied one (partition.py)
+        # MTP's depths embed tokens: the last stage holds an embedding copy (partition.py)
         self.mtp = None
         if pre_process or (post_process and config.mtp_num_layers):
             self.embedding = Embedding(config, self.padded_vocab_size, ps.tp_group, device,
@@ -218,9 +217,8 @@ class GPTModel(nn.Module):
         return LossOutput(token_loss, loss + extra, logged)
 
     def _mtp_loss(self, h: torch.Tensor, labels: torch.Tensor, targets, position_ids, extra):
-        """MTP's term of the loss, factor / D x sum_k L_k (docs/models.md, "Multi-token
-        prediction"), and each L_k detached as ``mtp_k_loss`` for the log. ``targets``: depth k's
-        labels and loss weights in column k - 1 ([b, s, D] each, models/mtp.py:mtp_targets)."""
+        """MTP's term, factor / D x sum_k L_k (docs/models.md, "Multi-token prediction"), and each
+        L_k detached as ``mtp_k_loss``; ``targets``: models/mtp.py:mtp_targets's, weighted."""
         mtp_labels, weights = targets
         # depth k reads the token k positions further: the main labels, then depth k - 1's
         inputs = torch.cat([labels.unsqueeze(-1), mtp_labels[..., :-1]], dim=-1)

@@ -1,10 +1,6 @@
-"""DeepSeek-V3's multi-token prediction (docs/models.md, "Multi-token prediction"): D modules on
-the stage that holds the output head. Depth k turns the previous depth's hidden state and the
-embedding of the token k positions further into a hidden state that predicts the token k + 1
-positions further, through the model's own embedding and loss head (GPTModel runs the depths).
-Their targets are the labels and loss mask shifted, built while the sequence is whole
-(``mtp_targets``), so that each context-parallel rank holds its tokens' targets.
-"""
+"""DeepSeek-V3's multi-token prediction (docs/models.md, "Multi-token prediction"): D depths on
+the head's stage, run by GPTModel with its own embedding and loss head; their targets shifted
+while the sequence is whole (``mtp_targets``), so each context-parallel rank holds its own."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ def mtp_targets(labels: torch.Tensor, loss_mask: torch.Tensor, depths: int):
     """Depth k's labels and loss mask ([b, s, D] each, column k - 1): those of the main loss k
     positions further, 0 past the sequence's end (the shifted mask drops those tokens)."""
     b, s = labels.shape
-    out_labels = labels.new_zeros(b, s, depths)
-    out_mask = loss_mask.new_zeros(b, s, depths)
+    out_labels, out_mask = labels.new_zeros(b, s, depths), loss_mask.new_zeros(b, s, depths)
     for k in range(1, min(depths, s) + 1):
         out_labels[:, : s - k, k - 1] = labels[:, k:]
         out_mask[:, : s - k, k - 1] = loss_mask[:, k:]
@@ -34,17 +29,15 @@ def mtp_targets(labels: torch.Tensor, loss_mask: torch.Tensor, depths: int):
 
 
 class MTPLayer(nn.Module):
-    """One depth: h_k = layer(eh_proj([enorm(embedding), hnorm(h_{k-1})])), and its
-    final_layernorm(h_k) for the output head, both returned from one call (a ZeRO-3 unit is
-    gathered around a module's call)."""
+    """h_k = layer(eh_proj([enorm(embedding), hnorm(h_{k-1})])) and final_layernorm(h_k), from
+    one call (a ZeRO-3 unit is gathered around a module's call)."""
 
     def __init__(self, config: ModelConfig, layer_number: int, ps, device,
                  sequence_parallel: bool, execution: ExecutionConfig):
         super().__init__()
         dtype = dtype_from_name(config.params_dtype)
-        norms = [build_norm(config, sequence_parallel, dtype, device, execution.use_apex)
-                 for _ in range(3)]
-        self.enorm, self.hnorm, self.final_layernorm = norms
+        self.enorm, self.hnorm, self.final_layernorm = (build_norm(
+            config, sequence_parallel, dtype, device, execution.use_apex) for _ in range(3))
         h = config.hidden_size
         # Replicated over TP (2h^2 per token, small beside the layer): every rank projects the
         # tokens it holds, so under SP its gradient is partial over TP, as a norm's
@@ -56,8 +49,7 @@ class MTPLayer(nn.Module):
                                                   ps.cp_comm_type, MoEGroups.of(ps), execution)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None,
-                documents: Optional[Documents] = None):
+                position_ids: Optional[torch.Tensor] = None, documents: Optional[Documents] = None):
         """(h_k, final_layernorm(h_k)) from h_{k-1} and the embedded tokens, [s(/t), b, h]."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         x = self.transformer_layer(x, position_ids, documents)
