@@ -1,18 +1,20 @@
-"""GPT-OSS through Hugging Face conversion (megalite/convert/hf.py, docs/models.md "GPT-OSS"):
-attention sinks, the clamped SwiGLU, alternating windowed and full layers, YaRN without its
-rounding, the router's bias, biased experts stacked with gate and up interleaved, and MXFP4 hub
-experts (megalite/convert/mxfp4.py).
+"""GPT-OSS through Hugging Face conversion (megalite/convert/hf.py; docs/models.md, "GPT-OSS:
+conversion and MXFP4"): attention sinks, the clamped SwiGLU, alternating windowed and full layers,
+YaRN without its rounding, the router's bias, biased experts stacked with gate and up
+interleaved, and MXFP4 hub experts (megalite/convert/mxfp4.py).
 
 A tiny random GptOssForCausalLM built here (2 layers: one windowed, one full; 4 experts, hidden
 32; nothing is downloaded), every parameter re-drawn with a large std and a SwiGLU limit the
 activations reach, so that a misplaced or transposed tensor or a setting left out moves the logits
 far beyond the tolerance. Checked: logits and gradients against HF's, the round trip to HF's hub
-files bit for bit, the export loading as its own class with the same config, MXFP4 dequantised as
-transformers does it (and a packed directory imported with HF's logits), the refusals, and training
-from --use-checkpoint-args at EP2 x TP2 + SP (ETP 2) and at CP2 (p2p and a2a) equal to one process.
+files bit for bit (also through the converter at TP2 and PP2), the export loading as its own class
+with the same config, MXFP4 dequantised as transformers does it (and a packed directory imported
+with HF's logits), the refusals, and training from --use-checkpoint-args at EP2 x TP2 + SP (ETP 2)
+and at CP2 (p2p and a2a) equal to one process.
 """
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -25,6 +27,7 @@ from megalite.convert import (
     hf_config_to_model_config,
     hf_to_megalite_state_dict,
     megalite_to_hf_state_dict,
+    model_config_to_hf_config,
     to_hf,
 )
 from megalite.convert.mxfp4 import dequantize_mxfp4
@@ -112,6 +115,9 @@ def test_round_trip_and_export_are_bit_identical(tmp_path):
     for k in back:
         assert back[k].dtype == hub[k].dtype and torch.equal(back[k], hub[k]), k
     GPTModel(cfg, ParallelState(), seed=None).load_state_dict(ml_sd, strict=True)
+    with pytest.warns(UserWarning, match="unquantised"):  # the class that holds it, unrecorded
+        assert model_config_to_hf_config(dataclasses.replace(
+            cfg, hf_architecture=None)).architectures == ["GptOssForCausalLM"]
 
     with pytest.warns(UserWarning, match=r"GptOssForCausalLM: the experts are written "
                                          r"unquantised \(float32\), not in MXFP4") as record:
@@ -126,6 +132,31 @@ def test_round_trip_and_export_are_bit_identical(tmp_path):
     differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
     assert differ <= {"_name_or_path", "architectures", "dtype"}, {k: (a.get(k), b.get(k))
                                                                    for k in differ}
+
+
+def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(tmp_path):
+    """tools/checkpoint/convert.py's hf-to-megalite, then megalite-to-hf, at TP2 (the sinks split
+    by heads, the experts' fc1 bias with its columns) and at PP2 (one layer a stage): the same
+    tensors bit for bit."""
+    from safetensors.torch import load_file
+
+    from megalite.checkpoint import convert as ct
+    from megalite.checkpoint.layout import Layout
+
+    make_hf().save_pretrained(tmp_path / "hf")
+    hub = load_file(tmp_path / "hf" / "model.safetensors")
+    for name, layout in (("tp2", Layout(2, 1)), ("pp2", Layout(1, 2, decoder_first=1))):
+        ml = ct.hf_to_megalite(str(tmp_path / "hf"), str(tmp_path / f"ml_{name}"), layout)
+        if name == "tp2":
+            shard = torch.load(f"{ml}/iter_0000000/mp_rank_01_000/model_optim_rng.pt",
+                               weights_only=True)["model"]
+            assert shard["layers.0.self_attention.sinks"].shape == (2,)
+        with pytest.warns(UserWarning, match="unquantised"):
+            back = ct.megalite_to_hf(ml, str(tmp_path / f"back_{name}"))
+        got = load_file(f"{back}/model.safetensors")
+        assert set(got) == set(hub), (name, set(got) ^ set(hub))
+        for k in hub:
+            assert got[k].dtype == hub[k].dtype and torch.equal(got[k], hub[k]), (name, k)
 
 
 # ----------------------------------------------------------------------------------- MXFP4
@@ -220,8 +251,6 @@ def test_window_patterns_every_nth_layer_full():
     """HF's layer_types as --window-attn-skip-freq: every layer windowed (none), every third
     full; all full attention without a window is no window; each read back the same."""
     from transformers import GptOssConfig
-
-    from megalite.convert import model_config_to_hf_config
 
     s, f = "sliding_attention", "full_attention"
     for types, window, want in (([s, s, s], 4, (4, None)), ([s, s, f, s], 4, (4, 3)),
