@@ -1223,7 +1223,7 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
 def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.Tensor],
                                  cfg: ModelConfig) -> Dict[str, torch.Tensor]:
     """Inverse of :func:`convert_layer_hf_to_megalite` (full megalite names in, HF names out; the
-    experts in the per-expert form of hub files)."""
+    experts in the form of hub files: per expert, GPT-OSS's stacked)."""
     family = model_family(cfg)
     p, in_p = _hf_layer_prefix(family, layer_idx), _layer_prefix(layer_idx, cfg)
     where = f"megalite layer {layer_idx}"
