@@ -3,7 +3,8 @@ DeepSeek-V3-shaped tiny model (multi-latent attention, MoE with a dense first la
 output), D = 1 and 2 equal a reference written here in plain torch (fp32, 1e-6: the main and MTP
 losses and every gradient); pretrain.py at TP2 + SP, PP2 (1F1B and DualPipeV), CP2 (p2p,
 zigzag), EP2 and DP2 ZeRO-3 equals one process within 1e-5 (loss, grad norm, each depth's
-logged loss); bad combinations are refused in one line."""
+logged loss); a checkpoint saved at PP2 resumes at TP2 + SP exactly; a step reads nothing on the
+host; bad combinations are refused in one line."""
 
 import pytest
 import torch
@@ -188,3 +189,16 @@ def test_mtp_refusals():
         parse_args(flags("--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"))
     with pytest.raises(ConfigError, match="--mtp-num-layers must be a positive integer"):
         parse_args(flags("--mtp-num-layers", "0"))
+
+
+def test_mtp_reads_nothing_on_the_host_between_log_lines():
+    """The depths' losses stay on the device until the log line, as the main loss does
+    (tests/test_host_reads.py's windows: steps 2-4 read nothing, the line at 4 its usual two)."""
+    from host_reads import count_pretrain
+    from pretrain_utils import flags
+    from test_host_reads import LOG_READS, _windows
+
+    run = flags("--position-embedding-type", "rope", "--mtp-num-layers", "2", "--log-interval",
+                "4", "--global-batch-size", "2", train_iters=5, eval_iters=0)
+    got, where = _windows(count_pretrain(run))
+    assert got == [0, 0, 0, LOG_READS], (got, where)
