@@ -308,7 +308,7 @@ def test_export_refuses_models_no_hf_class_holds():
     with pytest.raises(ConfigError, match="no Hugging Face architecture holds"):
         hf_architecture(ModelConfig(**llama, add_bias_linear=False, add_qkv_bias=True,
                                     qk_layernorm=True))
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel has no q/k norm and no sliding win"):
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel has no q/k norm, sliding window"):
         hf_architecture(ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                     sliding_window=8))
     with pytest.raises(ConfigError, match="cannot be exported as MistralForCausalLM"):
