@@ -195,11 +195,12 @@ def _cp_worker(rank, size, a):
             rows.append(dict(comm=comm, case=case, rank=rank, cpu_s=r["cpu_s"],
                              wall_s=r["wall_s"]))
             if last["docs"] is not None:  # the block decisions of its last step
-                done = last["docs"]._blocks  # (q start, queries, k start, keys, causal) -> how
+                # (q first, q last, queries, k first, k last, keys, causal, window) -> how
+                done = last["docs"]._blocks
                 rows[-1].update(blocks=len(done),
                                 skipped=sum(isinstance(x, str) for x in done.values()),
                                 masked=sum(isinstance(x, torch.Tensor) for x in done.values()),
-                                area=sum(key[1] * key[3] / (2 if key[4] else 1)
+                                area=sum(key[2] * key[5] / (2 if key[6] else 1)
                                          for key, x in done.items() if not isinstance(x, str)))
         blocks.masked = kernel
     return rows

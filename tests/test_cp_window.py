@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from megalite.context_parallel import attention as A
-from megalite.context_parallel.sharding import shard
+from megalite.context_parallel.sharding import chunk_ids, shard
 from megalite.masks import Documents, causal_attention, document_attention, sink_attention
 from tests.dist_utils import run_distributed
 
@@ -86,20 +86,23 @@ def test_windows_and_sinks_under_every_comm_type_equal_the_formula():
             assert err < 1e-5, (rank, case, err)
 
 
-def test_the_ring_skips_the_blocks_a_window_leaves_empty():
-    """C = 4, chunks of 4, a window of 3: a query chunk sees only its own chunk and the one before,
-    so 6 of the ring's 12 off-diagonal blocks are skipped (decided on the host), and each
-    all-gather prefix is trimmed to the one chunk before the queries'."""
+def test_the_ring_and_all_gather_compute_only_the_chunk_pairs_a_window_reaches():
+    """C = 4, chunks of 4, a window of 3: chunk c sees only itself and chunk c - 1. The ring's
+    parts (one per pair of chunks of a block, decided on the host) computed are exactly those
+    15 pairs of the 40; each all-gather prefix is trimmed to the one chunk before its queries'."""
     size, chunk, masks = 4, S // 8, (3, None, torch.device("cpu"))
-    runs = []
+    computed, parts = set(), 0
     for rank in range(size):
-        for step in range(1, size):
-            rows, keys = A._ring_block(rank, (rank - step) % size, chunk)
-            runs.append(A._ring_decision(masks, rank, (rank - step) % size, size, S, rows, keys,
-                                         False))
-    assert sum(isinstance(how, str) for how in runs) == 6
-    # the others see only the window's corner: each its [1, 1, rows, keys] mask
-    assert all(isinstance(how, torch.Tensor) for how in runs if not isinstance(how, str))
+        for step in range(size):
+            src = (rank - step) % size
+            for rows, keys, causal in A._pieces(rank, src, chunk, step, masks):
+                how = A._ring_decision(masks, rank, src, size, S, rows, keys, causal)
+                parts += 1
+                if not isinstance(how, str):
+                    computed.add((chunk_ids(rank, size)[rows.start // chunk],
+                                  chunk_ids(src, size)[keys.start // chunk]))
+    assert parts == 40
+    assert computed == {(c, c) for c in range(8)} | {(c, c - 1) for c in range(1, 8)}
     prefixes = [(pre.start, pre.stop) for rank in range(size)
                 for _, pre, _ in A._prefix_blocks(rank, size, chunk, masks)]
     assert all(stop - start == (chunk if stop else 0) for start, stop in prefixes), prefixes

@@ -96,6 +96,21 @@ def _ring_decision(masks, rank, src, size, s, rows, keys, causal: bool):
     return _decide(masks, positions(s, rank, size)[rows], positions(s, src, size)[keys], causal)
 
 
+def _pieces(rank, src, half, step, masks):
+    """(query rows, key rows, causal) of the parts of this step's block (_ring_block): the block
+    itself, or under a window or documents one part per pair of chunks, each decided alone (at
+    step 0 a window may leave the later chunk's queries nothing in the earlier chunk). Keys
+    last first: a chunk's own diagonal comes before anything merges into its rows."""
+    rows, keys = _ring_block(rank, src, half)
+    if masks[0] is None and masks[1] is None:
+        return [(rows, keys, step == 0)]
+
+    def chunks(sl):
+        return [slice(c, c + half) for c in range(sl.start or 0, sl.stop or 2 * half, half)]
+
+    return [(r, k, step == 0 and r == k) for r in chunks(rows) for k in reversed(chunks(keys))]
+
+
 def _block_fwd(kernel, q, k, v, causal, scale, how):
     """``kernel``'s block forward, or its masked form's under ``how``, a documents mask."""
     if how is None:
@@ -111,22 +126,22 @@ def _block_bwd(kernel, dout, q, k, v, out, lse, causal, scale, how):
 
 def _ring_fwd(q, k, v, group, scale, kernel, masks):
     rank, size, half = C.group_rank(group), C.group_size(group), q.shape[2] // 2
-    kv, out, lse = torch.stack([k, v]), None, None
+    kv = torch.stack([k, v])
+    out = torch.zeros_like(q, dtype=torch.float32)
+    lse = out.new_full(q.shape[:3], float("-inf"))
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
         src = (rank - step) % size
-        rows, keys = _ring_block(rank, src, half)
-        how = _ring_decision(masks, rank, src, size, size * q.shape[2], rows, keys, step == 0)
-        if how == "skip":  # no query here sees a key there: nothing to compute
-            _wait(reqs)
-            kv = nxt
-            continue
-        o, l = _block_fwd(kernel, q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys], step == 0,
-                          scale, how)
-        if step == 0:  # own K/V: the causal diagonal
-            out, lse = o.float(), l.clone()
-        else:
-            _merge(out[:, :, rows], lse[:, :, rows], o, l)
+        for rows, keys, causal in _pieces(rank, src, half, step, masks):
+            how = _ring_decision(masks, rank, src, size, size * q.shape[2], rows, keys, causal)
+            if how == "skip":  # no query here sees a key there: nothing to compute
+                continue
+            o, l = _block_fwd(kernel, q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                              causal, scale, how)
+            if causal:  # own K/V's diagonal: the first part of its rows
+                out[:, :, rows], lse[:, :, rows] = o.float(), l
+            else:
+                _merge(out[:, :, rows], lse[:, :, rows], o, l)
         _wait(reqs)
         kv = nxt
     return out, lse
@@ -139,19 +154,21 @@ def _ring_bwd(dout, q, k, v, out, lse, group, scale, kernel, masks):
     dkv, dkv_in, dreqs = None, None, []
     for step in range(size):
         reqs, nxt = _ring(kv, group, 0) if step < size - 1 else ([], None)
-        src = (rank - step) % size
-        rows, keys = _ring_block(rank, src, half)
-        how = _ring_decision(masks, rank, src, size, size * q.shape[2], rows, keys, step == 0)
-        if how != "skip":
+        src, dkeys = (rank - step) % size, []
+        for rows, keys, causal in _pieces(rank, src, half, step, masks):
+            how = _ring_decision(masks, rank, src, size, size * q.shape[2], rows, keys, causal)
+            if how == "skip":
+                continue
             g = _block_bwd(kernel, dout[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-                           kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], step == 0, scale,
+                           kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows], causal, scale,
                            how)
             dq[:, :, rows] += g[0]
+            dkeys.append((keys, g[1], g[2]))
         _wait(dreqs)  # these K/V's dK/dV so far, from the ranks that held them before
         dkv = torch.zeros_like(kv, dtype=torch.float32) if dkv_in is None else dkv_in
-        if how != "skip":
-            dkv[0][:, :, keys] += g[1]
-            dkv[1][:, :, keys] += g[2]
+        for keys, dk, dv in dkeys:
+            dkv[0][:, :, keys] += dk
+            dkv[1][:, :, keys] += dv
         dreqs, dkv_in = _ring(dkv, group, 1)
         _wait(reqs)
         kv = nxt
