@@ -50,7 +50,7 @@ def _local(window, docs, sinks):
 CASES = [(5, False, False), (11, True, False), (None, False, True), (3, True, True)]
 
 
-def _case(group, rank, size, comm, window, packed, sinks):
+def _case(group, rank, size, comm, kernel, window, packed, sinks):
     gen = torch.Generator().manual_seed(1)
     q, k, v, dout = (torch.randn(B, h, S, D, generator=gen) for h in (N, G, G, N))
     sink = torch.randn(N, generator=gen) if sinks else None
@@ -62,7 +62,7 @@ def _case(group, rank, size, comm, window, packed, sinks):
     mine = local + ([sink.detach().clone().requires_grad_()] if sinks else [])
     attend = _local(window, docs, sinks) if comm == "a2a" else None
     out = A.context_parallel_attention(*local, group, comm, local_attention=attend,
-                                       documents=docs, window=window,
+                                       kernel=kernel, documents=docs, window=window,
                                        sink=mine[3] if sinks else None)
     grads = torch.autograd.grad(out, mine, shard(dout, rank, size, 2))
     errs = [(a.detach() - shard(b.detach(), rank, size, 2)).abs().max()
@@ -76,8 +76,11 @@ def _case(group, rank, size, comm, window, packed, sinks):
 
 def _all(rank, size):
     group = torch.distributed.new_group(list(range(size)))
-    return {(comm,) + case: _case(group, rank, size, comm, *case)
-            for comm in ("p2p", "allgather", "a2a") for case in CASES}
+    # the ring and all-gather's masked parts by CPU_FLASH's masked form (auto) and by MATH (what
+    # CUDA runs them with); a2a by the one-device attention
+    runs = [("p2p", "auto"), ("p2p", "math"), ("allgather", "auto"), ("allgather", "math"),
+            ("a2a", "auto")]
+    return {run + case: _case(group, rank, size, *run, *case) for run in runs for case in CASES}
 
 
 def test_windows_and_sinks_under_every_comm_type_equal_the_formula():

@@ -1,6 +1,7 @@
 """Causal attention of a CP rank's queries against the whole sequence: the ring (``p2p``),
 ``allgather`` and Ulysses (``a2a``) paths, each its own forward and backward, and which block of
-which rank is causal: docs/context_parallel.md, "One interface, three implementations"."""
+which rank is causal: docs/context_parallel.md, "One interface, three implementations"; under
+packed documents, a sliding window and attention sinks: its sections of those names."""
 
 from __future__ import annotations
 
@@ -112,7 +113,8 @@ def _pieces(rank, src, half, step, masks):
 
 
 def _block_fwd(kernel, q, k, v, causal, scale, how):
-    """``kernel``'s block forward, or its masked form's under ``how``, a documents mask."""
+    """``kernel``'s block forward, or its masked form's under ``how``, a window or documents
+    mask."""
     if how is None:
         return kernel.fwd(q, k, v, causal, scale)
     return blocks.masked(kernel).fwd(q, k, v, how, scale)
