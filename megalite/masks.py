@@ -173,8 +173,9 @@ def block(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Option
             cache[key] = "skip"
         elif m.all() or (causal and (m == np.tri(*m.shape[-2:], dtype=bool)).all()):
             cache[key] = None
-        else:
-            cache[key] = torch.from_numpy(m).to(device)
+        else:  # CUDA: queued from pinned memory, not waited for (as Documents.to)
+            m = torch.from_numpy(m)
+            cache[key] = m.pin_memory().to(device, non_blocking=True) if m.device != device else m
     return cache[key]
 
 
