@@ -201,8 +201,8 @@ class HFSource:
 
     def read_non_layer(self, names: Optional[Sequence[str]] = None) -> Dict[str, torch.Tensor]:
         """The non-layer tensors (megalite ``names`` of them, default all), canonical."""
-        hf = self.get(hf_non_layer_keys(self.model_cfg, names),
-                      "embeddings / final norm / lm_head")
+        # lazily, as a layer: an MTP depth's experts are stacked one hub tensor at a time
+        hf = self.lazy(hf_non_layer_keys(self.model_cfg, names), "embeddings / head / MTP")
         try:
             out = convert_non_layer_hf_to_megalite(hf, self.model_cfg, names)
         except (RuntimeError, ValueError) as e:
