@@ -358,11 +358,9 @@ class ModelConfig(_Section):
     attention_sinks: bool = setting(
         False, "a learned logit per head in every softmax denominator (GPT-OSS)", role=SHAPE)
     mtp_num_layers: Optional[int] = setting(
-        None, "multi-token prediction depths D (DeepSeek-V3's MTP, docs/models.md)", role=SHAPE,
-        bound=POSITIVE_INT)
+        None, "multi-token prediction depths (DeepSeek-V3's MTP)", role=SHAPE, bound=POSITIVE_INT)
     mtp_loss_scaling_factor: float = setting(
-        0.1, "weight of the MTP losses' mean over depths in the training loss",
-        role=CHECKPOINT_ARG)
+        0.1, "weight of the MTP losses' mean over depths in the loss", role=CHECKPOINT_ARG)
     normalization: str = setting("LayerNorm", choices=("LayerNorm", "RMSNorm"), role=SHAPE)
     norm_epsilon: float = setting(1e-5, role=CHECKPOINT_ARG)
     activation: str = setting("gelu", choices=("gelu", "gelu_tanh", "silu", "relu"),
