@@ -19,7 +19,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megalite.config import ConfigError
 from megalite.convert import (
@@ -33,7 +32,7 @@ from megalite.convert import (
 from megalite.convert.mxfp4 import dequantize_mxfp4
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState
-from test_convert_hf_moe import max_abs, tokens  # the same VOCAB and SEQ
+from test_convert_hf_moe import assert_training_grads_match_hf, max_abs, tokens  # the same VOCAB and SEQ
 
 VOCAB, SEQ, TOL = 100, 16, 1e-4
 # a window of 4 keys in layer 0 (layer 1 full: GPT-OSS's default layer_types), yarn with a
@@ -83,15 +82,7 @@ def test_logits_and_gradients_match_hf():
         with torch.no_grad():
             assert max_abs(other(ids), ref) > 100 * TOL, change
 
-    loss = ml.train()(ids, labels).mean()
-    loss.backward()
-    hf_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten())
-    hf_loss.backward()
-    assert abs(loss.item() - hf_loss.item()) <= TOL
-    want = hf_to_megalite_state_dict({n: p.grad for n, p in hf.named_parameters()}, ml.config)
-    for name, p in ml.named_parameters():
-        scale = max(want[name].norm().item(), 1e-6)
-        assert p.grad is not None and max_abs(p.grad, want[name]) <= 1e-4 * scale, name
+    assert_training_grads_match_hf(ml, hf, ids, labels)
 
 
 def test_round_trip_and_export_are_bit_identical(tmp_path):

@@ -103,6 +103,23 @@ def max_abs(a, b) -> float:
     return (a - b).abs().max().item()
 
 
+def assert_training_grads_match_hf(ml, hf, ids, labels):
+    """The mean token loss and every parameter's gradient equal HF's (train mode): HF's
+    gradients, named as its parameters, go through the same conversion as the weights."""
+    loss = ml.train()(ids, labels).mean()
+    loss.backward()
+    hf_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten())
+    hf_loss.backward()
+    assert abs(loss.item() - hf_loss.item()) <= TOL
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers()
+                  if n.endswith("e_score_correction_bias")})  # not trained by gradient
+    want = hf_to_megalite_state_dict(grads, ml.config)
+    for name, p in ml.named_parameters():
+        scale = max(want[name].norm().item(), 1e-6)
+        assert p.grad is not None and max_abs(p.grad, want[name]) <= 1e-4 * scale, name
+
+
 # ------------------------------------------------------------------- logits and gradients vs HF
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_gradients_match_hf(case):
@@ -117,20 +134,7 @@ def test_logits_and_gradients_match_hf(case):
     assert ref.abs().max().item() > 1.0  # the comparison is not between near-zero logits
     assert max_abs(got, ref) <= TOL, case
 
-    ml.train()
-    labels = tokens(seed=2)
-    loss = ml(ids, labels).mean()
-    loss.backward()
-    hf_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten())
-    hf_loss.backward()
-    assert abs(loss.item() - hf_loss.item()) <= TOL
-    grads = {n: p.grad for n, p in hf.named_parameters()}
-    grads.update({n: torch.zeros_like(b) for n, b in hf.named_buffers()
-                  if n.endswith("e_score_correction_bias")})  # not trained by gradient
-    want = hf_to_megalite_state_dict(grads, ml.config)
-    for name, p in ml.named_parameters():
-        scale = max(want[name].norm().item(), 1e-6)
-        assert p.grad is not None and max_abs(p.grad, want[name]) <= 1e-4 * scale, name
+    assert_training_grads_match_hf(ml, hf, ids, tokens(seed=2))
     moe = [m for m in ml.modules() if type(m).__name__ == "MoELayer"]
     assert moe and all(m.router.grad.abs().sum() > 0 for m in moe)  # the router learns
 

@@ -29,7 +29,7 @@ from megalite.convert import (
 from megalite.models import GPTModel
 from megalite.models.linear_attention import gated_delta_rule, l2_normalize
 from megalite.parallel_state import ParallelState
-from test_convert_hf_moe import max_abs, tokens  # the same VOCAB and SEQ
+from test_convert_hf_moe import assert_training_grads_match_hf, max_abs, tokens  # the same VOCAB and SEQ
 
 VOCAB, SEQ, TOL = 100, 16, 1e-4
 LIN, FULL = "linear_attention", "full_attention"
@@ -157,15 +157,7 @@ def test_logits_and_gradients_match_hf(case):
     assert ref.abs().max().item() > 1.0  # the comparison is not between near-zero logits
     assert max_abs(got, ref) <= TOL, case
 
-    loss = ml.train()(ids, labels).mean()
-    loss.backward()
-    hf_loss = F.cross_entropy(hf(ids).logits.flatten(0, 1), labels.flatten())
-    hf_loss.backward()
-    assert abs(loss.item() - hf_loss.item()) <= TOL
-    want = hf_to_megalite_state_dict({n: p.grad for n, p in hf.named_parameters()}, ml.config)
-    for name, p in ml.named_parameters():
-        scale = max(want[name].norm().item(), 1e-6)
-        assert p.grad is not None and max_abs(p.grad, want[name]) <= 1e-4 * scale, name
+    assert_training_grads_match_hf(ml, hf, ids, labels)
 
 
 # ------------------------------------------------------------------------------- round trips
