@@ -6,6 +6,7 @@ the context-parallel block kernels, and the summary. Each subcommand writes one 
     python benchmarks/gpu_check.py correctness --device cuda --result corr.json
     python benchmarks/gpu_check.py cp_blocks --device cuda --result cp_blocks.json
     python benchmarks/gpu_check.py doc_attention --device cuda --result doc_attention.json
+    python benchmarks/gpu_check.py attention_sinks --device cuda --result attention_sinks.json
     python benchmarks/gpu_check.py linear_attention --device cuda --result linear_attention.json
     python benchmarks/gpu_check.py syncs --device cuda --result syncs.json
     python benchmarks/gpu_check.py offload --device cuda --result offload.json
@@ -350,6 +351,101 @@ def cmd_doc_attention(args):
     return 0 if res["pass"] else 1
 
 
+# ------------------------------------------------------------------------------- attention_sinks
+SINK_LAYOUTS = (("causal", None, False), ("window", 7, False), ("documents + window", 7, True))
+
+
+def _sink_reference(q, k, v, sink, sees):
+    """The definition, in fp32: softmax over the masked scores q k^T / sqrt(d) and one more
+    column holding the head's sink logit (its value 0, so the column is dropped before P V)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(rep, 1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~sees, float("-inf"))
+    column = sink[:, None, None].expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], -1).softmax(-1)[..., :-1] @ v
+
+
+def attention_sinks_cases(device, dtypes=("bfloat16", "float32"), head_dims=(64, 128),
+                          lengths=DOC_LENGTHS, heads=8, layouts=SINK_LAYOUTS):
+    """megalite.masks.sink_attention (GPT-OSS's sinks) against _sink_reference on the same inputs
+    (rounded to the dtype): out, dq, dk, dv and the sink's gradient, per dtype, head dim, GQA
+    ratio (1 and 4) and layout (plain causal, a window, documents ``lengths`` within a window).
+    Each case names the block kernel it took: the one --cp-attention-kernel auto picks for a
+    block under the kernel's own causal mask, masked(that one) under a window or documents. The
+    sinks span -2 to 6, from heads they barely touch to heads they take most of the weight of."""
+    import warnings
+
+    import numpy as np
+
+    from megalite import masks
+    from megalite.context_parallel import blocks
+
+    seq = sum(lengths[0])
+    ids = np.stack([np.repeat(np.arange(len(x)), x) for x in lengths])
+    pos = torch.arange(seq)
+    cases, gen = [], torch.Generator(device=device).manual_seed(0)
+    for dtype in dtypes:
+        sink = torch.linspace(-2, 6, heads, device=device).to(getattr(torch, dtype))
+        for d in head_dims:
+            for rep in (1, 4):
+                for layout, window, packed in layouts:
+                    def rand(h):
+                        return torch.randn(len(lengths), h, seq, d, device=device,
+                                           generator=gen).to(getattr(torch, dtype))
+                    q, do, k, v = rand(heads), rand(heads), rand(heads // rep), rand(heads // rep)
+                    docs = masks.Documents.of(ids).to(device) if packed else None
+                    case = {"dtype": dtype, "head_dim": d, "rep": rep, "layout": layout}
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        chosen = blocks.select(q, k)
+                    mask = masks.block(pos, pos, True, window, docs, q.device)
+                    case["path"] = chosen.name if mask is None else \
+                        f"{blocks.masked(chosen).name} under a mask"
+                    case["warnings"] = [str(w.message) for w in caught]
+                    try:
+                        got = _rule_grads(lambda *t: masks.sink_attention(
+                            *t, window=window, docs=docs), [q, k, v, sink], do)
+                    except Exception as ex:  # noqa: BLE001 - a kernel that fails is a failure
+                        cases.append({**case, "status": "fail",
+                                      "error": f"{type(ex).__name__}: {ex}"[:300]})
+                        continue
+                    gap = pos[:, None] - pos[None, :]
+                    sees = (gap >= 0) & (gap < (window or seq))
+                    if packed:
+                        doc = torch.from_numpy(ids)
+                        sees = sees & (doc[:, None, :, None] == doc[:, None, None, :])
+                    sees = sees.to(device)
+                    ref = _rule_grads(lambda *t: _sink_reference(*t, sees),
+                                      [t.float() for t in (q, k, v, sink)], do.float())
+                    errs = {name: float((a.float() - b).abs().max() / b.abs().max())
+                            for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), got, ref)}
+                    worst = max(errs.values())
+                    ok = worst <= CP_BLOCK_TOLERANCE.get(dtype, 1e-4)  # NaN fails too
+                    cases.append({**case, "status": "pass" if ok else "fail", "max_error": worst,
+                                  "errors": errs})
+    return cases
+
+
+def cmd_attention_sinks(args):
+    """GPT-OSS's attention sinks on CUDA (masks.sink_attention: the CP block kernels, flash /
+    efficient without a mask and MATH under one) against the softmax written out with the sink's
+    column, forward and backward, bf16 and fp32. Pass: every case within tolerance. Without
+    CUDA: NOT_RUN."""
+    if torch.device(args.device).type != "cuda" or not torch.cuda.is_available():
+        _write(args.result, {"ran": False, "pass": False, "device": args.device,
+                             "reason": "no CUDA device: attention sinks on the CUDA kernels were "
+                                       "not checked (the CPU path is tested by the test suite)"})
+        return NOT_RUN
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference in fp32 means fp32
+    cases = attention_sinks_cases(args.device)
+    res = {"ran": True, "device": torch.cuda.get_device_name(0), "lengths": DOC_LENGTHS,
+           "tolerance": CP_BLOCK_TOLERANCE, "cases": cases,
+           "passed": sum(c["status"] == "pass" for c in cases), "checked": len(cases),
+           "pass": all(c["status"] == "pass" for c in cases)}
+    _write(args.result, res)
+    return 0 if res["pass"] else 1
+
+
 # ------------------------------------------------------------------------------ linear_attention
 LINEAR_TOLERANCE = {"float32": 2e-3, "bfloat16": 2e-2}  # models/linear_attention.py's self-check
 
@@ -586,10 +682,10 @@ def cmd_summarize(args):
                 f"{k}: logits {r[k].get('logits_max_abs', r[k].get('logits_rel')):.1e} "
                 f"grad {r[k].get('grad_max_abs', r[k].get('grad_rel_median')):.1e}"
                 for k in ("gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16")) + f"  {detail}"
-        elif s["step"] in ("cp_blocks", "doc_attention", "linear_attention", "offload") \
-                and r.get("ran") is False:
+        elif s["step"] in ("cp_blocks", "doc_attention", "attention_sinks", "linear_attention",
+                           "offload") and r.get("ran") is False:
             detail = f"NOT RUN: {r['reason']}"
-        elif s["step"] == "doc_attention" and "cases" in r:
+        elif s["step"] in ("doc_attention", "attention_sinks") and "cases" in r:
             paths = {dt: sorted({c["path"] for c in r["cases"] if c["dtype"] == dt})
                      for dt in ("bfloat16", "float32")}
             detail = (f"{r['passed']}/{r['checked']} cases pass; worst error "
@@ -649,6 +745,9 @@ def main(argv=None):
     a = sub.add_parser("doc_attention")
     a.add_argument("--device", default="cuda")
     a.add_argument("--result", required=True)
+    at = sub.add_parser("attention_sinks")
+    at.add_argument("--device", default="cuda")
+    at.add_argument("--result", required=True)
     la = sub.add_parser("linear_attention")
     la.add_argument("--device", default="cuda")
     la.add_argument("--result", required=True)
@@ -664,7 +763,8 @@ def main(argv=None):
     s.add_argument("--mode", default="gpu")
     args = p.parse_args(argv)
     return {"env": cmd_env, "correctness": cmd_correctness, "cp_blocks": cmd_cp_blocks,
-            "doc_attention": cmd_doc_attention, "linear_attention": cmd_linear_attention,
+            "doc_attention": cmd_doc_attention, "attention_sinks": cmd_attention_sinks,
+            "linear_attention": cmd_linear_attention,
             "syncs": cmd_syncs, "offload": cmd_offload,
             "summarize": cmd_summarize}[args.cmd](args)
 

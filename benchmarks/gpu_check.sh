@@ -6,10 +6,12 @@
 #   bash benchmarks/gpu_check.sh --only cp_blocks   # only the named steps (comma-separated), e.g. a rerun
 # Steps: env | correctness (GPTModel cuda vs cpu, fp32 + bf16) | cp_blocks (context-parallel block kernels vs
 # the math path; not run without CUDA) | doc_attention (the CUDA document kernel vs the masked
-# SDPA; not run without CUDA) | linear_attention (fla's gated delta rule vs megalite's torch rule;
-# not run without CUDA or fla) | host syncs per iteration | offload (device memory with and without
-# --optimizer-cpu-offload; not run without CUDA) | train x3 (pretrain.py bf16,
-# no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU: it has no device flag).
+# SDPA; not run without CUDA) | attention_sinks (GPT-OSS's sinks on the CUDA block kernels vs the
+# softmax with the sink's column; not run without CUDA) | linear_attention (fla's gated delta
+# rule vs megalite's torch rule; not run without CUDA or fla) | host syncs per iteration | offload
+# (device memory with and without --optimizer-cpu-offload; not run without CUDA) | train x3
+# (pretrain.py bf16, no/selective/full recompute) | gloo TP parity on CPU | single_device.py (CPU:
+# it has no device flag).
 # Each step has its own timeout, all capped by a total time limit (GC_TIME_LIMIT seconds, default
 # 420), so one hang does not lose the rest. Writes summary.txt (also printed), summary.json and
 # gpu_check.log to the output folder. Exit status 1 if a step failed or timed out; a step that
@@ -24,11 +26,11 @@ while [ $# -gt 0 ]; do
            OUT=$2; shift 2;;
     --only) [ $# -ge 2 ] || { echo "gpu_check.sh: --only needs step names, e.g. --only cp_blocks,train_none" >&2; exit 2; }
             ONLY=",$2,"; shift 2;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0;;
     *) echo "gpu_check.sh: unknown argument '$1'; valid: --dry-run, --out DIR, --only STEPS, --help" >&2; exit 2;;
   esac
 done
-STEPS="env correctness cp_blocks doc_attention linear_attention host_syncs offload train_none train_selective train_full gloo_tp_parity single_device_vs_hf nccl_multi_rank"
+STEPS="env correctness cp_blocks doc_attention attention_sinks linear_attention host_syncs offload train_none train_selective train_full gloo_tp_parity single_device_vs_hf nccl_multi_rank"
 for n in $(echo "${ONLY//,/ }"); do
   case " $STEPS " in *" $n "*) ;; *) echo "gpu_check.sh: --only: unknown step '$n'; valid: ${STEPS// /, }" >&2; exit 2;; esac
 done
@@ -93,6 +95,8 @@ step cp_blocks 90 "CP block kernels (flash/cudnn/efficient) vs math, fwd+bwd, bf
   $PY benchmarks/gpu_check.py cp_blocks --device cuda --result "$WORK/cp_blocks.json"
 step doc_attention 90 "document kernel (varlen) vs masked SDPA, fwd+bwd, bf16+fp32" \
   $PY benchmarks/gpu_check.py doc_attention --device cuda --result "$WORK/doc_attention.json"
+step attention_sinks 90 "sink attention (block kernels) vs the softmax with a sink column, fwd+bwd" \
+  $PY benchmarks/gpu_check.py attention_sinks --device cuda --result "$WORK/attention_sinks.json"
 step linear_attention 90 "fla gated delta rule vs megalite's torch rule, fwd+bwd, bf16+fp32" \
   $PY benchmarks/gpu_check.py linear_attention --device cuda --result "$WORK/linear_attention.json"
 step host_syncs 150 "per iteration, 2 vs 8 layers and micro-batches" \

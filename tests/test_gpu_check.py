@@ -1,6 +1,6 @@
-"""benchmarks/gpu_check.sh's context-parallel block, document kernel and fla steps without a GPU:
-they report that they did not run, never a pass, and their comparison harnesses tell a good
-kernel from broken ones."""
+"""benchmarks/gpu_check.sh's context-parallel block, document kernel, attention sink and fla steps
+without a GPU: they report that they did not run, never a pass, and their comparison harnesses
+tell a good kernel from broken ones."""
 
 import json
 import os
@@ -18,13 +18,15 @@ from megalite.context_parallel import blocks as B  # noqa: E402
 
 
 def test_cuda_kernel_steps_without_cuda_report_not_run(tmp_path):
-    """The CP block kernels' step, the document kernel's and offload's device memory."""
+    """The CP block kernels' step, the document kernel's, the sinks' and offload's device
+    memory."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHON=sys.executable)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--dry-run",
-                           "--only", "cp_blocks,doc_attention,offload", "--out", str(tmp_path)], env=env,
+                           "--only", "cp_blocks,doc_attention,attention_sinks,offload", "--out",
+                           str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    names = ["cp_blocks", "doc_attention", "offload"]
+    names = ["cp_blocks", "doc_attention", "attention_sinks", "offload"]
     for step, name in zip(summary["steps"], names, strict=True):
         assert step["step"] == name and step["status"] == "skip" and step["rc"] == 77
         assert step["result"]["ran"] is False and step["result"]["pass"] is False
@@ -77,6 +79,31 @@ def test_doc_attention_harness_passes_the_cpu_path_and_fails_one_ignoring_docume
                             q, k, v, window, **kw))
     bad = gpu_check.doc_attention_cases("cpu", **small)
     assert all(c["status"] == "fail" and c["max_error"] > 1e-2 for c in bad), bad
+
+
+def test_attention_sinks_harness_passes_the_cpu_path_and_fails_broken_sinks(monkeypatch):
+    """The sinks' harness on the CPU (the CPU flash block kernel, masked under a window or
+    documents): every case within tolerance and named by its kernel; a sink left out of the
+    output fails every case, a sink whose gradient is dropped fails every case on dsink alone."""
+    from megalite import masks
+
+    small = dict(head_dims=(8,), lengths=((1, 20, 11), (30, 2)), heads=4)
+    good = gpu_check.attention_sinks_cases("cpu", **small)
+    assert len(good) == 12 and all(c["status"] == "pass" and len(c["errors"]) == 5
+                                   for c in good), good
+    assert all(c["max_error"] < 1e-5 for c in good if c["dtype"] == "float32"), good
+    assert {c["layout"]: c["path"] for c in good} == {
+        "causal": "cpu_flash", "window": "cpu_flash_masked under a mask",
+        "documents + window": "cpu_flash_masked under a mask"}
+    with monkeypatch.context() as m:
+        m.setattr(masks, "apply_attention_sink", lambda out, lse, sink: out.float())
+        ignored = gpu_check.attention_sinks_cases("cpu", **small)
+    assert all(c["status"] == "fail" and c["errors"]["out"] > 0.1 for c in ignored), ignored
+    monkeypatch.setattr(masks, "attention_sink_grad", lambda dout, out, lse, sink:
+                        torch.zeros_like(sink))
+    dropped = gpu_check.attention_sinks_cases("cpu", **small)
+    assert all(c["status"] == "fail" and c["errors"]["dsink"] == 1.0
+               and c["errors"]["out"] < 2e-2 for c in dropped), dropped
 
 
 def test_linear_attention_harness_passes_the_torch_rule_and_fails_a_broken_one(tmp_path):
