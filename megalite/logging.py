@@ -22,23 +22,26 @@ from megalite.models.linear_attention import CHUNK
 
 def model_flops_per_sequence(cfg: ModelConfig, vocab_size: Optional[int] = None) -> float:
     """Model FLOPs (forward + backward, no recompute) of one sequence from the actual matmul
-    shapes, plus :func:`attention_flops` (docs/logging.md, "FLOPs, TFLOP/s and MFU")."""
+    shapes, plus :func:`attention_flops` (docs/logging.md, "FLOPs, TFLOP/s and MFU"). MTP's D
+    depths are D more layers (numbered L + k, of the last one's kind), output heads and eh_proj."""
     h, L, s = cfg.hidden_size, cfg.num_layers, cfg.seq_length
     V = vocab_size if vocab_size is not None else cfg.vocab_size
+    D = cfg.mtp_num_layers or 0
 
     def mlp(f: int) -> int:  # forward FLOPs per token of an MLP of width f
         return 2 * (h * (2 * f if cfg.swiglu else f) + f * h)
 
-    n_moe = sum(cfg.moe_layer_pattern())
+    n_moe = sum(map(cfg.is_moe_layer, range(L + D)))
     moe = 0
     if n_moe:
         shared = cfg.moe_shared_expert_intermediate_size
         moe = (2 * h * cfg.num_experts + cfg.moe_router_topk * mlp(cfg.moe_ffn_hidden_size)
                + (mlp(shared) + (2 * h if cfg.moe_shared_expert_gate else 0) if shared else 0))
-    n_lin = sum(cfg.linear_attention_pattern())
-    fwd = (L - n_lin) * 2 * cfg.attention_weights() + n_lin * 2 * cfg.linear_attention_weights() \
-        + (L - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
-    per_token = 3 * (fwd + 2 * h * V)
+    n_lin = sum(map(cfg.is_linear_attention_layer, range(L + D)))
+    fwd = (L + D - n_lin) * 2 * cfg.attention_weights() \
+        + n_lin * 2 * cfg.linear_attention_weights() \
+        + (L + D - n_moe) * mlp(cfg.ffn_hidden_size) + n_moe * moe
+    per_token = 3 * (fwd + (1 + D) * 2 * h * V + D * 2 * 2 * h * h)
     return float(per_token * s) + attention_flops(cfg)
 
 
@@ -46,11 +49,11 @@ def attention_flops(cfg: ModelConfig) -> float:
     """The attention core's FLOPs (forward + backward) for one sequence: min(W, s) keys per query
     under a sliding window of W, no halving for causality; a Gated DeltaNet layer's chunked rule
     instead, per token and value head c(5dk + 3dv) within its chunk of c and 6dk·dv with the
-    state (docs/theory.md, "FLOPs and MFU" and "Linear attention")."""
+    state (docs/theory.md, "FLOPs and MFU" and "Linear attention"). MTP's depths included."""
     s, (qk, v) = cfg.seq_length, cfg.attention_widths()
-    linear = cfg.linear_attention_pattern()
-    keys = sum(min(cfg.attention_window(i) or s, s) for i in range(cfg.num_layers)
-               if not linear[i])
+    layers = range(cfg.num_layers + (cfg.mtp_num_layers or 0))
+    linear = [cfg.is_linear_attention_layer(i) for i in layers]
+    keys = sum(min(cfg.attention_window(i) or s, s) for i in layers if not linear[i])
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     rule = cfg.linear_num_value_heads * (CHUNK * (5 * dk + 3 * dv) + 6 * dk * dv)
     return float(3 * 2 * (qk + v) * keys * s + 3 * sum(linear) * -(-s // CHUNK) * CHUNK * rule)

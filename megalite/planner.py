@@ -127,15 +127,17 @@ class Model:
         return cls(cfg, e, 1 if device == "cuda" else e, flash, device, moe_imbalance, **kw)
 
     def flops(self, t: int) -> Dict[str, float]:
-        """model_flops_per_sequence split into logits (no layers), layers and attention core."""
+        """model_flops_per_sequence (MTP's depths included) and the main model's split into
+        logits (no layers), layers and attention core."""
         if t not in self.memo:
-            cfg, V = self.cfg, self.cfg.padded_vocab_size(t)
-            total = model_flops_per_sequence(cfg, V)
+            V = self.cfg.padded_vocab_size(t)
+            cfg = dataclasses.replace(self.cfg, mtp_num_layers=None)  # the main model
+            main = model_flops_per_sequence(cfg, V)
             logits = model_flops_per_sequence(dataclasses.replace(
                 cfg, num_layers=0, num_experts=None, moe_layer_freq="1"), V)  # no layer at all
             attn = attention_flops(cfg)
-            self.memo[t] = {"total": total, "logits": logits, "attention": attn,
-                            "layers": total - logits}
+            self.memo[t] = {"total": model_flops_per_sequence(self.cfg, V), "logits": logits,
+                            "attention": attn, "layers": main - logits}
         return self.memo[t]
 
     def attention_share(self) -> float:
@@ -782,8 +784,8 @@ def step_time(m: Model, lay: Layout, cl: Cluster, gbs: int) -> Dict[str, float]:
         "total_bytes"] for n, size in groups) / hbm
     offload = offload_s(lay, sum(n / (size if lay.zero_stage else 1) for n, size in groups), E)
     total = compute + tp + bubble + dp + cp + ep + offload
-    extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / cfg.num_layers * sum(
-        recomputed(lay, x) for rank in chunks for x in rank)
+    extra = fl["attention"] / 3 if rc == "selective" else fl["layers"] / 3 / cfg.num_layers * (sum(
+        recomputed(lay, x) for rank in chunks for x in rank) + mtp * (rc == "full"))  # + depths
     return {"compute_s": compute, "tp_comm_s": tp, "bubble_s": bubble, "dp_comm_s": dp,
             "cp_comm_s": cp, "ep_comm_s": ep, "offload_s": offload, "step_time_s": total,
             "dp_replicate_s": replicate, "dp_replicate_bytes": 2 * (r_inst - 1) / r_inst * across,

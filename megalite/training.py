@@ -586,12 +586,12 @@ class Trainer:
         else:
             it = iter(self.build_loader(self.valid_ds, 0, tr.micro_batch_size, ps.dp_rank,
                                         ps.dp_size, num_workers=cfg.data.num_workers))
-        sums = torch.zeros(2 + len(self.logged_keys), dtype=torch.float64, device=ps.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=ps.device)
         for _ in range(n):
-            batches = self._micro_batches(it, m)
+            batches = self._micro_batches(it, m, mtp=False)  # the main loss only: no MTP depth
             stats = self._forward_backward(batches, self._global_token_count(batches),
                                            forward_only=True)
-            sums += self._local_loss_sums(stats)
+            sums += self._local_loss_sums(stats, logged=False)
         C.all_reduce(sums, group=C.world_group(), tag="loss_report")  # the global batches' sums
         for c in self.chunks:
             c.train()
@@ -601,14 +601,15 @@ class Trainer:
         return loss, math.exp(min(loss, 50.0))
 
     # ----------------------------------------------------------------------- Batches and losses
-    def _micro_batches(self, it, m: int):
-        """Every CP rank of a DP rank reads the same samples and keeps its chunks of each."""
+    def _micro_batches(self, it, m: int, mtp: bool = True):
+        """Every CP rank of a DP rank reads the same samples and keeps its chunks of each; MTP's
+        targets with ``mtp`` (without them the model runs no depth: _forward_step)."""
         out, ps, data = [], self.ps, self.cfg.data
         for _ in range(m):
             *tensors, documents = self.get_batch(next(it), self.eod, data.eod_mask_loss,
                                                  data.reset_position_ids,
                                                  data.reset_attention_mask)
-            if self.cfg.model.mtp_num_layers:  # shifted while the sequence is whole (CP)
+            if self.cfg.model.mtp_num_layers and mtp:  # shifted while the sequence is whole (CP)
                 tensors += mtp_targets(tensors[1], tensors[2], self.cfg.model.mtp_num_layers)
             # documents stay whole: a CP rank's attention blocks meet every rank's chunks
             out.append(tuple(None if t is None else self._to_device(
@@ -651,10 +652,10 @@ class Trainer:
             micro_batch_size=tr.micro_batch_size,
             parallel_state=self.ps, forward_only=forward_only, **extra)
 
-    def _local_loss_sums(self, stats_list) -> torch.Tensor:
-        """This rank's [token loss sum, token count, logged sums] (float64, on the device). Only
-        TP rank 0 of the loss stage adds, so a SUM over the world gives the global batch's."""
-        keys = ["lm_loss_sum", "num_tokens"] + self.logged_keys
+    def _local_loss_sums(self, stats_list, logged: bool = True) -> torch.Tensor:
+        """This rank's [token loss sum, token count, logged sums if ``logged``] (float64, on the
+        device). Only TP rank 0 of the loss stage adds: a world SUM gives the global batch's."""
+        keys = ["lm_loss_sum", "num_tokens"] + (self.logged_keys if logged else [])
         t = torch.zeros(len(keys), dtype=torch.float64, device=self.ps.device)
         if self.ps.tp_rank == 0:  # the schedules return no stats off the loss stage
             for s in stats_list:
