@@ -70,11 +70,11 @@ def causal_pairs(lengths, window: Optional[int] = None) -> float:
 def document_attention(cfg: ModelConfig, lengths) -> tuple:
     """What the attention core of samples of packed documents needs (--reset-attention-mask),
     from each sample's document lengths (host ints): (the FLOPs of a sample, forward + backward,
-    their share of the causal mask's), each layer within its window (docs/logging.md, "Packed
-    documents"). MFU keeps counting :func:`attention_flops`."""
+    their share of the causal mask's), each layer (MTP's depths too) within its window
+    (docs/logging.md, "Packed documents"). MFU keeps counting :func:`attention_flops`."""
     (qk, v), s = cfg.attention_widths(), cfg.seq_length
     docs = [x for row in lengths for x in row]
-    windows = [cfg.attention_window(i) for i in range(cfg.num_layers)]
+    windows = [cfg.attention_window(i) for i in range(cfg.num_layers + (cfg.mtp_num_layers or 0))]
     needed = sum(causal_pairs(docs, w) for w in windows) / len(lengths)
     return 3 * 2 * (qk + v) * needed, needed / sum(causal_pairs([s], w) for w in windows)
 

@@ -14,7 +14,7 @@ def test_flops_per_sequence_grow_by_the_depths_terms():
     layer: router, 2 routed experts, the shared expert), one more output head 2hV and eh_proj
     2·2h·h; x3 for the backward, x s tokens; plus its attention core 3·2·(qk + v)·s·s."""
     from megalite.config import ModelConfig
-    from megalite.logging import attention_flops, model_flops_per_sequence
+    from megalite.logging import attention_flops, document_attention, model_flops_per_sequence
     from megalite.planner import Model
 
     cfg = ModelConfig(**DEEPSEEK)
@@ -33,6 +33,10 @@ def test_flops_per_sequence_grow_by_the_depths_terms():
         mtp = dataclasses.replace(cfg, mtp_num_layers=d)
         assert model_flops_per_sequence(mtp, V) - base == d * depth
         assert attention_flops(mtp) - attention_flops(cfg) == d * core
+        # packed documents (--reset-attention-mask): a document of 10 and one of 6 per sample,
+        # causal pairs 10·11/2 + 6·7/2 per layer, the depths' layers too
+        need = document_attention(mtp, [[10, 6]])[0] - document_attention(cfg, [[10, 6]])[0]
+        assert need == d * 3 * 2 * (4 * (8 + 4) + 4 * 6) * (55 + 21)
         # the planner's TFLOP/s and MFU count the same total; its per-layer split stays the main
         # model's (the step time adds the depths itself: planner.mtp_layers)
         got, want = Model.from_config(mtp).flops(1), Model.from_config(cfg).flops(1)
