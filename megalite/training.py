@@ -97,23 +97,29 @@ class _CarryNonFinite(torch.autograd.Function):
         return grad + ctx.poison
 
 
-def _loss_func(loss_mask: torch.Tensor, num_global_tokens: torch.Tensor, output: LossOutput,
-               carry: bool = False):
+def _loss_func(loss_mask: torch.Tensor, loss_scale, output: LossOutput, carry: bool = False):
     """Contract loss: this micro-batch's summed token loss over the GLOBAL batch's token count,
-    formed by the model from its loss weights (mask / that count: _forward_step)."""
+    formed by the model from its loss weights (_forward_step); the loss scale they carry is
+    divided back out here (the schedule multiplies it in again before backward)."""
     mask = loss_mask.float()
-    loss = _CarryNonFinite.apply(output.loss) if carry else output.loss
+    loss = output.loss / loss_scale
+    loss = _CarryNonFinite.apply(loss) if carry else loss
     stats = {"lm_loss_sum": (output.token_loss * mask).sum(), "num_tokens": mask.sum()}
-    return loss, {**stats, **output.logged}
+    return loss, {**stats, **{k: v / loss_scale for k, v in output.logged.items()}}
 
 
-def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: bool = False):
+def _forward_step(num_global_tokens: torch.Tensor, data_iterator, model, carry: bool = False,
+                  loss_scale=1.0):
     tokens, labels, loss_mask, position_ids, *mtp, documents = next(data_iterator)
+    # Each token's weight: 1 / the global token count, times the fp16 loss scale. The loss head
+    # forms its gradients in forward, where an unscaled fp16 gradient would underflow; the
+    # scale divided out of the loss (_loss_func) brings backward exactly 1 (s / s).
+    weight = loss_scale / num_global_tokens
     # MTP's depths: their labels and loss masks (Trainer._micro_batches), weighted as the main
-    mtp = {"mtp_targets": (mtp[0], mtp[1].float() / num_global_tokens)} if mtp else {}
+    mtp = {"mtp_targets": (mtp[0], mtp[1].float() * weight)} if mtp else {}
     output = model(tokens, labels=labels, position_ids=position_ids, documents=documents,
-                   loss_weights=loss_mask.float() / num_global_tokens, **mtp)
-    return output, partial(_loss_func, loss_mask, num_global_tokens, carry=carry)
+                   loss_weights=loss_mask.float() * weight, **mtp)
+    return output, partial(_loss_func, loss_mask, loss_scale, carry=carry)
 
 
 class StepRecord(NamedTuple):
@@ -645,8 +651,9 @@ class Trainer:
             # the timeline marks every op (CUDA events) after a barrier: only on logged steps
             timing_log_level=tr.timing_log_level if self._logs_at(self.iteration + 1) else 0)
         return self.forward_backward(
-            forward_step_func=partial(_forward_step, num_global_tokens,
-                                      carry=self._check_finite and not forward_only),
+            forward_step_func=partial(
+                _forward_step, num_global_tokens, carry=self._check_finite and not forward_only,
+                loss_scale=1.0 if forward_only else self.optimizer.get_loss_scale()),
             data_iterator=iter(batches), model=self.chunks, num_microbatches=len(batches),
             seq_length=self.cfg.model.seq_length // self.ps.cp_size,  # CP: this rank's tokens
             micro_batch_size=tr.micro_batch_size,

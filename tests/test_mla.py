@@ -278,7 +278,6 @@ REFUSED = {  # flags -> a piece of the one-line message
     ("--mscale-all-dim", "1"): "--mscale-all-dim needs --rope-type yarn",
     ("--rope-type", "yarn"): "--rope-type yarn needs --position-embedding-type rope",
     ("--multi-latent-attention",): "needs --position-embedding-type rope",
-    ("--mtp-num-layers", "1"): "multi-token prediction is not implemented",
     ("--multi-latent-attention", "--position-embedding-type", "rope"): "--disable-bias-linear",
 }
 MLA_OK = ["--multi-latent-attention", "--position-embedding-type", "rope",

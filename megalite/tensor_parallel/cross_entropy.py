@@ -230,8 +230,9 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
     """sum_t w_t loss_t of logits = x W^T, ``chunk`` token rows at a time, with both gradients
     formed in forward: the per-token weights w (loss mask / token count) are known before the
     loss is, so each chunk's logits turn into their gradient and meet x and W at once (three
-    GEMMs, as whole logits; no recompute). Backward scales them by the incoming scalar
-    (docs/tensor_parallel.md, "The chunked loss head")."""
+    GEMMs, as whole logits; no recompute). Backward scales them by the incoming scalar, 1 in
+    training: the weights carry the fp16 loss scale (docs/tensor_parallel.md, "The chunked loss
+    head")."""
 
     @staticmethod
     def forward(ctx, x, weight, target, weights, group, vocab_size, label_smoothing, chunk,
