@@ -28,7 +28,7 @@ from megalite.convert import (
     to_hf,
 )
 from megalite.convert.hf import hf_architecture
-from test_convert_hf_moe import BASE, DEEPSEEK, max_abs, tokens  # the same VOCAB and SEQ
+from test_convert_hf_moe import BASE, CASES, DEEPSEEK, max_abs, tokens  # the same VOCAB and SEQ
 
 VOCAB, TOL = 100, 1e-4
 CONFIG = dict(BASE, vocab_size=VOCAB, **dict(DEEPSEEK, n_routed_experts=4, n_group=2,
@@ -37,14 +37,18 @@ MTP_OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
            "eh_proj.weight": "eh_proj.weight", "shared_head.norm.weight": "final_layernorm.weight"}
 
 
-def make_hf(layers: int, seed: int = 0):
-    """A DeepSeek-V3 of ``layers`` decoder layers, every parameter and correction bias drawn with
-    a large std (a misplaced tensor moves the logits far beyond the tolerance)."""
+def make_hf(layers: int, seed: int = 0, case: str = "deepseek_v3"):
+    """A DeepSeek-V3 (or ``case``'s family from test_convert_hf_moe, with one MTP depth) of
+    ``layers`` decoder layers, every parameter and correction bias drawn with a large std (a
+    misplaced tensor moves the logits far beyond the tolerance)."""
     import transformers
 
+    prefix, extra = ("DeepseekV3", CONFIG) if case == "deepseek_v3" else CASES[case]
     torch.manual_seed(seed)
-    config = transformers.DeepseekV3Config(**copy.deepcopy(dict(CONFIG, num_hidden_layers=layers)))
-    model = transformers.DeepseekV3ForCausalLM(config)
+    config = getattr(transformers, prefix + "Config")(**copy.deepcopy(
+        {**BASE, "vocab_size": VOCAB, **extra, "num_nextn_predict_layers": 1,
+         "num_hidden_layers": layers}))
+    model = getattr(transformers, prefix + "ForCausalLM")(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
@@ -54,13 +58,11 @@ def make_hf(layers: int, seed: int = 0):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
+def hub_layout(d, case: str = "deepseek_v3"):
     """(HF 2-layer model, HF 3-layer model, directory in DeepSeek's hub layout, its tensors)."""
     from safetensors.torch import load_file, save_file
 
-    d = tmp_path_factory.mktemp("mtp")
-    hf, hf3 = make_hf(2), make_hf(3, seed=1)
+    hf, hf3 = make_hf(2, case=case), make_hf(3, seed=1, case=case)
     hf.save_pretrained(d / "hf")
     hf3.save_pretrained(d / "hf3")
     sd = load_file(d / "hf" / "model.safetensors")
@@ -76,6 +78,11 @@ def hub(tmp_path_factory):
     sd["model.layers.2.shared_head.head.weight"] = sd["lm_head.weight"].clone()
     save_file(sd, d / "hf" / "model.safetensors", metadata={"format": "pt"})
     return hf, hf3, d / "hf", sd
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    return hub_layout(tmp_path_factory.mktemp("mtp"))
 
 
 def test_import_keeps_mtp_and_main_logits_equal_hf(hub):
@@ -115,6 +122,25 @@ def test_export_is_bit_identical(hub, tmp_path):
         for k in sd:
             assert back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]), k
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_glm45_mtp_imports_and_exports_bit_identically(tmp_path):
+    """GLM-4.5 stores its MTP layer as DeepSeek-V3 does (same field, same names): it imports with
+    its depth (a layer of GQA, q/k norm and MoE, its last layer's kind), the main logits equal
+    HF's, and to_hf gives back every hub tensor bit for bit."""
+    from safetensors.torch import load_file
+
+    hf, _, path, sd = hub_layout(tmp_path, "glm4_moe")
+    ml = from_hf(path)
+    assert ml.config.mtp_num_layers == 1 and ml.config.qk_layernorm
+    params = dict(ml.named_parameters())
+    for hf_name, ml_name in MTP_OWN.items():
+        assert torch.equal(params[f"mtp.layers.0.{ml_name}"], sd[f"model.layers.2.{hf_name}"])
+    with torch.no_grad():
+        assert max_abs(ml(tokens()), hf(tokens()).logits) <= TOL
+    back = load_file(to_hf(ml, tmp_path / "export") / "model.safetensors")
+    assert set(back) == set(sd), set(back) ^ set(sd)
+    assert all(back[k].dtype == sd[k].dtype and torch.equal(back[k], sd[k]) for k in sd)
 
 
 def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(hub, tmp_path):
