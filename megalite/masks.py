@@ -132,10 +132,6 @@ class Documents:
             lambda t: t.to(device))
         return Documents(self.lengths, move(self.ids), self.host_ids, move(self.cu_seqlens))
 
-    @property
-    def max_documents(self) -> int:
-        return max(len(x) for x in self.lengths)
-
     def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None,
              ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[b, 1, sq, sk] bool: query at position q_pos[i] sees key k_pos[j] (same document,

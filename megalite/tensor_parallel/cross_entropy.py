@@ -78,6 +78,13 @@ def _local_targets(target: torch.Tensor, start: int, part: int):
     return (target - start).masked_fill(outside, 0), outside
 
 
+def _shard(part: int, target: torch.Tensor, group, vocab_size: int):
+    """(real columns of this rank's ``part`` vocab columns, local targets, outside mask): only
+    the last ranks can hold padding, and a rank may hold none of the real vocab at all."""
+    start = C.group_rank(group) * part
+    return (max(0, min(part, vocab_size - start)), *_local_targets(target.reshape(-1), start, part))
+
+
 def _local_stats(x: torch.Tensor, local_target: torch.Tensor, real: int, k: int) -> torch.Tensor:
     """[k, rows] fp32 of this rank's logit rows ``x``: block_stats over its ``real`` columns."""
     if real == 0:  # no real column on this rank
@@ -121,12 +128,8 @@ def _grad_logits(out, x, log_sum_exp, g, local_target, onehot, real: int, smooth
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size, label_smoothing):
-        part = logits.shape[-1]
-        start = C.group_rank(group) * part
-        # Only the last ranks can hold padding; a rank may hold none of the real vocab at all.
-        real = max(0, min(part, vocab_size - start))
-        x = logits.reshape(-1, part)
-        local_target, outside = _local_targets(target.reshape(-1), start, part)
+        real, local_target, outside = _shard(logits.shape[-1], target, group, vocab_size)
+        x = logits.reshape(-1, logits.shape[-1])
         # rows: local max, sum exp(x - local max), target logit[, sum x]
         stats = _local_stats(x, local_target, real, 4 if label_smoothing > 0 else 3)
         loss, log_sum_exp = _combine(stats, outside, group, vocab_size, label_smoothing)
@@ -157,23 +160,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size, label_smoothing)
 
 
-@torch.no_grad()  # a deferred W runs outside backward: no graph
-def _chunk_grads(x, weight, log_sum_exp, g, local_target, outside, chunk, real, eps, vocab_size,
-                 grad_x=None, with_w=True):
-    """Recompute each chunk's logits, turn them into their gradient in place, and from it write
-    the chunk's rows of dX into ``grad_x`` (if given) and add its part of dW (returned if
-    ``with_w``; summed in the weight's dtype: 16-bit weights take one rounding per chunk rather
-    than a dW-sized fp32 buffer)."""
-    grad_w = torch.zeros_like(weight) if with_w else None
-    onehot = (1.0 - eps) * (~outside).float() * g
-    for r, logits in _chunk_logits(x, weight, chunk):
-        _grad_logits(logits, logits, log_sum_exp[r], g[r], local_target[r], onehot[r], real,
-                     eps / vocab_size)
-        if grad_x is not None:
-            torch.matmul(logits, weight, out=grad_x[r])
-        if with_w:
-            grad_w.addmm_(logits.t(), x[r])
-    return grad_w
+def _chunk_grads(logits, x, weight, r, grad_x, grad_w, log_sum_exp, g, local_target, onehot,
+                 real: int, smooth: float):
+    """Turn one chunk's logits (rows ``r``) into their gradient in place and from it write the
+    chunk's rows of dX into ``grad_x`` and add its part of dW to ``grad_w`` (either may be None;
+    dW summed in the weight's dtype: 16-bit weights take one rounding per chunk rather than a
+    dW-sized fp32 buffer)."""
+    if grad_x is None and grad_w is None:
+        return
+    _grad_logits(logits, logits, log_sum_exp, g, local_target, onehot, real, smooth)
+    if grad_x is not None:
+        torch.matmul(logits, weight, out=grad_x[r])
+    if grad_w is not None:
+        grad_w.addmm_(logits.t(), x[r])
 
 
 def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, chunk: int):
@@ -193,11 +192,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, local_x, group, vocab_size, label_smoothing, chunk,
                 store):
-        part = weight.shape[0]
-        start = C.group_rank(group) * part
-        real = max(0, min(part, vocab_size - start))
+        real, local_target, outside = _shard(weight.shape[0], target, group, vocab_size)
         xs = x.reshape(-1, x.shape[-1])
-        local_target, outside = _local_targets(target.reshape(-1), start, part)
         k = 4 if label_smoothing > 0 else 3
         # every chunk's local stats first, then the same two all-reduces as unchunked
         stats = torch.cat([_local_stats(logits, local_target[r], real, k)
@@ -213,16 +209,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         saved, weight, log_sum_exp, local_target, outside = ctx.saved_tensors
+        chunk, real, eps, vocab_size = ctx.args
         x = gather_first_dim(saved, ctx.group) if ctx.gathered else saved
         xs = x.reshape(-1, x.shape[-1])
         g = grad_loss.reshape(-1).float()
-        grad_x = torch.empty_like(xs)
-        tensors = (xs, weight, log_sum_exp, g, local_target, outside)
+        onehot = (1.0 - eps) * (~outside).float() * g
+
+        @torch.no_grad()  # a deferred W runs outside backward: no graph
+        def recompute(grad_x, grad_w):
+            for r, logits in _chunk_logits(xs, weight, chunk):
+                _chunk_grads(logits, xs, weight, r, grad_x, grad_w, log_sum_exp[r], g[r],
+                             local_target[r], onehot[r], real, eps / vocab_size)
+            return grad_w
+
         want_w = ctx.needs_input_grad[1]
         defer = want_w and ctx.store is not None and ctx.store.capturing  # a B: W recomputes
-        grad_w = _chunk_grads(*tensors, *ctx.args, grad_x=grad_x, with_w=want_w and not defer)
+        grad_x = torch.empty_like(xs)
+        grad_w = recompute(grad_x, torch.zeros_like(weight) if want_w and not defer else None)
         if defer:
-            ctx.store.put(ctx.weight, lambda: _chunk_grads(*tensors, *ctx.args))
+            ctx.store.put(ctx.weight, lambda: recompute(None, torch.zeros_like(weight)))
         return grad_x.view(x.shape), grad_w, None, None, None, None, None, None, None
 
 
@@ -237,11 +242,8 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, weights, group, vocab_size, label_smoothing, chunk,
                 want_x, want_w):
-        part = weight.shape[0]
-        start = C.group_rank(group) * part
-        real = max(0, min(part, vocab_size - start))
+        real, local_target, outside = _shard(weight.shape[0], target, group, vocab_size)
         xs = x.reshape(-1, x.shape[-1])
-        local_target, outside = _local_targets(target.reshape(-1), start, part)
         w = weights.reshape(-1).float()
         k, eps = (4 if label_smoothing > 0 else 3), label_smoothing
         onehot = (1.0 - eps) * (~outside).float() * w
@@ -254,13 +256,8 @@ class _WeightedLinearCrossEntropy(torch.autograd.Function):
             stats = _local_stats(logits, local_target[r], real, k)
             loss, log_sum_exp = _combine(stats, outside[r], group, vocab_size, eps)
             losses.append(loss)
-            if want_x or want_w:
-                _grad_logits(logits, logits, log_sum_exp, w[r], local_target[r], onehot[r],
-                             real, eps / vocab_size)
-            if want_x:
-                torch.matmul(logits, weight, out=grad_x[r])
-            if want_w:
-                grad_w.addmm_(logits.t(), xs[r])
+            _chunk_grads(logits, xs, weight, r, grad_x, grad_w, log_sum_exp, w[r],
+                         local_target[r], onehot[r], real, eps / vocab_size)
         token_loss = torch.cat(losses).view(target.shape)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.x_shape = x.shape
@@ -283,10 +280,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Te
                          store=None, loss_weights: Optional[torch.Tensor] = None):
     """The output layer (a ColumnParallelLinear without bias, ``weight`` [V/t, h]) fused with
     vocab_parallel_cross_entropy: x [s, b, h] ([s/t, b, h] gathered, ``sequence_parallel``) to
-    the per-token loss [s, b], never more than ``chunk_tokens`` rows of logits at once;
-    ``store``: a WeightGradStore the weight gradient may be deferred to. With ``loss_weights``
-    [s, b]: (sum of weight x loss, the differentiable scalar; the per-token loss, detached),
-    the gradients formed in forward (the training path: no logits recomputed)."""
+    the per-token loss [s, b], never more than ``chunk_tokens`` rows of logits at once; ``store``:
+    a WeightGradStore its weight gradient may be deferred to. With ``loss_weights`` [s, b]: (sum
+    of weight x loss, the differentiable scalar; the per-token loss, detached), the gradients
+    formed in forward (the training path: no recompute, nothing deferred)."""
     if vocab_size is None:
         vocab_size = weight.shape[0] * C.group_size(group)
     sp = sequence_parallel and C.group_size(group) > 1
