@@ -6,7 +6,8 @@ Each family is a tiny random HF model built here (3-4 layers, hidden 32; nothing
 every parameter re-drawn with a large std so that a misplaced or transposed tensor moves the
 logits far beyond the tolerance. Checked: logits and gradients against HF's, round trips to HF's
 hub files and through megalite checkpoints at TP2 and PP2 bit for bit, the vision-language
-wrapper's text model, the refusals, and a training run from --use-checkpoint-args alone.
+wrapper's text model, Qwen's MTP layer (mtp.*) imported and exported, the refusals, and a
+training run from --use-checkpoint-args alone.
 """
 
 import copy
@@ -278,27 +279,109 @@ def test_the_vision_language_wrapper_imports_its_text_model(case, tmp_path):
     assert set(back) == set(want) and all(torch.equal(back[k], v) for k, v in want.items())
 
 
-def test_mtp_layers_are_refused_by_name(tmp_path):
-    """Released Qwen3-Next / Qwen3.5 checkpoints carry multi-token-prediction layers: refused by
-    the config field and by the mtp.* tensors."""
+# ------------------------------------------------------------------- Qwen's MTP layer (mtp.*)
+def qwen_mtp_hub(case: str, d):
+    """(HF model with mtp_num_hidden_layers 1, its hub files plus Qwen's mtp.* as the released
+    checkpoints hold them, those tensors). HF's classes build and save no MTP layer: its decoder
+    layer takes the names and shapes of the main model's last (full-attention) layer, every
+    tensor random."""
     from safetensors.torch import load_file, save_file
 
-    hf = make_hf("qwen3_5")
-    cfg = hf_config_to_model_config(hf.config)
+    hf = make_hf(case)
     hf.config.mtp_num_hidden_layers = 1
-    with pytest.raises(ConfigError, match="qwen3_5_text mtp_num_hidden_layers=1 is not "
-                                          "supported: megalite reads multi-token-prediction"):
+    hf.save_pretrained(d)
+    sd = load_file(d / "model.safetensors")
+    last, h = f"model.layers.{hf.config.num_hidden_layers - 1}.", hf.config.hidden_size
+    shapes = {"mtp.layers.0." + k[len(last):]: v.shape for k, v in sd.items() if k.startswith(last)}
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)})
+    g = torch.Generator().manual_seed(3)
+    mtp = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
+    sd.update(mtp)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    return hf, sd, mtp
+
+
+@pytest.mark.parametrize("case", ["qwen3_5", "qwen3_next"])
+def test_qwen_mtp_imports_and_round_trips_bit_identically(case, tmp_path):
+    """A Qwen3.5 (dense, tied) and a Qwen3-Next (MoE) hub directory with mtp.*: it imports with
+    --mtp-num-layers 1, each tensor where models/mtp.py reads it (the decoder layer as the main
+    model's last layer would import the same tensors), the main logits equal HF's, and to_hf
+    gives back every hub tensor bit for bit with mtp_num_hidden_layers 1. Qwen3.5's VL wrapper
+    form (mtp.* beside model.language_model.*) through the converter gives back the same."""
+    from safetensors.torch import load_file, save_file
+
+    from megalite.checkpoint import convert as ct
+    from megalite.checkpoint.layout import Layout
+
+    hf, sd, mtp = qwen_mtp_hub(case, tmp_path / "hf")
+    ml = from_hf(tmp_path / "hf")
+    assert ml.config.mtp_num_layers == 1 and ml.config.apply_layernorm_1p
+    params = dict(ml.named_parameters())
+    for name, hub in (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"),
+                      ("eh_proj", "fc"), ("final_layernorm", "norm")):
+        assert torch.equal(params[f"mtp.layers.0.{name}.weight"], mtp[f"mtp.{hub}.weight"])
+    last = ml.config.num_layers - 1
+    main = {k: v for k, v in sd.items() if k not in mtp}
+    main.update({k.replace("mtp.layers.0.", f"model.layers.{last}."): v for k, v in mtp.items()
+                 if k.startswith("mtp.layers.")})
+    as_last = hf_to_megalite_state_dict(main, dataclasses.replace(ml.config, mtp_num_layers=None))
+    layer = {k[len("mtp.layers.0.transformer_layer."):]: v for k, v in ml.state_dict().items()
+             if k.startswith("mtp.layers.0.transformer_layer.")}
+    assert layer.keys() == {k[len(f"layers.{last}."):] for k in as_last
+                            if k.startswith(f"layers.{last}.")}
+    assert all(torch.equal(v, as_last[f"layers.{last}.{k}"]) for k, v in layer.items())
+    with torch.no_grad():
+        assert max_abs(ml(tokens()), hf(tokens()).logits) <= TOL
+
+    tied = hf.config.tie_word_embeddings
+    want = {k: v for k, v in sd.items() if k != "lm_head.weight" or not tied}
+    out = to_hf(ml, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    forms = [load_file(out / "model.safetensors")]
+    if case == "qwen3_5":
+        import transformers
+
+        vl = tmp_path / "vl"
+        config = transformers.Qwen3_5Config(
+            text_config=hf.config.to_dict(), tie_word_embeddings=hf.config.tie_word_embeddings,
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                               out_hidden_size=32))
+        config.architectures = ["Qwen3_5ForConditionalGeneration"]
+        config.save_pretrained(vl)
+        save_file({k.replace("model.", "model.language_model.", 1): v for k, v in sd.items()},
+                  vl / "model.safetensors", metadata={"format": "pt"})
+        ct.hf_to_megalite(str(vl), str(tmp_path / "ml"), Layout(1, 1))
+        forms.append(load_file(ct.megalite_to_hf(str(tmp_path / "ml"), str(tmp_path / "back"))
+                               + "/model.safetensors"))
+    for back in forms:
+        assert set(back) == set(want), set(back) ^ set(want)
+        assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in want.items())
+
+
+def test_qwen_mtp_refusals_are_one_line(tmp_path):
+    """More than one depth (Qwen's share one set of norms and fc); a last layer of linear
+    attention, on import and on export. HF's own save (mtp_num_hidden_layers kept, no mtp.*
+    tensor) imports without MTP."""
+    from megalite.convert import model_config_to_hf_config
+
+    hf = make_hf("qwen3_5")
+    hf.config.mtp_num_hidden_layers = 2
+    with pytest.raises(ConfigError, match="qwen3_5_text mtp_num_hidden_layers=2 is not "
+                                          "supported: Qwen's depths share one set"):
         hf_config_to_model_config(hf.config)
-    sd = dict(hf.state_dict(), **{"mtp.fc.weight": torch.zeros(32, 64)})
-    with pytest.raises(ConfigError, match=r"mtp\.fc\.weight is not supported"):
-        hf_to_megalite_state_dict(sd, cfg)
-    hf.config.mtp_num_hidden_layers = 0
+    hf.config.mtp_num_hidden_layers = 1
     hf.save_pretrained(tmp_path / "hf")
-    save_file(dict(load_file(tmp_path / "hf" / "model.safetensors"), **{
-        "mtp.fc.weight": torch.zeros(32, 64)}), tmp_path / "hf" / "model.safetensors",
-        metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"--hf-dir .*: mtp\.fc\.weight is not supported"):
-        from_hf(tmp_path / "hf")
+    assert from_hf(tmp_path / "hf").config.mtp_num_layers is None
+    moe = make_hf("qwen3_5_moe")  # its last layer is linear attention
+    cfg = hf_config_to_model_config(moe.config)
+    moe.config.mtp_num_hidden_layers = 1
+    kind = "mtp_num_hidden_layers=1 with a last layer of kind linear_attention is not supported"
+    with pytest.raises(ConfigError, match=kind):
+        hf_config_to_model_config(moe.config)
+    with pytest.raises(ConfigError, match="cannot be exported as Qwen3_5MoeForCausalLM, which it "
+                                          "was imported from: qwen3_5_moe_text " + kind):
+        model_config_to_hf_config(dataclasses.replace(cfg, mtp_num_layers=1))
 
 
 @pytest.mark.parametrize("change, match", [

@@ -63,7 +63,8 @@ class Family:
     window: Optional[str] = None
     partial_rotary: bool = False  # its attention honours partial_rotary_factor
     sinks: bool = False  # a learned logit per head in every softmax (self_attn.sinks)
-    # config field counting the multi-token-prediction layers after the last layer (mtp.*)
+    # config field counting the multi-token-prediction layers: DeepSeek-V3's after the last
+    # layer, or Qwen's mtp.* (the hybrid families: _qwen_mtp)
     mtp_field: Optional[str] = None
     refused: Tuple[Tuple[str, object], ...] = ()  # (config field, the only value megalite holds)
     moe: Optional[MoeSpec] = None
@@ -82,7 +83,7 @@ _QWEN_MOE = dict(num_experts="num_experts", expert_ffn="moe_intermediate_size",
 _NO_WINDOW = (("use_sliding_window", False),)
 _QWEN_SHARED = dict(shared="shared_expert", shared_gate="shared_expert_gate",
                     shared_size="shared_expert_intermediate_size")
-_HYBRID = dict(qk_norm="head", partial_rotary=True)
+_HYBRID = dict(qk_norm="head", partial_rotary=True, mtp_field="mtp_num_hidden_layers")
 
 # HF model_type -> its family. Qwen2, Qwen3, Mistral and the MoE families share Llama's layout.
 FAMILIES: Dict[str, Family] = {
@@ -162,17 +163,17 @@ def refused_hf_config(raw: Mapping) -> Optional[str]:
 
 
 def check_hf_weight_names(names, where: str = "HF state dict") -> None:
-    """FP8 hub weights without their quantization_config, a vision tower, MTP layers: refused by
-    the tensor that shows them."""
+    """FP8 hub weights without their quantization_config, a vision tower: refused by the tensor
+    that shows them."""
     scale = next((k for k in names if k.endswith("weight_scale_inv")), None)
     if scale is not None:
         raise ConfigError(f"{where}: FP8 weights ({scale}) are not supported: megalite imports "
                           f"unquantised weights (dequantise the checkpoint to bf16 first)")
-    extra = next((k for k in names if k.startswith(("model.visual.", "mtp."))), None)
+    extra = next((k for k in names if k.startswith("model.visual.")), None)
     if extra is not None:
         raise ConfigError(f"{where}: {extra} is not supported: megalite imports the text model "
-                          f"without vision tower (model.visual.*) or MTP layers (mtp.*); HF's "
-                          f"*ForCausalLM from_pretrained, then save_pretrained, leaves them out")
+                          f"without vision tower (model.visual.*); HF's *ForCausalLM "
+                          f"from_pretrained, then save_pretrained, leaves it out")
 
 
 def hf_family(hf_config) -> str:
@@ -494,11 +495,14 @@ def _linear(c, family: str) -> dict:
     pattern as an interval where one matches (docs/models.md, "Hybrid families")."""
     if FAMILIES[family].linear is None:
         return {}
-    if getattr(c, "mtp_num_hidden_layers", 0):
-        raise ConfigError(f"{family} mtp_num_hidden_layers={c.mtp_num_hidden_layers} is not "
-                          f"supported: megalite reads multi-token-prediction layers in "
-                          f"DeepSeek-V3's layout only, not Qwen's mtp.*; set it to 0 and leave "
-                          f"their tensors out")
+    mtp = getattr(c, "mtp_num_hidden_layers", 0) or 0
+    if mtp > 1:  # megalite's depths each have their own norms and projection
+        raise ConfigError(f"{family} mtp_num_hidden_layers={mtp} is not supported: Qwen's depths "
+                          f"share one set of mtp.* norms and fc; 0 or 1 is supported")
+    if mtp and c.layer_types[-1] != "full_attention":
+        raise ConfigError(f"{family} mtp_num_hidden_layers=1 with a last layer of kind "
+                          f"{c.layer_types[-1]} is not supported: Qwen's MTP layer is full "
+                          f"attention, megalite's is of the last layer's kind")
     unknown = sorted(set(c.layer_types) - {"linear_attention", "full_attention"})
     if unknown:
         raise ConfigError(f"{family} layer_types {unknown} are not supported (linear_attention "
@@ -592,7 +596,7 @@ def hf_config_to_model_config(hf_config, **overrides) -> ModelConfig:
             **_rope(c, family), **_sliding_window(c, family), **_moe(c, family), **_mla(c, family),
             **_linear(c, family))
     kwargs.update(vocab_size=c.vocab_size, init_method_std=c.initializer_range,
-                  mtp_num_layers=(fam.mtp_field and getattr(c, fam.mtp_field)) or None)
+                  mtp_num_layers=(fam.mtp_field and getattr(c, fam.mtp_field, 0)) or None)
     kwargs.update(hf_architecture=fam.architecture, **overrides)
     return ModelConfig(**kwargs).validate()
 
@@ -721,7 +725,7 @@ def _hf_config(cfg: ModelConfig, family: str, **hf_overrides):
                    if _accepts(config_cls, k) and getattr(cfg, k) is not None})
     if fam.moe is not None and cfg.num_experts is not None:
         kwargs.update(_hf_moe(cfg, fam.moe, arch))
-    if fam.mtp_field:
+    if fam.mtp_field and (cfg.mtp_num_layers or not fam.linear):  # Qwen's classes lack the field
         kwargs[fam.mtp_field] = cfg.mtp_num_layers or 0
     if fam.linear:
         kwargs.update(layer_types=["linear_attention" if x else "full_attention"
@@ -800,9 +804,10 @@ _LINEAR_LAYER = {  # a Gated DeltaNet layer's tensors that map one to one
     "self_attention.out_proj.weight": "linear_attn.out_proj.weight",
 }
 _LINEAR_REGROUPED = ("in_proj.weight", "conv_weight")  # per key-head group: _linear_from_hf
-# an MTP depth's own tensors, megalite -> HF (docs/models.md, "Multi-token prediction")
-_MTP = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj",
-        "final_layernorm": "shared_head.norm"}
+# an MTP depth's own tensors, megalite -> HF in DeepSeek-V3's layout and in Qwen's (docs/models.md,
+# "Multi-token prediction")
+_MTP = {"enorm": ("enorm", "pre_fc_norm_embedding"), "hnorm": ("hnorm", "pre_fc_norm_hidden"),
+        "eh_proj": ("eh_proj", "fc"), "final_layernorm": ("shared_head.norm", "norm")}
 _MLA_LAYER = {  # DeepSeek-V3's attention, one to one (RoPE rows permuted: _rope_pairs)
     "self_attention.mla.linear_q_proj.weight": "self_attn.q_proj.weight",  # no q latent
     "self_attention.mla.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
@@ -814,8 +819,17 @@ _MLA_LAYER = {  # DeepSeek-V3's attention, one to one (RoPE rows permuted: _rope
 }
 
 
-def _hf_layer_prefix(family: str, i: int) -> str:
-    return f"transformer.h.{i}." if family == "gpt2" else f"model.layers.{i}."
+def _hf_layer_prefix(i: int, cfg: ModelConfig) -> str:
+    if model_family(cfg) == "gpt2":
+        return f"transformer.h.{i}."
+    k = i - cfg.num_layers
+    return f"mtp.layers.{k}." if k >= 0 and _qwen_mtp(cfg) else f"model.layers.{i}."
+
+
+def _qwen_mtp(cfg: ModelConfig) -> bool:
+    """Whether the MTP depths convert in Qwen's layout (mtp.*, the hybrid families'), not in
+    DeepSeek-V3's (model.layers.{L+k}.*)."""
+    return bool(cfg.mtp_num_layers) and _family_part(cfg, "linear") is not None
 
 
 def _layer_prefix(i: int, cfg: ModelConfig) -> str:
@@ -988,7 +1002,7 @@ def _experts_hf_keys(p: str, cfg: ModelConfig) -> List[str]:
 def hf_layer_keys(layer_idx: int, cfg: ModelConfig) -> List[str]:
     """Full HF names of layer ``layer_idx``'s tensors (what a streaming reader must load)."""
     family = model_family(cfg)
-    p = _hf_layer_prefix(family, layer_idx)
+    p = _hf_layer_prefix(layer_idx, cfg)
     keys = [hf for _, hf in _layer_pairs(layer_idx, cfg)]
     if family == "gpt2":
         return [p + k for k in keys + ["attn.c_attn.weight", "attn.c_attn.bias"]]
@@ -1028,7 +1042,9 @@ def _non_layer_map(cfg: ModelConfig) -> Dict[str, str]:
         m = {EMBEDDING_WEIGHT_NAME: "model.embed_tokens.weight",
              "final_layernorm.weight": "model.norm.weight",
              OUTPUT_WEIGHT_NAME: "lm_head.weight"}
-        m.update({f"mtp.layers.{i - cfg.num_layers}.{ml}.weight": f"model.layers.{i}.{hf}.weight"
+        qwen = _qwen_mtp(cfg)  # one depth at most (_linear), its tensors under mtp.
+        m.update({f"mtp.layers.{i - cfg.num_layers}.{ml}.weight":
+                  f"mtp.{hf[1]}.weight" if qwen else f"model.layers.{i}.{hf[0]}.weight"
                   for i in _mtp_layers(cfg) for ml, hf in _MTP.items()})
     return {k: m[k] for k in megalite_non_layer_keys(cfg) if k in m}
 
@@ -1042,8 +1058,10 @@ def hf_non_layer_keys(cfg: ModelConfig, names: Optional[Sequence[str]] = None) -
 
 def mtp_copies(cfg: ModelConfig) -> Dict[str, str]:
     """HF name -> HF name of the tensor it repeats: the embedding and output head that DeepSeek's
-    hub files hold again in each MTP layer. The import reads the model's own; the export writes
-    the copies back."""
+    hub files hold again in each MTP layer (Qwen's do not). The import reads the model's own; the
+    export writes the copies back."""
+    if _qwen_mtp(cfg):
+        return {}
     embedding = "model.embed_tokens.weight"
     head = embedding if cfg.tie_embeddings else "lm_head.weight"
     return {f"model.layers.{i}.{n}": main for i in _mtp_layers(cfg) for n, main in
@@ -1189,7 +1207,7 @@ def convert_layer_hf_to_megalite(layer_idx: int, hf_tensors: Mapping[str, torch.
     """HF tensors of layer ``layer_idx`` (full HF names, see :func:`hf_layer_keys`; other keys are
     ignored) -> megalite tensors of that layer (full names, :func:`megalite_layer_keys`)."""
     family = model_family(cfg)
-    p, out_p = _hf_layer_prefix(family, layer_idx), _layer_prefix(layer_idx, cfg)
+    p, out_p = _hf_layer_prefix(layer_idx, cfg), _layer_prefix(layer_idx, cfg)
     where = f"HF layer {layer_idx}"
     out = {out_p + ml: _one_to_one(_get(hf_tensors, p + hf, where), ml, cfg)
            for ml, hf in _layer_pairs(layer_idx, cfg)}
@@ -1225,7 +1243,7 @@ def convert_layer_megalite_to_hf(layer_idx: int, ml_tensors: Mapping[str, torch.
     """Inverse of :func:`convert_layer_hf_to_megalite` (full megalite names in, HF names out; the
     experts in the form of hub files: per expert, GPT-OSS's stacked)."""
     family = model_family(cfg)
-    p, in_p = _hf_layer_prefix(family, layer_idx), _layer_prefix(layer_idx, cfg)
+    p, in_p = _hf_layer_prefix(layer_idx, cfg), _layer_prefix(layer_idx, cfg)
     where = f"megalite layer {layer_idx}"
     out = {p + hf: _one_to_one(_get(ml_tensors, in_p + ml, where), ml, cfg, back=True)
            for ml, hf in _layer_pairs(layer_idx, cfg)}

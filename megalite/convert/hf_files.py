@@ -72,9 +72,9 @@ class HFSource:
         self.model_cfg = hf_config_to_model_config(self.hf_config, **config_overrides)
         self.key_file = self._index_weights()
         check_hf_weight_names(self.key_file, self.what)
-        mtp = f"model.layers.{self.model_cfg.num_layers}.eh_proj.weight"
-        if self.model_cfg.mtp_num_layers and mtp not in self.key_file:
-            # HF's save_pretrained leaves the MTP layers out, num_nextn_predict_layers in
+        mtp = hf_non_layer_keys(self.model_cfg, ["mtp.layers.0.eh_proj.weight"])
+        if self.model_cfg.mtp_num_layers and mtp[0] not in self.key_file:
+            # HF's save_pretrained leaves the MTP layers out, their count in config.json
             self.model_cfg = hf_config_to_model_config(
                 self.hf_config, **{**config_overrides, "mtp_num_layers": None})
         self._alias: Dict[str, str] = {}
