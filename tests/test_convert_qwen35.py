@@ -308,7 +308,8 @@ def test_qwen_mtp_imports_and_round_trips_bit_identically(case, tmp_path):
     --mtp-num-layers 1, each tensor where models/mtp.py reads it (the decoder layer as the main
     model's last layer would import the same tensors), the main logits equal HF's, and to_hf
     gives back every hub tensor bit for bit with mtp_num_hidden_layers 1. Qwen3.5's VL wrapper
-    form (mtp.* beside model.language_model.*) through the converter gives back the same."""
+    form (mtp.* beside model.language_model.*) through the converter at TP2 gives back the
+    same."""
     from safetensors.torch import load_file, save_file
 
     from megalite.checkpoint import convert as ct
@@ -351,7 +352,7 @@ def test_qwen_mtp_imports_and_round_trips_bit_identically(case, tmp_path):
         config.save_pretrained(vl)
         save_file({k.replace("model.", "model.language_model.", 1): v for k, v in sd.items()},
                   vl / "model.safetensors", metadata={"format": "pt"})
-        ct.hf_to_megalite(str(vl), str(tmp_path / "ml"), Layout(1, 1))
+        ct.hf_to_megalite(str(vl), str(tmp_path / "ml"), Layout(2, 1))  # the depth split too
         forms.append(load_file(ct.megalite_to_hf(str(tmp_path / "ml"), str(tmp_path / "back"))
                                + "/model.safetensors"))
     for back in forms:
