@@ -32,7 +32,12 @@ from megalite.convert import (
 from megalite.convert.mxfp4 import dequantize_mxfp4
 from megalite.models import GPTModel
 from megalite.parallel_state import ParallelState
-from test_convert_hf_moe import assert_training_grads_match_hf, max_abs, tokens  # the same VOCAB and SEQ
+from test_convert_hf_moe import (  # the same VOCAB and SEQ
+    assert_export_loads_as,
+    assert_training_grads_match_hf,
+    max_abs,
+    tokens,
+)
 
 VOCAB, SEQ, TOL = 100, 16, 1e-4
 # a window of 4 keys in layer 0 (layer 1 full: GPT-OSS's default layer_types), yarn with a
@@ -90,7 +95,6 @@ def test_round_trip_and_export_are_bit_identical(tmp_path):
     with AutoModelForCausalLM as GptOssForCausalLM with HF's config fields and state dict, and the
     export says in one warning that the experts are not MXFP4."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     hf = make_hf()
     hf.save_pretrained(tmp_path / "hf")
@@ -114,15 +118,7 @@ def test_round_trip_and_export_are_bit_identical(tmp_path):
                                          r"unquantised \(float32\), not in MXFP4") as record:
         out = to_hf(from_hf(tmp_path / "hf"), tmp_path / "export")
     assert len(record) == 1
-    loaded, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert type(loaded) is type(hf)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ref, got = hf.state_dict(), loaded.state_dict()
-    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
-    a, b = hf.config.to_dict(), loaded.config.to_dict()
-    differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-    assert differ <= {"_name_or_path", "architectures", "dtype"}, {k: (a.get(k), b.get(k))
-                                                                   for k in differ}
+    assert_export_loads_as(out, hf)
 
 
 def test_converter_round_trip_at_tp2_and_pp2_is_bit_identical(tmp_path):

@@ -103,6 +103,22 @@ def max_abs(a, b) -> float:
     return (a - b).abs().max().item()
 
 
+def assert_export_loads_as(out, hf):
+    """HF's AutoModelForCausalLM loads the exported directory ``out`` as ``hf``'s own class,
+    every key found, with ``hf``'s tensors bit for bit and its config fields."""
+    from transformers import AutoModelForCausalLM
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert type(loaded) is type(hf)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ref, got = hf.state_dict(), loaded.state_dict()
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    a, b = hf.config.to_dict(), loaded.config.to_dict()
+    differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    assert differ <= {"_name_or_path", "architectures", "dtype"}, {k: (a.get(k), b.get(k))
+                                                                   for k in differ}
+
+
 def assert_training_grads_match_hf(ml, hf, ids, labels):
     """The mean token loss and every parameter's gradient equal HF's (train mode): HF's
     gradients, named as its parameters, go through the same conversion as the weights."""
@@ -158,7 +174,6 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
     same tensors bit for bit; the in-memory stacked experts read the same. Then to_hf's directory
     loads with AutoModelForCausalLM as its own class, with HF's config fields and state dict."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     hf = make_hf(case)
     hf.save_pretrained(tmp_path / "hf")
@@ -174,15 +189,7 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
     GPTModel(cfg, ParallelState(), seed=None).load_state_dict(ml_sd, strict=True)
 
     out = to_hf(from_hf(tmp_path / "hf"), tmp_path / "export")  # from the directory, this time
-    loaded, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert type(loaded) is type(hf)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ref, got = hf.state_dict(), loaded.state_dict()
-    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
-    a, b = hf.config.to_dict(), loaded.config.to_dict()
-    differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-    assert differ <= {"_name_or_path", "architectures", "dtype"}, {k: (a.get(k), b.get(k))
-                                                                   for k in differ}
+    assert_export_loads_as(out, hf)
 
 
 def cfg_experts(c) -> int:

@@ -30,7 +30,12 @@ from megalite.convert import (
 from megalite.models import GPTModel
 from megalite.models.linear_attention import gated_delta_rule, l2_normalize
 from megalite.parallel_state import ParallelState
-from test_convert_hf_moe import assert_training_grads_match_hf, max_abs, tokens  # the same VOCAB and SEQ
+from test_convert_hf_moe import (  # the same VOCAB and SEQ
+    assert_export_loads_as,
+    assert_training_grads_match_hf,
+    max_abs,
+    tokens,
+)
 
 VOCAB, SEQ, TOL = 100, 16, 1e-4
 LIN, FULL = "linear_attention", "full_attention"
@@ -167,7 +172,6 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
     """HF's hub files -> megalite -> HF: the same tensors bit for bit; to_hf's directory loads
     with AutoModelForCausalLM as its own class, with HF's config fields and state dict."""
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     hf = make_hf(case)
     hf.save_pretrained(tmp_path / "hf")
@@ -181,15 +185,7 @@ def test_round_trip_and_export_are_bit_identical(case, tmp_path):
     GPTModel(cfg, ParallelState(), seed=None).load_state_dict(ml_sd, strict=True)
 
     out = to_hf(from_hf(tmp_path / "hf"), tmp_path / "export")
-    loaded, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert type(loaded) is type(hf)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    ref, got = hf.state_dict(), loaded.state_dict()
-    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
-    a, b = hf.config.to_dict(), loaded.config.to_dict()
-    differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
-    assert differ <= {"_name_or_path", "architectures", "dtype"}, {k: (a.get(k), b.get(k))
-                                                                   for k in differ}
+    assert_export_loads_as(out, hf)
 
 
 @pytest.mark.parametrize("case", list(CASES))
