@@ -111,6 +111,17 @@ def train_in_worker(argv: List[str]):
     return summary["train_losses"], out.getvalue()
 
 
+def single_process_refs(models, argv_of, directory) -> Dict[tuple, str]:
+    """The reference of a layout parity test: one single-process pretrain run per distinct model
+    flags in ``models``, ``argv_of(model flags, metrics file)`` its command line; model flags
+    (a tuple) -> its metrics file."""
+    refs = {}
+    for model in dict.fromkeys(tuple(m) for m in models):
+        refs[model] = directory / f"single_{len(refs)}.jsonl"
+        assert run_main(argv_of(list(model), refs[model])) == 0
+    return refs
+
+
 def read_metrics(path: str, split: str = "train") -> List[dict]:
     with open(path) as f:
         return [r for r in map(json.loads, f) if r.get("split") == split]

@@ -119,7 +119,7 @@ def _argv(model, layout, metrics, **kw):
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
-    from pretrain_utils import pretrain_cases, run_main
+    from pretrain_utils import pretrain_cases, run_main, single_process_refs
 
     d = tmp_path_factory.mktemp("cp")
     # a ZeRO-1 checkpoint saved at CP2 (its shards over DP x CP = 2) resumes at CP4 (4 shards)
@@ -134,10 +134,8 @@ def cp_runs(tmp_path_factory):
         runs += [save] if world == 2 else [cp4]
         assert all(run_distributed(pretrain_cases, world, runs, timeout=600))
     assert run_main(_argv([], zero1, d / "resume_cp1.jsonl", load=d / "ck")) == 0
-    refs = {}
-    for model in {tuple(m) for _w, m, _l in CASES.values()}:
-        refs[model] = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(list(model), [], refs[model])) == 0
+    refs = single_process_refs((m for _w, m, _l in CASES.values()),
+                               lambda m, out: _argv(m, [], out), d)
     return d, refs
 
 

@@ -189,7 +189,7 @@ def _argv(data, model, layout, metrics):
 
 @pytest.fixture(scope="module")
 def document_runs(tmp_path_factory):
-    from tests.pretrain_utils import pretrain_cases, run_main
+    from tests.pretrain_utils import pretrain_cases, run_main, single_process_refs
 
     d = tmp_path_factory.mktemp("documents")
     data = str(d / "docs")
@@ -201,10 +201,8 @@ def document_runs(tmp_path_factory):
     for name, (w, m, layout) in LAYOUTS.items():
         if w == 1:
             assert run_main(_argv(data, m, layout, d / f"{name}.jsonl")) == 0
-    refs = {}
-    for model in {tuple(m) for _w, m, _l in LAYOUTS.values()}:
-        refs[model] = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(data, list(model), [], refs[model])) == 0
+    refs = single_process_refs((m for _w, m, _l in LAYOUTS.values()),
+                               lambda m, out: _argv(data, m, [], out), d)
     # without the flags the same data trains differently (the masks are in effect)
     plain = [f for f in _argv(data, LLAMA, [], d / "plain.jsonl")
              if f not in ("--reset-position-ids", "--reset-attention-mask")]

@@ -42,7 +42,7 @@ def _argv(model, layout, metrics):
 
 @pytest.fixture(scope="module")
 def hybrid_runs(tmp_path_factory):
-    from tests.pretrain_utils import pretrain_cases, run_main
+    from tests.pretrain_utils import pretrain_cases, run_main, single_process_refs
 
     d = tmp_path_factory.mktemp("linear_attention")
     for world in (2, 4):
@@ -52,10 +52,8 @@ def hybrid_runs(tmp_path_factory):
     for name, (w, m, layout) in LAYOUTS.items():
         if w == 1:
             assert run_main(_argv(m, layout, d / f"{name}.jsonl")) == 0
-    refs = {}
-    for model in {tuple(m) for _w, m, _l in LAYOUTS.values()}:
-        refs[model] = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(list(model), [], refs[model])) == 0
+    refs = single_process_refs((m for _w, m, _l in LAYOUTS.values()),
+                               lambda m, out: _argv(m, [], out), d)
     return d, refs
 
 

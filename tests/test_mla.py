@@ -227,15 +227,12 @@ def _argv(model, layout, metrics):
 @pytest.fixture(scope="module")
 def mla_runs(tmp_path_factory):
     from dist_utils import run_distributed
-    from pretrain_utils import pretrain_cases, run_main
+    from pretrain_utils import pretrain_cases, single_process_refs
 
     d = tmp_path_factory.mktemp("mla")
     runs = [_argv(model, layout, d / f"{name}.jsonl") for name, (model, layout) in CASES.items()]
     assert all(run_distributed(pretrain_cases, 2, runs, timeout=600))
-    refs = {}
-    for model in {tuple(m) for m, _ in CASES.values()}:
-        refs[model] = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(list(model), [], refs[model])) == 0
+    refs = single_process_refs((m for m, _ in CASES.values()), lambda m, out: _argv(m, [], out), d)
     return d, refs
 
 

@@ -138,17 +138,15 @@ def _argv(model, layout, metrics):
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    from pretrain_utils import pretrain_cases, run_main
+    from pretrain_utils import pretrain_cases, single_process_refs
 
     d = tmp_path_factory.mktemp("moe")
     for world in (2, 4):
         runs = [_argv(model, layout, d / f"{name}.jsonl")
                 for name, (w, model, layout) in CASES.items() if w == world]
         assert all(run_distributed(pretrain_cases, world, runs, timeout=600))
-    refs = {}
-    for model in {tuple(m) for _w, m, _l in CASES.values()}:
-        refs[model] = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(list(model), [], refs[model])) == 0
+    refs = single_process_refs((m for _w, m, _l in CASES.values()),
+                               lambda m, out: _argv(m, [], out), d)
     return d, refs
 
 

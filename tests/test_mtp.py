@@ -140,7 +140,7 @@ def _argv(model, layout, metrics):
 
 @pytest.fixture(scope="module")
 def mtp_runs(tmp_path_factory):
-    from pretrain_utils import pretrain_cases, run_main
+    from pretrain_utils import pretrain_cases, single_process_refs
 
     d = tmp_path_factory.mktemp("mtp")
     runs = [_argv(model, layout, d / f"{name}.jsonl") for name, (model, layout) in CASES.items()]
@@ -150,10 +150,7 @@ def mtp_runs(tmp_path_factory):
     save[save.index("--train-iters") + 1] = "2"
     runs += [save, _argv(TWO, ["--load", d / "ck", *CASES["tp2_sp"][1]], d / "resumed.jsonl")]
     assert all(run_distributed(pretrain_cases, 2, runs, timeout=600))
-    refs = {}
-    for model in {tuple(m) for m, _ in CASES.values()}:
-        refs[model] = d / f"single_{len(refs)}.jsonl"
-        assert run_main(_argv(list(model), [], refs[model])) == 0
+    refs = single_process_refs((m for m, _ in CASES.values()), lambda m, out: _argv(m, [], out), d)
     return d, refs
 
 
