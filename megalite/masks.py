@@ -49,10 +49,13 @@ def causal_attention(q, k, v, window: Optional[int] = None, **kw) -> torch.Tenso
 
 
 def apply_attention_sink(out: torch.Tensor, lse: torch.Tensor, sink: torch.Tensor):
-    """The output of a softmax with one more logit, ``sink`` [n] per head, of value 0, in its
-    denominator, from ``out`` [b, n, s, d] and its log-sum-exp ``lse`` [b, n, s] without it:
-    out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink), in fp32."""
-    return out.float() * torch.sigmoid(lse.float() - sink.float()[:, None]).unsqueeze(-1)
+    """(output, log-sum-exp) of a softmax with one more logit, ``sink`` [n] per head, of value 0,
+    in its denominator, from ``out`` [b, n, s, d] and its log-sum-exp ``lse`` [b, n, s] without
+    it: out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink), in fp32, and
+    log(exp(lse) + exp(sink)), with which the kernels' backward gives the sink's softmax."""
+    sink = sink.float()[:, None]
+    out = out.float() * torch.sigmoid(lse.float() - sink).unsqueeze(-1)
+    return out, torch.logaddexp(lse, sink)
 
 
 def attention_sink_grad(dout, out, lse, sink) -> torch.Tensor:
@@ -69,9 +72,8 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sink, kernel, mask, scale):
-        out, lse = kernel.fwd(q, k, v, mask, scale)
-        lse_sink = torch.logaddexp(lse, sink.float()[:, None])
-        out, lse = apply_attention_sink(out, lse, sink).to(q.dtype), lse_sink
+        out, lse = apply_attention_sink(*kernel.fwd(q, k, v, mask, scale), sink)
+        out = out.to(q.dtype)
         ctx.kernel, ctx.mask, ctx.scale = kernel, mask, scale
         ctx.save_for_backward(q, k, v, sink, out, lse)
         return out

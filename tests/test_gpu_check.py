@@ -96,7 +96,7 @@ def test_attention_sinks_harness_passes_the_cpu_path_and_fails_broken_sinks(monk
         "causal": "cpu_flash", "window": "cpu_flash_masked under a mask",
         "documents + window": "cpu_flash_masked under a mask"}
     with monkeypatch.context() as m:
-        m.setattr(masks, "apply_attention_sink", lambda out, lse, sink: out.float())
+        m.setattr(masks, "apply_attention_sink", lambda out, lse, sink: (out.float(), lse))
         ignored = gpu_check.attention_sinks_cases("cpu", **small)
     assert all(c["status"] == "fail" and c["errors"]["out"] > 0.1 for c in ignored), ignored
     monkeypatch.setattr(masks, "attention_sink_grad", lambda dout, out, lse, sink:

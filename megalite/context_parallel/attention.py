@@ -301,9 +301,7 @@ class _Attention(torch.autograd.Function):
         fwd = _ring_fwd if comm_type == "p2p" else _allgather_fwd
         out, lse = fwd(q, k, v, group, scale, kernel, masks)
         if sink is not None:  # once per query, on the merged blocks ("Attention sinks")
-            out = apply_attention_sink(out, lse, sink)
-            # the sink's logit joins lse: the blocks' backward then gives the sink's softmax
-            lse = torch.logaddexp(lse, sink.float()[:, None])
+            out, lse = apply_attention_sink(out, lse, sink)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         return out
